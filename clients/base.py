@@ -1,5 +1,7 @@
 """The Flower side every algorithm's client shares: it translates messages into calls of the
-algorithm's Flower-free ``update()`` and back. Subclasses only name their ``algorithm``."""
+algorithm's Flower-free ``update()`` and back. Subclasses name their ``algorithm`` and, when they
+train more than the model or need more than (model, cfg), override ``weight_modules`` and
+``make_algorithm``."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from typing import Any
 
 import numpy as np
 from flwr.client import NumPyClient
+from flwr.common import RecordDict
+from torch import nn
 
 from fedbr_flwr.config import resolved_model
 from fedbr_flwr.dataset import INFO, ClientData, make_partition
@@ -19,33 +23,43 @@ from fedbr_flwr.training import (Algorithm, BatchSampler, evaluate, get_weights,
 class BaseClient(NumPyClient):
     algorithm: type[Algorithm]
 
-    def __init__(self, cfg: dict[str, Any], data: ClientData, device):
+    def __init__(self, cfg: dict[str, Any], data: ClientData, device, state: RecordDict | None = None):
         self.cfg = cfg
         self.data = data
         self.pid = data.partition_id
         self.device = device
+        self.state = state if state is not None else RecordDict()  # Flower's per-node context.state
         info = INFO[cfg["dataset"]]
         self.model = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size).to(device)
 
+    # ------------------------------------------------------------ hooks for algorithms
+    def weight_modules(self) -> list[nn.Module]:
+        """What travels between server and client, in this order (the strategy uses the same layout)."""
+        return [self.model]
+
+    def make_algorithm(self, server_round: int, config: dict) -> Algorithm:
+        return self.algorithm(self.model, self.cfg)  # optimiser state starts fresh each round
+
+    # ------------------------------------------------------------ Flower NumPyClient API
     def get_properties(self, config: dict) -> dict:
         _, phash = make_partition(self.cfg)
         return {"partition-id": self.pid, "num-partitions": self.cfg["num-clients"], "partition-hash": phash,
                 "num-train": len(self.data.y_train), "num-test": len(self.data.y_test)}
 
     def get_parameters(self, config: dict) -> list[np.ndarray]:
-        return get_weights(self.model)
+        return get_weights(*self.weight_modules())
 
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
-        set_weights(self.model, parameters)
+        set_weights(self.weight_modules(), parameters)
         server_round = int(config["server-round"])
-        algorithm = self.algorithm(self.model, self.cfg)  # optimiser state starts fresh each round
+        algorithm = self.make_algorithm(server_round, config)
         sampler = BatchSampler(self.data, self.cfg["batch-size"], step_seed(self.cfg["seed"], server_round, self.pid))
         start = time.perf_counter()
         stats = run_local_steps(algorithm, sampler, self.cfg["local-steps"])
         metrics = {**stats, "partition-id": self.pid, "fit-seconds": time.perf_counter() - start}
-        return get_weights(self.model), len(self.data.y_train), metrics
+        return get_weights(*self.weight_modules()), len(self.data.y_train), metrics
 
     def evaluate(self, parameters: list[np.ndarray], config: dict) -> tuple[float, int, dict]:
-        set_weights(self.model, parameters)
+        set_weights(self.weight_modules(), parameters)
         loss, acc = evaluate(self.model, self.data.x_test, self.data.y_test)
         return loss, len(self.data.y_test), {"accuracy": acc, "partition-id": self.pid}

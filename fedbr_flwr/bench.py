@@ -3,6 +3,8 @@ the same local steps (same algorithm class, data, seeds) and the same averaging 
 
     fedbr-bench                                  # quick defaults, 5 timed rounds
     fedbr-bench experiments/fedavg_rotmnist5k.yaml --rounds 3
+    fedbr-bench --step batch-size=64                # one FedBR local step / one FedAvg step
+    fedbr-bench --step dataset=cifar10 model=vgg11  # synthetic inputs of the dataset's shape
 
 Round 1 is a warm-up on both sides (Flower: Ray and actor start, data loading) and is not timed.
 Evaluation is switched off on both sides except Flower's final one, which is not timed either.
@@ -28,35 +30,134 @@ from .launcher import RunFailed, run_flower
 from .metrics import read_jsonl
 from .model import build_model
 from .registry import client_class
-from .training import BatchSampler, get_weights, pick_device, run_local_steps, set_weights, step_seed
+from .training import get_weights, pick_device
 from strategies.base import weighted_mean
 
 
 def bare_loop_round_seconds(cfg: dict, rounds: int) -> list[float]:
-    """The reference: every client's local steps one after another in this process, then averaging."""
+    """The reference: every client's ``fit`` (the same local-step code Flower calls) one after
+    another in this process, then the same averaging; no messages, no processes."""
     device = pick_device(cfg["device"])
-    info = INFO[cfg["dataset"]]
     torch.manual_seed(cfg["seed"])
-    model = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size).to(device)
-    data = [load_client_data(cfg, pid, device) for pid in range(cfg["num-clients"])]
-    algorithm_cls = client_class(cfg["strategy"]).algorithm
-    global_weights = get_weights(model)
+    server = build_strategy_model(cfg, device)
+    client_cls = client_class(cfg["strategy"])
+    clients = [client_cls(cfg, load_client_data(cfg, pid, device), device) for pid in range(cfg["num-clients"])]
+    global_weights = get_weights(*server)
+    fit_config = bare_fit_config(cfg, clients)
     times = []
     for server_round in range(1, rounds + 2):
         start = time.perf_counter()
         updates, sizes = [], []
-        for d in data:
-            set_weights(model, global_weights)
-            sampler = BatchSampler(d, cfg["batch-size"], step_seed(cfg["seed"], server_round, d.partition_id))
-            run_local_steps(algorithm_cls(model, cfg), sampler, cfg["local-steps"])
-            updates.append(get_weights(model))
-            sizes.append(len(d.y_train) if cfg["weighting"] == "samples" else 1.0)
+        for client in clients:
+            weights, n, _ = client.fit(global_weights, fit_config(server_round))
+            updates.append(weights)
+            sizes.append(n if cfg["weighting"] == "samples" else 1.0)
         global_weights = weighted_mean(updates, sizes)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if server_round > 1:
             times.append(time.perf_counter() - start)
     return times
+
+
+def build_strategy_model(cfg: dict, device) -> list[torch.nn.Module]:
+    """The seeded initial global modules, as the server builds them (model, then FedBR's head)."""
+    info = INFO[cfg["dataset"]]
+    modules = [build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size)]
+    if cfg["strategy"] == "fedbr":
+        from clients.fedbr import build_head
+
+        head = build_head(cfg, modules[0].feature_dim)
+        modules += [head] if head is not None else []
+    return [m.to(device) for m in modules]
+
+
+def bare_fit_config(cfg: dict, clients: list):
+    """Fit config per round; for FedBR the pseudo-data is built once, as the strategy does at round 1."""
+    if cfg["strategy"] != "fedbr":
+        return lambda server_round: {"server-round": server_round}
+    from pseudodata import build, encode
+    from pseudodata.mixture import load_proxy
+
+    proxy = load_proxy(cfg) if cfg["pseudo-data"] == "mixture" else None
+    collect = lambda counts, version: [clients[pid].rsm_means(n, cfg["pseudo-m"], version)  # noqa: E731
+                                       for pid, n in counts.items()]
+    payload = encode(*build(cfg, 1, list(range(len(clients))), collect, proxy))
+    return lambda server_round: {"server-round": server_round, "pseudo-version": 1,
+                                 **({"pseudo-payload": payload} if server_round == 1 else {})}
+
+
+def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
+    """Seconds per local step of FedAvg and of FedBR on the same model, batch and device, on synthetic
+    inputs of the dataset's shape. Both are timed in alternation and the median repeat is kept."""
+    from clients.fedavg import FedAvg
+    from clients.fedbr import FedBR, build_head
+
+    device = pick_device(cfg["device"])
+    info = INFO[cfg["dataset"]]
+    fedbr_cfg = {**cfg, "strategy": "fedbr"}
+    torch.manual_seed(cfg["seed"])
+    model = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size).to(device)
+    head = build_head(fedbr_cfg, model.feature_dim)
+    head = head.to(device) if head is not None else None
+    shape = (cfg["batch-size"], info.in_channels, info.image_size, info.image_size)
+    x, x_p = torch.randn(shape, device=device), torch.randn(shape, device=device)
+    y = torch.randint(0, info.num_classes, (cfg["batch-size"],), device=device)
+    y_p = torch.full((cfg["batch-size"], info.num_classes), 1.0 / info.num_classes, device=device)
+    algorithms = {"fedavg": FedAvg(model, cfg),
+                  "fedbr": FedBR(model, fedbr_cfg, head, x_p, y_p, (x, y), seed=cfg["seed"])}
+    model.train()
+
+    def timed(algorithm, n):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            algorithm.update(x, y)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / n
+
+    for algorithm in algorithms.values():
+        timed(algorithm, 3)  # warm-up: allocator, kernels
+    times = {name: [] for name in algorithms}
+    for _ in range(repeats):
+        for name, algorithm in algorithms.items():
+            times[name].append(timed(algorithm, steps))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def step_main(cfg: dict, steps: int, threads: int, json_path: Path | None) -> int:
+    t = step_seconds(cfg, steps)
+    device = _device_name(cfg, threads)
+    print(f"fedbr-bench --step: {resolved_model(cfg)} on {cfg['dataset']}-shaped inputs, batch {cfg['batch-size']}, "
+          f"{device}, {steps} steps x 3 repeats\n")
+    print("| local step | s/step (median) | ratio |\n|---|---|---|")
+    print(f"| FedAvg | {t['fedavg']:.4f} | 1.00 |")
+    print(f"| FedBR ({_fedbr_label(cfg)}) | {t['fedbr']:.4f} | {t['fedbr'] / t['fedavg']:.2f} |")
+    if json_path:
+        json_path.write_text(json.dumps({"device": device, "model": resolved_model(cfg),
+                                         "batch_size": cfg["batch-size"], "fedavg_s_per_step": t["fedavg"],
+                                         "fedbr_s_per_step": t["fedbr"], "ratio": t["fedbr"] / t["fedavg"]},
+                                        indent=2) + "\n")
+    return 0
+
+
+def _fedbr_label(cfg: dict) -> str:
+    parts = [cfg["pseudo-data"]]
+    if not cfg["fedbr-balance"]:
+        parts.append("no component 1")
+    if not cfg["fedbr-contrastive"]:
+        parts.append("no component 2")
+    elif not cfg["fedbr-max-step"]:
+        parts.append("no max step")
+    return ", ".join(parts)
+
+
+def _device_name(cfg: dict, threads: int) -> str:
+    if torch.cuda.is_available() and cfg["device"] != "cpu":
+        return torch.cuda.get_device_name(0)
+    return f"CPU x{threads}"
 
 
 def flower_round_seconds(cfg: dict, rounds: int, out_dir: Path) -> tuple[list[float], float]:
@@ -75,7 +176,10 @@ def main(argv=None) -> int:
     parser.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
-    args = parser.parse_args(argv)
+    parser.add_argument("--step", action="store_true",
+                        help="time one FedBR local step against one FedAvg step instead of whole rounds")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timing repeat (--step)")
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = size_resources(build_config(args.items), torch.cuda.is_available(), os.cpu_count() or 1)
     except ConfigError as exc:
@@ -83,6 +187,8 @@ def main(argv=None) -> int:
         return 2
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
+    if args.step:
+        return step_main(cfg, args.steps, threads, args.json)
     print(f"fedbr-bench: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients x "
           f"{cfg['local-steps']} steps x batch {cfg['batch-size']}, {args.rounds} timed rounds", flush=True)
     bare = bare_loop_round_seconds(cfg, args.rounds)
@@ -93,8 +199,7 @@ def main(argv=None) -> int:
             print(f"fedbr-bench: error: {exc}", file=sys.stderr)
             return 1
     bare_s, flower_s = statistics.median(bare), statistics.median(flower)
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and cfg["device"] != "cpu" else \
-        f"CPU x{threads}"
+    device = _device_name(cfg, threads)
     result = {
         "device": device, "strategy": cfg["strategy"], "dataset": cfg["dataset"],
         "clients": cfg["num-clients"], "local_steps": cfg["local-steps"], "batch_size": cfg["batch-size"],

@@ -33,8 +33,16 @@ def build_config(items: Sequence[str]) -> dict[str, Any]:
             key, value = parse_override(item)
             overrides[key] = value
         else:
-            overrides.update(load_yaml(item))
-    cfg = validate(overrides)
+            data = load_yaml(item)
+            if "sweep" in data:
+                raise ConfigError(f"{item} describes several runs (it has a 'sweep' block): run it with "
+                                  f"`fedbr-sweep {item}`")
+            overrides.update(data)
+    return config_from_settings(overrides)
+
+
+def config_from_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    cfg = validate(settings)
     if cfg["num-clients"] == 0:
         cfg["num-clients"] = DEFAULT_SIMULATED_CLIENTS
     return cfg
@@ -91,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="reuse an output-dir that holds a run")
     parser.add_argument("--quiet", action="store_true", help="print no progress (the log is in flower.log)")
     parser.add_argument("--verbose", action="store_true", help="echo all of Flower's log, not only progress")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may come between files and overrides
     if args.list:
         print(list_keys())
         return 0

@@ -29,7 +29,7 @@ def client_fn(context: Context):
     torch.set_num_threads(cfg["client-cpus"])
     device = pick_device(cfg["device"])
     data = load_client_data(cfg, pid, device)
-    return client_class(cfg["strategy"])(cfg, data, device).to_client()
+    return client_class(cfg["strategy"])(cfg, data, device, context.state).to_client()
 
 
 app = ClientApp(client_fn=client_fn)

@@ -26,6 +26,7 @@ class Key:
     choices: tuple | None = None
     check: Callable[[Any], bool] | None = None
     check_msg: str = ""
+    owners: tuple[str, ...] | None = None  # strategies the key belongs to; None: every strategy
 
 
 def _positive(v) -> bool:
@@ -42,6 +43,10 @@ def _fraction(v) -> bool:
 
 def _open_fraction(v) -> bool:
     return 0 < v < 1
+
+
+FEDBR = ("fedbr",)
+MIXUP_USERS = ("fedbr",)
 
 
 SCHEMA: dict[str, Key] = {
@@ -85,6 +90,44 @@ SCHEMA: dict[str, Key] = {
                        check_msg="> 0"),
     "client-gpus": Key(0.0, "GPU share per simulated client; the CLI picks one when CUDA is present",
                        check=lambda v: 0 <= v <= 1, check_msg="in [0, 1]"),
+    # FedBR (SPEC section 1); the defaults are the authors'
+    "fedbr-lambda": Key(1.0, "weight of component 1, the balancing loss on pseudo-data", check=_non_negative,
+                        check_msg=">= 0", owners=FEDBR),
+    "fedbr-mu": Key(0.5, "weight of component 2, the contrastive loss L_con", check=_non_negative,
+                    check_msg=">= 0", owners=FEDBR),
+    "fedbr-tau1-scale": Key(2.0, "positive-pair similarity scale: s1 = tau1 * cos (multiplied form)",
+                            check=_non_negative, check_msg=">= 0", owners=FEDBR),
+    "fedbr-tau2-scale": Key(2.0, "negative-pair similarity scale: s2 = tau2 * cos; 0 drops the negative pair's "
+                                 "dependence", check=_non_negative, check_msg=">= 0", owners=FEDBR),
+    "fedbr-proj-hidden": Key(0, "projection head hidden width; 0 = 2 x feature size", check=_non_negative,
+                             check_msg=">= 0", owners=FEDBR),
+    "fedbr-proj-out": Key(0, "projection head output width; 0 = feature size", check=_non_negative,
+                          check_msg=">= 0", owners=FEDBR),
+    "fedbr-balance": Key(True, "component 1 (classifier balancing on pseudo-data)", owners=FEDBR),
+    "fedbr-contrastive": Key(True, "component 2 (min-max contrastive step with the projection head)",
+                             owners=FEDBR),
+    "fedbr-max-step": Key(True, "component 2's max step on the projection head (false: min step only)",
+                          owners=FEDBR),
+    "fedbr-balance-loss": Key("soft-ce", "component 1's loss: per-sample soft cross-entropy (FedBR) or "
+                                         "cross-entropy of the mean softmax output (FedAug's AugMean)",
+                              choices=("soft-ce", "mean-output"), owners=FEDBR),
+    "mixup": Key(False, "Mixup on the local batch (soft labels)", owners=MIXUP_USERS),
+    "mixup-alpha": Key(0.2, "Mixup's Beta(a, a) parameter", check=_positive, check_msg="> 0",
+                       owners=MIXUP_USERS),
+    "pseudo-data": Key("rsm", "FedBR pseudo-data: rsm (means of M samples of one client) or mixture (means of "
+                              "a public proxy dataset mixed with K local samples each step)",
+                       choices=("rsm", "mixture"), owners=FEDBR),
+    "pseudo-size": Key(0, "pseudo-samples B; 0 = batch-size (component 2 pairs them with the local batch)",
+                       check=_non_negative, check_msg=">= 0", owners=FEDBR),
+    "pseudo-m": Key(10, "local (RSM) or proxy (mixture) samples averaged into one pseudo-sample",
+                    check=_positive, check_msg="> 0", owners=FEDBR),
+    "mixture-k": Key(1, "local samples mixed into each pseudo-sample per step (mixture)", check=_non_negative,
+                     check_msg=">= 0", owners=FEDBR),
+    "proxy-dataset": Key("auto", "public dataset for mixture pseudo-data, read from data-dir; auto: cifar100 "
+                                 "for cifar10, cifar10 for cifar100, mnist5k for MNIST",
+                         choices=("auto", "mnist5k", "mnist", "cifar10", "cifar100"), owners=FEDBR),
+    "pseudo-refresh": Key("once", "send the pseudo-data once (at round 1) or rebuild it every round",
+                          choices=("once", "every-round"), owners=FEDBR),
 }
 
 DEFAULTS: dict[str, Any] = {k: v.default for k, v in SCHEMA.items()}
@@ -144,7 +187,21 @@ def validate(overrides: Mapping[str, Any], base: Mapping[str, Any] | None = None
         if spec.check is not None and not spec.check(v):
             raise ConfigError(f"config key '{key}' = {v!r} must be {spec.check_msg}")
     _check_consistency(cfg)
+    _check_ownership(cfg, overrides)
     return cfg
+
+
+def _check_ownership(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> None:
+    """A key set to a non-default value for a strategy that ignores it is a mistake worth stopping for."""
+    for raw_key in overrides:
+        key = normalise_key(raw_key)
+        owners = SCHEMA[key].owners
+        if owners is not None and cfg["strategy"] not in owners and cfg[key] != SCHEMA[key].default:
+            valid = sorted(k for k, spec in SCHEMA.items() if spec.owners and cfg["strategy"] in spec.owners)
+            raise ConfigError(
+                f"config key '{raw_key}' belongs to strategy {', '.join(owners)}, not to '{cfg['strategy']}'. "
+                f"Keys of '{cfg['strategy']}': {', '.join(valid) or 'none beyond the common ones'}"
+            )
 
 
 def _check_consistency(cfg: Mapping[str, Any]) -> None:
@@ -163,6 +220,34 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
             f"'classes-per-client' = {cfg['classes-per-client']} exceeds the {num_classes} classes of "
             f"{cfg['dataset']}"
         )
+    if cfg["strategy"] == "fedbr":
+        _check_fedbr(cfg)
+
+
+def _check_fedbr(cfg: Mapping[str, Any]) -> None:
+    if not cfg["fedbr-balance"] and not cfg["fedbr-contrastive"]:
+        raise ConfigError("fedbr-balance and fedbr-contrastive are both false: that is FedAvg "
+                          "(use strategy=fedavg, with mixup=true for the Mixup backbone)")
+    if not cfg["fedbr-contrastive"] and not cfg["fedbr-max-step"]:
+        raise ConfigError("fedbr-max-step = false only applies with fedbr-contrastive = true")
+    if cfg["fedbr-contrastive"] and cfg["pseudo-size"] not in (0, cfg["batch-size"]):
+        raise ConfigError(f"pseudo-size = {cfg['pseudo-size']} but batch-size = {cfg['batch-size']}: component 2 "
+                          "pairs pseudo-samples with local samples one to one, so they must be equal "
+                          "(pseudo-size = 0 follows batch-size)")
+    if cfg["pseudo-data"] == "mixture" and proxy_dataset(cfg) in ("mnist", "cifar10", "cifar100") \
+            and not cfg["data-dir"]:
+        raise ConfigError(f"pseudo-data = mixture reads the proxy dataset '{proxy_dataset(cfg)}' from data-dir, "
+                          "which is empty: set data-dir or proxy-dataset=mnist5k")
+
+
+def proxy_dataset(cfg: Mapping[str, Any]) -> str:
+    if cfg["proxy-dataset"] != "auto":
+        return cfg["proxy-dataset"]
+    return {"cifar10": "cifar100", "cifar100": "cifar10"}.get(cfg["dataset"], "mnist5k")
+
+
+def pseudo_size(cfg: Mapping[str, Any]) -> int:
+    return cfg["pseudo-size"] or cfg["batch-size"]
 
 
 def from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:

@@ -102,5 +102,20 @@ def build_model(name: str, num_classes: int, in_channels: int, image_size: int) 
     return SplitModel(features, FEATURE_DIMS[name], num_classes)
 
 
+class ProjectionHead(nn.Module):
+    """FedBR's projection head theta, used only in training: d -> hidden -> hidden -> out with ReLU
+    between (SPEC: 128 -> 256 -> 256 -> 128 for the MNIST CNN)."""
+
+    def __init__(self, feature_dim: int, hidden: int = 0, out: int = 0):
+        super().__init__()
+        hidden = hidden or 2 * feature_dim
+        out = out or feature_dim
+        self.net = nn.Sequential(nn.Linear(feature_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, out))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.net(z)
+
+
 def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())

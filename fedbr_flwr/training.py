@@ -4,7 +4,7 @@ loop, evaluation, and weight (de)serialisation."""
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -79,19 +79,26 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     return float(loss) / n, float(correct) / n
 
 
-def get_weights(module: nn.Module) -> list[np.ndarray]:
-    """Copies, never views: on CPU ``.numpy()`` shares memory with the live parameters."""
-    return [t.detach().cpu().numpy().copy() for t in module.state_dict().values()]
+def get_weights(*modules: nn.Module) -> list[np.ndarray]:
+    """The modules' state arrays, concatenated in order. Copies, never views: on CPU ``.numpy()``
+    shares memory with the live parameters."""
+    return [t.detach().cpu().numpy().copy() for m in modules for t in m.state_dict().values()]
 
 
-def set_weights(module: nn.Module, weights: list[np.ndarray]) -> None:
-    state = module.state_dict()
-    if len(weights) != len(state):
-        raise ValueError(f"expected {len(state)} arrays for {type(module).__name__}, got {len(weights)}")
-    for (name, current), new in zip(state.items(), weights):
-        if tuple(current.shape) != tuple(new.shape):
-            raise ValueError(f"shape mismatch for '{name}': expected {tuple(current.shape)}, got {new.shape}")
-        current.copy_(torch.as_tensor(new))
+def set_weights(modules: nn.Module | Sequence[nn.Module], weights: list[np.ndarray]) -> None:
+    """Load arrays laid out as ``get_weights(*modules)`` wrote them."""
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    states = [m.state_dict() for m in modules]
+    expected = sum(len(state) for state in states)
+    if len(weights) != expected:
+        names = "+".join(type(m).__name__ for m in modules)
+        raise ValueError(f"expected {expected} arrays for {names}, got {len(weights)}")
+    arrays = iter(weights)
+    for state in states:
+        for (name, current), new in zip(state.items(), arrays):
+            if tuple(current.shape) != tuple(new.shape):
+                raise ValueError(f"shape mismatch for '{name}': expected {tuple(current.shape)}, got {new.shape}")
+            current.copy_(torch.as_tensor(new))
 
 
 def pick_device(name: str) -> torch.device:

@@ -25,6 +25,7 @@ from fedbr_flwr.training import evaluate, get_weights, set_weights
 
 log = logging.getLogger("flwr")
 DISCOVERY_TIMEOUT_S = 600
+NOT_TRAINING_METRICS = ("partition-id", "fit-seconds", "pseudo-version")  # bookkeeping, not averaged
 
 
 def weighted_mean(arrays: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
@@ -58,6 +59,8 @@ class FederatedStrategy(Strategy):
         self._global_acc: dict[int, tuple[float, float]] = {}
         self._fit_start = 0.0
         self._last_train: dict[str, float] = {}
+        self.num_model_arrays = len(model.state_dict())
+        self.sampled: list[int] = []  # partition ids sent fit instructions this round
 
     # ------------------------------------------------------------ hooks for algorithms
     def aggregate(self, arrays: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
@@ -66,17 +69,22 @@ class FederatedStrategy(Strategy):
     def fit_config(self, server_round: int, pid: int) -> dict[str, Any]:
         return {"server-round": server_round}
 
+    def extra_initial_weights(self) -> list[np.ndarray]:
+        """Arrays trained and averaged beside the model (e.g. FedBR's projection head), sent after it."""
+        return []
+
     # ------------------------------------------------------------ Flower Strategy API
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
-        return ndarrays_to_parameters(get_weights(self.model))
+        return ndarrays_to_parameters(get_weights(self.model) + self.extra_initial_weights())
 
     def configure_fit(self, server_round: int, parameters: Parameters, client_manager: ClientManager
                       ) -> list[tuple[ClientProxy, FitIns]]:
         if not self.clients_by_pid:
             self._discover(client_manager)
         self._fit_start = time.perf_counter()
+        self.sampled = self.sample_partitions(server_round)
         return [(self.clients_by_pid[pid], FitIns(parameters, self.fit_config(server_round, pid)))
-                for pid in self.sample_partitions(server_round)]
+                for pid in self.sampled]
 
     def sample_partitions(self, server_round: int) -> list[int]:
         """Seeded by (seed, round) over partition ids, so runs repeat whatever Flower's node ids are."""
@@ -97,7 +105,7 @@ class FederatedStrategy(Strategy):
             arrays = [parameters_to_ndarrays(res.parameters) for _, res in results]
             weights = [res.num_examples if self.cfg["weighting"] == "samples" else 1.0 for _, res in results]
             new = ndarrays_to_parameters(self.aggregate(arrays, weights))
-        self._last_train = _mean_metrics([res.metrics for _, res in results], skip=("partition-id", "fit-seconds"))
+        self._last_train = _mean_metrics([res.metrics for _, res in results], skip=NOT_TRAINING_METRICS)
         self.recorder.log_round({
             "round": server_round, "clients": len(results), "failures": len(failures),
             "train": self._last_train, "seconds": round(time.perf_counter() - self._fit_start, 4),
@@ -148,7 +156,7 @@ class FederatedStrategy(Strategy):
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Any]] | None:
         if self.global_test is None or server_round == 0 or not self.is_eval_round(server_round):
             return None
-        set_weights(self.model, parameters_to_ndarrays(parameters))
+        set_weights(self.model, parameters_to_ndarrays(parameters)[:self.num_model_arrays])
         device = next(self.model.parameters()).device
         x, y = self.global_test
         loss, acc = evaluate(self.model, x.to(device), y.to(device))

@@ -87,3 +87,26 @@ def test_sigterm_during_a_run_stops_every_flower_process(tmp_path):
             proc.kill()
     assert proc.returncode == 143
     assert flower_processes() <= before
+
+
+@pytest.mark.parametrize("extra", [
+    ["fraction-fit=0.5", "num-rounds=3"],  # RSM sent once; each client gets it the first time it is sampled
+    ["pseudo-data=mixture", "pseudo-refresh=every-round", "mixup=true", "num-rounds=2"],
+])
+def test_fedbr_run_completes_and_records_its_terms(tmp_path, extra):
+    before = flower_processes()
+    out = tmp_path / "run"
+    code = cli.main(["strategy=fedbr", "num-clients=2", "local-steps=2", "batch-size=8", "eval-every=1",
+                     f"output-dir={out}", "--quiet", *extra])
+    assert code == 0
+    rounds = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
+    assert all({"ce", "balance", "con", "con-max", "loss"} <= set(r["train"]) for r in rounds)
+    assert all(r["failures"] == 0 for r in rounds)
+    pseudo = np.load(out / "pseudo_data.npz")
+    assert pseudo["x"].shape == (8, 1, 28, 28) and int(pseudo["version"]) == (len(rounds) if "mixture" in extra[0]
+                                                                               else 1)
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in metrics] == [r["round"] for r in rounds]
+    assert json.loads((out / "manifest.json").read_text())["config"]["strategy"] == "fedbr"
+    assert (out / "summary.md").exists() and (out / "convergence.png").exists()
+    assert flower_processes() <= before

@@ -1,0 +1,108 @@
+"""fedbr-sweep: the plan of runs, its errors, resuming, and the comparison table (no processes),
+plus one short real sweep."""
+
+import csv
+import json
+
+import pytest
+
+from fedbr_flwr import sweep
+from fedbr_flwr.config import ConfigError
+
+SWEEP = """
+num-clients: 2
+num-rounds: 1
+local-steps: 1
+batch-size: 8
+sweep:
+  seeds: [0, 1]
+  runs:
+    FedAvg: {strategy: fedavg}
+    FedBR no max: {strategy: fedbr, fedbr-max-step: false}
+"""
+
+
+def write(tmp_path, text=SWEEP):
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_plan_orders_settings_file_then_command_line_then_run_then_seed(tmp_path):
+    jobs = sweep.plan(write(tmp_path), ["num-rounds=3", "local-steps=4"], tmp_path / "out", None)
+    assert [(n, s) for n, s, _ in jobs] == [("FedAvg", 0), ("FedBR no max", 0), ("FedAvg", 1), ("FedBR no max", 1)]
+    cfg = dict(jobs[1][2])
+    assert cfg["num-rounds"] == 3 and cfg["local-steps"] == 4 and cfg["strategy"] == "fedbr"
+    assert cfg["fedbr-max-step"] is False and cfg["seed"] == 0
+    assert cfg["output-dir"] == str(tmp_path / "out" / "FedBR_no_max" / "seed0")
+    only = sweep.plan(write(tmp_path), [], tmp_path / "out", ["FedAvg"])
+    assert {n for n, _, _ in only} == {"FedAvg"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("num-rounds: 1\n", "needs a 'sweep' block"),
+    ("sweep:\n  runs: {A: {strategy: nope}}\n", "run 'A' \\(seed 0\\): unknown strategy 'nope'"),
+    ("sweep:\n  seeds: 3\n  runs: {A: {}}\n", "must be a list"),
+    ("sweep:\n  runs: {A: {}}\n  seed: [1]\n", "unknown key"),
+    ("sweep:\n  runs: {'a b': {}, 'a/b': {}}\n", "must differ"),
+    ("sweep:\n  runs: {A: {strategy: fedavg, fedbr-mu: 2.0}}\n", "belongs to strategy fedbr"),
+])
+def test_bad_sweep_files_stop_before_any_run(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        sweep.plan(write(tmp_path, text), [], tmp_path / "out", None)
+
+
+def test_only_with_an_unknown_name_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="unknown runs: Nope"):
+        sweep.plan(write(tmp_path), [], tmp_path / "out", ["Nope"])
+
+
+def fake_run(folder, cfg, accs, target=0.5):
+    folder.mkdir(parents=True)
+    history = [{"round": 2 * (i + 1), "mean_acc": a, "worst_acc": a / 2} for i, a in enumerate(accs)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    (folder / "manifest.json").write_text(json.dumps({"config": cfg}))
+    reached = next((r["round"] for r in history if r["mean_acc"] >= target), None)
+    (folder / "summary.json").write_text(json.dumps({
+        "mean_acc_best5": max(accs), "worst_acc_best5": max(accs) / 2, "final_mean_acc": accs[-1],
+        "rounds_to_target": reached, "target_acc": target, "wall_time_s": 10.0}))
+
+
+def test_finished_runs_are_kept_and_a_different_one_is_refused(tmp_path):
+    (name, seed, cfg), *_ = sweep.plan(write(tmp_path), [], tmp_path / "out", None)
+    folder = tmp_path / "out" / "FedAvg" / "seed0"
+    assert not sweep.finished_with_same_config(cfg)
+    fake_run(folder, {**cfg, "git-commit": "other"}, [0.1])
+    assert sweep.finished_with_same_config(cfg)
+    (folder / "manifest.json").write_text(json.dumps({"config": {**cfg, "lr": 0.5}}))
+    with pytest.raises(ConfigError, match="different settings \\(lr\\)"):
+        sweep.finished_with_same_config(cfg)
+
+
+def test_comparison_gives_mean_and_std_over_seeds(tmp_path):
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", {}, [0.2, 0.6])
+    fake_run(out / "A" / "seed1", {}, [0.2, 0.4])
+    fake_run(out / "B" / "seed0", {}, [0.1, 0.3])
+    table = sweep.write_comparison(out, ["A", "B"], [0, 1], "t")
+    lines = table.splitlines()
+    assert lines[0].startswith("| run | seeds | mean acc, best 5 (%)") and "rounds to 50%" in lines[0]
+    assert lines[2].startswith("| A | 2 | 50.00 ± 14.14 |") and "| 4 (1/2 reached) |" in lines[2]
+    assert lines[3].startswith("| B | 1 | 30.00 ± 0.00 |") and "not reached" in lines[3]
+    rows = list(csv.DictReader(open(out / "comparison.csv")))
+    assert rows[0]["run"] == "A" and float(rows[0]["mean_acc_best5"]) == pytest.approx(0.5)
+    assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
+    assert "over seeds 0, 1" in (out / "comparison.md").read_text()
+
+
+@pytest.mark.e2e
+def test_a_real_sweep_runs_each_job_then_keeps_them(tmp_path, capsys):
+    path = write(tmp_path, SWEEP.replace("[0, 1]", "[0]"))
+    out = tmp_path / "out"
+    assert sweep.main([path, "--out", str(out), "--quiet"]) == 0
+    assert (out / "FedAvg" / "seed0" / "summary.json").exists()
+    assert (out / "FedBR_no_max" / "seed0" / "summary.json").exists()
+    assert "| FedBR no max | 1 |" in (out / "comparison.md").read_text()
+    capsys.readouterr()
+    assert sweep.main([path, "--out", str(out), "--quiet"]) == 0  # nothing left to run
+    assert capsys.readouterr().out.count("already finished") == 2
