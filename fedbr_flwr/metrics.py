@@ -96,8 +96,15 @@ def plot_history(history: list[dict], path: str | Path, title: str = "") -> None
     g = [(r["round"], 100 * r["global_acc"]) for r in evals if r.get("global_acc") is not None]
     if g:
         ax.plot(*zip(*g), ls=":", label="global test set")
+    save_accuracy_plot(fig, ax, path, title, "accuracy (%)")
+
+
+def save_accuracy_plot(fig, ax, path: str | Path, title: str, ylabel: str) -> None:
+    """The shared look of our accuracy-per-round plots, then save and close."""
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("communication round")
-    ax.set_ylabel("accuracy (%)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)

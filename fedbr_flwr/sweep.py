@@ -35,7 +35,7 @@ from typing import Any, Sequence
 from .cli import config_from_settings, prepare, size_resources
 from .config import ConfigError, load_yaml, parse_override
 from .launcher import RunFailed, run_flower
-from .metrics import read_jsonl
+from .metrics import read_jsonl, save_accuracy_plot
 
 def run_folder(out: Path, name: str, seed: int) -> Path:
     return out / re.sub(r"[^A-Za-z0-9+.=-]+", "_", name).strip("_") / f"seed{seed}"
@@ -219,15 +219,7 @@ def plot_comparison(out: Path, names: list[str], seeds: list[int], path: Path, t
         mean = np.array([np.mean(curves[r]) for r in rounds])
         ax.plot(rounds, mean, label=name)
         ax.fill_between(rounds, [min(curves[r]) for r in rounds], [max(curves[r]) for r in rounds], alpha=0.15)
-    ax.set_xlabel("communication round")
-    ax.set_ylabel("mean client accuracy (%)")
-    ax.set_title(title)
-    ax.set_ylim(0, 100)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_accuracy_plot(fig, ax, path, title, "mean client accuracy (%)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

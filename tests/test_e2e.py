@@ -19,15 +19,19 @@ pytestmark = pytest.mark.e2e
 
 
 def flower_processes() -> set[int]:
+    """Flower processes started from a test (they inherit pytest's PYTEST_CURRENT_TEST), so that runs
+    of the user's own going on beside the tests do not count."""
     pids = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+                if not (b"flower-superlink" in cmd or b"flwr-simulation" in cmd or b"flower-superexec" in cmd):
+                    continue
+                if b"PYTEST_CURRENT_TEST=" in (entry / "environ").read_bytes():
+                    pids.add(int(entry.name))
             except OSError:
                 continue
-            if b"flower-superlink" in cmd or b"flwr-simulation" in cmd or b"flower-superexec" in cmd:
-                pids.add(int(entry.name))
     return pids
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 from flwr.common import Code, FitRes, GetParametersRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.server.client_proxy import ClientProxy
 
+from fakes import OfflineProxy
 from clients.fedbr import FedBR, FedBRClient, build_head
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import ClientData
@@ -330,7 +330,7 @@ def client_data(pid, offset, n=40):
     return ClientData(pid, x, y, x[:8], y[:8], C, False)
 
 
-class ClientProxyOf(ClientProxy):
+class ClientProxyOf(OfflineProxy):
     """Calls a client object in-process, as Flower would after its message round trip."""
 
     def __init__(self, client):
@@ -341,18 +341,6 @@ class ClientProxyOf(ClientProxy):
         self.requests.append(dict(ins.config))
         arrays = self.client.get_parameters(ins.config)
         return GetParametersRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays))
-
-    def get_properties(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def fit(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def evaluate(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def reconnect(self, ins, timeout, group_id):
-        raise NotImplementedError
 
 
 def make_fedbr_strategy(tmp_path, num_clients=3, **overrides):

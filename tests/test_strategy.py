@@ -9,16 +9,16 @@ import torch
 from flwr.common import (Code, EvaluateRes, FitRes, GetPropertiesRes, Status, ndarrays_to_parameters,
                          parameters_to_ndarrays)
 from flwr.server.client_manager import SimpleClientManager
-from flwr.server.client_proxy import ClientProxy
 
 import strategies.base as base
+from fakes import OfflineProxy
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import client_indices, make_partition
 from fedbr_flwr.run_io import RunRecorder
 from strategies.fedavg import FedAvgStrategy
 
 
-class FakeProxy(ClientProxy):
+class FakeProxy(OfflineProxy):
     def __init__(self, cid, pid, phash=None, num_partitions=None):
         super().__init__(cid)
         self.pid, self.phash, self.num_partitions = pid, phash, num_partitions
@@ -28,18 +28,6 @@ class FakeProxy(ClientProxy):
         if self.num_partitions is not None:
             props["num-partitions"] = self.num_partitions
         return GetPropertiesRes(Status(Code.OK, ""), props)
-
-    def get_parameters(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def fit(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def evaluate(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-    def reconnect(self, ins, timeout, group_id):
-        raise NotImplementedError
 
 
 def make_strategy(tmp_path, proxies, **overrides):
