@@ -180,8 +180,9 @@ def main(argv=None) -> int:
                         help="time one FedBR local step against one FedAvg step instead of whole rounds")
     parser.add_argument("--steps", type=int, default=20, help="steps per timing repeat (--step)")
     args = parser.parse_intermixed_args(argv)
+    items = (["data-dir=unused-synthetic-inputs"] if args.step else []) + args.items  # --step reads no files
     try:
-        cfg = size_resources(build_config(args.items), torch.cuda.is_available(), os.cpu_count() or 1)
+        cfg = size_resources(build_config(items), torch.cuda.is_available(), os.cpu_count() or 1)
     except ConfigError as exc:
         print(f"fedbr-bench: error: {exc}", file=sys.stderr)
         return 2
