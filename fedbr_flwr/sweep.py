@@ -66,10 +66,11 @@ def load_sweep(path: str) -> tuple[dict[str, Any], list[int], dict[str, dict[str
     return data, seeds, runs
 
 
-def plan(path: str, overrides: Sequence[str], out: Path, only: Sequence[str] | None
-         ) -> list[tuple[str, int, dict[str, Any]]]:
+def plan(path: str, overrides: Sequence[str], out: Path, only: Sequence[str] | None,
+         seeds: Sequence[int] | None = None) -> list[tuple[str, int, dict[str, Any]]]:
     """Every (run name, seed, validated config), or a ConfigError before anything runs."""
-    base, seeds, runs = load_sweep(path)
+    base, file_seeds, runs = load_sweep(path)
+    seeds = list(seeds) if seeds else file_seeds
     if only:
         missing = sorted(set(only) - set(runs))
         if missing:
@@ -229,13 +230,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value settings for every run")
     parser.add_argument("--out", type=Path, help="output folder (default: runs/<file name>)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these runs of the file")
+    parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="these seeds instead of the file's")
     parser.add_argument("--dry-run", action="store_true", help="validate every run and list them, then exit")
     parser.add_argument("--table-only", action="store_true", help="do not run; rebuild the comparison")
     parser.add_argument("--quiet", action="store_true", help="no per-round progress")
     args = parser.parse_intermixed_args(argv)
     out = (args.out or Path("runs") / Path(args.file).stem).expanduser().resolve()
     try:
-        jobs = plan(args.file, args.overrides, out, args.only)
+        jobs = plan(args.file, args.overrides, out, args.only, args.seeds)
     except ConfigError as exc:
         print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
         return 2

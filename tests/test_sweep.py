@@ -35,8 +35,8 @@ def test_plan_orders_settings_file_then_command_line_then_run_then_seed(tmp_path
     assert cfg["num-rounds"] == 3 and cfg["local-steps"] == 4 and cfg["strategy"] == "fedbr"
     assert cfg["fedbr-max-step"] is False and cfg["seed"] == 0
     assert cfg["output-dir"] == str(tmp_path / "out" / "FedBR_no_max" / "seed0")
-    only = sweep.plan(write(tmp_path), [], tmp_path / "out", ["FedAvg"])
-    assert {n for n, _, _ in only} == {"FedAvg"}
+    only = sweep.plan(write(tmp_path), [], tmp_path / "out", ["FedAvg"], seeds=[5])
+    assert [(n, s) for n, s, _ in only] == [("FedAvg", 5)]
 
 
 @pytest.mark.parametrize("text, message", [
