@@ -98,6 +98,8 @@ def finished_with_same_config(cfg: dict[str, Any]) -> bool:
         return False
     if not manifest.exists() or not summary.exists():
         return False  # an unfinished run: start it again
+    if json.loads(summary.read_text()).get("last_round") != cfg["num-rounds"]:
+        return False  # summary.json is refreshed at every evaluation: this run stopped early
     old = json.loads(manifest.read_text())["config"]
     differs = sorted(k for k in cfg if k not in VOLATILE_KEYS and old.get(k) != cfg[k])
     if differs:

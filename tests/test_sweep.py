@@ -57,7 +57,7 @@ def test_only_with_an_unknown_name_is_an_error(tmp_path):
         sweep.plan(write(tmp_path), [], tmp_path / "out", ["Nope"])
 
 
-def fake_run(folder, cfg, accs, target=0.5):
+def fake_run(folder, cfg, accs, target=0.5, last_round=None):
     folder.mkdir(parents=True)
     history = [{"round": 2 * (i + 1), "mean_acc": a, "worst_acc": a / 2} for i, a in enumerate(accs)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
@@ -65,14 +65,17 @@ def fake_run(folder, cfg, accs, target=0.5):
     reached = next((r["round"] for r in history if r["mean_acc"] >= target), None)
     (folder / "summary.json").write_text(json.dumps({
         "mean_acc_best5": max(accs), "worst_acc_best5": max(accs) / 2, "final_mean_acc": accs[-1],
-        "rounds_to_target": reached, "target_acc": target, "wall_time_s": 10.0}))
+        "rounds_to_target": reached, "target_acc": target, "wall_time_s": 10.0,
+        "last_round": last_round or history[-1]["round"]}))
 
 
 def test_finished_runs_are_kept_and_a_different_one_is_refused(tmp_path):
     (name, seed, cfg), *_ = sweep.plan(write(tmp_path), [], tmp_path / "out", None)
     folder = tmp_path / "out" / "FedAvg" / "seed0"
     assert not sweep.finished_with_same_config(cfg)
-    fake_run(folder, {**cfg, "git-commit": "other"}, [0.1])
+    fake_run(folder, {**cfg, "git-commit": "other"}, [0.1], last_round=0)  # stopped before its last round
+    assert not sweep.finished_with_same_config(cfg)
+    (folder / "summary.json").write_text(json.dumps({"last_round": cfg["num-rounds"]}))
     assert sweep.finished_with_same_config(cfg)
     (folder / "manifest.json").write_text(json.dumps({"config": {**cfg, "lr": 0.5}}))
     with pytest.raises(ConfigError, match="different settings \\(lr\\)"):
