@@ -184,7 +184,10 @@ def _cell(row: dict[str, Any], column: str, kind: str) -> str:
     if mean is None:
         return "not reached" if kind == "rounds" and row["seeds"] else "-"
     scale = 100.0 if kind == "pct" else 1.0
-    text = f"{scale * mean:.2f} ± {scale * std:.2f}" if kind == "pct" else f"{mean:.0f}"
+    if kind != "pct":
+        text = f"{mean:.0f}"
+    else:  # one seed has no spread to show
+        text = f"{scale * mean:.2f} ± {scale * std:.2f}" if n > 1 else f"{scale * mean:.2f}"
     if kind == "rounds" and n < row["seeds"]:
         text += f" ({n}/{row['seeds']} reached)"
     return text

@@ -91,7 +91,7 @@ def test_comparison_gives_mean_and_std_over_seeds(tmp_path):
     lines = table.splitlines()
     assert lines[0].startswith("| run | seeds | mean acc, best 5 (%)") and "rounds to 50%" in lines[0]
     assert lines[2].startswith("| A | 2 | 50.00 ± 14.14 |") and "| 4 (1/2 reached) |" in lines[2]
-    assert lines[3].startswith("| B | 1 | 30.00 ± 0.00 |") and "not reached" in lines[3]
+    assert lines[3].startswith("| B | 1 | 30.00 | 15.00 |") and "not reached" in lines[3]
     rows = list(csv.DictReader(open(out / "comparison.csv")))
     assert rows[0]["run"] == "A" and float(rows[0]["mean_acc_best5"]) == pytest.approx(0.5)
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
