@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from flwr.common import parameters_to_ndarrays
 
 from .cli import build_config, size_resources
 from .config import ConfigError, resolved_model
@@ -30,7 +31,8 @@ from .launcher import RunFailed, run_flower
 from .metrics import read_jsonl
 from .model import build_model
 from .registry import client_class
-from .training import get_weights, pick_device
+from .server_app import build_strategy
+from .training import pick_device
 from strategies.base import weighted_mean
 
 
@@ -38,11 +40,11 @@ def bare_loop_round_seconds(cfg: dict, rounds: int) -> list[float]:
     """The reference: every client's ``fit`` (the same local-step code Flower calls) one after
     another in this process, then the same averaging; no messages, no processes."""
     device = pick_device(cfg["device"])
-    torch.manual_seed(cfg["seed"])
-    server = build_strategy_model(cfg, device)
+    with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:  # the server's seeded initial weights
+        strategy = build_strategy({**cfg, "output-dir": tmp, "global-test": False})
+        global_weights = parameters_to_ndarrays(strategy.initialize_parameters(None))
     client_cls = client_class(cfg["strategy"])
     clients = [client_cls(cfg, load_client_data(cfg, pid, device), device) for pid in range(cfg["num-clients"])]
-    global_weights = get_weights(*server)
     fit_config = bare_fit_config(cfg, clients)
     times = []
     for server_round in range(1, rounds + 2):
@@ -58,18 +60,6 @@ def bare_loop_round_seconds(cfg: dict, rounds: int) -> list[float]:
         if server_round > 1:
             times.append(time.perf_counter() - start)
     return times
-
-
-def build_strategy_model(cfg: dict, device) -> list[torch.nn.Module]:
-    """The seeded initial global modules, as the server builds them (model, then FedBR's head)."""
-    info = INFO[cfg["dataset"]]
-    modules = [build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size)]
-    if cfg["strategy"] == "fedbr":
-        from clients.fedbr import build_head
-
-        head = build_head(cfg, modules[0].feature_dim)
-        modules += [head] if head is not None else []
-    return [m.to(device) for m in modules]
 
 
 def bare_fit_config(cfg: dict, clients: list):
