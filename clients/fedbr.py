@@ -24,8 +24,8 @@ from torch.nn import functional as F
 
 from fedbr_flwr.config import pseudo_size
 from fedbr_flwr.dataset import INFO
-from fedbr_flwr.losses import (MixupSampler, fedbr_contrastive_loss, mean_output_cross_entropy, mixup_cross_entropy,
-                               soft_cross_entropy)
+from fedbr_flwr.losses import (MixupSampler, fedbr_contrastive_loss, mean_output_cross_entropy, mixup_batch,
+                               mixup_cross_entropy, soft_cross_entropy)
 from fedbr_flwr.model import ProjectionHead, SplitModel
 from fedbr_flwr.registry import register_client
 from fedbr_flwr.training import Algorithm, step_seed
@@ -101,7 +101,7 @@ class FedBR(Algorithm):
         y_b, lam = y, 1.0
         if self.mixup is not None:
             lam, perm = self.mixup(len(y))
-            x, y_b = lam * x + (1.0 - lam) * x[perm], y[perm]
+            x, _, y_b = mixup_batch(x, y, lam, perm)
         return StepBatch(x, y, y_b, lam, x_p, y_p, z_g)
 
     def features(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:

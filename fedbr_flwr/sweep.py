@@ -151,23 +151,19 @@ def _stats(values: list[float | None]) -> tuple[float | None, float | None, int]
 
 def compare(out: Path, names: list[str], seeds: list[int]) -> tuple[str, list[dict[str, Any]]]:
     rows = []
+    target = None
     for name in names:
         summaries = []
         for seed in seeds:
             path = run_folder(out, name, seed) / "summary.json"
             if path.exists():
                 summaries.append(json.loads(path.read_text()))
+                target = summaries[-1].get("target_acc")
         row: dict[str, Any] = {"run": name, "seeds": len(summaries)}
         for column, key, _, _ in COLUMNS:
             mean, std, n = _stats([s.get(key) for s in summaries])
             row[column], row[f"{column}_std"], row[f"{column}_n"] = mean, std, n
         rows.append(row)
-    target = None
-    for name in names:
-        for seed in seeds:
-            path = run_folder(out, name, seed) / "summary.json"
-            if path.exists():
-                target = json.loads(path.read_text()).get("target_acc")
     header = ["run", "seeds"] + [h.replace("rounds to target", f"rounds to {100 * (target or 0):.0f}%")
                                  for _, _, h, _ in COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
