@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.client import NumPyClient
 from flwr.common import RecordDict
 from torch import nn
@@ -40,11 +41,17 @@ class BaseClient(NumPyClient):
     def make_algorithm(self, server_round: int, config: dict) -> Algorithm:
         return self.algorithm(self.model, self.cfg)  # optimiser state starts fresh each round
 
+    def eval_module(self) -> nn.Module:
+        """What predicts on the local test set (DisTrans: the model with this client's offset)."""
+        return self.model
+
     # ------------------------------------------------------------ Flower NumPyClient API
     def get_properties(self, config: dict) -> dict:
         _, phash = make_partition(self.cfg)
+        counts = torch.bincount(self.data.y_train, minlength=self.data.num_classes).tolist()
         return {"partition-id": self.pid, "num-partitions": self.cfg["num-clients"], "partition-hash": phash,
-                "num-train": len(self.data.y_train), "num-test": len(self.data.y_test)}
+                "num-train": len(self.data.y_train), "num-test": len(self.data.y_test),
+                "class-counts": ",".join(map(str, counts))}
 
     def get_parameters(self, config: dict) -> list[np.ndarray]:
         return get_weights(*self.weight_modules())
@@ -61,5 +68,5 @@ class BaseClient(NumPyClient):
 
     def evaluate(self, parameters: list[np.ndarray], config: dict) -> tuple[float, int, dict]:
         set_weights(self.weight_modules(), parameters)
-        loss, acc = evaluate(self.model, self.data.x_test, self.data.y_test)
+        loss, acc = evaluate(self.eval_module(), self.data.x_test, self.data.y_test)
         return loss, len(self.data.y_test), {"accuracy": acc, "partition-id": self.pid}

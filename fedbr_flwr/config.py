@@ -47,6 +47,7 @@ def _open_fraction(v) -> bool:
 
 FEDBR = ("fedbr",)
 MIXUP_USERS = ("fedbr",)
+DISTRANS = ("distrans",)
 
 
 SCHEMA: dict[str, Key] = {
@@ -128,6 +129,23 @@ SCHEMA: dict[str, Key] = {
                          choices=("auto", "mnist5k", "mnist", "cifar10", "cifar100"), owners=FEDBR),
     "pseudo-refresh": Key("once", "send the pseudo-data once (at round 1) or rebuild it every round",
                           choices=("once", "every-round"), owners=FEDBR),
+    # DisTrans (SPEC section 3); the defaults are the paper's (model lr: the common 'lr')
+    "distrans-alpha": Key(0.3, "blend weight of the offset in the two input channels", check=_open_fraction,
+                          check_msg="in (0, 1)", owners=DISTRANS),
+    "distrans-offset-lr": Key(1e-3, "client SGD learning rate of the offset t", check=_positive,
+                              check_msg="> 0", owners=DISTRANS),
+    "distrans-update": Key("simultaneous", "model and offset from one backward pass per batch (authors' code), "
+                                           "or alternating: offset step, then model step (paper)",
+                           choices=("simultaneous", "alternating"), owners=DISTRANS),
+    "distrans-agg": Key("auto", "server offset aggregation: none (offsets stay with their clients), avg (the "
+                                "mean to all), nn (aggregation network), auto (none if DH >= threshold, else nn)",
+                        choices=("auto", "none", "avg", "nn"), owners=DISTRANS),
+    "distrans-dh-threshold": Key(0.5, "auto picks none at DH >= this, nn below", check=_fraction,
+                                 check_msg="in (0, 1]", owners=DISTRANS),
+    "distrans-nn-lr": Key(1e-2, "SGD learning rate of the server's offset aggregation network", check=_positive,
+                          check_msg="> 0", owners=DISTRANS),
+    "distrans-nn-steps": Key(10, "full-batch regression steps of the aggregation network per round",
+                             check=_positive, check_msg="> 0", owners=DISTRANS),
 }
 
 DEFAULTS: dict[str, Any] = {k: v.default for k, v in SCHEMA.items()}

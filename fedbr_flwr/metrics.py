@@ -40,6 +40,10 @@ def summarize(history: list[dict], threshold: float) -> dict[str, Any]:
         "target_acc": threshold,
         "rounds_to_target": rounds_to_reach(evals, threshold),
     }
+    pooled = [r["pooled_acc"] for r in evals if r.get("pooled_acc") is not None]
+    if pooled:  # every client's local test samples counted together (DisTrans' metric)
+        summary["pooled_acc_best5"] = mean_of_best(pooled)
+        summary["final_pooled_acc"] = last.get("pooled_acc")
     globals_ = [r["global_acc"] for r in evals if r.get("global_acc") is not None]
     if globals_:
         summary["global_acc_best5"] = mean_of_best(globals_)
@@ -61,6 +65,7 @@ def summary_table(summary: dict[str, Any], title: str = "") -> str:
     rows = [
         ("mean local-test acc, best 5 evals (%)", _pct(summary["mean_acc_best5"])),
         ("worst client acc, best 5 evals (%)", _pct(summary["worst_acc_best5"])),
+        ("pooled local-test acc, best 5 evals (%)", _pct(summary.get("pooled_acc_best5"))),
         ("final mean / worst acc (%)", f"{_pct(summary['final_mean_acc'])} / {_pct(summary['final_worst_acc'])}"),
         ("global test acc, best 5 evals (%)", _pct(summary.get("global_acc_best5"))),
         (f"rounds to {_pct(summary['target_acc'])}% mean acc", "not reached" if reached is None else str(reached)),

@@ -166,12 +166,23 @@ def label_skew(labels: np.ndarray, parts: list[np.ndarray]) -> float:
     return float(np.mean(tvs))
 
 
-def distributional_heterogeneity(labels: np.ndarray, parts: list[np.ndarray]) -> float:
-    """DisTrans' DH = 1 - sum_j c_j / (N * C), c_j = #clients holding class j (0 if only one)."""
+def class_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:
+    """(clients, classes) matrix of how many samples of each class each client holds."""
     labels = np.asarray(labels)
-    classes = np.unique(labels)
-    total = 0
-    for c in classes:
-        holders = sum(1 for p in parts if np.any(labels[p] == c))
-        total += holders if holders > 1 else 0
-    return 1.0 - total / (len(classes) * len(parts))
+    return np.stack([np.bincount(labels[p], minlength=num_classes) for p in parts])
+
+
+def heterogeneity_from_counts(counts: np.ndarray) -> float:
+    """DisTrans' DH = 1 - sum_j c_j / (N * C) over a (C clients, N classes) count matrix, where c_j is
+    the number of clients holding class j, counted as 0 when only one client holds it."""
+    counts = np.asarray(counts)
+    holders = (counts > 0).sum(axis=0)
+    c = np.where(holders > 1, holders, 0)
+    return float(1.0 - c.sum() / counts.size)
+
+
+def distributional_heterogeneity(labels: np.ndarray, parts: list[np.ndarray]) -> float:
+    """DH of a partition, over the classes present in ``labels``."""
+    labels = np.asarray(labels)
+    _, dense = np.unique(labels, return_inverse=True)
+    return heterogeneity_from_counts(class_counts(dense, parts, int(dense.max()) + 1))

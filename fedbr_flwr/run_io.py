@@ -96,7 +96,8 @@ class RunRecorder:
 
     def log_round(self, record: dict[str, Any]) -> None:
         self._append(self.rounds_path, record)
-        extras = "".join(f" | {k} {v:.4f}" for k, v in record.get("train", {}).items())
+        shown = {**record.get("train", {}), **record.get("server", {})}
+        extras = "".join(f" | {k} {v:.4f}" for k, v in shown.items())
         failed = f" | {record['failures']} failed" if record.get("failures") else ""
         log.info("[fedbr] round %d/%d%s%s | %.2f s/round", record["round"], self.cfg["num-rounds"], extras,
                  failed, record["seconds"])

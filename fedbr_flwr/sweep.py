@@ -135,6 +135,7 @@ def run_all(jobs: list[tuple[str, int, dict[str, Any]]], quiet: bool) -> dict[tu
 COLUMNS = [  # (csv column, summary key, markdown header, kind)
     ("mean_acc_best5", "mean_acc_best5", "mean acc, best 5 (%)", "pct"),
     ("worst_acc_best5", "worst_acc_best5", "worst client, best 5 (%)", "pct"),
+    ("pooled_acc_best5", "pooled_acc_best5", "pooled acc, best 5 (%)", "pct"),
     ("final_mean_acc", "final_mean_acc", "final mean acc (%)", "pct"),
     ("global_acc_best5", "global_acc_best5", "global test, best 5 (%)", "pct"),
     ("rounds_to_target", "rounds_to_target", "rounds to target", "rounds"),

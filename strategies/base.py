@@ -20,6 +20,7 @@ from flwr.server.strategy import Strategy
 
 from fedbr_flwr.config import ConfigError
 from fedbr_flwr.dataset import save_partition
+from fedbr_flwr.partition import heterogeneity_from_counts
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.training import evaluate, get_weights, set_weights
 
@@ -61,6 +62,9 @@ class FederatedStrategy(Strategy):
         self._last_train: dict[str, float] = {}
         self.num_model_arrays = len(model.state_dict())
         self.sampled: list[int] = []  # partition ids sent fit instructions this round
+        self.result_pids: list[int] = []  # partition ids of the updates being aggregated, in their order
+        self.class_counts: dict[int, np.ndarray] = {}  # each client's training samples per class
+        self.server_metrics: dict[str, float] = {}  # what aggregate() measured this round (recorded with it)
 
     # ------------------------------------------------------------ hooks for algorithms
     def aggregate(self, arrays: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
@@ -73,6 +77,18 @@ class FederatedStrategy(Strategy):
         """Arrays trained and averaged beside the model (e.g. FedBR's projection head), sent after it."""
         return []
 
+    def client_parameters(self, parameters: Parameters, pid: int) -> Parameters:
+        """What client ``pid`` receives with fit and evaluate instructions (DisTrans adds its offset)."""
+        return parameters
+
+    def after_discovery(self) -> dict[str, Any]:
+        """Called once every client has reported its partition; returns extra manifest entries."""
+        return {}
+
+    def global_test_module(self) -> torch.nn.Module:
+        """What the server evaluates on the global test set, once ``self.model`` holds the new weights."""
+        return self.model
+
     # ------------------------------------------------------------ Flower Strategy API
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         return ndarrays_to_parameters(get_weights(self.model) + self.extra_initial_weights())
@@ -83,7 +99,8 @@ class FederatedStrategy(Strategy):
             self._discover(client_manager)
         self._fit_start = time.perf_counter()
         self.sampled = self.sample_partitions(server_round)
-        return [(self.clients_by_pid[pid], FitIns(parameters, self.fit_config(server_round, pid)))
+        return [(self.clients_by_pid[pid],
+                 FitIns(self.client_parameters(parameters, pid), self.fit_config(server_round, pid)))
                 for pid in self.sampled]
 
     def sample_partitions(self, server_round: int) -> list[int]:
@@ -100,6 +117,8 @@ class FederatedStrategy(Strategy):
         for failure in failures:
             log.warning("[fedbr] round %d: a client failed: %r", server_round, _describe(failure))
         results = _in_partition_order(results)
+        self.result_pids = [int(res.metrics["partition-id"]) for _, res in results]
+        self.server_metrics = {}
         new = None
         if results:
             arrays = [parameters_to_ndarrays(res.parameters) for _, res in results]
@@ -110,6 +129,7 @@ class FederatedStrategy(Strategy):
             "round": server_round, "clients": len(results), "failures": len(failures),
             "train": self._last_train, "seconds": round(time.perf_counter() - self._fit_start, 4),
             "client_fit_seconds": max((res.metrics.get("fit-seconds", 0.0) for _, res in results), default=0.0),
+            **({"server": self.server_metrics} if self.server_metrics else {}),
         })
         if not results:
             log.error("[fedbr] round %d: no client returned an update; the global model is unchanged", server_round)
@@ -122,8 +142,9 @@ class FederatedStrategy(Strategy):
                            ) -> list[tuple[ClientProxy, EvaluateIns]]:
         if not self.is_eval_round(server_round):
             return []
-        ins = EvaluateIns(parameters, {"server-round": server_round})
-        return [(self.clients_by_pid[pid], ins) for pid in sorted(self.clients_by_pid)]
+        config = {"server-round": server_round}
+        return [(self.clients_by_pid[pid], EvaluateIns(self.client_parameters(parameters, pid), config))
+                for pid in sorted(self.clients_by_pid)]
 
     def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
                            failures: list) -> tuple[float | None, dict[str, Any]]:
@@ -159,7 +180,7 @@ class FederatedStrategy(Strategy):
         set_weights(self.model, parameters_to_ndarrays(parameters)[:self.num_model_arrays])
         device = next(self.model.parameters()).device
         x, y = self.global_test
-        loss, acc = evaluate(self.model, x.to(device), y.to(device))
+        loss, acc = evaluate(self.global_test_module(), x.to(device), y.to(device))
         self._global_acc[server_round] = (loss, acc)
         return loss, {"global_acc": acc}
 
@@ -185,6 +206,8 @@ class FederatedStrategy(Strategy):
                     raise ConfigError(f"two SuperNodes claim partition-id {pid}: give each a distinct one")
                 self.clients_by_pid[pid] = proxy
                 self.pid_by_cid[proxy.cid] = pid
+                if "class-counts" in props:
+                    self.class_counts[pid] = np.array(str(props["class-counts"]).split(","), dtype=np.int64)
                 hashes.add(props["partition-hash"])
             num = len(self.clients_by_pid)
             if num >= (expected or 1):
@@ -214,8 +237,17 @@ class FederatedStrategy(Strategy):
         if server_hash != client_hash:
             raise ConfigError(f"the clients' partition (hash {client_hash}) differs from the server's "
                               f"({server_hash}): check that both use the same dataset files and config")
-        self.recorder.write_manifest(partition_hash=client_hash, num_partitions=num)
+        extra = self.after_discovery()
+        self.recorder.write_manifest(partition_hash=client_hash, num_partitions=num, **self.partition_stats(),
+                                     **extra)
         log.info("[fedbr] %d clients found; writing run files to %s", num, self.recorder.out_dir)
+
+    def partition_stats(self) -> dict[str, Any]:
+        """The clients' class histograms and their distributional heterogeneity (DisTrans' DH)."""
+        if len(self.class_counts) != len(self.clients_by_pid):
+            return {}
+        counts = np.stack([self.class_counts[pid] for pid in sorted(self.class_counts)])
+        return {"class_counts": counts.tolist(), "distributional_heterogeneity": heterogeneity_from_counts(counts)}
 
     @staticmethod
     def _ask_partitions(proxies: list[ClientProxy]) -> list[tuple[ClientProxy, dict]]:

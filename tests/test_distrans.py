@@ -1,0 +1,355 @@
+"""DisTrans on small tensors: the two input channels, the joint (model, offset) step, DH and class
+shares, the three offset aggregations, the per-client offset kept across rounds, and evaluation with
+each client's own offset."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.common import Code, FitRes, RecordDict, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from torch.nn import functional as F
+
+from clients.distrans import DisTrans, DisTransClient, initial_offset
+from fedbr_flwr.config import ConfigError, validate
+from fedbr_flwr.dataset import INFO, ClientData
+from fedbr_flwr.model import DoubleInputModel, Offset, OffsetGenerator, WithOffset, build_model
+from fedbr_flwr.partition import heterogeneity_from_counts
+from fedbr_flwr.run_io import RunRecorder
+from fedbr_flwr.training import evaluate
+from strategies.distrans import DisTransStrategy, OffsetAggregator, build_offset_network, class_shares, resolve_mode
+
+C = 10
+
+
+def distrans_cfg(**overrides):
+    return validate({"strategy": "distrans", "batch-size": 8, **overrides})
+
+
+def small_model(alpha=0.3, seed=0):
+    torch.manual_seed(seed)
+    return DoubleInputModel.from_backbone(build_model("cnn", C, 1, 8), alpha)
+
+
+def batch(seed=1, n=8, size=8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, size, size, generator=g), torch.randint(0, C, (n,), generator=g)
+
+
+# ---------------------------------------------------------------- the double-input-channel model
+
+
+def test_channels_follow_the_blend_formulas_and_give_back_the_input():
+    model = small_model(alpha=0.3)
+    x, _ = batch()
+    t = torch.randn(1, 8, 8)
+    x1, x2 = model.channels(x, t)
+    torch.testing.assert_close(x1, 0.7 * x + 0.3 * t)
+    torch.testing.assert_close(x2, 1.3 * x - 0.3 * t)
+    torch.testing.assert_close((x1 + x2) / 2, x)  # the original input is recoverable
+    torch.testing.assert_close((x1 - 0.7 * x) / 0.3, t.expand_as(x))
+
+
+def test_one_fused_pass_equals_the_backbone_on_each_channel():
+    model = small_model()
+    x, _ = batch()
+    t = torch.randn(1, 8, 8)
+    x1, x2 = model.channels(x, t)
+    expected = model.classifier(torch.cat([model.features(x1), model.features(x2)], dim=1))
+    torch.testing.assert_close(model(x, t), expected)
+    assert model.classifier.in_features == 2 * 128 and model.feature_dim == 256
+
+
+def test_offset_changes_the_prediction():
+    model = small_model()
+    x, _ = batch()
+    assert not torch.allclose(model(x, torch.zeros(1, 8, 8)), model(x, torch.ones(1, 8, 8)))
+
+
+# ---------------------------------------------------------------- the client's joint step
+
+
+def make_algorithm(**overrides):
+    cfg = distrans_cfg(**overrides)
+    model = small_model()
+    offset = Offset((1, 8, 8))
+    offset.t.data = torch.randn(1, 8, 8, generator=torch.Generator().manual_seed(3))
+    return DisTrans(model, offset, cfg)
+
+
+def test_simultaneous_step_moves_model_and_offset_by_one_gradient_each():
+    algo = make_algorithm(**{"distrans-offset-lr": 0.5, "lr": 0.1})
+    x, y = batch()
+    t0 = algo.offset.t.detach().clone()
+    w0 = [p.detach().clone() for p in algo.model.parameters()]
+    loss = F.cross_entropy(algo.model(x, algo.offset.t), y)
+    grads = torch.autograd.grad(loss, [algo.offset.t, *algo.model.parameters()])
+    algo.update(x, y)
+    assert grads[0].abs().sum() > 0  # the offset receives gradient ...
+    torch.testing.assert_close(algo.offset.t.detach(), t0 - 0.5 * grads[0])  # ... and moves by it
+    for p, p0, g in zip(algo.model.parameters(), w0, grads[1:]):
+        torch.testing.assert_close(p.detach(), p0 - 0.1 * g)
+
+
+def test_alternating_step_moves_the_offset_first_then_the_model_on_the_moved_offset():
+    algo = make_algorithm(**{"distrans-update": "alternating", "distrans-offset-lr": 50.0, "lr": 0.1})
+    x, y = batch()
+    w0 = [p.detach().clone() for p in algo.model.parameters()]
+    stats = algo.update(x, y)
+    # the returned loss is on the moved offset with the model not yet stepped: the offset step lowered it
+    assert stats["loss"] < stats["offset-loss"]
+    t1 = algo.offset.t.detach().clone()
+    ref = small_model()  # same init as the algorithm's model
+    for p, p0 in zip(ref.parameters(), w0):
+        p.data.copy_(p0)
+    grads = torch.autograd.grad(F.cross_entropy(ref(x, t1), y), list(ref.parameters()))
+    for p, p0, g in zip(algo.model.parameters(), w0, grads):
+        torch.testing.assert_close(p.detach(), p0 - 0.1 * g)
+
+
+def test_initial_offset_is_a_normalised_uniform_image_and_seeded():
+    info = INFO["mnist5k"]
+    t = initial_offset(info, 5)
+    assert t.shape == (1, 28, 28)
+    pixels = t * info.std[0] + info.mean[0]
+    assert 0 <= pixels.min() and pixels.max() < 1 and abs(pixels.mean() - 0.5) < 0.05
+    np.testing.assert_array_equal(t, initial_offset(info, 5))
+    assert not np.array_equal(t, initial_offset(info, 6))
+
+
+# ---------------------------------------------------------------- DH, shares, modes
+
+
+def test_dh_on_hand_made_histograms():
+    iid = np.full((4, 10), 25)
+    assert heterogeneity_from_counts(iid) == 0.0
+    one_class_each = np.eye(10, dtype=int) * 50
+    assert heterogeneity_from_counts(one_class_each) == 1.0
+    # 2 clients x 3 classes: class 0 held by both (c=2), classes 1 and 2 by one each (c=0)
+    counts = np.array([[5, 3, 0], [5, 0, 4]])
+    assert heterogeneity_from_counts(counts) == pytest.approx(1 - 2 / 6)
+
+
+def test_class_shares_are_each_clients_fraction_of_every_class():
+    counts = np.array([[30, 0, 1], [10, 0, 3]])
+    shares = class_shares(counts)
+    np.testing.assert_allclose(shares, [[0.75, 0, 0.25], [0.25, 0, 0.75]])
+
+
+@pytest.mark.parametrize("mode, dh, expected", [
+    ("auto", 0.5, "none"), ("auto", 0.8, "none"), ("auto", 0.49, "nn"), ("auto", 0.0, "nn"),
+    ("avg", 0.9, "avg"), ("none", 0.0, "none"), ("nn", 1.0, "nn"),
+])
+def test_auto_picks_none_at_or_above_the_threshold_and_nn_below(mode, dh, expected):
+    assert resolve_mode(mode, dh, 0.5) == expected
+
+
+# ---------------------------------------------------------------- offset aggregation (Flower-free)
+
+
+def offsets_of(num, seed=0, shape=(1, 28, 28)):
+    rng = np.random.default_rng(seed)
+    return {pid: rng.uniform(-0.4, 2.8, size=shape).astype(np.float32) for pid in range(num)}
+
+
+def test_none_returns_no_offset():
+    agg = OffsetAggregator("none", class_shares(np.eye(3)))
+    assert agg.update(offsets_of(3), {0: 1.0, 1: 1.0, 2: 1.0}) == ({}, {})
+
+
+def test_avg_gives_every_client_the_weighted_mean_even_the_unsampled_ones():
+    agg = OffsetAggregator("avg", class_shares(np.ones((4, 10))))
+    offs = offsets_of(3)
+    nxt, _ = agg.update(offs, {0: 1.0, 1: 1.0, 2: 2.0})
+    expected = (offs[0] + offs[1] + 2 * offs[2]) / 4
+    assert sorted(nxt) == [0, 1, 2, 3]
+    for t in nxt.values():
+        np.testing.assert_allclose(t, expected, rtol=1e-5)
+
+
+def test_nn_lowers_its_regression_loss_over_rounds_and_personalises():
+    info = INFO["mnist5k"]
+    torch.manual_seed(0)
+    counts = np.random.default_rng(1).integers(0, 50, size=(6, 10))
+    agg = OffsetAggregator("nn", class_shares(counts), build_offset_network(info), lr=1e-2, steps=5)
+    targets = {pid: np.full((1, 28, 28), 0.2 * pid, np.float32) for pid in range(6)}  # learnable by h(e_i)
+    losses = []
+    for _ in range(15):
+        nxt, diag = agg.update(targets, {pid: 1.0 for pid in targets})
+        losses.append(diag["offset-nn-loss-before"])
+        assert diag["offset-nn-loss-after"] < diag["offset-nn-loss-before"]
+    assert losses[-1] < 0.5 * losses[0]
+    low, high = -info.mean[0] / info.std[0], (1 - info.mean[0]) / info.std[0]
+    for pid, t in nxt.items():
+        assert t.shape == (1, 28, 28) and low - 1e-5 <= t.min() and t.max() <= high + 1e-5
+    assert not np.allclose(nxt[0], nxt[5])  # different class shares, different offsets
+
+
+def test_offset_generator_reaches_the_input_shape():
+    for size, channels in ((28, 1), (32, 3)):
+        out = OffsetGenerator(10, channels, size)(torch.rand(2, 10))
+        assert out.shape == (2, channels, size, size) and out.abs().max() <= 1
+
+
+# ---------------------------------------------------------------- client state and evaluation
+
+
+def client_data(pid, n=40):
+    g = torch.Generator().manual_seed(pid)
+    x = torch.randn(n, 1, 28, 28, generator=g)
+    y = torch.randint(0, C, (n,), generator=g)
+    return ClientData(pid, x, y, x[:10], y[:10], C, False)
+
+
+def make_client(pid, state, **overrides):
+    cfg = distrans_cfg(**{"num-clients": 3, "local-steps": 2, "distrans-offset-lr": 1.0, **overrides})
+    return DisTransClient(cfg, client_data(pid), "cpu", state)
+
+
+def test_client_keeps_its_offset_across_rounds_in_its_state():
+    state = RecordDict()
+    client = make_client(1, state)
+    model_arrays = client.get_parameters({})[:-1]
+    drawn = client.with_offset(model_arrays)[-1]  # nothing stored yet: a freshly drawn offset
+    weights, _, metrics = client.fit(model_arrays, {"server-round": 1})
+    first = weights[-1]
+    assert metrics["offset-rms-change"] > 0 and not np.array_equal(first, drawn)
+    # round 2 runs in a fresh client object (Flower builds one per message) over the same state
+    again = make_client(1, state)
+    np.testing.assert_array_equal(again.with_offset(model_arrays)[-1], first)
+    weights2, _, _ = again.fit(model_arrays, {"server-round": 2})
+    assert not np.array_equal(weights2[-1], first)
+    # another client's state is its own
+    other = make_client(2, RecordDict())
+    assert not np.array_equal(other.with_offset(model_arrays)[-1], first)
+
+
+def test_a_server_sent_offset_replaces_the_stored_one():
+    state = RecordDict()
+    client = make_client(0, state)
+    arrays = client.get_parameters({})[:-1]
+    sent = np.full((1, 28, 28), 0.5, np.float32)
+    client.evaluate([*arrays, sent], {"server-round": 1})
+    np.testing.assert_array_equal(make_client(0, state).with_offset(arrays)[-1], sent)
+
+
+def test_evaluation_applies_each_clients_own_offset():
+    states = [RecordDict(), RecordDict()]
+    clients = [make_client(0, states[0]), make_client(0, states[1])]  # same data, different offsets
+    arrays = clients[0].get_parameters({})[:-1]
+    offsets = [np.zeros((1, 28, 28), np.float32), np.full((1, 28, 28), 3.0, np.float32)]
+    for client, t in zip(clients, offsets):
+        client.evaluate([*arrays, t], {"server-round": 1})  # stores t
+    results = [make_client(0, s).evaluate(arrays, {"server-round": 2}) for s in states]  # no offset sent
+    data = clients[0].data
+    for (loss, n, metrics), t in zip(results, offsets):
+        ref_loss, ref_acc = evaluate(WithOffset(clients[0].model, torch.as_tensor(t)), data.x_test, data.y_test)
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and metrics["accuracy"] == pytest.approx(ref_acc)
+    assert results[0][0] != pytest.approx(results[1][0])
+
+
+# ---------------------------------------------------------------- strategy (no processes)
+
+
+def make_strategy(tmp_path, agg, counts, **overrides):
+    cfg = validate({"strategy": "distrans", "output-dir": str(tmp_path), "global-test": False, "batch-size": 8,
+                    "num-clients": len(counts), "local-steps": 2, "distrans-agg": agg, **overrides})
+    torch.manual_seed(0)
+    strategy = DisTransStrategy(cfg, RunRecorder(cfg, tmp_path), build_model("cnn", C, 1, 28), None)
+    strategy.clients_by_pid = {pid: None for pid in range(len(counts))}
+    strategy.class_counts = {pid: np.asarray(c) for pid, c in enumerate(counts)}
+    info = strategy.after_discovery()
+    return strategy, info
+
+
+def one_round(strategy, clients, server_round, sizes=None):
+    """configure -> client fit -> aggregate, in process, for every client."""
+    params = strategy.initialize_parameters(None) if server_round == 1 else strategy.current
+    results = []
+    for pid, client in enumerate(clients):
+        arrays = parameters_to_ndarrays(strategy.client_parameters(params, pid))
+        weights, n, metrics = client.fit(arrays, {"server-round": server_round})
+        n = sizes[pid] if sizes else n
+        results.append((None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(weights), n, metrics)))
+    strategy.sampled = list(range(len(clients)))
+    strategy.current, _ = strategy.aggregate_fit(server_round, results, [])
+    return results
+
+
+IID_COUNTS = [[4] * 10] * 3
+ONE_CLASS_COUNTS = np.eye(3, 10, dtype=int) * 40
+
+
+def test_auto_resolves_from_the_reported_histograms(tmp_path):
+    _, info = make_strategy(tmp_path / "a", "auto", IID_COUNTS)
+    assert info["distrans"] == {"dh": 0.0, "offset_agg": "nn", "distrans_agg_setting": "auto"}
+    _, info = make_strategy(tmp_path / "b", "auto", ONE_CLASS_COUNTS)
+    assert info["distrans"]["dh"] == 1.0 and info["distrans"]["offset_agg"] == "none"
+
+
+def test_none_sends_no_offset_and_each_client_continues_from_its_own(tmp_path):
+    strategy, _ = make_strategy(tmp_path, "none", ONE_CLASS_COUNTS)
+    states = [RecordDict() for _ in range(3)]
+    clients = [make_client(pid, states[pid]) for pid in range(3)]
+    results = one_round(strategy, clients, 1)
+    n = strategy.num_model_arrays
+    assert len(parameters_to_ndarrays(strategy.current)) == n  # the global parameters hold no offset
+    assert len(parameters_to_ndarrays(strategy.client_parameters(strategy.current, 0))) == n
+    for pid, (_, res) in enumerate(results):
+        own = parameters_to_ndarrays(res.parameters)[-1]
+        fresh = make_client(pid, states[pid])
+        np.testing.assert_array_equal(fresh.with_offset(parameters_to_ndarrays(strategy.current))[-1], own)
+
+
+def test_avg_sends_every_client_the_mean_offset_and_the_model_is_the_weighted_mean(tmp_path):
+    strategy, _ = make_strategy(tmp_path, "avg", IID_COUNTS, weighting="samples")
+    clients = [make_client(pid, RecordDict()) for pid in range(3)]
+    sizes = [10, 30, 60]
+    results = one_round(strategy, clients, 1, sizes)
+    returned = [parameters_to_ndarrays(res.parameters) for _, res in results]
+    n = strategy.num_model_arrays
+    got = parameters_to_ndarrays(strategy.current)
+    for layer in range(n):
+        expected = sum(s * r[layer].astype(np.float64) for s, r in zip(sizes, returned)) / 100
+        np.testing.assert_allclose(got[layer], expected, rtol=1e-5, atol=1e-7)
+    mean_offset = sum(s * r[n] for s, r in zip(sizes, returned)) / 100
+    for pid in range(3):
+        sent = parameters_to_ndarrays(strategy.client_parameters(strategy.current, pid))
+        assert len(sent) == n + 1
+        np.testing.assert_allclose(sent[-1], mean_offset, rtol=1e-5)
+
+
+def test_nn_sends_each_client_the_networks_output_and_records_its_loss(tmp_path):
+    strategy, _ = make_strategy(tmp_path, "nn", [[10, 0, 5] + [0] * 7, [0, 10, 5] + [0] * 7, [5] * 10])
+    clients = [make_client(pid, RecordDict()) for pid in range(3)]
+    one_round(strategy, clients, 1)
+    assert set(strategy.server_metrics) == {"offset-nn-loss-before", "offset-nn-loss-after"}
+    predicted = strategy.aggregator.predict()
+    for pid in range(3):
+        sent = parameters_to_ndarrays(strategy.client_parameters(strategy.current, pid))[-1]
+        np.testing.assert_array_equal(sent, predicted[pid])
+    assert not np.allclose(predicted[0], predicted[2])
+
+
+def test_global_test_sees_the_mean_of_the_returned_offsets(tmp_path):
+    strategy, _ = make_strategy(tmp_path, "none", ONE_CLASS_COUNTS)
+    assert float(strategy.global_test_module().t.abs().sum()) == 0.0  # before any round: zero offset
+    clients = [make_client(pid, RecordDict()) for pid in range(3)]
+    results = one_round(strategy, clients, 1)
+    mean = np.mean([parameters_to_ndarrays(res.parameters)[-1] for _, res in results], axis=0)
+    np.testing.assert_allclose(strategy.global_test_module().t.cpu().numpy(), mean, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"strategy": "fedavg", "distrans-agg": "nn"}, "belongs to strategy distrans"),
+    ({"strategy": "distrans", "distrans-agg": "mean"}, "not one of: auto, none, avg, nn"),
+    ({"strategy": "distrans", "distrans-alpha": 1.0}, r"in \(0, 1\)"),
+    ({"strategy": "distrans", "distrans-update": "joint"}, "simultaneous, alternating"),
+    ({"strategy": "fedbr", "distrans-offset-lr": 0.1}, "belongs to strategy distrans"),
+])
+def test_bad_distrans_settings_stop_with_a_clear_message(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(overrides)
