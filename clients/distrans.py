@@ -90,6 +90,7 @@ class DisTransClient(BaseClient):
         self.model = double_input_model(self.model, cfg).to(device)
         self.offset = Offset(offset_shape(self.info)).to(device)
         self.num_model_arrays = len(self.model.state_dict())
+        self.fresh_offset = False
 
     def weight_modules(self) -> list[nn.Module]:
         return [self.model, self.offset]
@@ -103,6 +104,7 @@ class DisTransClient(BaseClient):
     def stored_offset(self) -> np.ndarray:
         if OFFSET_KEY in self.state:
             return self.state[OFFSET_KEY].to_numpy_ndarrays()[0]
+        self.fresh_offset = True
         return initial_offset(self.info, step_seed(self.cfg["seed"], self.pid, 201))
 
     def store_offset(self) -> None:
@@ -119,12 +121,14 @@ class DisTransClient(BaseClient):
         return [*parameters, self.stored_offset()]
 
     def fit(self, parameters, config):
+        self.fresh_offset = False
         parameters = self.with_offset(parameters)
         start = torch.as_tensor(parameters[-1])
         weights, n, metrics = super().fit(parameters, config)
         self.store_offset()
         change = float((torch.as_tensor(weights[-1]) - start).pow(2).mean().sqrt())
-        return weights, n, {**metrics, "offset-rms-change": change}
+        # averaged over clients: the share that started from a freshly drawn offset (round 1, or lost state)
+        return weights, n, {**metrics, "offset-rms-change": change, "offset-fresh": float(self.fresh_offset)}
 
     def evaluate(self, parameters, config):
         result = super().evaluate(self.with_offset(parameters), config)

@@ -3,7 +3,7 @@ the same local steps (same algorithm class, data, seeds) and the same averaging 
 
     fedbr-bench                                  # quick defaults, 5 timed rounds
     fedbr-bench experiments/fedavg_rotmnist5k.yaml --rounds 3
-    fedbr-bench --step batch-size=64                # one FedBR local step / one FedAvg step
+    fedbr-bench --step batch-size=64                # one FedBR / DisTrans local step / one FedAvg step
     fedbr-bench --step dataset=cifar10 model=vgg11  # synthetic inputs of the dataset's shape
 
 Round 1 is a warm-up on both sides (Flower: Ray and actor start, data loading) and is not timed.
@@ -13,6 +13,7 @@ Evaluation is switched off on both sides except Flower's final one, which is not
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -29,7 +30,7 @@ from .config import ConfigError, resolved_model
 from .dataset import INFO, load_client_data
 from .launcher import RunFailed, run_flower
 from .metrics import read_jsonl
-from .model import build_model
+from .model import Offset, build_model
 from .registry import client_class
 from .server_app import build_strategy
 from .training import pick_device
@@ -38,7 +39,8 @@ from strategies.base import weighted_mean
 
 def bare_loop_round_seconds(cfg: dict, rounds: int) -> list[float]:
     """The reference: every client's ``fit`` (the same local-step code Flower calls) one after
-    another in this process, then the same averaging; no messages, no processes."""
+    another in this process, then the same averaging; no messages, no processes. (DisTrans: the
+    returned offsets are averaged and sent back with the model, as ``distrans-agg=avg`` does.)"""
     device = pick_device(cfg["device"])
     with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:  # the server's seeded initial weights
         strategy = build_strategy({**cfg, "output-dir": tmp, "global-test": False})
@@ -78,8 +80,9 @@ def bare_fit_config(cfg: dict, clients: list):
 
 
 def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
-    """Seconds per local step of FedAvg and of FedBR on the same model, batch and device, on synthetic
-    inputs of the dataset's shape. Both are timed in alternation and the median repeat is kept."""
+    """Seconds per local step of FedAvg, FedBR and DisTrans on the same backbone, batch and device, on
+    synthetic inputs of the dataset's shape. They are timed in alternation and the median repeat is kept."""
+    from clients.distrans import DisTrans, double_input_model, offset_shape
     from clients.fedavg import FedAvg
     from clients.fedbr import FedBR, build_head
 
@@ -94,9 +97,12 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     x, x_p = torch.randn(shape, device=device), torch.randn(shape, device=device)
     y = torch.randint(0, info.num_classes, (cfg["batch-size"],), device=device)
     y_p = torch.full((cfg["batch-size"], info.num_classes), 1.0 / info.num_classes, device=device)
+    distrans_model = double_input_model(copy.deepcopy(model), cfg).to(device)
     algorithms = {"fedavg": FedAvg(model, cfg),
-                  "fedbr": FedBR(model, fedbr_cfg, head, x_p, y_p, (x, y), seed=cfg["seed"])}
+                  "fedbr": FedBR(model, fedbr_cfg, head, x_p, y_p, (x, y), seed=cfg["seed"]),
+                  "distrans": DisTrans(distrans_model, Offset(offset_shape(info)).to(device), cfg)}
     model.train()
+    distrans_model.train()
 
     def timed(algorithm, n):
         if device.type == "cuda":
@@ -125,11 +131,13 @@ def step_main(cfg: dict, steps: int, threads: int, json_path: Path | None) -> in
     print("| local step | s/step (median) | ratio |\n|---|---|---|")
     print(f"| FedAvg | {t['fedavg']:.4f} | 1.00 |")
     print(f"| FedBR ({_fedbr_label(cfg)}) | {t['fedbr']:.4f} | {t['fedbr'] / t['fedavg']:.2f} |")
+    print(f"| DisTrans ({cfg['distrans-update']}) | {t['distrans']:.4f} | {t['distrans'] / t['fedavg']:.2f} |")
     if json_path:
         json_path.write_text(json.dumps({"device": device, "model": resolved_model(cfg),
                                          "batch_size": cfg["batch-size"], "fedavg_s_per_step": t["fedavg"],
-                                         "fedbr_s_per_step": t["fedbr"], "ratio": t["fedbr"] / t["fedavg"]},
-                                        indent=2) + "\n")
+                                         "fedbr_s_per_step": t["fedbr"], "ratio": t["fedbr"] / t["fedavg"],
+                                         "distrans_s_per_step": t["distrans"],
+                                         "distrans_ratio": t["distrans"] / t["fedavg"]}, indent=2) + "\n")
     return 0
 
 
@@ -167,7 +175,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     parser.add_argument("--step", action="store_true",
-                        help="time one FedBR local step against one FedAvg step instead of whole rounds")
+                        help="time one FedBR and one DisTrans local step against one FedAvg step instead of "
+                             "whole rounds")
     parser.add_argument("--steps", type=int, default=20, help="steps per timing repeat (--step)")
     args = parser.parse_intermixed_args(argv)
     items = (["data-dir=unused-synthetic-inputs"] if args.step else []) + args.items  # --step reads no files

@@ -158,7 +158,18 @@ class DisTransStrategy(FederatedStrategy):
         self.returned_offsets.update(offsets)
         nxt, self.server_metrics = self.aggregator.update(offsets, dict(zip(self.result_pids, weights)))
         self.next_offsets.update(nxt)
+        self.save_offsets()
         return weighted_mean([a[:n] for a in arrays], weights)
+
+    def save_offsets(self) -> None:
+        """offsets.npz in the run folder: each client's last returned offset (``returned_<i>``) and,
+        under avg / nn, the offset it receives next (``next_<i>``); rewritten every round."""
+        arrays = {f"returned_{pid}": t for pid, t in sorted(self.returned_offsets.items())}
+        arrays.update({f"next_{pid}": t for pid, t in sorted(self.next_offsets.items())})
+        path = self.recorder.out_dir / "offsets.npz"
+        tmp = path.with_name("offsets.tmp.npz")
+        np.savez(tmp, **arrays)
+        tmp.replace(path)
 
     def client_parameters(self, parameters: Parameters, pid: int) -> Parameters:
         if pid not in self.next_offsets:

@@ -7,7 +7,7 @@ from fedbr_flwr import bench
 from fedbr_flwr.cli import config_from_settings
 
 
-@pytest.mark.parametrize("strategy", ["fedavg", "fedbr"])
+@pytest.mark.parametrize("strategy", ["fedavg", "fedbr", "distrans"])
 def test_bare_loop_runs_the_clients_fit_and_averages(strategy, monkeypatch):
     cfg = config_from_settings({"strategy": strategy, "num-clients": 2, "local-steps": 1, "batch-size": 4,
                                 "device": "cpu"})
@@ -30,9 +30,10 @@ def test_step_benchmark_times_both_algorithms_on_synthetic_cifar_shapes():
                                 "device": "cpu"})
     torch.manual_seed(0)
     t = bench.step_seconds(cfg, steps=1, repeats=1)
-    assert set(t) == {"fedavg", "fedbr"} and all(v > 0 for v in t.values())
+    assert set(t) == {"fedavg", "fedbr", "distrans"} and all(v > 0 for v in t.values())
 
 
 def test_step_benchmark_needs_no_data_dir(capsys):
     assert bench.main(["--step", "--steps", "1", "dataset=cifar10", "model=cnn", "batch-size=2"]) == 0
-    assert "| FedBR (rsm) |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| FedBR (rsm) |" in printed and "| DisTrans (simultaneous) |" in printed

@@ -214,11 +214,12 @@ def test_client_keeps_its_offset_across_rounds_in_its_state():
     weights, _, metrics = client.fit(model_arrays, {"server-round": 1})
     first = weights[-1]
     assert metrics["offset-rms-change"] > 0 and not np.array_equal(first, drawn)
+    assert metrics["offset-fresh"] == 1.0
     # round 2 runs in a fresh client object (Flower builds one per message) over the same state
     again = make_client(1, state)
     np.testing.assert_array_equal(again.with_offset(model_arrays)[-1], first)
-    weights2, _, _ = again.fit(model_arrays, {"server-round": 2})
-    assert not np.array_equal(weights2[-1], first)
+    weights2, _, metrics2 = again.fit(model_arrays, {"server-round": 2})
+    assert not np.array_equal(weights2[-1], first) and metrics2["offset-fresh"] == 0.0
     # another client's state is its own
     other = make_client(2, RecordDict())
     assert not np.array_equal(other.with_offset(model_arrays)[-1], first)
@@ -313,10 +314,13 @@ def test_avg_sends_every_client_the_mean_offset_and_the_model_is_the_weighted_me
         expected = sum(s * r[layer].astype(np.float64) for s, r in zip(sizes, returned)) / 100
         np.testing.assert_allclose(got[layer], expected, rtol=1e-5, atol=1e-7)
     mean_offset = sum(s * r[n] for s, r in zip(sizes, returned)) / 100
+    saved = np.load(tmp_path / "offsets.npz")
     for pid in range(3):
         sent = parameters_to_ndarrays(strategy.client_parameters(strategy.current, pid))
         assert len(sent) == n + 1
         np.testing.assert_allclose(sent[-1], mean_offset, rtol=1e-5)
+        np.testing.assert_array_equal(saved[f"next_{pid}"], sent[-1])
+        np.testing.assert_array_equal(saved[f"returned_{pid}"], returned[pid][n])
 
 
 def test_nn_sends_each_client_the_networks_output_and_records_its_loss(tmp_path):

@@ -116,3 +116,34 @@ def test_fedbr_run_completes_and_records_its_terms(tmp_path, extra):
     assert json.loads((out / "manifest.json").read_text())["config"]["strategy"] == "fedbr"
     assert (out / "summary.md").exists() and (out / "convergence.png").exists()
     assert flower_processes() <= before
+
+
+@pytest.mark.parametrize("classes_each, dh, mode", [
+    (10, 0.0, "nn"),  # both clients hold every class
+    (5, 1.0, "none"),  # two disjoint halves of the classes
+])
+def test_distrans_run_completes_at_two_dh_levels(tmp_path, classes_each, dh, mode):
+    before = flower_processes()
+    out = tmp_path / "run"
+    code = cli.main(["strategy=distrans", "num-clients=2", "num-rounds=2", "local-steps=2", "batch-size=8",
+                     "eval-every=1", "partition=classes", f"classes-per-client={classes_each}", "rotate=false",
+                     f"output-dir={out}", "--quiet"])
+    assert code == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["distrans"] == {"dh": dh, "offset_agg": mode, "distrans_agg_setting": "auto"}
+    assert manifest["distributional_heterogeneity"] == dh
+    rounds = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
+    assert [r["failures"] for r in rounds] == [0, 0]
+    assert all(r["train"]["offset-rms-change"] > 0 for r in rounds)
+    # round 2 starts from the offset each client kept in its context.state (none) or was sent (nn)
+    assert [r["train"]["offset-fresh"] for r in rounds] == [1.0, 0.0]
+    assert all(("offset-nn-loss-before" in r.get("server", {})) == (mode == "nn") for r in rounds)
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in metrics] == [1, 2] and all(0 <= r["pooled_acc"] <= 1 for r in metrics)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["pooled_acc_best5"] is not None
+    offsets = np.load(out / "offsets.npz")
+    assert sorted(offsets.files) == (["next_0", "next_1"] if mode == "nn" else []) + ["returned_0", "returned_1"]
+    assert offsets["returned_0"].shape == (1, 28, 28)
+    assert (out / "summary.md").exists() and (out / "convergence.png").exists()
+    assert flower_processes() <= before
