@@ -108,7 +108,7 @@ class DisTransClient(BaseClient):
         return initial_offset(self.info, step_seed(self.cfg["seed"], self.pid, 201))
 
     def store_offset(self) -> None:
-        self.state[OFFSET_KEY] = ArrayRecord([self.offset.t.detach().cpu().numpy()])
+        self.state[OFFSET_KEY] = ArrayRecord([self.offset.t.detach().cpu().numpy().copy()])  # no view of t
 
     def with_offset(self, parameters: list[np.ndarray]) -> list[np.ndarray]:
         """The model arrays plus the offset to use: the server's when it sent one, else our own."""
