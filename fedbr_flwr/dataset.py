@@ -19,6 +19,7 @@ import torch
 
 from .config import ConfigError
 from .partition import partition, partition_hash, split_train_test
+from .run_io import save_npz_atomically
 
 ROTATION_STEP = 15.0
 ROTATION_DOMAINS = 10  # client i is rotated by 15 * (i mod 10) degrees: 0..135, as in the paper
@@ -235,9 +236,7 @@ def save_partition(cfg: Mapping[str, Any], path: Path) -> str:
     arrays = {}
     for pid in range(cfg["num-clients"]):
         arrays[f"train_{pid}"], arrays[f"test_{pid}"] = client_indices(cfg, pid)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, **arrays)
-    tmp.replace(path)
+    save_npz_atomically(path, compressed=True, **arrays)
     return make_partition(cfg)[1]
 
 

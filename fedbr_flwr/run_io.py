@@ -16,11 +16,20 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from .metrics import plot_history, read_jsonl, summarize, summary_table
 
 log = logging.getLogger("flwr")
 PACKAGES = ("flwr", "torch", "torchvision", "numpy", "ray", "mlxtend", "pyyaml", "matplotlib")
 CODE_PACKAGES = ("fedbr_flwr", "clients", "strategies", "pseudodata")
+
+
+def save_npz_atomically(path: Path, compressed: bool = False, **arrays) -> None:
+    """Write an .npz file that readers never see half-written (they may read it while a run goes on)."""
+    tmp = path.with_name(path.name + ".tmp.npz")  # np.savez appends .npz to names without it
+    (np.savez_compressed if compressed else np.savez)(tmp, **arrays)
+    tmp.replace(path)
 
 
 def resolve_output_dir(cfg: Mapping[str, Any]) -> Path:

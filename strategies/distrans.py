@@ -29,6 +29,7 @@ from fedbr_flwr.dataset import INFO, DatasetInfo, normalise
 from fedbr_flwr.model import OffsetGenerator, WithOffset
 from fedbr_flwr.partition import heterogeneity_from_counts
 from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.run_io import save_npz_atomically
 
 from .base import FederatedStrategy, weighted_mean
 
@@ -166,10 +167,7 @@ class DisTransStrategy(FederatedStrategy):
         under avg / nn, the offset it receives next (``next_<i>``); rewritten every round."""
         arrays = {f"returned_{pid}": t for pid, t in sorted(self.returned_offsets.items())}
         arrays.update({f"next_{pid}": t for pid, t in sorted(self.next_offsets.items())})
-        path = self.recorder.out_dir / "offsets.npz"
-        tmp = path.with_name("offsets.tmp.npz")
-        np.savez(tmp, **arrays)
-        tmp.replace(path)
+        save_npz_atomically(self.recorder.out_dir / "offsets.npz", **arrays)
 
     def client_parameters(self, parameters: Parameters, pid: int) -> Parameters:
         if pid not in self.next_offsets:

@@ -23,6 +23,7 @@ from flwr.common import GetParametersIns, parameters_to_ndarrays
 
 from clients.fedbr import build_head
 from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.run_io import save_npz_atomically
 from fedbr_flwr.training import get_weights
 from pseudodata import build as build_pseudo_data
 from pseudodata import encode
@@ -76,7 +77,7 @@ class FedBRStrategy(FederatedStrategy):
             self.proxy = load_proxy(self.cfg)
         x, y = build_pseudo_data(self.cfg, server_round, list(self.clients_by_pid), self.collect_rsm, self.proxy)
         self.pseudo, self.pseudo_version, self.payload = (x, y), server_round, encode(x, y)
-        np.savez(self.recorder.out_dir / "pseudo_data.npz", x=x, y=y, version=server_round)
+        save_npz_atomically(self.recorder.out_dir / "pseudo_data.npz", x=x, y=y, version=server_round)
         log.info("[fedbr] round %d: %s pseudo-data, %d samples of %d inputs each, sent to clients as needed",
                  server_round, self.cfg["pseudo-data"], len(x), int(np.prod(x.shape[1:])))
 
