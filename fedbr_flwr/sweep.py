@@ -261,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"fedbr-sweep: interrupted; finished runs are kept in {out}", file=sys.stderr)
             return 130
-    table = write_comparison(out, names, seeds, Path(args.file).stem)
+    title = " ".join([Path(args.file).stem, *args.overrides])  # overrides say what the file alone does not
+    table = write_comparison(out, names, seeds, title)
     print("\n" + table)
     print(f"comparison: {out / 'comparison.md'}, comparison.csv, comparison.png")
     failed = {k: v for k, v in status.items() if v.startswith("failed")}

@@ -109,3 +109,12 @@ def test_a_real_sweep_runs_each_job_then_keeps_them(tmp_path, capsys):
     capsys.readouterr()
     assert sweep.main([path, "--out", str(out), "--quiet"]) == 0  # nothing left to run
     assert capsys.readouterr().out.count("already finished") == 2
+
+
+def test_table_only_titles_the_comparison_with_the_command_line_overrides(tmp_path):
+    path = write(tmp_path)
+    out = tmp_path / "out"
+    for name in ("FedAvg", "FedBR_no_max"):
+        fake_run(out / name / "seed0", {}, [0.3, 0.5])
+    assert sweep.main([path, "lr=0.1", "--seeds", "0", "--out", str(out), "--table-only"]) == 0
+    assert (out / "comparison.md").read_text().startswith("### s lr=0.1\n")
