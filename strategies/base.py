@@ -242,11 +242,17 @@ class FederatedStrategy(Strategy):
                                      **extra)
         log.info("[fedbr] %d clients found; writing run files to %s", num, self.recorder.out_dir)
 
+    def class_count_matrix(self) -> np.ndarray | None:
+        """(clients, classes) training-sample counts in partition order; None unless every client reported."""
+        if set(self.class_counts) != set(self.clients_by_pid):
+            return None
+        return np.stack([self.class_counts[pid] for pid in sorted(self.class_counts)])
+
     def partition_stats(self) -> dict[str, Any]:
         """The clients' class histograms and their distributional heterogeneity (DisTrans' DH)."""
-        if len(self.class_counts) != len(self.clients_by_pid):
+        counts = self.class_count_matrix()
+        if counts is None:
             return {}
-        counts = np.stack([self.class_counts[pid] for pid in sorted(self.class_counts)])
         return {"class_counts": counts.tolist(), "distributional_heterogeneity": heterogeneity_from_counts(counts)}
 
     @staticmethod

@@ -137,10 +137,9 @@ class DisTransStrategy(FederatedStrategy):
         return next(self.model.parameters()).device
 
     def after_discovery(self) -> dict[str, Any]:
-        pids = sorted(self.clients_by_pid)
-        if set(self.class_counts) != set(pids):
+        counts = self.class_count_matrix()
+        if counts is None:
             raise ConfigError("DisTrans needs every client's class histogram ('class-counts' in its properties)")
-        counts = np.stack([self.class_counts[pid] for pid in pids])
         dh = heterogeneity_from_counts(counts)
         mode = resolve_mode(self.cfg["distrans-agg"], dh, self.cfg["distrans-dh-threshold"])
         self.aggregator = OffsetAggregator(mode, class_shares(counts), self.network, self.cfg["distrans-nn-lr"],
