@@ -14,6 +14,7 @@ from flwr.client import NumPyClient
 from flwr.common import RecordDict
 from torch import nn
 
+from fedbr_flwr.broadcast import receive_shared
 from fedbr_flwr.config import resolved_model
 from fedbr_flwr.dataset import INFO, ClientData, make_partition
 from fedbr_flwr.model import build_model
@@ -23,6 +24,19 @@ from fedbr_flwr.training import (Algorithm, BatchSampler, evaluate, get_weights,
 
 class BaseClient(NumPyClient):
     algorithm: type[Algorithm]
+    takes_extras = False  # whether the server sends arrays after the weights (SCAFFOLD, FedCM)
+
+    # ------------------------------------------------------------ the model (the server builds the same)
+    @classmethod
+    def wrap_model(cls, backbone: nn.Module, cfg: dict[str, Any]) -> nn.Module:
+        """The model this algorithm trains and the server averages, built around the backbone
+        (MOON adds its projection layers, VHL doubles the classes, DisTrans takes two inputs)."""
+        return backbone
+
+    @classmethod
+    def predictor(cls, model: nn.Module, cfg: dict[str, Any]) -> nn.Module:
+        """What predicts the dataset's classes from an input (VHL: the real classes' logits only)."""
+        return model
 
     def __init__(self, cfg: dict[str, Any], data: ClientData, device, state: RecordDict | None = None):
         self.cfg = cfg
@@ -31,7 +45,10 @@ class BaseClient(NumPyClient):
         self.device = device
         self.state = state if state is not None else RecordDict()  # Flower's per-node context.state
         info = INFO[cfg["dataset"]]
-        self.model = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size).to(device)
+        backbone = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size)
+        self.model = self.wrap_model(backbone, cfg).to(device)
+        self.extras: list[np.ndarray] = []  # arrays the server sent after the weights this round
+        self.shared_versions: dict[str, int] = {}  # broadcast data used this round (reported back)
 
     # ------------------------------------------------------------ hooks for algorithms
     def weight_modules(self) -> list[nn.Module]:
@@ -43,7 +60,27 @@ class BaseClient(NumPyClient):
 
     def eval_module(self) -> nn.Module:
         """What predicts on the local test set (DisTrans: the model with this client's offset)."""
-        return self.model
+        return self.predictor(self.model, self.cfg)
+
+    def after_fit(self, algorithm: Algorithm) -> list[np.ndarray]:
+        """Arrays returned after the weights (SCAFFOLD: the change of its control variate); also the
+        place to keep per-client state for the next round."""
+        return []
+
+    def shared(self, name: str, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The server's broadcast data ``name`` (FedBR's pseudo-data, FedMix's means, VHL's virtual data)
+        on this client's device; the version used is reported with the fit result."""
+        x, y, self.shared_versions[name] = receive_shared(self.state, name, config, self.pid)
+        return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
+
+    def receive(self, parameters: list[np.ndarray]) -> list[np.ndarray]:
+        """Load the weights; return what the server sent after them (SCAFFOLD's c, FedCM's Delta)."""
+        n = sum(len(m.state_dict()) for m in self.weight_modules())
+        if len(parameters) < n or (len(parameters) > n and not self.takes_extras):
+            raise ValueError(f"client {self.pid} ({self.cfg['strategy']}) expected {n} arrays"
+                             f"{' or more' if self.takes_extras else ''}, got {len(parameters)}")
+        set_weights(self.weight_modules(), parameters[:n])
+        return parameters[n:]
 
     # ------------------------------------------------------------ Flower NumPyClient API
     def get_properties(self, config: dict) -> dict:
@@ -57,16 +94,18 @@ class BaseClient(NumPyClient):
         return get_weights(*self.weight_modules())
 
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
-        set_weights(self.weight_modules(), parameters)
+        self.extras = self.receive(parameters)
         server_round = int(config["server-round"])
         algorithm = self.make_algorithm(server_round, config)
         sampler = BatchSampler(self.data, self.cfg["batch-size"], step_seed(self.cfg["seed"], server_round, self.pid))
         start = time.perf_counter()
         stats = run_local_steps(algorithm, sampler, self.cfg["local-steps"])
-        metrics = {**stats, "partition-id": self.pid, "fit-seconds": time.perf_counter() - start}
-        return get_weights(*self.weight_modules()), len(self.data.y_train), metrics
+        metrics = {**stats, "partition-id": self.pid, "fit-seconds": time.perf_counter() - start,
+                   **{f"{name}-version": v for name, v in self.shared_versions.items()}}
+        returned = get_weights(*self.weight_modules()) + self.after_fit(algorithm)
+        return returned, len(self.data.y_train), metrics
 
     def evaluate(self, parameters: list[np.ndarray], config: dict) -> tuple[float, int, dict]:
-        set_weights(self.weight_modules(), parameters)
+        self.receive(parameters)
         loss, acc = evaluate(self.eval_module(), self.data.x_test, self.data.y_test)
         return loss, len(self.data.y_test), {"accuracy": acc, "partition-id": self.pid}

@@ -84,10 +84,13 @@ class DisTransClient(BaseClient):
     otherwise it uses the offset it kept in Flower's per-node state (drawn fresh the first time)."""
     algorithm = DisTrans
 
+    @classmethod
+    def wrap_model(cls, backbone, cfg):
+        return double_input_model(backbone, cfg)
+
     def __init__(self, cfg, data, device, state=None):
         super().__init__(cfg, data, device, state)
         self.info = INFO[cfg["dataset"]]
-        self.model = double_input_model(self.model, cfg).to(device)
         self.offset = Offset(offset_shape(self.info)).to(device)
         self.num_model_arrays = len(self.model.state_dict())
         self.fresh_offset = False

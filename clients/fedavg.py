@@ -14,9 +14,7 @@ from .base import BaseClient
 class FedAvg(Algorithm):
     def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         loss = F.cross_entropy(self.model(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        self.step(loss)
         return {"loss": loss}
 
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.common import ArrayRecord, ConfigRecord
 from torch import nn
 from torch.nn import functional as F
 
@@ -29,7 +28,6 @@ from fedbr_flwr.losses import (MixupSampler, fedbr_contrastive_loss, mean_output
 from fedbr_flwr.model import ProjectionHead, SplitModel
 from fedbr_flwr.registry import register_client
 from fedbr_flwr.training import Algorithm, step_seed
-from pseudodata import decode
 from pseudodata.mixture import mix
 from pseudodata.rsm import sample_means
 
@@ -160,9 +158,6 @@ def build_head(cfg: dict[str, Any], feature_dim: int) -> ProjectionHead | None:
     return ProjectionHead(feature_dim, cfg["fedbr-proj-hidden"], cfg["fedbr-proj-out"])
 
 
-PSEUDO_KEY, PSEUDO_META = "fedbr-pseudo", "fedbr-pseudo-meta"
-
-
 @register_client("fedbr")
 class FedBRClient(BaseClient):
     """Sends (phi, omega, theta); answers the server's request for RSM means; keeps the pseudo-data it
@@ -188,30 +183,14 @@ class FedBRClient(BaseClient):
         generator.manual_seed(step_seed(self.cfg["seed"], version, self.pid, 101))
         return sample_means(self.data.x_train, count, m, generator).cpu().numpy()
 
-    def pseudo_data(self, config: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Store a pseudo-batch that came with this message; otherwise use the stored one, which must
-        be the version the server says is current."""
-        version = int(config["pseudo-version"])
-        if "pseudo-payload" in config:
-            x, y = decode(config["pseudo-payload"])
-            self.state[PSEUDO_KEY] = ArrayRecord([x, y])
-            self.state[PSEUDO_META] = ConfigRecord({"version": version})
-        stored = int(self.state[PSEUDO_META]["version"]) if PSEUDO_META in self.state else None
-        if stored != version:
-            raise RuntimeError(f"client {self.pid} holds pseudo-data version {stored}, the server expects {version}; "
-                               "it resends the pseudo-data to this client next round")
-        x, y = self.state[PSEUDO_KEY].to_numpy_ndarrays()
+    def pseudo_data(self, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.shared("pseudo", config)
         expected = (pseudo_size(self.cfg), INFO[self.cfg["dataset"]].num_classes)
         if (len(x), y.shape[1]) != expected:
             raise RuntimeError(f"pseudo-data has {len(x)} samples of {y.shape[1]} classes, expected {expected}")
-        as_tensor = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-        return as_tensor(x), as_tensor(y), version
+        return x, y
 
     def make_algorithm(self, server_round: int, config: dict) -> FedBR:
-        x_p, y_p, self.pseudo_version = self.pseudo_data(config)
+        x_p, y_p = self.pseudo_data(config)
         return FedBR(self.model, self.cfg, self.head, x_p, y_p, (self.data.x_train, self.data.y_train),
                      seed=step_seed(self.cfg["seed"], server_round, self.pid, 102))
-
-    def fit(self, parameters, config):
-        weights, n, metrics = super().fit(parameters, config)
-        return weights, n, {**metrics, "pseudo-version": self.pseudo_version}

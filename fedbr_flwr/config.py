@@ -46,8 +46,10 @@ def _open_fraction(v) -> bool:
 
 
 FEDBR = ("fedbr",)
-MIXUP_USERS = ("fedbr",)
+MIXUP_USERS = ("fedbr", "mixup")
 DISTRANS = ("distrans",)
+# "fedbr+<name>": the key also belongs to FedBR when combined with <name> (fedbr-with=<name>; paper Table 3)
+COMBINABLE = ("fedcm", "feddecorr", "fedntd")
 
 
 SCHEMA: dict[str, Key] = {
@@ -112,7 +114,10 @@ SCHEMA: dict[str, Key] = {
     "fedbr-balance-loss": Key("soft-ce", "component 1's loss: per-sample soft cross-entropy (FedBR) or "
                                          "cross-entropy of the mean softmax output (FedAug's AugMean)",
                               choices=("soft-ce", "mean-output"), owners=FEDBR),
-    "mixup": Key(False, "Mixup on the local batch (soft labels)", owners=MIXUP_USERS),
+    "fedbr-with": Key("none", "combine FedBR with another method's local term (paper Table 3; Mixup: mixup=true)",
+                      choices=("none", *COMBINABLE), owners=FEDBR),
+    "mixup": Key(False, "FedBR on the Mixup backbone: Mixup on the local batch (soft labels); strategy=mixup is "
+                        "FedAvg + Mixup", owners=FEDBR),
     "mixup-alpha": Key(0.2, "Mixup's Beta(a, a) parameter", check=_positive, check_msg="> 0",
                        owners=MIXUP_USERS),
     "pseudo-data": Key("rsm", "FedBR pseudo-data: rsm (means of M samples of one client) or mixture (means of "
@@ -146,6 +151,43 @@ SCHEMA: dict[str, Key] = {
                           check_msg="> 0", owners=DISTRANS),
     "distrans-nn-steps": Key(10, "full-batch regression steps of the aggregation network per round",
                              check=_positive, check_msg="> 0", owners=DISTRANS),
+    # baselines (SPEC section 4); defaults: the middle of the paper's grids, never tuned per method
+    "fedprox-mu": Key(0.01, "FedProx: weight mu of the proximal term mu/2 ||w - w_round_start||^2",
+                      check=_non_negative, check_msg=">= 0", owners=("fedprox",)),
+    "moon-mu": Key(1.0, "MOON: weight of the model-contrastive loss", check=_non_negative, check_msg=">= 0",
+                   owners=("moon",)),
+    "moon-tau": Key(0.5, "MOON: temperature of the model-contrastive loss", check=_positive, check_msg="> 0",
+                    owners=("moon",)),
+    "moon-proj-hidden": Key(256, "MOON: width of the projection layers added to the feature extractor",
+                            check=_positive, check_msg="> 0", owners=("moon",)),
+    "moon-proj-out": Key(128, "MOON: output width of the projection layers (the representation)",
+                         check=_positive, check_msg="> 0", owners=("moon",)),
+    "fedmix-lambda": Key(0.1, "FedMix: mixing weight lambda (0: plain cross-entropy)",
+                         check=lambda v: 0 <= v < 1, check_msg="in [0, 1)", owners=("fedmix",)),
+    "fedmix-m": Key(10, "FedMix: local samples averaged into one mean sample; each client shares n_i // M",
+                    check=_positive, check_msg="> 0", owners=("fedmix",)),
+    "vhl-size": Key(2000, "VHL: virtual samples, spread evenly over the classes", check=_positive,
+                    check_msg="> 0", owners=("vhl",)),
+    "vhl-weight": Key(1.0, "VHL: weight of the cross-entropy on virtual data (labels shifted past the real ones)",
+                      check=_non_negative, check_msg=">= 0", owners=("vhl",)),
+    "vhl-align-weight": Key(1.0, "VHL: weight of the feature alignment (supervised contrastive) loss",
+                            check=_non_negative, check_msg=">= 0", owners=("vhl",)),
+    "vhl-tau": Key(0.07, "VHL: temperature of the feature alignment loss", check=_positive, check_msg="> 0",
+                   owners=("vhl",)),
+    "feddecorr-weight": Key(0.1, "FedDecorr: weight of the decorrelation loss", check=_non_negative,
+                            check_msg=">= 0", owners=("feddecorr", "fedbr+feddecorr")),
+    "fedntd-beta": Key(1.0, "FedNTD: weight of the not-true distillation loss", check=_non_negative,
+                       check_msg=">= 0", owners=("fedntd", "fedbr+fedntd")),
+    "fedntd-tau": Key(1.0, "FedNTD: distillation temperature", check=_positive, check_msg="> 0",
+                      owners=("fedntd", "fedbr+fedntd")),
+    "fedcm-alpha": Key(0.1, "FedCM: client step direction alpha g + (1 - alpha) Delta_global",
+                       check=_fraction, check_msg="in (0, 1]", owners=("fedcm", "fedbr+fedcm")),
+    "groupdro-eta": Key(0.01, "GroupDRO: server weight step p_i <- p_i exp(eta loss_i)", check=_non_negative,
+                        check_msg=">= 0", owners=("groupdro",)),
+    "dann-weight": Key(0.1, "DANN: weight of the domain (client id) discriminator loss, reversed for the "
+                            "features", check=_non_negative, check_msg=">= 0", owners=("dann",)),
+    "dann-hidden": Key(256, "DANN: width of the 3-layer discriminator", check=_positive, check_msg="> 0",
+                       owners=("dann",)),
 }
 
 DEFAULTS: dict[str, Any] = {k: v.default for k, v in SCHEMA.items()}
@@ -209,16 +251,26 @@ def validate(overrides: Mapping[str, Any], base: Mapping[str, Any] | None = None
     return cfg
 
 
+def active_methods(cfg: Mapping[str, Any]) -> set[str]:
+    """The names whose keys apply: the strategy, and ``fedbr+<name>`` for a FedBR combination."""
+    names = {cfg["strategy"]}
+    if cfg["strategy"] == "fedbr" and cfg["fedbr-with"] != "none":
+        names.add(f"fedbr+{cfg['fedbr-with']}")
+    return names
+
+
 def _check_ownership(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> None:
     """A key set to a non-default value for a strategy that ignores it is a mistake worth stopping for."""
+    active = active_methods(cfg)
     for raw_key in overrides:
         key = normalise_key(raw_key)
         owners = SCHEMA[key].owners
-        if owners is not None and cfg["strategy"] not in owners and cfg[key] != SCHEMA[key].default:
-            valid = sorted(k for k, spec in SCHEMA.items() if spec.owners and cfg["strategy"] in spec.owners)
+        if owners is not None and not active & set(owners) and cfg[key] != SCHEMA[key].default:
+            valid = sorted(k for k, spec in SCHEMA.items() if spec.owners and active & set(spec.owners))
+            name = " + ".join(sorted(active))
             raise ConfigError(
-                f"config key '{raw_key}' belongs to strategy {', '.join(owners)}, not to '{cfg['strategy']}'. "
-                f"Keys of '{cfg['strategy']}': {', '.join(valid) or 'none beyond the common ones'}"
+                f"config key '{raw_key}' belongs to strategy {', '.join(owners)}, not to '{name}'. "
+                f"Keys of '{name}': {', '.join(valid) or 'none beyond the common ones'}"
             )
 
 

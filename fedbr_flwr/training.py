@@ -51,6 +51,12 @@ class Algorithm:
     def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def step(self, loss: torch.Tensor) -> None:
+        """One SGD step of the model on ``loss``."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+
 
 def run_local_steps(algorithm: Algorithm, sample: Callable[[], tuple[torch.Tensor, torch.Tensor]],
                     steps: int) -> dict[str, float]:
@@ -99,6 +105,26 @@ def set_weights(modules: nn.Module | Sequence[nn.Module], weights: list[np.ndarr
             if tuple(current.shape) != tuple(new.shape):
                 raise ValueError(f"shape mismatch for '{name}': expected {tuple(current.shape)}, got {new.shape}")
             current.copy_(torch.as_tensor(new))
+
+
+def parameter_tensors(module: nn.Module, arrays: list[np.ndarray], device: torch.device | None = None
+                      ) -> list[torch.Tensor]:
+    """Arrays laid out like ``module.state_dict()`` (how the server holds SCAFFOLD's c and FedCM's Delta),
+    as tensors for ``module.parameters()``, in that order; buffers are dropped."""
+    keys = list(module.state_dict())
+    if len(arrays) != len(keys):
+        raise ValueError(f"expected {len(keys)} arrays laid out like the model's state, got {len(arrays)}")
+    by_key = dict(zip(keys, arrays))
+    device = device or next(module.parameters()).device
+    return [torch.as_tensor(by_key[name], dtype=p.dtype, device=device) for name, p in module.named_parameters()]
+
+
+def state_arrays(module: nn.Module, tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """The inverse of ``parameter_tensors``: per-parameter tensors laid out like ``module.state_dict()``,
+    with zeros for buffers."""
+    by_name = {name: t for (name, _), t in zip(module.named_parameters(), tensors)}
+    return [by_name[k].detach().cpu().numpy().copy() if k in by_name else np.zeros(v.shape, dtype=np.float32)
+            for k, v in module.state_dict().items()]
 
 
 def pick_device(name: str) -> torch.device:

@@ -12,21 +12,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.common import (EvaluateIns, EvaluateRes, FitIns, FitRes, GetPropertiesIns, Parameters,
+from flwr.common import (EvaluateIns, EvaluateRes, FitIns, FitRes, GetParametersIns, GetPropertiesIns, Parameters,
                          ndarrays_to_parameters, parameters_to_ndarrays)
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
+from fedbr_flwr.broadcast import SharedData
 from fedbr_flwr.config import ConfigError
 from fedbr_flwr.dataset import save_partition
 from fedbr_flwr.partition import heterogeneity_from_counts
-from fedbr_flwr.run_io import RunRecorder
+from fedbr_flwr.registry import client_class
+from fedbr_flwr.run_io import RunRecorder, save_npz_atomically
 from fedbr_flwr.training import evaluate, get_weights, set_weights
 
 log = logging.getLogger("flwr")
 DISCOVERY_TIMEOUT_S = 600
-NOT_TRAINING_METRICS = ("partition-id", "fit-seconds", "pseudo-version")  # bookkeeping, not averaged
+NOT_TRAINING_METRICS = ("partition-id", "fit-seconds")  # bookkeeping, not averaged (nor are "*-version")
 
 
 def weighted_mean(arrays: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
@@ -53,25 +55,45 @@ class FederatedStrategy(Strategy):
                  global_test: tuple[torch.Tensor, torch.Tensor] | None):
         self.cfg = cfg
         self.recorder = recorder
-        self.model = model  # the global model, for initial weights and server-side evaluation
+        self.client_class = client_class(cfg["strategy"])
+        device = next(model.parameters()).device
+        # the global model, for initial weights and server-side evaluation: the backbone as the clients wrap it
+        self.model = self.client_class.wrap_model(model, cfg).to(device)
         self.global_test = global_test
         self.clients_by_pid: dict[int, ClientProxy] = {}
         self.pid_by_cid: dict[str, int] = {}
         self._global_acc: dict[int, tuple[float, float]] = {}
         self._fit_start = 0.0
         self._last_train: dict[str, float] = {}
-        self.num_model_arrays = len(model.state_dict())
+        self.num_model_arrays = len(self.model.state_dict())
         self.sampled: list[int] = []  # partition ids sent fit instructions this round
         self.result_pids: list[int] = []  # partition ids of the updates being aggregated, in their order
         self.class_counts: dict[int, np.ndarray] = {}  # each client's training samples per class
         self.server_metrics: dict[str, float] = {}  # what aggregate() measured this round (recorded with it)
+        self.shared: SharedData | None = None  # data broadcast to every client (set by FedBR, FedMix, VHL)
 
     # ------------------------------------------------------------ hooks for algorithms
     def aggregate(self, arrays: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
         return weighted_mean(arrays, weights)
 
     def fit_config(self, server_round: int, pid: int) -> dict[str, Any]:
-        return {"server-round": server_round}
+        shared = self.shared.fit_config(pid) if self.shared is not None else {}
+        return {"server-round": server_round, **shared}
+
+    def fit_extras(self, pid: int) -> list[np.ndarray]:
+        """Arrays sent to client ``pid`` after the weights with fit instructions (SCAFFOLD's c, FedCM's Delta)."""
+        return []
+
+    def aggregation_weights(self, results: list[FitRes]) -> list[float]:
+        """One weight per update, in the order of ``results`` (GroupDRO's come from the clients' losses)."""
+        return [res.num_examples if self.cfg["weighting"] == "samples" else 1.0 for res in results]
+
+    def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
+        """(x, y) to broadcast as ``self.shared``; called before round 1 and whenever ``shared_is_stale``."""
+        raise NotImplementedError
+
+    def shared_is_stale(self, server_round: int) -> bool:
+        return self.shared.arrays is None
 
     def extra_initial_weights(self) -> list[np.ndarray]:
         """Arrays trained and averaged beside the model (e.g. FedBR's projection head), sent after it."""
@@ -87,7 +109,7 @@ class FederatedStrategy(Strategy):
 
     def global_test_module(self) -> torch.nn.Module:
         """What the server evaluates on the global test set, once ``self.model`` holds the new weights."""
-        return self.model
+        return self.client_class.predictor(self.model, self.cfg)
 
     # ------------------------------------------------------------ Flower Strategy API
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
@@ -98,10 +120,26 @@ class FederatedStrategy(Strategy):
         if not self.clients_by_pid:
             self._discover(client_manager)
         self._fit_start = time.perf_counter()
+        if self.shared is not None and self.shared_is_stale(server_round):
+            self.refresh_shared_data(server_round)
         self.sampled = self.sample_partitions(server_round)
         return [(self.clients_by_pid[pid],
-                 FitIns(self.client_parameters(parameters, pid), self.fit_config(server_round, pid)))
+                 FitIns(self._with_extras(self.client_parameters(parameters, pid), self.fit_extras(pid)),
+                        self.fit_config(server_round, pid)))
                 for pid in self.sampled]
+
+    @staticmethod
+    def _with_extras(parameters: Parameters, extras: list[np.ndarray]) -> Parameters:
+        if not extras:
+            return parameters
+        return Parameters(tensors=[*parameters.tensors, *ndarrays_to_parameters(extras).tensors],
+                          tensor_type=parameters.tensor_type)
+
+    def refresh_shared_data(self, server_round: int) -> None:
+        """Build the broadcast data anew; it is saved as <name>_data.npz in the run folder."""
+        x, y = self.make_shared_data(server_round)
+        self.shared.publish(x, y, server_round)
+        save_npz_atomically(self.recorder.out_dir / f"{self.shared.name}_data.npz", x=x, y=y, version=server_round)
 
     def sample_partitions(self, server_round: int) -> list[int]:
         """Seeded by (seed, round) over partition ids, so runs repeat whatever Flower's node ids are."""
@@ -118,11 +156,13 @@ class FederatedStrategy(Strategy):
             log.warning("[fedbr] round %d: a client failed: %r", server_round, _describe(failure))
         results = _in_partition_order(results)
         self.result_pids = [int(res.metrics["partition-id"]) for _, res in results]
+        if self.shared is not None:
+            self.shared.confirm({int(res.metrics["partition-id"]): res.metrics for _, res in results}, self.sampled)
         self.server_metrics = {}
         new = None
         if results:
             arrays = [parameters_to_ndarrays(res.parameters) for _, res in results]
-            weights = [res.num_examples if self.cfg["weighting"] == "samples" else 1.0 for _, res in results]
+            weights = self.aggregation_weights([res for _, res in results])
             new = ndarrays_to_parameters(self.aggregate(arrays, weights))
         self._last_train = _mean_metrics([res.metrics for _, res in results], skip=NOT_TRAINING_METRICS)
         self.recorder.log_round({
@@ -255,6 +295,23 @@ class FederatedStrategy(Strategy):
             return {}
         return {"class_counts": counts.tolist(), "distributional_heterogeneity": heterogeneity_from_counts(counts)}
 
+    def request_arrays(self, requests: dict[int, dict[str, Any]], group: int, what: str
+                       ) -> dict[int, list[np.ndarray]]:
+        """Send each listed client a ``get_parameters`` message with its config, in parallel; return
+        the arrays each answered (FedBR's RSM means, FedMix's mean data). ``what`` names them in errors."""
+
+        def ask(pid: int) -> tuple[int, list[np.ndarray]]:
+            try:
+                res = self.clients_by_pid[pid].get_parameters(GetParametersIns(requests[pid]), None, group)
+            except Exception as exc:  # the node's ClientApp raised: its message says why
+                raise RuntimeError(f"client {pid} could not send {what}: {exc}") from None
+            if res.status.code.value != 0:
+                raise RuntimeError(f"client {pid} could not send {what}: {res.status.message}")
+            return pid, parameters_to_ndarrays(res.parameters)
+
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(requests)))) as pool:
+            return dict(pool.map(ask, list(requests)))
+
     @staticmethod
     def _ask_partitions(proxies: list[ClientProxy]) -> list[tuple[ClientProxy, dict]]:
         def ask(proxy: ClientProxy) -> tuple[ClientProxy, dict]:
@@ -278,7 +335,8 @@ def _in_partition_order(results: list) -> list:
 
 
 def _mean_metrics(metrics: list[dict], skip: tuple[str, ...]) -> dict[str, float]:
-    keys = {k for m in metrics for k in m if k not in skip and isinstance(m[k], (int, float))}
+    keys = {k for m in metrics for k in m
+            if k not in skip and not k.endswith("-version") and isinstance(m[k], (int, float))}
     return {k: float(np.mean([m[k] for m in metrics if k in m])) for k in sorted(keys)}
 
 

@@ -23,7 +23,7 @@ import torch
 from flwr.common import Parameters, ndarray_to_bytes
 from torch.nn import functional as F
 
-from clients.distrans import double_input_model, offset_shape
+from clients.distrans import offset_shape
 from fedbr_flwr.config import ConfigError
 from fedbr_flwr.dataset import INFO, DatasetInfo, normalise
 from fedbr_flwr.model import OffsetGenerator, WithOffset
@@ -123,8 +123,7 @@ class OffsetAggregator:
 @register_strategy("distrans")
 class DisTransStrategy(FederatedStrategy):
     def __init__(self, cfg, recorder, model, global_test):
-        super().__init__(cfg, recorder, double_input_model(model, cfg).to(next(model.parameters()).device),
-                         global_test)
+        super().__init__(cfg, recorder, model, global_test)  # self.model: the double-input model
         self.info = INFO[cfg["dataset"]]
         # built right after the seeded model, so that it is seeded too; unused when auto picks none
         self.network = build_offset_network(self.info).to(self._device()) \

@@ -355,8 +355,8 @@ def make_fedbr_strategy(tmp_path, num_clients=3, **overrides):
 
 def test_server_assembles_rsm_from_each_clients_means_in_partition_order(tmp_path):
     strategy, clients = make_fedbr_strategy(tmp_path)
-    strategy.refresh_pseudo_data(1)
-    x, y = strategy.pseudo
+    strategy.refresh_shared_data(1)
+    x, y = strategy.shared.arrays
     assert x.shape == (8, 1, 28, 28) and np.allclose(y, 1.0 / C)
     owner = np.round(x.mean(axis=(1, 2, 3)) / 10.0).astype(int)  # each mean sits at its client's offset
     counts = allot(8, [0, 1, 2], 0, 1)
@@ -368,7 +368,7 @@ def test_server_assembles_rsm_from_each_clients_means_in_partition_order(tmp_pat
 
 def test_payload_goes_once_to_each_client_and_again_after_a_failure(tmp_path):
     strategy, clients = make_fedbr_strategy(tmp_path)
-    strategy.refresh_pseudo_data(1)
+    strategy.refresh_shared_data(1)
     params = parameters_to_ndarrays(strategy.initialize_parameters(None))
     first = strategy.fit_config(1, 0)
     assert "pseudo-payload" in first and first["pseudo-version"] == 1
@@ -380,7 +380,7 @@ def test_payload_goes_once_to_each_client_and_again_after_a_failure(tmp_path):
     assert "pseudo-payload" not in strategy.fit_config(2, 0)  # client 0 holds it in its state
     assert "pseudo-payload" in strategy.fit_config(2, 1)  # client 1 was sampled but did not answer
     clients[0].fit(params, strategy.fit_config(2, 0))  # trains from its stored copy
-    with pytest.raises(RuntimeError, match="holds pseudo-data version None"):
+    with pytest.raises(RuntimeError, match="holds pseudo data version None"):
         clients[2].fit(params, strategy.fit_config(2, 0))  # never received it
 
 
@@ -408,7 +408,7 @@ def test_strategy_averages_phi_omega_and_theta(tmp_path):
 
 def test_mixture_pseudo_data_comes_from_the_proxy_dataset(tmp_path):
     strategy, _ = make_fedbr_strategy(tmp_path, **{"pseudo-data": "mixture"})
-    strategy.refresh_pseudo_data(1)
+    strategy.refresh_shared_data(1)
     assert all(not p.requests for p in strategy.clients_by_pid.values())  # no client was asked
-    x, _ = strategy.pseudo
+    x, _ = strategy.shared.arrays
     assert x.shape == (8, 1, 28, 28) and abs(float(x.mean())) < 1.0  # digit means, not client offsets
