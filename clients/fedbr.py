@@ -23,11 +23,12 @@ from torch.nn import functional as F
 
 from fedbr_flwr.config import pseudo_size
 from fedbr_flwr.dataset import INFO
-from fedbr_flwr.losses import (MixupSampler, fedbr_contrastive_loss, mean_output_cross_entropy, mixup_batch,
-                               mixup_cross_entropy, soft_cross_entropy)
+from fedbr_flwr.losses import (MixupSampler, blend_with_global_momentum, decorrelation_loss, fedbr_contrastive_loss,
+                               mean_output_cross_entropy, mixup_batch, mixup_cross_entropy,
+                               not_true_distillation_loss, soft_cross_entropy)
 from fedbr_flwr.model import ProjectionHead, SplitModel
 from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm, step_seed
+from fedbr_flwr.training import Algorithm, parameter_tensors, step_seed
 from pseudodata.mixture import mix
 from pseudodata.rsm import sample_means
 
@@ -50,7 +51,7 @@ class StepBatch:
 class FedBR(Algorithm):
     def __init__(self, model: SplitModel, cfg: dict, head: nn.Module | None, pseudo_x: torch.Tensor,
                  pseudo_y: torch.Tensor, local_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 seed: int = 0):
+                 seed: int = 0, global_momentum: list[torch.Tensor] | None = None):
         super().__init__(model, cfg)  # SGD on (phi, omega)
         self.params = [p for p in model.parameters()]
         self.balance = cfg["fedbr-balance"]
@@ -69,6 +70,13 @@ class FedBR(Algorithm):
         self.generator.manual_seed(seed)
         self.mixup = MixupSampler(cfg["mixup-alpha"], seed + 1, device) if cfg["mixup"] else None
         self.head = head
+        self.combined = cfg["fedbr-with"]  # paper Table 3: one more method's local term
+        if self.combined == "fedcm" and global_momentum is None:
+            raise ValueError("fedbr-with=fedcm needs the server's global update direction")
+        self.global_momentum = global_momentum
+        self.global_model: nn.Module | None = None  # FedNTD's teacher: the model as received this round
+        if self.combined == "fedntd":
+            self.global_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.global_features: nn.Module | None = None
         self.z_g_fixed: torch.Tensor | None = None
         if self.contrastive:
@@ -76,7 +84,8 @@ class FedBR(Algorithm):
                 raise ValueError("component 2 needs the projection head")
             self.head_optimizer = torch.optim.SGD(head.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
                                                   weight_decay=cfg["weight-decay"])
-            self.global_features = copy.deepcopy(model.features).eval().requires_grad_(False)
+            self.global_features = self.global_model.features if self.global_model is not None \
+                else copy.deepcopy(model.features).eval().requires_grad_(False)
             if self.mix_k == 0:  # the pseudo-batch is the same at every step: its global features too
                 self.z_g_fixed = self.global_feature(self.x_p)
         if self.mix_k and local_pool is None:
@@ -132,6 +141,14 @@ class FedBR(Algorithm):
         if self.contrastive:
             terms["con"] = self.contrastive_loss(z_p, batch.z_g, z_l)
             total = total + self.mu * terms["con"]
+        if self.combined == "feddecorr":
+            terms["decorr"] = decorrelation_loss(z_l)
+            total = total + self.cfg["feddecorr-weight"] * terms["decorr"]
+        elif self.combined == "fedntd":
+            with torch.no_grad():
+                global_logits = self.global_model(batch.x)
+            terms["ntd"] = not_true_distillation_loss(logits_l, global_logits, batch.y_a, self.cfg["fedntd-tau"])
+            total = total + self.cfg["fedntd-beta"] * terms["ntd"]
         terms["loss"] = total
         return terms
 
@@ -139,6 +156,8 @@ class FedBR(Algorithm):
         """SGD on (phi, omega) only: gradients are not even accumulated into theta."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward(inputs=self.params)
+        if self.global_momentum is not None:  # FedCM's step direction on (phi, omega)
+            blend_with_global_momentum([p.grad for p in self.params], self.global_momentum, self.cfg["fedcm-alpha"])
         self.optimizer.step()
 
     def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -166,6 +185,7 @@ class FedBRClient(BaseClient):
 
     def __init__(self, cfg, data, device, state=None):
         super().__init__(cfg, data, device, state)
+        self.takes_extras = cfg["fedbr-with"] == "fedcm"  # FedCM's Delta comes after the weights
         head = build_head(cfg, self.model.feature_dim)
         self.head = head.to(device) if head is not None else None
 
@@ -192,5 +212,6 @@ class FedBRClient(BaseClient):
 
     def make_algorithm(self, server_round: int, config: dict) -> FedBR:
         x_p, y_p = self.pseudo_data(config)
+        momentum = parameter_tensors(self.model, self.extras, self.device) if self.takes_extras else None
         return FedBR(self.model, self.cfg, self.head, x_p, y_p, (self.data.x_train, self.data.y_train),
-                     seed=step_seed(self.cfg["seed"], server_round, self.pid, 102))
+                     seed=step_seed(self.cfg["seed"], server_round, self.pid, 102), global_momentum=momentum)

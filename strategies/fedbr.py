@@ -27,14 +27,18 @@ from pseudodata import build as build_pseudo_data
 from pseudodata.mixture import load_proxy
 
 from .base import FederatedStrategy
+from .fedcm import GlobalMomentumMixin
 
 log = logging.getLogger("flwr")
 
 
 @register_strategy("fedbr")
-class FedBRStrategy(FederatedStrategy):
+class FedBRStrategy(GlobalMomentumMixin, FederatedStrategy):
     def __init__(self, cfg, recorder, model, global_test):
         super().__init__(cfg, recorder, model, global_test)
+        self.momentum_on = cfg["fedbr-with"] == "fedcm"  # FedBR + FedCM: Delta over (phi, omega)
+        if self.momentum_on:
+            self.init_momentum()
         self.head = build_head(cfg, model.feature_dim)  # built right after the seeded model
         self.shared = SharedData("pseudo")
         self.proxy: torch.Tensor | None = None  # the public proxy dataset (mixture), loaded once

@@ -20,3 +20,81 @@ class OfflineProxy(ClientProxy):
 
     def reconnect(self, ins, timeout, group_id):
         raise NotImplementedError
+
+
+class InProcessProxy(ClientProxy):
+    """Delivers Flower's messages to a NumPyClient object in this process, as a SuperNode would."""
+
+    def __init__(self, client):
+        super().__init__(f"node-{client.pid}")
+        self.client = client
+
+    def get_properties(self, ins, timeout, group_id):
+        from flwr.common import Code, GetPropertiesRes, Status
+        return GetPropertiesRes(Status(Code.OK, ""), self.client.get_properties(ins.config))
+
+    def get_parameters(self, ins, timeout, group_id):
+        from flwr.common import Code, GetParametersRes, Status, ndarrays_to_parameters
+        return GetParametersRes(Status(Code.OK, ""), ndarrays_to_parameters(self.client.get_parameters(ins.config)))
+
+    def fit(self, ins, timeout, group_id):
+        from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+        arrays, n, metrics = self.client.fit(parameters_to_ndarrays(ins.parameters), ins.config)
+        return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n, metrics)
+
+    def evaluate(self, ins, timeout, group_id):
+        from flwr.common import Code, EvaluateRes, Status, parameters_to_ndarrays
+        loss, n, metrics = self.client.evaluate(parameters_to_ndarrays(ins.parameters), ins.config)
+        return EvaluateRes(Status(Code.OK, ""), loss, n, metrics)
+
+    def reconnect(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+
+def run_rounds(strategy, proxies, rounds):
+    """Drive ``strategy`` over in-process clients the way Flower's server loop does (fit, then evaluate);
+    returns the global parameters after the last round."""
+    parameters = strategy.initialize_parameters(None)
+    for server_round in range(1, rounds + 1):
+        fit_ins = strategy.configure_fit(server_round, parameters, None)
+        results = [(proxy, proxy.fit(ins, None, server_round)) for proxy, ins in fit_ins]
+        new, _ = strategy.aggregate_fit(server_round, results, [])
+        parameters = new if new is not None else parameters
+        strategy.evaluate(server_round, parameters)
+        eval_ins = strategy.configure_evaluate(server_round, parameters, None)
+        eval_results = [(proxy, proxy.evaluate(ins, None, server_round)) for proxy, ins in eval_ins]
+        strategy.aggregate_evaluate(server_round, eval_results, [])
+    return parameters
+
+
+class FixedClientManager:
+    """The part of Flower's ClientManager that discovery uses, over a fixed set of proxies."""
+
+    def __init__(self, proxies):
+        self.proxies = {p.cid: p for p in proxies}
+
+    def wait_for(self, num_clients, timeout):
+        return len(self.proxies) >= num_clients
+
+    def all(self):
+        return dict(self.proxies)
+
+
+def in_process_federation(cfg, tmp_path):
+    """The configured strategy and one client per partition of ``cfg`` (real data, CPU), connected in-process."""
+    import torch
+
+    from fedbr_flwr.dataset import load_client_data
+    from fedbr_flwr.registry import client_class
+    from fedbr_flwr.run_io import RunRecorder
+    from fedbr_flwr.server_app import build_strategy
+
+    from flwr.common import RecordDict
+
+    strategy = build_strategy({**cfg, "output-dir": str(tmp_path)})
+    torch.manual_seed(123)
+    clients = [client_class(cfg["strategy"])(cfg, load_client_data(cfg, pid, torch.device("cpu")), torch.device("cpu"),
+                                             RecordDict()) for pid in range(cfg["num-clients"])]
+    proxies = [InProcessProxy(c) for c in clients]
+    strategy._discover(FixedClientManager(proxies))
+    return strategy, clients, proxies

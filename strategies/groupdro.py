@@ -1,0 +1,38 @@
+"""GroupDRO in FL: the server keeps a weight p_i per client (uniform at first). After each round,
+p_i <- p_i exp(eta loss_i) for every client that answered (loss_i: its mean training loss over the
+round's local steps), then p is normalised, and the round's models are averaged with weights p_i."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedbr_flwr.registry import register_strategy
+
+from .base import FederatedStrategy
+
+
+class ClientWeights:
+    """Flower-free: the exponentiated-gradient weights over clients."""
+
+    def __init__(self, num_clients: int, eta: float):
+        self.p = np.full(num_clients, 1.0 / num_clients)
+        self.eta = eta
+
+    def update(self, losses: dict[int, float]) -> None:
+        for pid, loss in losses.items():
+            self.p[pid] *= np.exp(self.eta * loss)
+        self.p /= self.p.sum()
+
+
+@register_strategy("groupdro")
+class GroupDROStrategy(FederatedStrategy):
+    def __init__(self, cfg, recorder, model, global_test):
+        super().__init__(cfg, recorder, model, global_test)
+        self.client_weights: ClientWeights | None = None  # sized at discovery
+
+    def aggregation_weights(self, results):
+        if self.client_weights is None:
+            self.client_weights = ClientWeights(self.cfg["num-clients"], self.cfg["groupdro-eta"])
+        self.client_weights.update({int(res.metrics["partition-id"]): float(res.metrics["loss"]) for res in results})
+        self.server_metrics = {f"p-{pid}": float(p) for pid, p in enumerate(self.client_weights.p)}
+        return [float(self.client_weights.p[int(res.metrics["partition-id"])]) for res in results]
