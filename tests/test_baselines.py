@@ -1,0 +1,570 @@
+"""The baselines (SPEC section 4) and FedBR's combinations with them (paper Table 3): each test
+targets a classic way the method goes wrong."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.common import Code, FitRes, RecordDict, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from torch.nn import functional as F
+
+from fakes import in_process_federation, run_rounds
+from clients.dann import DANN, build_discriminator
+from clients.fedbr import FedBR, build_head
+from clients.fedcm import FedCM
+from clients.fedmix import FedMix, FedMixClient, mean_data
+from clients.fedntd import FedNTD
+from clients.fedavg import FedAvg
+from clients.fedprox import FedProx
+from clients.moon import Moon, MoonClient, moon_model
+from clients.scaffold import Scaffold, ScaffoldClient
+from clients.vhl import VHL, RealClasses, virtual_data, vhl_model
+from fedbr_flwr.config import ConfigError, validate
+from fedbr_flwr.dataset import ClientData
+from fedbr_flwr.losses import (decorrelation_loss, fedmix_loss, moon_contrastive_loss, not_true_distillation_loss,
+                               proximal_term, reverse_gradient, supervised_alignment_loss)
+from fedbr_flwr.model import build_model
+from fedbr_flwr.registry import strategy_names
+from fedbr_flwr.run_io import RunRecorder
+from fedbr_flwr.training import get_weights, parameter_tensors, state_arrays
+from strategies.fedcm import FedCMStrategy, global_update_direction
+from strategies.groupdro import ClientWeights, GroupDROStrategy
+from strategies.scaffold import ScaffoldStrategy, update_server_control
+
+B, C = 8, 10
+LR = 0.05
+
+
+def cfg_of(strategy, **overrides):
+    return validate({"strategy": strategy, "batch-size": B, "lr": LR, **overrides})
+
+
+def small_model(seed=0, **cfg):
+    torch.manual_seed(seed)
+    return build_model("cnn", C, 1, 8)
+
+
+def batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 1, 8, 8, generator=g), torch.randint(0, C, (B,), generator=g)
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def grads_of(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def close(a, b, **kw):
+    return all(torch.allclose(x, y, **kw) for x, y in zip(a, b))
+
+
+def toy_data(pid, n=40, size=8):
+    g = torch.Generator().manual_seed(pid)
+    x = torch.randn(n, 1, size, size, generator=g)
+    y = torch.randint(0, C, (n,), generator=g)
+    return ClientData(pid, x, y, x[:8], y[:8], C, False)
+
+
+# ---------------------------------------------------------------- FedProx
+
+
+def test_fedprox_gradient_adds_mu_times_the_drift_from_the_round_start():
+    mu = 0.3
+    model = small_model()
+    algo = FedProx(model, cfg_of("fedprox", **{"fedprox-mu": mu}))
+    start = params_of(model)
+    with torch.no_grad():  # move away from the round-start weights
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x, y = batch()
+    ce_grads = grads_of(model, F.cross_entropy(model(x), y))
+    total = F.cross_entropy(model(x), y) + 0.5 * mu * proximal_term(list(model.parameters()), algo.anchor)
+    prox_grads = grads_of(model, total)
+    expected = [g + mu * (p.detach() - s) for g, p, s in zip(ce_grads, model.parameters(), start)]
+    assert close(prox_grads, expected, atol=1e-6)
+    assert all(torch.equal(a, s) for a, s in zip(algo.anchor, start))  # the anchor is the round start
+
+
+def test_fedprox_step_is_sgd_on_ce_plus_the_proximal_gradient():
+    mu = 0.5
+    model = small_model()
+    algo = FedProx(model, cfg_of("fedprox", **{"fedprox-mu": mu}))
+    with torch.no_grad():
+        model.classifier.bias.add_(1.0)  # away from the anchor
+    x, y = batch()
+    before = params_of(model)
+    ce_grads = grads_of(model, F.cross_entropy(model(x), y))
+    algo.update(x, y)
+    expected = [p - LR * (g + mu * (p - a)) for p, g, a in zip(before, ce_grads, algo.anchor)]
+    assert close(params_of(model), expected, atol=1e-6)
+
+
+# ---------------------------------------------------------------- SCAFFOLD
+
+
+def zeros_like_params(model):
+    return [torch.zeros_like(p) for p in model.parameters()]
+
+
+def test_scaffold_with_zero_control_variates_equals_fedavg_for_one_step():
+    x, y = batch()
+    a, b = small_model(), small_model()
+    Scaffold(a, cfg_of("scaffold"), zeros_like_params(a), zeros_like_params(a)).update(x, y)
+    FedAvg(b, cfg_of("fedavg")).update(x, y)
+    assert close(params_of(a), params_of(b), atol=0, rtol=0)
+
+
+def test_scaffold_step_and_control_variate_follow_the_paper():
+    model = small_model()
+    g = torch.Generator().manual_seed(5)
+    c_global = [0.1 * torch.randn(p.shape, generator=g) for p in model.parameters()]
+    c_local = [0.1 * torch.randn(p.shape, generator=g) for p in model.parameters()]
+    algo = Scaffold(model, cfg_of("scaffold"), c_global, c_local)
+    start = params_of(model)
+    x, y = batch()
+    grads = grads_of(model, F.cross_entropy(model(x), y))
+    algo.update(x, y)  # y <- y - lr (g - c_i + c)
+    expected = [s - LR * (gr - cl + cg) for s, gr, cl, cg in zip(start, grads, c_local, c_global)]
+    assert close(params_of(model), expected, atol=1e-6)
+    for seed in (2, 3):
+        algo.update(*batch(seed))
+    new = algo.new_control_variate()  # option II: c_i - c + (x - y) / (K lr)
+    by_hand = [cl - cg + (s - p) / (3 * LR) for cl, cg, s, p in zip(c_local, c_global, start, params_of(model))]
+    assert close(new, by_hand, atol=1e-5)
+
+
+def test_scaffold_server_control_moves_by_the_mean_change_over_all_clients():
+    control = [np.ones((2, 2), np.float32), np.zeros(3, np.float32)]
+    deltas = [[np.full((2, 2), 2.0, np.float32), np.arange(3, dtype=np.float32)],
+              [np.full((2, 2), 4.0, np.float32), np.ones(3, np.float32)]]
+    new = update_server_control(control, deltas, num_clients=4)  # 2 of 4 clients answered
+    np.testing.assert_allclose(new[0], 1 + (2 + 4) / 4)
+    np.testing.assert_allclose(new[1], (np.arange(3) + 1) / 4)
+
+
+def test_scaffold_client_keeps_its_variate_across_rounds_and_returns_its_change():
+    cfg = cfg_of("scaffold", **{"local-steps": 2})
+    state = RecordDict()
+    client = ScaffoldClient(cfg, toy_data(0), torch.device("cpu"), state)
+    weights = client.get_parameters({})
+    zero_c = [np.zeros_like(w) for w in weights]
+    out1, _, _ = client.fit(weights + zero_c, {"server-round": 1})
+    n = len(weights)
+    assert len(out1) == 2 * n
+    first_change = out1[n:]
+    # a fresh client object on the same node state (Flower rebuilds clients every round)
+    client2 = ScaffoldClient(cfg, toy_data(0), torch.device("cpu"), state)
+    kept = [c.numpy() for c in client2.local_control()]
+    np.testing.assert_allclose(state_arrays(client2.model, [torch.as_tensor(k) for k in kept])[0], first_change[0])
+    out2, _, _ = client2.fit(out1[:n] + zero_c, {"server-round": 2})
+    assert not np.allclose(out2[n], 0)
+
+
+def test_scaffold_strategy_averages_models_and_sends_its_control_variate(tmp_path):
+    cfg = cfg_of("scaffold", **{"num-clients": 4, "output-dir": str(tmp_path), "global-test": False})
+    strategy = ScaffoldStrategy(cfg, RunRecorder(cfg, tmp_path), small_model(), None)
+    n = strategy.num_model_arrays
+    rng = np.random.default_rng(0)
+    shapes = [a.shape for a in strategy.control]
+    updates = [[rng.standard_normal(s).astype(np.float32) for s in shapes] * 2 for _ in range(2)]
+    results = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(u), 10, {"partition-id": i, "loss": 1.0}))
+               for i, u in enumerate(updates)]
+    strategy.sampled = [0, 1]
+    new, _ = strategy.aggregate_fit(1, results, [])
+    got = parameters_to_ndarrays(new)
+    assert len(got) == n
+    np.testing.assert_allclose(got[0], (updates[0][0] + updates[1][0]) / 2, rtol=1e-6)
+    np.testing.assert_allclose(strategy.fit_extras(0)[0], (updates[0][n] + updates[1][n]) / 4, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- MOON
+
+
+def test_moon_loss_by_hand():
+    z = torch.tensor([[1.0, 0.0]])
+    z_glob = torch.tensor([[1.0, 1.0]])  # cos = 1/sqrt(2)
+    z_prev = torch.tensor([[0.0, 1.0]])  # cos = 0
+    tau = 0.5
+    pos, neg = math.exp(2 ** -0.5 / tau), math.exp(0.0)
+    assert moon_contrastive_loss(z, z_glob, z_prev, tau).item() == pytest.approx(-math.log(pos / (pos + neg)))
+
+
+def test_moon_projection_layers_are_part_of_the_model():
+    cfg = cfg_of("moon")
+    model = moon_model(build_model("cnn", C, 1, 8), cfg)
+    assert model.feature_dim == 128 and model.classifier.in_features == 128
+    assert model.features[1].out_features == 256
+
+
+def test_moon_negative_pair_is_the_clients_own_last_local_model():
+    cfg = cfg_of("moon", **{"local-steps": 2})
+    state = RecordDict()
+    client = MoonClient(cfg, toy_data(0), torch.device("cpu"), state)
+    global_weights = client.get_parameters({})
+    first = client.make_algorithm(1, {})
+    assert first.previous_features is first.global_features  # no last model yet: l_con = log 2, no gradient
+    local_weights, _, _ = client.fit(global_weights, {"server-round": 1})
+
+    # next round: a fresh client object on the same node; the server sends other (global) weights
+    client2 = MoonClient(cfg, toy_data(0), torch.device("cpu"), state)
+    other_global = [w + 0.5 for w in global_weights]
+    client2.receive(other_global)
+    algo = client2.make_algorithm(2, {})
+    previous = get_weights(algo.previous_features)
+    n_features = len(client2.model.features.state_dict())
+    for got, want in zip(previous, local_weights[:n_features]):  # its own round-1 result, not a global model
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(get_weights(algo.global_features), other_global[:n_features]):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_moon_first_round_contrastive_term_gives_no_gradient():
+    model = moon_model(build_model("cnn", C, 1, 8), cfg_of("moon"))
+    algo = Moon(model, cfg_of("moon"), None)
+    x, y = batch()
+    z = model.features(x)
+    con = moon_contrastive_loss(z, algo.global_features(x), algo.previous_features(x), 0.5)
+    assert con.item() == pytest.approx(math.log(2), rel=1e-5)
+
+
+# ---------------------------------------------------------------- FedMix
+
+
+def test_fedmix_extra_terms_vanish_at_lambda_zero():
+    model = small_model()
+    x, y = batch()
+    g = torch.Generator().manual_seed(9)
+    x_mean, y_mean = torch.randn(B, 1, 8, 8, generator=g), torch.softmax(torch.randn(B, C, generator=g), 1)
+    terms = fedmix_loss(model, x, y, x_mean, y_mean, lam=0.0)
+    ce = F.cross_entropy(model(x), y)
+    assert terms["loss"].item() == pytest.approx(ce.item(), rel=1e-6)
+    assert close(grads_of(model, terms["loss"]), grads_of(model, F.cross_entropy(model(x), y)), atol=1e-6)
+
+
+def test_fedmix_loss_by_hand_on_a_linear_model():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4)
+    x = torch.randn(2, 3)
+    y = torch.tensor([1, 3])
+    x_mean, y_mean = torch.randn(2, 3), torch.softmax(torch.randn(2, 4), 1)
+    lam = 0.2
+    terms = fedmix_loss(model, x, y, x_mean, y_mean, lam)
+    total = 0.0
+    for i in range(2):  # per sample: the input gradient of its own loss, dotted with its mean sample
+        xi = ((1 - lam) * x[i:i + 1]).requires_grad_(True)
+        logits = model(xi)
+        li = F.cross_entropy(logits, y[i:i + 1])
+        (gx,) = torch.autograd.grad(li, xi)
+        soft = -(y_mean[i] * F.log_softmax(logits, 1)[0]).sum()
+        total += (1 - lam) * li.item() + lam * soft.item() + lam * float((gx[0] * x_mean[i]).sum())
+    assert terms["loss"].item() == pytest.approx(total / 2, rel=1e-5)
+
+
+def test_fedmix_mean_data_are_means_of_m_samples_with_mean_labels():
+    x = torch.arange(20, dtype=torch.float32).view(20, 1, 1, 1)
+    y = torch.arange(20) % 5
+    means_x, means_y = mean_data(x, y, 4, 5, torch.Generator().manual_seed(0))
+    assert means_x.shape == (5, 1, 1, 1) and means_y.shape == (5, 5)
+    assert torch.allclose(means_y.sum(1), torch.ones(5))
+    assert 4 * means_x.sum().item() == pytest.approx(x.sum().item())  # disjoint groups cover every sample
+
+
+def test_fedmix_client_answers_with_means_only():
+    cfg = cfg_of("fedmix", **{"fedmix-m": 5})
+    client = FedMixClient(cfg, toy_data(0), torch.device("cpu"))
+    x, y = client.get_parameters({"fedmix-request": 1, "version": 1})
+    assert x.shape == (8, 1, 8, 8) and y.shape == (8, C)
+    assert not any(np.allclose(m, s) for m in x for s in client.data.x_train.numpy())
+
+
+# ---------------------------------------------------------------- VHL
+
+
+def test_vhl_virtual_data_is_seeded_balanced_and_class_dependent():
+    x, y = virtual_data(C, 1, 8, 40, seed=3)
+    x2, y2 = virtual_data(C, 1, 8, 40, seed=3)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert x.shape == (40, 1, 8, 8) and torch.bincount(y).tolist() == [4] * C
+    within = (x[y == 0][0] - x[y == 0][1]).norm()
+    between = (x[y == 0][0] - x[y == 1][0]).norm()
+    assert between > within
+
+
+def test_vhl_labels_virtual_data_past_the_real_classes_and_predicts_real_ones():
+    model = vhl_model(build_model("cnn", C, 1, 8))
+    assert model.classifier.out_features == 2 * C
+    x, _ = batch()
+    assert RealClasses(model, C)(x).shape == (B, C)
+    vx, vy = virtual_data(C, 1, 8, 20, seed=0)
+    algo = VHL(model, cfg_of("vhl"), vx, vy, seed=0)
+    x, y = batch()
+    idx = torch.randint(0, 20, (B,), generator=torch.Generator().manual_seed(0))
+    z = model.features(torch.cat([x, vx[idx]]))
+    logits = model.classifier(z)
+    expected_virtual = F.cross_entropy(logits[B:], vy[idx] + C).item()
+    terms = algo.update(x, y)
+    assert terms["ce-virtual"].item() == pytest.approx(expected_virtual, rel=1e-5)
+
+
+def test_alignment_loss_by_hand():
+    z_real = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    y_real = torch.tensor([0, 2])  # class 2 has no virtual sample: that anchor is left out
+    z_virtual = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    y_virtual = torch.tensor([0, 1])
+    tau = 0.5
+    expected = -math.log(math.exp(1 / tau) / (math.exp(1 / tau) + math.exp(0)))
+    assert supervised_alignment_loss(z_real, y_real, z_virtual, y_virtual, tau).item() == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------- FedDecorr, FedNTD
+
+
+def test_decorrelation_loss_by_hand():
+    a = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    b = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    assert decorrelation_loss(torch.stack([a, b], 1)).item() == pytest.approx(0.5, rel=1e-4)  # K = I: 2 / 4
+    assert decorrelation_loss(torch.stack([a, 3 * a], 1)).item() == pytest.approx(1.0, rel=1e-4)  # K = all ones
+
+
+def test_fedntd_ignores_the_true_class_logit():
+    g = torch.Generator().manual_seed(0)
+    logits, global_logits = torch.randn(4, C, generator=g), torch.randn(4, C, generator=g)
+    y = torch.tensor([0, 3, 3, 9])
+    base = not_true_distillation_loss(logits, global_logits, y, tau=1.0)
+    moved_local, moved_global = logits.clone(), global_logits.clone()
+    moved_local[torch.arange(4), y] += 5.0
+    moved_global[torch.arange(4), y] -= 7.0
+    assert not_true_distillation_loss(moved_local, moved_global, y, 1.0).item() == pytest.approx(base.item(), rel=1e-6)
+    other = logits.clone()
+    other[0, 1] += 2.0  # a not-true logit does count
+    assert not_true_distillation_loss(other, global_logits, y, 1.0).item() != pytest.approx(base.item(), rel=1e-3)
+    assert not_true_distillation_loss(global_logits, global_logits, y, 1.0).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_fedntd_value_by_hand_and_teacher_frozen_at_round_start():
+    logits = torch.tensor([[2.0, 0.0, 1.0]])
+    teacher = torch.tensor([[0.0, 1.0, 0.0]])
+    y = torch.tensor([0])
+    q = torch.softmax(torch.tensor([1.0, 0.0]), 0)  # teacher's not-true classes 1, 2
+    p = torch.softmax(torch.tensor([0.0, 1.0]), 0)
+    expected = float((q * (q / p).log()).sum())
+    assert not_true_distillation_loss(logits, teacher, y, 1.0).item() == pytest.approx(expected, rel=1e-6)
+    model = small_model()
+    algo = FedNTD(model, cfg_of("fedntd"))
+    start = get_weights(model)
+    algo.update(*batch())
+    for a, b in zip(get_weights(algo.global_model), start):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------- FedCM
+
+
+def test_fedcm_step_moves_along_alpha_g_plus_one_minus_alpha_delta():
+    alpha = 0.1
+    model = small_model()
+    delta = [torch.full_like(p, 0.5) for p in model.parameters()]
+    algo = FedCM(model, cfg_of("fedcm", **{"fedcm-alpha": alpha}), delta)
+    x, y = batch()
+    before = params_of(model)
+    g = grads_of(model, F.cross_entropy(model(x), y))
+    algo.update(x, y)
+    expected = [p - LR * (alpha * gi + (1 - alpha) * d) for p, gi, d in zip(before, g, delta)]
+    assert close(params_of(model), expected, atol=1e-6)
+
+
+def test_fedcm_server_direction_is_the_mean_step_in_gradient_units(tmp_path):
+    start = [np.ones(3, np.float32)]
+    new = [np.full(3, 0.5, np.float32)]
+    np.testing.assert_allclose(global_update_direction(start, new, lr=0.1, steps=5)[0], 1.0)
+    cfg = cfg_of("fedcm", **{"num-clients": 2, "output-dir": str(tmp_path), "global-test": False,
+                             "local-steps": 4})
+    strategy = FedCMStrategy(cfg, RunRecorder(cfg, tmp_path), small_model(), None)
+    assert all(not d.any() for d in strategy.fit_extras(0))  # zero before the first round
+    initial = strategy.initialize_parameters(None)
+    strategy.round_start = parameters_to_ndarrays(initial)
+    moved = [a - 0.2 for a in strategy.round_start]
+    results = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(moved), 10, {"partition-id": i}))
+               for i in range(2)]
+    strategy.sampled = [0, 1]
+    strategy.aggregate_fit(1, results, [])
+    np.testing.assert_allclose(strategy.fit_extras(1)[0], 0.2 / (LR * 4), rtol=1e-5)
+
+
+def test_parameter_tensors_and_state_arrays_are_inverse():
+    model = small_model()
+    arrays = get_weights(model)
+    assert all(np.array_equal(a, b) for a, b in zip(state_arrays(model, parameter_tensors(model, arrays)), arrays))
+
+
+# ---------------------------------------------------------------- GroupDRO, DANN
+
+
+def test_groupdro_weight_grows_for_the_client_with_the_highest_loss():
+    weights = ClientWeights(3, eta=0.5)
+    weights.update({0: 1.0, 1: 3.0, 2: 1.0})
+    assert weights.p[1] > weights.p[0] == pytest.approx(weights.p[2])
+    assert weights.p.sum() == pytest.approx(1.0)
+    assert weights.p[1] / weights.p[0] == pytest.approx(math.exp(0.5 * 2.0))
+
+
+def test_groupdro_strategy_averages_with_its_client_weights(tmp_path):
+    cfg = cfg_of("groupdro", **{"num-clients": 2, "output-dir": str(tmp_path), "global-test": False,
+                                "groupdro-eta": 1.0})
+    strategy = GroupDROStrategy(cfg, RunRecorder(cfg, tmp_path), torch.nn.Linear(2, 1), None)
+    updates = [[np.zeros((1, 2), np.float32), np.zeros(1, np.float32)],
+               [np.ones((1, 2), np.float32), np.ones(1, np.float32)]]
+    results = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(u), 10, {"partition-id": i, "loss": loss}))
+               for i, (u, loss) in enumerate(zip(updates, [0.0, math.log(3.0)]))]
+    strategy.sampled = [0, 1]
+    new, _ = strategy.aggregate_fit(1, results, [])
+    np.testing.assert_allclose(parameters_to_ndarrays(new)[1], 0.75, rtol=1e-6)  # weights 1 : 3
+
+
+def test_gradient_reversal_flips_the_sign_for_the_features_only():
+    z = torch.randn(4, 3, requires_grad=True)
+    (reverse_gradient(z, 2.0) * torch.ones(4, 3)).sum().backward()
+    assert torch.equal(z.grad, torch.full((4, 3), -2.0))
+
+
+def test_dann_discriminator_learns_the_domain_while_features_unlearn_it():
+    torch.manual_seed(0)
+    model = build_model("cnn", C, 1, 8)
+    disc = build_discriminator(model.feature_dim, 16, 3)
+    algo = DANN(model, cfg_of("dann", **{"dann-weight": 1.0, "dann-hidden": 16}), disc, domain=2)
+    x, y = batch()
+    z = model.features(x).detach()
+    before = F.cross_entropy(disc(z), torch.full_like(y, 2)).item()
+    algo.update(x, y)
+    after_same_features = F.cross_entropy(disc(z), torch.full_like(y, 2)).item()
+    assert after_same_features < before  # the discriminator descended on the domain loss
+    # the features' gradient from the domain term is the reverse of the discriminator-side gradient
+    zz = model.features(x)
+    domain = F.cross_entropy(disc(reverse_gradient(zz)), torch.full_like(y, 2))
+    (g_rev,) = torch.autograd.grad(domain, zz)
+    zz2 = model.features(x)
+    (g_fwd,) = torch.autograd.grad(F.cross_entropy(disc(zz2), torch.full_like(y, 2)), zz2)
+    assert torch.allclose(g_rev, -g_fwd)
+
+
+# ---------------------------------------------------------------- FedBR combined (paper Table 3)
+
+
+def fedbr_algo(**overrides):
+    cfg = validate({"strategy": "fedbr", "batch-size": 4, "lr": LR, **overrides})
+    torch.manual_seed(0)
+    model = build_model("cnn", C, 1, 8)
+    head = build_head(cfg, model.feature_dim)
+    g = torch.Generator().manual_seed(100)
+    x_p = torch.randn(4, 1, 8, 8, generator=g)
+    momentum = [torch.full_like(p, 0.3) for p in model.parameters()] if cfg["fedbr-with"] == "fedcm" else None
+    return FedBR(model, cfg, head, x_p, torch.full((4, C), 1.0 / C), None, seed=0, global_momentum=momentum)
+
+
+def fedbr_terms(algo):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, C, (4,), generator=g)
+    b = algo.make_batch(x, y)
+    return {k: v.item() for k, v in algo.objective(b, *algo.features(b)).items()}
+
+
+@pytest.mark.parametrize("method, term, weight_key, weight", [
+    ("feddecorr", "decorr", "feddecorr-weight", 0.3),
+    ("fedntd", "ntd", "fedntd-beta", 0.7),
+])
+def test_each_combination_adds_exactly_its_term(method, term, weight_key, weight):
+    plain = fedbr_terms(fedbr_algo())
+    algo = fedbr_algo(**{"fedbr-with": method, weight_key: weight})
+    if method == "fedntd":  # a teacher different from the student, so the term is not zero
+        with torch.no_grad():
+            for p in algo.global_model.parameters():
+                p.add_(0.05)
+    combined = fedbr_terms(algo)
+    assert set(combined) == set(plain) | {term}
+    for k in plain:
+        if k != "loss":
+            assert combined[k] == pytest.approx(plain[k], rel=1e-5)
+    assert combined[term] > 0
+    assert combined["loss"] == pytest.approx(plain["loss"] + weight * combined[term], rel=1e-5)
+
+
+def test_fedbr_with_fedcm_changes_only_the_min_step_direction():
+    plain, cm = fedbr_algo(), fedbr_algo(**{"fedbr-with": "fedcm", "fedcm-alpha": 0.25})
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, C, (4,), generator=g)
+    assert fedbr_terms(plain) == pytest.approx(fedbr_terms(cm), rel=1e-6)  # same loss terms
+    start = params_of(plain.model)
+    plain.update(x, y)
+    cm.update(x, y)
+    plain_step = [(s - p) / LR for s, p in zip(start, params_of(plain.model))]  # the gradient
+    cm_step = [(s - p) / LR for s, p in zip(start, params_of(cm.model))]
+    expected = [0.25 * gr + 0.75 * 0.3 for gr in plain_step]
+    assert close(cm_step, expected, atol=1e-4)
+    assert close(params_of(plain.head), params_of(cm.head), atol=1e-6)  # theta's max step is plain SGD
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_every_baseline_is_registered():
+    assert {"fedavg", "fedprox", "scaffold", "moon", "fedmix", "vhl", "feddecorr", "fedntd", "fedcm", "mixup",
+            "groupdro", "dann", "fedbr", "distrans"} <= set(strategy_names())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"strategy": "fedprox2"}, "unknown strategy 'fedprox2'. Valid: dann, distrans, fedavg"),
+    ({"strategy": "fedavg", "fedprox-mu": 0.1}, "belongs to strategy fedprox"),
+    ({"strategy": "scaffold", "moon-mu": 0.1}, "Keys of 'scaffold': none beyond the common ones"),
+    ({"strategy": "moon", "fedprox-mu": 0.1}, "Keys of 'moon': moon-mu, moon-proj-hidden"),
+    ({"strategy": "fedbr", "feddecorr-weight": 0.2}, "belongs to strategy feddecorr, fedbr+feddecorr"),
+    ({"strategy": "fedbr", "fedbr-with": "fedcm", "fedntd-beta": 0.2}, "Keys of 'fedbr + fedbr+fedcm'"),
+    ({"strategy": "fedavg", "mixup-alpha": 0.4}, "belongs to strategy fedbr, mixup"),
+    ({"strategy": "fedbr", "fedbr-with": "moon"}, "is not one of: none, fedcm, feddecorr, fedntd"),
+    ({"strategy": "fedmix", "fedmix-lambda": 1.0}, "must be in [0, 1)"),
+    ({"strategy": "fedprox", "fedprox-mu": "a lot"}, "must be float"),
+])
+def test_bad_strategy_settings_stop_with_what_is_valid(overrides, message):
+    with pytest.raises(ConfigError, match=_escape(message)):
+        validate(overrides)
+
+
+def _escape(text):
+    import re
+    return re.escape(text)
+
+
+def test_combination_keys_belong_to_fedbr_only_with_that_combination():
+    cfg = validate({"strategy": "fedbr", "fedbr-with": "feddecorr", "feddecorr-weight": 0.2})
+    assert cfg["feddecorr-weight"] == 0.2
+    assert validate({"strategy": "mixup", "mixup-alpha": 0.4})["mixup-alpha"] == 0.4
+
+
+# ---------------------------------------------------------------- two rounds of every strategy, in-process
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("fedprox", {}), ("scaffold", {}), ("moon", {}), ("fedmix", {}), ("vhl", {"vhl-size": 50}),
+    ("feddecorr", {}), ("fedntd", {}), ("fedcm", {}), ("mixup", {}), ("groupdro", {}), ("dann", {}),
+    ("fedbr", {"fedbr-with": "fedcm"}), ("fedbr", {"fedbr-with": "feddecorr"}), ("fedbr", {"fedbr-with": "fedntd"}),
+    ("fedbr", {"mixup": True}),
+])
+def test_two_rounds_in_process(tmp_path, name, extra):
+    cfg = validate({"strategy": name, "num-clients": 3, "local-steps": 2, "batch-size": 8, "num-rounds": 2,
+                    "eval-every": 1, "global-test": False, **extra})
+    strategy, clients, proxies = in_process_federation(cfg, tmp_path)
+    final = parameters_to_ndarrays(run_rounds(strategy, proxies, 2))
+    assert all(np.isfinite(a).all() for a in final)
+    rounds = [json.loads(x) for x in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    assert [r["clients"] for r in rounds] == [3, 3] and all(np.isfinite(r["train"]["loss"]) for r in rounds)
+    evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(evals) == 2 and all(0 <= e["mean_acc"] <= 1 for e in evals)
