@@ -278,7 +278,9 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
     from .registry import strategy_names  # late import: the registry imports the algorithm packages
 
     if cfg["strategy"] not in strategy_names():
-        raise ConfigError(f"unknown strategy '{cfg['strategy']}'. Valid: {', '.join(strategy_names())}")
+        close = difflib.get_close_matches(cfg["strategy"], strategy_names(), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown strategy '{cfg['strategy']}'.{hint} Valid: {', '.join(strategy_names())}")
     if cfg["dataset"] in ("mnist", "cifar10", "cifar100") and not cfg["data-dir"]:
         raise ConfigError(
             f"dataset '{cfg['dataset']}' needs 'data-dir' (a folder holding torchvision's files); "

@@ -522,7 +522,7 @@ def test_every_baseline_is_registered():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"strategy": "fedprox2"}, "unknown strategy 'fedprox2'. Valid: dann, distrans, fedavg"),
+    ({"strategy": "fedprox2"}, "unknown strategy 'fedprox2'. Did you mean 'fedprox'? Valid: dann, distrans, fedavg"),
     ({"strategy": "fedavg", "fedprox-mu": 0.1}, "belongs to strategy fedprox"),
     ({"strategy": "scaffold", "moon-mu": 0.1}, "Keys of 'scaffold': none beyond the common ones"),
     ({"strategy": "moon", "fedprox-mu": 0.1}, "Keys of 'moon': moon-mu, moon-proj-hidden"),
