@@ -1,7 +1,9 @@
 """The Flower side every algorithm's strategy shares: client discovery and seeded sampling, the
 evaluation schedule, server-side evaluation on the global test set, and recording of the run files.
-Subclasses override ``aggregate`` (a Flower-free rule over lists of arrays) and, when they send
-more than the model, ``fit_config``."""
+Subclasses override Flower-free hooks: ``aggregate`` (a rule over lists of arrays),
+``aggregation_weights`` (GroupDRO), ``fit_extras`` (arrays sent after the weights: SCAFFOLD's c,
+FedCM's Delta), ``extra_initial_weights`` (modules averaged beside the model: FedBR's head, DANN's
+discriminator), ``make_shared_data`` (data broadcast once: FedBR, FedMix, VHL) and ``fit_config``."""
 
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ distributes the pseudo-data:
 
 The pseudo-batch rides in the fit config (``pseudo-payload``) only to clients that have not yet
 confirmed its current version; they keep it in Flower's per-node state.
+
+With ``fedbr-with=fedcm`` the server also keeps FedCM's global update direction over (phi, omega)
+and sends it after the weights.
 """
 
 from __future__ import annotations
