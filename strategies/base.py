@@ -82,8 +82,9 @@ class FederatedStrategy(Strategy):
         shared = self.shared.fit_config(pid) if self.shared is not None else {}
         return {"server-round": server_round, **shared}
 
-    def fit_extras(self, pid: int) -> list[np.ndarray]:
-        """Arrays sent to client ``pid`` after the weights with fit instructions (SCAFFOLD's c, FedCM's Delta)."""
+    def fit_extras(self) -> list[np.ndarray]:
+        """Arrays sent to every sampled client after the weights with this round's fit instructions
+        (SCAFFOLD's c, FedCM's Delta); serialised once per round. Per-client arrays: ``client_parameters``."""
         return []
 
     def aggregation_weights(self, results: list[FitRes]) -> list[float]:
@@ -125,17 +126,17 @@ class FederatedStrategy(Strategy):
         if self.shared is not None and self.shared_is_stale(server_round):
             self.refresh_shared_data(server_round)
         self.sampled = self.sample_partitions(server_round)
+        extras = ndarrays_to_parameters(self.fit_extras()).tensors
         return [(self.clients_by_pid[pid],
-                 FitIns(self._with_extras(self.client_parameters(parameters, pid), self.fit_extras(pid)),
+                 FitIns(self._with_extras(self.client_parameters(parameters, pid), extras),
                         self.fit_config(server_round, pid)))
                 for pid in self.sampled]
 
     @staticmethod
-    def _with_extras(parameters: Parameters, extras: list[np.ndarray]) -> Parameters:
+    def _with_extras(parameters: Parameters, extras: list[bytes]) -> Parameters:
         if not extras:
             return parameters
-        return Parameters(tensors=[*parameters.tensors, *ndarrays_to_parameters(extras).tensors],
-                          tensor_type=parameters.tensor_type)
+        return Parameters(tensors=[*parameters.tensors, *extras], tensor_type=parameters.tensor_type)
 
     def refresh_shared_data(self, server_round: int) -> None:
         """Build the broadcast data anew; it is saved as <name>_data.npz in the run folder."""

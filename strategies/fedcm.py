@@ -32,8 +32,8 @@ class GlobalMomentumMixin:
             self.round_start = parameters_to_ndarrays(parameters)[:self.num_model_arrays]
         return super().configure_fit(server_round, parameters, client_manager)
 
-    def fit_extras(self, pid: int) -> list[np.ndarray]:
-        return self.momentum if self.momentum_on else super().fit_extras(pid)
+    def fit_extras(self) -> list[np.ndarray]:
+        return self.momentum if self.momentum_on else super().fit_extras()
 
     def aggregate(self, arrays, weights):
         new = super().aggregate(arrays, weights)
@@ -46,6 +46,7 @@ class GlobalMomentumMixin:
 @register_strategy("fedcm")
 class FedCMStrategy(GlobalMomentumMixin, FederatedStrategy):
     momentum_on = True
+
     def __init__(self, cfg, recorder, model, global_test):
         super().__init__(cfg, recorder, model, global_test)
         self.init_momentum()

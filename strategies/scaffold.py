@@ -24,7 +24,7 @@ class ScaffoldStrategy(FederatedStrategy):
         super().__init__(cfg, recorder, model, global_test)
         self.control = [np.zeros_like(a) for a in get_weights(self.model)]
 
-    def fit_extras(self, pid: int) -> list[np.ndarray]:
+    def fit_extras(self) -> list[np.ndarray]:
         return self.control
 
     def aggregate(self, arrays: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:

@@ -184,7 +184,7 @@ def test_scaffold_strategy_averages_models_and_sends_its_control_variate(tmp_pat
     got = parameters_to_ndarrays(new)
     assert len(got) == n
     np.testing.assert_allclose(got[0], (updates[0][0] + updates[1][0]) / 2, rtol=1e-6)
-    np.testing.assert_allclose(strategy.fit_extras(0)[0], (updates[0][n] + updates[1][n]) / 4, rtol=1e-6)
+    np.testing.assert_allclose(strategy.fit_extras()[0], (updates[0][n] + updates[1][n]) / 4, rtol=1e-6)
 
 
 # ---------------------------------------------------------------- MOON
@@ -390,7 +390,7 @@ def test_fedcm_server_direction_is_the_mean_step_in_gradient_units(tmp_path):
     cfg = cfg_of("fedcm", **{"num-clients": 2, "output-dir": str(tmp_path), "global-test": False,
                              "local-steps": 4})
     strategy = FedCMStrategy(cfg, RunRecorder(cfg, tmp_path), small_model(), None)
-    assert all(not d.any() for d in strategy.fit_extras(0))  # zero before the first round
+    assert all(not d.any() for d in strategy.fit_extras())  # zero before the first round
     initial = strategy.initialize_parameters(None)
     strategy.round_start = parameters_to_ndarrays(initial)
     moved = [a - 0.2 for a in strategy.round_start]
@@ -398,7 +398,7 @@ def test_fedcm_server_direction_is_the_mean_step_in_gradient_units(tmp_path):
                for i in range(2)]
     strategy.sampled = [0, 1]
     strategy.aggregate_fit(1, results, [])
-    np.testing.assert_allclose(strategy.fit_extras(1)[0], 0.2 / (LR * 4), rtol=1e-5)
+    np.testing.assert_allclose(strategy.fit_extras()[0], 0.2 / (LR * 4), rtol=1e-5)
 
 
 def test_parameter_tensors_and_state_arrays_are_inverse():
