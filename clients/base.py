@@ -11,10 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.client import NumPyClient
-from flwr.common import RecordDict
+from flwr.common import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
 from fedbr_flwr.broadcast import receive_shared
+from fedbr_flwr.checkpoint import flatten, pack, unflatten, unpack
 from fedbr_flwr.config import resolved_model
 from fedbr_flwr.dataset import INFO, ClientData, make_partition
 from fedbr_flwr.model import build_model
@@ -22,9 +23,13 @@ from fedbr_flwr.training import (Algorithm, BatchSampler, evaluate, get_weights,
                                  step_seed)
 
 
+RESTORED_KEY = "client-state-restored"
+
+
 class BaseClient(NumPyClient):
     algorithm: type[Algorithm]
     takes_extras = False  # whether the server sends arrays after the weights (SCAFFOLD, FedCM)
+    state_keys: tuple[str, ...] = ()  # this client's own training state in context.state, kept in checkpoints
 
     # ------------------------------------------------------------ the model (the server builds the same)
     @classmethod
@@ -82,6 +87,25 @@ class BaseClient(NumPyClient):
         set_weights(self.weight_modules(), parameters[:n])
         return parameters[n:]
 
+    def export_state(self) -> bytes:
+        """The ``state_keys`` records of Flower's per-node state, for the server's checkpoint."""
+        arrays = {}
+        for key in self.state_keys:
+            if key in self.state:
+                arrays.update(flatten(key, self.state[key].to_numpy_ndarrays()))
+        return pack(arrays)
+
+    def restore_state(self, config: dict) -> None:
+        """After a resume the server hands back the state this client had at the checkpoint, until the
+        client answers; it is applied once, before anything reads the state."""
+        if "client-state" not in config or RESTORED_KEY in self.state:
+            return
+        arrays = unpack(config["client-state"])
+        for key in self.state_keys:
+            if unflatten(arrays, key):
+                self.state[key] = ArrayRecord(unflatten(arrays, key))
+        self.state[RESTORED_KEY] = ConfigRecord({"restored": True})
+
     # ------------------------------------------------------------ Flower NumPyClient API
     def get_properties(self, config: dict) -> dict:
         _, phash = make_partition(self.cfg)
@@ -91,9 +115,12 @@ class BaseClient(NumPyClient):
                 "class-counts": ",".join(map(str, counts))}
 
     def get_parameters(self, config: dict) -> list[np.ndarray]:
+        if config.get("client-state"):
+            return [np.frombuffer(self.export_state(), dtype=np.uint8)]
         return get_weights(*self.weight_modules())
 
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
+        self.restore_state(config)
         self.extras = self.receive(parameters)
         server_round = int(config["server-round"])
         algorithm = self.make_algorithm(server_round, config)
@@ -106,6 +133,7 @@ class BaseClient(NumPyClient):
         return returned, len(self.data.y_train), metrics
 
     def evaluate(self, parameters: list[np.ndarray], config: dict) -> tuple[float, int, dict]:
+        self.restore_state(config)
         self.receive(parameters)
         loss, acc = evaluate(self.eval_module(), self.data.x_test, self.data.y_test)
         return loss, len(self.data.y_test), {"accuracy": acc, "partition-id": self.pid}

@@ -82,6 +82,7 @@ OFFSET_KEY = "distrans-offset"
 class DisTransClient(BaseClient):
     """Sends (model, offset). Receives the model, plus an offset when the server aggregates them;
     otherwise it uses the offset it kept in Flower's per-node state (drawn fresh the first time)."""
+    state_keys = (OFFSET_KEY,)
     algorithm = DisTrans
 
     @classmethod
@@ -124,6 +125,7 @@ class DisTransClient(BaseClient):
         return [*parameters, self.stored_offset()]
 
     def fit(self, parameters, config):
+        self.restore_state(config)  # before the stored offset is read
         self.fresh_offset = False
         parameters = self.with_offset(parameters)
         start = torch.as_tensor(parameters[-1])
@@ -134,6 +136,7 @@ class DisTransClient(BaseClient):
         return weights, n, {**metrics, "offset-rms-change": change, "offset-fresh": float(self.fresh_offset)}
 
     def evaluate(self, parameters, config):
+        self.restore_state(config)
         result = super().evaluate(self.with_offset(parameters), config)
         self.store_offset()  # a server-sent offset is this client's from now on
         return result

@@ -55,6 +55,7 @@ PREVIOUS_KEY = "moon-previous"
 
 @register_client("moon")
 class MoonClient(BaseClient):
+    state_keys = (PREVIOUS_KEY,)
     algorithm = Moon
 
     @classmethod

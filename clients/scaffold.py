@@ -48,6 +48,7 @@ CONTROL_KEY = "scaffold-control"
 
 @register_client("scaffold")
 class ScaffoldClient(BaseClient):
+    state_keys = (CONTROL_KEY,)
     algorithm = Scaffold
     takes_extras = True  # c, after the model
 

@@ -3,6 +3,8 @@
     fedbr-run                                   # the quick main job (defaults)
     fedbr-run experiments/fedavg_rotmnist5k.yaml seed=1 num-rounds=50
     fedbr-run --list                            # every key, its default and meaning
+    fedbr-run --resume runs/fedbr-mnist5k-...   # continue a stopped run from its checkpoint
+    fedbr-run --resume runs/fedbr-mnist5k-... num-rounds=200   # or train it further
 
 Later files and ``key=value`` overrides win over earlier ones. Exit codes: 0 completed, 1 the run
 failed, 2 bad configuration or input.
@@ -18,8 +20,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from .config import DEFAULTS, SCHEMA, ConfigError, load_yaml, parse_override, validate
+from .config import DEFAULTS, SCHEMA, ConfigError, check_sampling, load_yaml, parse_override, validate
 from .launcher import PROJECT_DIR, RunFailed, run_flower
+from .run_io import git_commit
 
 DEFAULT_SIMULATED_CLIENTS = 10
 MAX_CLIENTS_PER_GPU = 4
@@ -45,6 +48,30 @@ def config_from_settings(settings: dict[str, Any]) -> dict[str, Any]:
     cfg = validate(settings)
     if cfg["num-clients"] == 0:
         cfg["num-clients"] = DEFAULT_SIMULATED_CLIENTS
+        check_sampling(cfg)
+    return cfg
+
+
+def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
+    """The config of the run in ``out_dir`` (from its checkpoint), with ``resume`` on and the overrides
+    a resumed run may take (num-rounds, checkpoint-every, ...); anything else stops with a message."""
+    from .checkpoint import load_checkpoint
+    from .server_app import RESUMABLE_KEYS, check_resumable
+
+    out_dir = out_dir.expanduser().resolve()
+    _, header = load_checkpoint(out_dir)
+    overrides: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item or item.endswith((".yaml", ".yml")):
+            raise ConfigError(f"--resume takes the config from {out_dir}'s checkpoint; give only key=value overrides "
+                              f"of {', '.join(k for k in RESUMABLE_KEYS if k not in ('resume', 'git-commit'))}")
+        key, value = parse_override(item)
+        overrides[key] = value
+    saved = header["config"]
+    cfg = validate({**saved, **overrides, "resume": True, "output-dir": str(out_dir)})
+    check_resumable(saved, cfg, int(header["round"]))
+    cfg["git-commit"] = git_commit(PROJECT_DIR) or "unknown"
+    print(f"fedbr-run: resuming {out_dir} after round {header['round']} of {cfg['num-rounds']}", flush=True)
     return cfg
 
 
@@ -64,14 +91,13 @@ def size_resources(cfg: dict[str, Any], cuda_available: bool, cpu_count: int) ->
 
 def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
     from .dataset import make_partition
-    from .run_io import git_commit
 
     if not cfg["output-dir"]:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg["output-dir"] = str(Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}")
     out = Path(cfg["output-dir"]).expanduser().resolve()
     if (out / "metrics.jsonl").exists() and not overwrite:
-        raise ConfigError(f"{out} already holds a run; pick another output-dir or pass --overwrite")
+        raise ConfigError(f"{out} already holds a run; pick another output-dir, pass --overwrite, or continue it with `fedbr-run --resume {out}`")
     cfg["output-dir"] = str(out)
     if cfg["data-dir"]:  # Flower runs the app from a copy elsewhere: hand it absolute paths only
         cfg["data-dir"] = str(Path(cfg["data-dir"]).expanduser().resolve())
@@ -97,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list strategies and config keys, then exit")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then exit")
     parser.add_argument("--overwrite", action="store_true", help="reuse an output-dir that holds a run")
+    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
     parser.add_argument("--quiet", action="store_true", help="print no progress (the log is in flower.log)")
     parser.add_argument("--verbose", action="store_true", help="echo all of Flower's log, not only progress")
     args = parser.parse_intermixed_args(argv)  # options may come between files and overrides
@@ -106,8 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import torch
 
-        cfg = size_resources(build_config(args.items), torch.cuda.is_available(), os.cpu_count() or 1)
-        cfg = prepare(cfg, args.overwrite)
+        if args.resume:
+            cfg = size_resources(resume_config(Path(args.resume), args.items), torch.cuda.is_available(),
+                                 os.cpu_count() or 1)
+        else:
+            cfg = size_resources(build_config(args.items), torch.cuda.is_available(), os.cpu_count() or 1)
+            cfg = prepare(cfg, args.overwrite)
     except ConfigError as exc:
         print(f"fedbr-run: error: {exc}", file=sys.stderr)
         return 2
@@ -126,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fedbr-run: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"fedbr-run: interrupted; Flower processes stopped; partial run files in {out}", file=sys.stderr)
+        print(f"fedbr-run: interrupted; Flower processes stopped; partial run files in {out} (continue with "
+              f"`fedbr-run --resume {out}` once a checkpoint exists)", file=sys.stderr)
         return 130
     summary_md = out / "summary.md"
     if not summary_md.exists():

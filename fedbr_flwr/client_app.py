@@ -1,20 +1,29 @@
-"""Flower ClientApp: builds the configured algorithm's NumPyClient for this node's partition."""
+"""Flower ClientApp: builds the configured algorithm's NumPyClient for this node's partition.
+
+Flower 1.41 starts a fresh ClientApp process for every message in a deployment (both isolation
+modes). A SuperNode started with ``worker="<socket>"`` in its node config therefore hands each
+message to a long-lived ``fedbr_flwr.worker`` process, which keeps the data, the model and the CUDA
+context between rounds; this module then imports nothing heavy (no torch) on that path."""
 
 from __future__ import annotations
 
-import torch
+from typing import Any, Mapping
+
 from flwr.client import ClientApp
-from flwr.common import Context
-
-from .config import ConfigError, from_run_config
-from .dataset import load_client_data
-from .registry import client_class
-from .training import pick_device
+from flwr.common import Context, RecordDict
 
 
-def client_fn(context: Context):
-    cfg = from_run_config(context.run_config)
-    node = context.node_config
+def build_client(run_config: Mapping[str, Any], node_config: Mapping[str, Any], state: RecordDict):
+    """The algorithm's client for the partition named in the node config, its data on the device."""
+    import torch
+
+    from .config import ConfigError, from_run_config
+    from .dataset import load_client_data
+    from .registry import client_class
+    from .training import pick_device
+
+    cfg = from_run_config(run_config)
+    node = node_config
     if "partition-id" not in node:
         raise ConfigError("this SuperNode has no 'partition-id' in its node config: start it with "
                           "--node-config \"partition-id=<i> num-partitions=<n>\"")
@@ -26,10 +35,20 @@ def client_fn(context: Context):
     cfg["num-clients"] = cfg["num-clients"] or num_partitions
     if not cfg["num-clients"]:
         raise ConfigError("num-clients is 0 and the SuperNode has no num-partitions: set one of them")
+    if node.get("data-dir"):  # this machine's copy of the dataset
+        cfg["data-dir"] = str(node["data-dir"])
     torch.set_num_threads(cfg["client-cpus"])
     device = pick_device(cfg["device"])
     data = load_client_data(cfg, pid, device)
-    return client_class(cfg["strategy"])(cfg, data, device, context.state).to_client()
+    return client_class(cfg["strategy"])(cfg, data, device, state)
+
+
+def client_fn(context: Context):
+    if context.node_config.get("worker"):
+        from .worker import WorkerClient
+
+        return WorkerClient(str(context.node_config["worker"]), context).to_client()
+    return build_client(context.run_config, context.node_config, context.state).to_client()
 
 
 app = ClientApp(client_fn=client_fn)

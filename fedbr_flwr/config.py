@@ -93,6 +93,14 @@ SCHEMA: dict[str, Key] = {
                        check_msg="> 0"),
     "client-gpus": Key(0.0, "GPU share per simulated client; the CLI picks one when CUDA is present",
                        check=lambda v: 0 <= v <= 1, check_msg="in [0, 1]"),
+    # faults and checkpoints
+    "min-fit-clients": Key(1, "fewest valid client updates that may change the global model; a round with fewer "
+                              "keeps it unchanged (recorded in rounds.jsonl)", check=_positive, check_msg="> 0"),
+    "round-timeout": Key(0.0, "seconds the server waits for a round's answers; clients still busy then count as "
+                              "failed (0: wait for every client)", check=_non_negative, check_msg=">= 0"),
+    "checkpoint-every": Key(5, "save the server's whole state to checkpoint.npz every N rounds and at the last "
+                               "(0: never)", check=_non_negative, check_msg=">= 0"),
+    "resume": Key(False, "continue the run in output-dir from its checkpoint (`fedbr-run --resume DIR` sets it)"),
     # FedBR (SPEC section 1); the defaults are the authors'
     "fedbr-lambda": Key(1.0, "weight of component 1, the balancing loss on pseudo-data", check=_non_negative,
                         check_msg=">= 0", owners=FEDBR),
@@ -292,8 +300,24 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
             f"'classes-per-client' = {cfg['classes-per-client']} exceeds the {num_classes} classes of "
             f"{cfg['dataset']}"
         )
+    check_sampling(cfg)
     if cfg["strategy"] == "fedbr":
         _check_fedbr(cfg)
+
+
+def sampled_per_round(fraction_fit: float, num_clients: int) -> int:
+    return min(num_clients, max(1, int(round(fraction_fit * num_clients))))
+
+
+def check_sampling(cfg: Mapping[str, Any]) -> None:
+    """min-fit-clients must be reachable (checked once num-clients is known)."""
+    if not cfg["num-clients"]:
+        return
+    sampled = sampled_per_round(cfg["fraction-fit"], cfg["num-clients"])
+    if cfg["min-fit-clients"] > sampled:
+        raise ConfigError(f"min-fit-clients = {cfg['min-fit-clients']} but only {sampled} of the {cfg['num-clients']} "
+                          f"clients are sampled per round (fraction-fit = {cfg['fraction-fit']}): lower "
+                          "min-fit-clients or raise fraction-fit")
 
 
 def _check_fedbr(cfg: Mapping[str, Any]) -> None:

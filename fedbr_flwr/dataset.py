@@ -214,6 +214,9 @@ def make_partition(cfg: Mapping[str, Any]) -> tuple[list[np.ndarray], str]:
 @lru_cache(maxsize=4)
 def _cached_partition(dataset, data_dir, num_clients, method, alpha, classes_each, seed):
     train, _ = load_raw(dataset, data_dir)
+    if 2 * num_clients > len(train.y):
+        raise ConfigError(f"num-clients = {num_clients} but {dataset} has {len(train.y)} training samples: every "
+                          "client needs at least 2 (one to train on, one to test on)")
     parts = partition(train.y, num_clients, method, seed, alpha=alpha, classes_each=classes_each)
     empty = [i for i, p in enumerate(parts) if len(p) < 2]
     if empty:

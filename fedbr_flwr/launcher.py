@@ -129,14 +129,15 @@ def local_superlink(log_dir: Path) -> Iterator[dict[str, str]]:
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        _wait_healthy(proc, http_port, log_file)
+        wait_healthy(proc, f"http://127.0.0.1:{http_port}/health", log_file)
         yield env
     finally:
         stop_tree(proc)
         shutil.rmtree(flwr_home, ignore_errors=True)
 
 
-def _wait_healthy(proc: subprocess.Popen, port: int, log_file: Path) -> None:
+def wait_healthy(proc: subprocess.Popen, url: str, log_file: Path, verify: str | bool = True) -> None:
+    """Wait until the SuperLink answers ``url`` (its /health endpoint); ``verify``: the CA file under TLS."""
     import httpx
 
     deadline = time.time() + SUPERLINK_START_TIMEOUT_S
@@ -144,7 +145,7 @@ def _wait_healthy(proc: subprocess.Popen, port: int, log_file: Path) -> None:
         if proc.poll() is not None:
             raise RunFailed(f"flower-superlink exited with code {proc.returncode}; see {log_file}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).is_success:
+            if httpx.get(url, timeout=0.5, verify=verify).is_success:
                 return
         except httpx.HTTPError:
             pass
@@ -163,22 +164,30 @@ def is_progress_line(line: str) -> bool:
 
 def run_flower(cfg: dict, num_supernodes: int, out_dir: Path, project_dir: Path = PROJECT_DIR,
                echo: str = "progress") -> dict:
-    """``flwr run`` the app with ``cfg`` on a fresh local SuperLink; wait for it; return the run's
-    final status record from ``flwr ls``. Raises RunFailed when the run did not complete.
-    ``echo``: "all" of Flower's log, "progress" (our per-round lines and errors) or "none"; the whole
-    log is always in ``out_dir/flower.log``."""
+    """``flwr run`` the app with ``cfg`` on a fresh local simulation SuperLink; see ``submit_run``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fed = federation_config(num_supernodes, cfg["client-cpus"], cfg["client-gpus"])
+    with local_superlink(out_dir) as env:
+        return submit_run(cfg, env, "local", out_dir, project_dir, echo, ["--federation-config", fed])
+
+
+def submit_run(cfg: dict, env: dict[str, str], connection: str, out_dir: Path, project_dir: Path = PROJECT_DIR,
+               echo: str = "progress", extra_args: list[str] | None = None) -> dict:
+    """``flwr run`` the app with ``cfg`` on the SuperLink that ``connection`` names in ``env``'s FLWR_HOME;
+    wait for it; return the run's final status record from ``flwr ls``. Raises RunFailed when the run
+    did not complete. ``echo``: "all" of Flower's log, "progress" (our per-round lines and errors) or
+    "none"; the whole log is always in ``out_dir/flower.log`` (appended to when the run resumes)."""
     if not (project_dir / "pyproject.toml").is_file():
         raise ConfigError(f"no pyproject.toml in {project_dir}: fedbr-run needs the project checkout "
                           "installed with `pip install -e .`")
     out_dir.mkdir(parents=True, exist_ok=True)
     run_config = out_dir / "run_config.toml"
     run_config.write_text(to_toml(cfg))
-    fed = federation_config(num_supernodes, cfg["client-cpus"], cfg["client-gpus"])
     log_path = out_dir / "flower.log"
-    with local_superlink(out_dir) as env, open(log_path, "w") as log:
+    with open(log_path, "a" if cfg.get("resume") else "w") as log:
         flwr = shutil.which("flwr", path=env["PATH"]) or "flwr"
-        command = [flwr, "run", str(project_dir), "local", "--run-config", str(run_config),
-                   "--federation-config", fed, "--stream"]
+        command = [flwr, "run", str(project_dir), connection, "--run-config", str(run_config), *(extra_args or []),
+                   "--stream"]
         proc = subprocess.Popen(command, env=env, cwd=out_dir, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         run_id = None
@@ -196,9 +205,9 @@ def run_flower(cfg: dict, num_supernodes: int, out_dir: Path, project_dir: Path 
         finally:
             if proc.poll() is None:
                 stop_tree(proc)
-        if run_id is None:
-            raise RunFailed(f"`flwr run` did not start a run (exit code {proc.returncode}); see {log_path}")
-        status = run_status(run_id, env)
+    if run_id is None:
+        raise RunFailed(f"`flwr run` did not start a run (exit code {proc.returncode}); see {log_path}")
+    status = run_status(run_id, env, connection)
     if status.get("status") != "finished:completed":
         raise RunFailed(f"run {run_id} ended as '{status.get('status')}'{last_error(log_path)}; see {log_path}")
     return status
@@ -211,9 +220,9 @@ def last_error(log_path: Path) -> str:
     return f": {lines[-1][:500]}" if lines else ""
 
 
-def run_status(run_id: int, env: dict[str, str]) -> dict:
+def run_status(run_id: int, env: dict[str, str], connection: str = "local") -> dict:
     flwr = shutil.which("flwr", path=env["PATH"]) or "flwr"
-    res = subprocess.run([flwr, "ls", "local", "--run-id", str(run_id), "--format", "json"], env=env,
+    res = subprocess.run([flwr, "ls", connection, "--run-id", str(run_id), "--format", "json"], env=env,
                          capture_output=True, text=True, timeout=60)
     try:
         data = json.loads(res.stdout)

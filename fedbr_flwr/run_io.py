@@ -73,24 +73,61 @@ def git_commit(path: Path | None = None) -> str:
         return ""
 
 
+def keep_rounds_up_to(path: Path, last_round: int) -> None:
+    """Rewrite a JSON-lines file keeping the records of rounds <= ``last_round`` (and dropping a line a
+    crash cut short)."""
+    if not path.exists():
+        path.write_text("")
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if int(record.get("round", 0)) <= last_round:
+            kept.append(line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class RunRecorder:
     """Writes the run files and prints progress. Knows nothing of Flower."""
 
-    def __init__(self, cfg: Mapping[str, Any], out_dir: Path):
+    def __init__(self, cfg: Mapping[str, Any], out_dir: Path, resume_round: int | None = None,
+                 elapsed: float = 0.0):
+        """A new run empties the line files; a run resumed after round ``resume_round`` keeps their lines
+        up to that round (later ones were written after its checkpoint) and its clock goes on from
+        ``elapsed`` seconds."""
         self.cfg = dict(cfg)
         self.out_dir = out_dir
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = out_dir / "metrics.jsonl"
         self.rounds_path = out_dir / "rounds.jsonl"
+        self.resume_round = resume_round
         for p in (self.metrics_path, self.rounds_path):
-            p.write_text("")
-        self.start = time.time()
+            if resume_round is None:
+                p.write_text("")
+            else:
+                keep_rounds_up_to(p, resume_round)
+        self.start = time.time() - elapsed
         self.title = f"{cfg['strategy']} on {cfg['dataset']}"
 
     def elapsed(self) -> float:
         return time.time() - self.start
 
     def write_manifest(self, **extra: Any) -> None:
+        """A resumed run keeps the manifest of its start and adds an entry under ``resumed``."""
+        if self.resume_round is not None and (self.out_dir / "manifest.json").is_file():
+            manifest = json.loads((self.out_dir / "manifest.json").read_text())
+            manifest.setdefault("resumed", []).append({
+                "after_round": self.resume_round, "config": self.cfg,
+                "git_commit": self.cfg.get("git-commit") or git_commit() or "unknown", "code_hash": code_hash(),
+                "packages": package_versions(), "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            })
+            self._write_json("manifest.json", manifest)
+            return
         manifest = {
             "config": self.cfg,
             "git_commit": self.cfg.get("git-commit") or git_commit() or "unknown",

@@ -1,35 +1,71 @@
-"""Flower ServerApp: builds the configured strategy, its recorder and the seeded initial model."""
+"""Flower ServerApp: builds the configured strategy, its recorder and the seeded initial model; with
+``resume`` it continues the run in output-dir from its checkpoint."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from flwr.common import Context
 from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 
-from .config import from_run_config, resolved_model
+from .checkpoint import load_checkpoint
+from .config import ConfigError, from_run_config, resolved_model
 from .dataset import INFO, load_global_test
 from .model import build_model
 from .registry import strategy_class
+from strategies.base import ResumedRun
 from .run_io import RunRecorder, resolve_output_dir
 from .training import pick_device
+
+# keys a resumed run may change (the run folder and dataset may have moved; resources differ); any other
+# must equal the checkpoint's
+RESUMABLE_KEYS = ("num-rounds", "checkpoint-every", "round-timeout", "min-fit-clients", "eval-every", "output-dir",
+                  "data-dir", "client-cpus", "client-gpus", "resume", "git-commit")
+
+
+def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], rounds_done: int) -> None:
+    changed = sorted(k for k in cfg if k not in RESUMABLE_KEYS and k in saved and saved[k] != cfg[k])
+    if changed:
+        diffs = ", ".join(f"{k} = {saved[k]!r} in the checkpoint, {cfg[k]!r} now" for k in changed)
+        raise ConfigError(f"cannot resume with a different config ({diffs}); only "
+                          f"{', '.join(k for k in RESUMABLE_KEYS if k not in ('resume', 'git-commit'))} may change")
+    if cfg["num-rounds"] <= rounds_done:
+        raise ConfigError(f"the checkpoint is at round {rounds_done} and num-rounds = {cfg['num-rounds']}: nothing "
+                          "to resume (raise num-rounds to train further)")
 
 
 def build_strategy(cfg: dict):
     out_dir = resolve_output_dir(cfg)
     cfg = {**cfg, "output-dir": str(out_dir)}
+    checkpoint = None
+    if cfg["resume"]:
+        checkpoint = load_checkpoint(out_dir)
+        check_resumable(checkpoint[1]["config"], cfg, int(checkpoint[1]["round"]))
     torch.manual_seed(cfg["seed"])
     info = INFO[cfg["dataset"]]
     device = pick_device(cfg["device"])
     model = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size).to(device)
     global_test = load_global_test(cfg) if cfg["global-test"] else None
-    recorder = RunRecorder(cfg, out_dir)
-    return strategy_class(cfg["strategy"])(cfg, recorder, model, global_test)
+    if checkpoint is None:
+        return strategy_class(cfg["strategy"])(cfg, RunRecorder(cfg, out_dir), model, global_test)
+    arrays, header = checkpoint
+    recorder = RunRecorder(cfg, out_dir, resume_round=int(header["round"]), elapsed=float(header["elapsed"]))
+    strategy = strategy_class(cfg["strategy"])(cfg, recorder, model, global_test)
+    strategy.resume_from(arrays, header)
+    return strategy
 
 
 def server_fn(context: Context) -> ServerAppComponents:
     cfg = from_run_config(context.run_config)
     strategy = build_strategy(cfg)
-    return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=cfg["num-rounds"]))
+    timeout = cfg["round-timeout"] or None
+    if strategy.resumed_round:
+        rounds = cfg["num-rounds"] - strategy.resumed_round
+        return ServerAppComponents(strategy=ResumedRun(strategy, strategy.resumed_round),
+                                   config=ServerConfig(num_rounds=rounds, round_timeout=timeout))
+    return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=cfg["num-rounds"],
+                                                                      round_timeout=timeout))
 
 
 app = ServerApp(server_fn=server_fn)

@@ -3,12 +3,19 @@ evaluation schedule, server-side evaluation on the global test set, and recordin
 Subclasses override Flower-free hooks: ``aggregate`` (a rule over lists of arrays),
 ``aggregation_weights`` (GroupDRO), ``fit_extras`` (arrays sent after the weights: SCAFFOLD's c,
 FedCM's Delta), ``extra_initial_weights`` (modules averaged beside the model: FedBR's head, DANN's
-discriminator), ``make_shared_data`` (data broadcast once: FedBR, FedMix, VHL) and ``fit_config``."""
+discriminator), ``make_shared_data`` (data broadcast once: FedBR, FedMix, VHL), ``fit_config``, and
+``checkpoint_state`` / ``restore_state`` (what a checkpoint must hold beyond the global weights).
+
+Faults: an update with the wrong number or shapes of arrays, NaN/Inf values or non-finite metrics
+is rejected before aggregation; failed, missing and rejected clients are recorded in rounds.jsonl,
+and a round with fewer than ``min-fit-clients`` valid updates leaves the global model unchanged."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from datetime import datetime, timezone
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,11 +28,13 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from fedbr_flwr.broadcast import SharedData
-from fedbr_flwr.config import ConfigError
+from fedbr_flwr.checkpoint import (flatten, rng_state, save_checkpoint, set_rng_state,
+                                   unflatten)
+from fedbr_flwr.config import ConfigError, sampled_per_round
 from fedbr_flwr.dataset import save_partition
 from fedbr_flwr.partition import heterogeneity_from_counts
 from fedbr_flwr.registry import client_class
-from fedbr_flwr.run_io import RunRecorder, save_npz_atomically
+from fedbr_flwr.run_io import RunRecorder, code_hash, save_npz_atomically
 from fedbr_flwr.training import evaluate, get_weights, set_weights
 
 log = logging.getLogger("flwr")
@@ -52,6 +61,23 @@ def weighted_mean(arrays: list[list[np.ndarray]], weights: list[float]) -> list[
     return out
 
 
+def update_problem(arrays: list[np.ndarray], shapes: list[tuple[int, ...]] | None, metrics: dict[str, Any]
+                   ) -> str | None:
+    """Why a client's update must not be averaged in, or None when it may be (``shapes``: what it must
+    hold, None: not known)."""
+    if shapes is not None and len(arrays) != len(shapes):
+        return f"{len(arrays)} arrays, expected {len(shapes)}"
+    for i, a in enumerate(arrays):
+        if shapes is not None and tuple(a.shape) != tuple(shapes[i]):
+            return f"array {i} has shape {tuple(a.shape)}, expected {tuple(shapes[i])}"
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            return f"array {i} holds NaN or Inf"
+    bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
+    if bad:
+        return f"metrics {', '.join(bad)} are NaN or Inf"
+    return None
+
+
 class FederatedStrategy(Strategy):
     def __init__(self, cfg: dict[str, Any], recorder: RunRecorder, model: torch.nn.Module,
                  global_test: tuple[torch.Tensor, torch.Tensor] | None):
@@ -73,6 +99,13 @@ class FederatedStrategy(Strategy):
         self.class_counts: dict[int, np.ndarray] = {}  # each client's training samples per class
         self.server_metrics: dict[str, float] = {}  # what aggregate() measured this round (recorded with it)
         self.shared: SharedData | None = None  # data broadcast to every client (set by FedBR, FedMix, VHL)
+        self.update_shapes: list[tuple[int, ...]] | None = None  # what each client update must hold
+        self._round_parameters: Parameters | None = None  # the global weights sent this round
+        self.latest: list[np.ndarray] | None = None  # the global weights after the last finished round
+        self.client_states: dict[int, bytes] = {}  # each client's own state, as last collected (SCAFFOLD's c_i)
+        self.pending_client_states: dict[int, bytes] = {}  # after a resume: handed back until each client answers
+        self.resumed_round = 0  # the checkpoint's round when this run continues another
+        self._resume_arrays: dict[str, np.ndarray] | None = None  # strategy state, restored after discovery
 
     # ------------------------------------------------------------ hooks for algorithms
     def aggregate(self, arrays: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
@@ -80,7 +113,7 @@ class FederatedStrategy(Strategy):
 
     def fit_config(self, server_round: int, pid: int) -> dict[str, Any]:
         shared = self.shared.fit_config(pid) if self.shared is not None else {}
-        return {"server-round": server_round, **shared}
+        return {"server-round": server_round, **shared, **self._client_state_config(pid)}
 
     def fit_extras(self) -> list[np.ndarray]:
         """Arrays sent to every sampled client after the weights with this round's fit instructions
@@ -114,15 +147,38 @@ class FederatedStrategy(Strategy):
         """What the server evaluates on the global test set, once ``self.model`` holds the new weights."""
         return self.client_class.predictor(self.model, self.cfg)
 
+    def returned_extra_shapes(self) -> list[tuple[int, ...]]:
+        """Shapes of the arrays each client returns after the global ones (SCAFFOLD's Delta c_i, DisTrans' offset)."""
+        return []
+
+    def checkpoint_state(self) -> dict[str, np.ndarray]:
+        """Strategy state a checkpoint holds beyond the global weights; subclasses add theirs to this."""
+        if self.shared is None or self.shared.arrays is None:
+            return {}
+        x, y = self.shared.arrays
+        return {"shared/x": x, "shared/y": y, "shared/version": np.array(self.shared.version)}
+
+    def restore_state(self, arrays: dict[str, np.ndarray]) -> None:
+        """The inverse of ``checkpoint_state``; called after discovery, before the first resumed round."""
+        if self.shared is not None and "shared/x" in arrays:  # clients lost it with the old run: all are sent it
+            self.shared.publish(arrays["shared/x"], arrays["shared/y"], int(arrays["shared/version"]))
+
     # ------------------------------------------------------------ Flower Strategy API
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
+        if self.latest is not None:  # resumed: the checkpoint's weights
+            return ndarrays_to_parameters(self.latest)
         return ndarrays_to_parameters(get_weights(self.model) + self.extra_initial_weights())
 
     def configure_fit(self, server_round: int, parameters: Parameters, client_manager: ClientManager
                       ) -> list[tuple[ClientProxy, FitIns]]:
         if not self.clients_by_pid:
             self._discover(client_manager)
+        if self._resume_arrays is not None:
+            self._restore_after_discovery()
         self._fit_start = time.perf_counter()
+        self._round_parameters = parameters
+        if self.update_shapes is None:
+            self.update_shapes = [a.shape for a in parameters_to_ndarrays(parameters)] + self.returned_extra_shapes()
         if self.shared is not None and self.shared_is_stale(server_round):
             self.refresh_shared_data(server_round)
         self.sampled = self.sample_partitions(server_round)
@@ -147,7 +203,7 @@ class FederatedStrategy(Strategy):
     def sample_partitions(self, server_round: int) -> list[int]:
         """Seeded by (seed, round) over partition ids, so runs repeat whatever Flower's node ids are."""
         pids = sorted(self.clients_by_pid)
-        m = max(1, int(round(self.cfg["fraction-fit"] * len(pids))))
+        m = sampled_per_round(self.cfg["fraction-fit"], len(pids))
         if m >= len(pids):
             return pids
         rng = np.random.default_rng([self.cfg["seed"], 6, server_round])
@@ -155,28 +211,61 @@ class FederatedStrategy(Strategy):
 
     def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
                       failures: list) -> tuple[Parameters | None, dict[str, Any]]:
-        for failure in failures:
-            log.warning("[fedbr] round %d: a client failed: %r", server_round, _describe(failure))
         results = _in_partition_order(results)
-        self.result_pids = [int(res.metrics["partition-id"]) for _, res in results]
+        errors = [self._describe_failure(f) for f in failures]
+        for error in errors:
+            log.warning("[fedbr] round %d: a client failed: %s", server_round, error)
         if self.shared is not None:
-            self.shared.confirm({int(res.metrics["partition-id"]): res.metrics for _, res in results}, self.sampled)
+            self.shared.confirm({self._pid(proxy, res): res.metrics for proxy, res in results}, self.sampled)
+        accepted, rejected = [], []
+        for proxy, res in results:
+            arrays = parameters_to_ndarrays(res.parameters)
+            problem = update_problem(arrays, self.update_shapes, res.metrics)
+            if problem is None:
+                accepted.append((self._pid(proxy, res), res, arrays))
+                self.pending_client_states.pop(self._pid(proxy, res), None)
+            else:
+                rejected.append({"partition": self._pid(proxy, res), "reason": problem})
+                log.warning("[fedbr] round %d: update of client %s rejected: %s", server_round,
+                            self._pid(proxy, res), problem)
+        self.result_pids = [pid for pid, _, _ in accepted]
+        missing = sorted(set(self.sampled) - {self._pid(proxy, res) for proxy, res in results})
         self.server_metrics = {}
         new = None
-        if results:
-            arrays = [parameters_to_ndarrays(res.parameters) for _, res in results]
-            weights = self.aggregation_weights([res for _, res in results])
-            new = ndarrays_to_parameters(self.aggregate(arrays, weights))
-        self._last_train = _mean_metrics([res.metrics for _, res in results], skip=NOT_TRAINING_METRICS)
+        skipped = len(accepted) < self.cfg["min-fit-clients"]
+        if skipped:
+            log.error("[fedbr] round %d: %d valid update(s), min-fit-clients = %d: the global model is unchanged",
+                      server_round, len(accepted), self.cfg["min-fit-clients"])
+        else:
+            weights = self.aggregation_weights([res for _, res, _ in accepted])
+            self.latest = self.aggregate([arrays for _, _, arrays in accepted], weights)
+            new = ndarrays_to_parameters(self.latest)
+        if new is None and self._round_parameters is not None:
+            self.latest = parameters_to_ndarrays(self._round_parameters)
+        self._last_train = _mean_metrics([res.metrics for _, res, _ in accepted], skip=NOT_TRAINING_METRICS)
+        faults = {"failed_clients": missing, "errors": errors, "rejected": rejected} \
+            if missing or errors or rejected else {}
         self.recorder.log_round({
-            "round": server_round, "clients": len(results), "failures": len(failures),
+            "round": server_round, "clients": len(accepted), "failures": len(failures) + len(rejected),
+            **faults, **({"skipped": True} if skipped else {}),
             "train": self._last_train, "seconds": round(time.perf_counter() - self._fit_start, 4),
-            "client_fit_seconds": max((res.metrics.get("fit-seconds", 0.0) for _, res in results), default=0.0),
+            "client_fit_seconds": max((res.metrics.get("fit-seconds", 0.0) for _, res, _ in accepted), default=0.0),
             **({"server": self.server_metrics} if self.server_metrics else {}),
         })
-        if not results:
-            log.error("[fedbr] round %d: no client returned an update; the global model is unchanged", server_round)
         return new, self._last_train
+
+    def _pid(self, proxy: ClientProxy, res: FitRes | EvaluateRes) -> int:
+        """The partition a result comes from: the node's, as learnt at discovery (a broken client's
+        metrics may lack it)."""
+        if proxy is not None and proxy.cid in self.pid_by_cid:
+            return self.pid_by_cid[proxy.cid]
+        return int(res.metrics.get("partition-id", -1))
+
+    def _describe_failure(self, failure: Any) -> str:
+        if isinstance(failure, BaseException):
+            return f"{type(failure).__name__}: {failure}"[:500]
+        proxy, res = failure
+        return f"client {self.pid_by_cid.get(proxy.cid, proxy.cid)}: {res.status.message}"[:500]
 
     def is_eval_round(self, server_round: int) -> bool:
         return server_round % self.cfg["eval-every"] == 0 or server_round == self.cfg["num-rounds"]
@@ -184,17 +273,21 @@ class FederatedStrategy(Strategy):
     def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: ClientManager
                            ) -> list[tuple[ClientProxy, EvaluateIns]]:
         if not self.is_eval_round(server_round):
+            self.end_round(server_round)  # Flower calls no aggregate_evaluate this round
             return []
-        config = {"server-round": server_round}
-        return [(self.clients_by_pid[pid], EvaluateIns(self.client_parameters(parameters, pid), config))
+        return [(self.clients_by_pid[pid], EvaluateIns(self.client_parameters(parameters, pid),
+                                                       {"server-round": server_round, **self._client_state_config(pid)}))
                 for pid in sorted(self.clients_by_pid)]
 
     def aggregate_evaluate(self, server_round: int, results: list[tuple[ClientProxy, EvaluateRes]],
                            failures: list) -> tuple[float | None, dict[str, Any]]:
         results = _in_partition_order(results)
-        per_client = {int(res.metrics["partition-id"]): float(res.metrics["accuracy"]) for _, res in results}
+        per_client = {self._pid(proxy, res): float(res.metrics["accuracy"]) for proxy, res in results}
+        for pid in per_client:
+            self.pending_client_states.pop(pid, None)
         if not per_client:
             log.error("[fedbr] round %d: no client returned an evaluation", server_round)
+            self.end_round(server_round)
             return None, {}
         n = sum(res.num_examples for _, res in results)
         loss = sum(res.loss * res.num_examples for _, res in results) / max(n, 1)
@@ -211,10 +304,12 @@ class FederatedStrategy(Strategy):
             "train": self._last_train,
             "per_client_acc": {str(k): per_client[k] for k in sorted(per_client)},
             "eval_failures": len(failures),
+            **({"eval_failed_clients": sorted(set(self.clients_by_pid) - set(per_client))} if failures else {}),
         }
         self.recorder.log_eval(record)
         if server_round == self.cfg["num-rounds"]:
             self.recorder.finalize()
+        self.end_round(server_round)
         return loss, {"mean_acc": record["mean_acc"], "worst_acc": record["worst_acc"]}
 
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Any]] | None:
@@ -226,6 +321,52 @@ class FederatedStrategy(Strategy):
         loss, acc = evaluate(self.global_test_module(), x.to(device), y.to(device))
         self._global_acc[server_round] = (loss, acc)
         return loss, {"global_acc": acc}
+
+    # ------------------------------------------------------------ checkpoints
+    def end_round(self, server_round: int) -> None:
+        every = self.cfg["checkpoint-every"]
+        if self.latest is not None and every and (server_round % every == 0 or server_round == self.cfg["num-rounds"]):
+            self.save_checkpoint(server_round)
+
+    def save_checkpoint(self, server_round: int) -> None:
+        """Everything a resumed run needs to go on as if never stopped, in one atomically replaced file."""
+        start = time.perf_counter()
+        if self.client_class.state_keys:
+            self.collect_client_states()
+        arrays = {**flatten("global", self.latest), **self.checkpoint_state(), **rng_state(),
+                  **{f"client-state/{pid}": np.frombuffer(b, dtype=np.uint8) for pid, b in self.client_states.items()}}
+        header = {"round": server_round, "config": self.cfg, "elapsed": self.recorder.elapsed(),
+                  "git_commit": self.cfg.get("git-commit", ""), "code_hash": code_hash(),
+                  "utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        path = save_checkpoint(self.recorder.out_dir, arrays, header)
+        log.info("[fedbr] round %d: checkpoint saved to %s (%.2f s)", server_round, path,
+                 time.perf_counter() - start)
+
+    def collect_client_states(self) -> None:
+        """Ask every client for its own state (``state_keys`` of its context.state); a client that cannot
+        answer keeps the state it last sent."""
+        answers = self.request_arrays({pid: {"client-state": True} for pid in self.clients_by_pid}, 0,
+                                      "its state for the checkpoint", required=False)
+        for pid, (payload,) in answers.items():
+            self.client_states[pid] = payload.tobytes()
+
+    def resume_from(self, arrays: dict[str, np.ndarray], header: dict[str, Any]) -> None:
+        """Continue after the checkpoint's round: its weights at once, the rest after discovery."""
+        self.resumed_round = int(header["round"])
+        self.latest = unflatten(arrays, "global")
+        self.client_states = {int(k.split("/")[1]): v.tobytes() for k, v in arrays.items()
+                              if k.startswith("client-state/")}
+        self.pending_client_states = dict(self.client_states)
+        self._resume_arrays = arrays
+
+    def _restore_after_discovery(self) -> None:
+        arrays, self._resume_arrays = self._resume_arrays, None
+        self.restore_state(arrays)
+        set_rng_state(arrays)
+        log.info("[fedbr] resumed after round %d from %s", self.resumed_round, self.recorder.out_dir / "checkpoint.npz")
+
+    def _client_state_config(self, pid: int) -> dict[str, Any]:
+        return {"client-state": self.pending_client_states[pid]} if pid in self.pending_client_states else {}
 
     # ------------------------------------------------------------ discovery
     def _discover(self, client_manager: ClientManager) -> None:
@@ -298,10 +439,20 @@ class FederatedStrategy(Strategy):
             return {}
         return {"class_counts": counts.tolist(), "distributional_heterogeneity": heterogeneity_from_counts(counts)}
 
-    def request_arrays(self, requests: dict[int, dict[str, Any]], group: int, what: str
+    def request_arrays(self, requests: dict[int, dict[str, Any]], group: int, what: str, required: bool = True
                        ) -> dict[int, list[np.ndarray]]:
         """Send each listed client a ``get_parameters`` message with its config, in parallel; return
-        the arrays each answered (FedBR's RSM means, FedMix's mean data). ``what`` names them in errors."""
+        the arrays each answered (FedBR's RSM means, FedMix's mean data). ``what`` names them in errors.
+        With ``required=False`` a client that fails is logged and left out instead of raising."""
+
+        def ask_or_skip(pid: int) -> tuple[int, list[np.ndarray] | None]:
+            try:
+                return ask(pid)
+            except RuntimeError as exc:
+                if required:
+                    raise
+                log.warning("[fedbr] %s", exc)
+                return pid, None
 
         def ask(pid: int) -> tuple[int, list[np.ndarray]]:
             try:
@@ -313,7 +464,7 @@ class FederatedStrategy(Strategy):
             return pid, parameters_to_ndarrays(res.parameters)
 
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(requests)))) as pool:
-            return dict(pool.map(ask, list(requests)))
+            return {pid: arrays for pid, arrays in pool.map(ask_or_skip, list(requests)) if arrays is not None}
 
     @staticmethod
     def _ask_partitions(proxies: list[ClientProxy]) -> list[tuple[ClientProxy, dict]]:
@@ -343,7 +494,31 @@ def _mean_metrics(metrics: list[dict], skip: tuple[str, ...]) -> dict[str, float
     return {k: float(np.mean([m[k] for m in metrics if k in m])) for k in sorted(keys)}
 
 
-def _describe(failure: Any) -> str:
-    if isinstance(failure, BaseException):
-        return f"{type(failure).__name__}: {failure}"
-    return str(failure)
+
+class ResumedRun(Strategy):
+    """Flower numbers a resumed run's rounds from 1 again: this shifts them by the checkpoint's round,
+    so that the strategy sees (and records) the rounds of the run it continues."""
+
+    def __init__(self, strategy: FederatedStrategy, rounds_done: int):
+        self.strategy = strategy
+        self.offset = rounds_done
+
+    def initialize_parameters(self, client_manager):
+        return self.strategy.initialize_parameters(client_manager)
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        return self.strategy.configure_fit(server_round + self.offset, parameters, client_manager)
+
+    def aggregate_fit(self, server_round, results, failures):
+        return self.strategy.aggregate_fit(server_round + self.offset, results, failures)
+
+    def configure_evaluate(self, server_round, parameters, client_manager):
+        return self.strategy.configure_evaluate(server_round + self.offset, parameters, client_manager)
+
+    def aggregate_evaluate(self, server_round, results, failures):
+        return self.strategy.aggregate_evaluate(server_round + self.offset, results, failures)
+
+    def evaluate(self, server_round, parameters):
+        if server_round == 0:  # Flower's evaluation before its first round: the checkpoint's round, done already
+            return None
+        return self.strategy.evaluate(server_round + self.offset, parameters)

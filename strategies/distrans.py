@@ -24,12 +24,14 @@ from flwr.common import Parameters, ndarray_to_bytes
 from torch.nn import functional as F
 
 from clients.distrans import offset_shape
+from fedbr_flwr.checkpoint import flatten, unflatten
 from fedbr_flwr.config import ConfigError
 from fedbr_flwr.dataset import INFO, DatasetInfo, normalise
 from fedbr_flwr.model import OffsetGenerator, WithOffset
 from fedbr_flwr.partition import heterogeneity_from_counts
 from fedbr_flwr.registry import register_strategy
 from fedbr_flwr.run_io import save_npz_atomically
+from fedbr_flwr.training import get_weights, set_weights
 
 from .base import FederatedStrategy, weighted_mean
 
@@ -159,6 +161,26 @@ class DisTransStrategy(FederatedStrategy):
         self.next_offsets.update(nxt)
         self.save_offsets()
         return weighted_mean([a[:n] for a in arrays], weights)
+
+    def returned_extra_shapes(self):
+        return [offset_shape(self.info)]
+
+    def checkpoint_state(self):
+        """Offsets (returned and next), and the aggregation network's weights (plain SGD keeps no optimiser state)."""
+        state = super().checkpoint_state()
+        state.update({f"distrans/returned/{pid}": t for pid, t in self.returned_offsets.items()})
+        state.update({f"distrans/next/{pid}": t for pid, t in self.next_offsets.items()})
+        if self.network is not None:
+            state.update(flatten("distrans/network", get_weights(self.network)))
+        return state
+
+    def restore_state(self, arrays):
+        super().restore_state(arrays)
+        for name, target in (("returned", self.returned_offsets), ("next", self.next_offsets)):
+            prefix = f"distrans/{name}/"
+            target.update({int(k[len(prefix):]): v for k, v in arrays.items() if k.startswith(prefix)})
+        if self.network is not None:
+            set_weights(self.network, unflatten(arrays, "distrans/network"))
 
     def save_offsets(self) -> None:
         """offsets.npz in the run folder: each client's last returned offset (``returned_<i>``) and,

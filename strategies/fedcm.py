@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 from flwr.common import parameters_to_ndarrays
 
+from fedbr_flwr.checkpoint import flatten, unflatten
 from fedbr_flwr.registry import register_strategy
 from fedbr_flwr.training import get_weights
 
@@ -34,6 +35,15 @@ class GlobalMomentumMixin:
 
     def fit_extras(self) -> list[np.ndarray]:
         return self.momentum if self.momentum_on else super().fit_extras()
+
+    def checkpoint_state(self):
+        state = super().checkpoint_state()
+        return {**state, **flatten("fedcm/momentum", self.momentum)} if self.momentum_on else state
+
+    def restore_state(self, arrays):
+        super().restore_state(arrays)
+        if self.momentum_on:
+            self.momentum = unflatten(arrays, "fedcm/momentum")
 
     def aggregate(self, arrays, weights):
         new = super().aggregate(arrays, weights)

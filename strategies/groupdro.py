@@ -30,6 +30,16 @@ class GroupDROStrategy(FederatedStrategy):
         super().__init__(cfg, recorder, model, global_test)
         self.client_weights: ClientWeights | None = None  # sized at discovery
 
+    def checkpoint_state(self):
+        state = super().checkpoint_state()
+        return state if self.client_weights is None else {**state, "groupdro/p": self.client_weights.p.copy()}
+
+    def restore_state(self, arrays):
+        super().restore_state(arrays)
+        if "groupdro/p" in arrays:
+            self.client_weights = ClientWeights(self.cfg["num-clients"], self.cfg["groupdro-eta"])
+            self.client_weights.p = arrays["groupdro/p"].astype(np.float64).copy()
+
     def aggregation_weights(self, results):
         if self.client_weights is None:
             self.client_weights = ClientWeights(self.cfg["num-clients"], self.cfg["groupdro-eta"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedbr_flwr.checkpoint import flatten, unflatten
 from fedbr_flwr.registry import register_strategy
 from fedbr_flwr.training import get_weights
 
@@ -26,6 +27,16 @@ class ScaffoldStrategy(FederatedStrategy):
 
     def fit_extras(self) -> list[np.ndarray]:
         return self.control
+
+    def returned_extra_shapes(self):
+        return [c.shape for c in self.control]
+
+    def checkpoint_state(self):
+        return {**super().checkpoint_state(), **flatten("scaffold/control", self.control)}
+
+    def restore_state(self, arrays):
+        super().restore_state(arrays)
+        self.control = unflatten(arrays, "scaffold/control")
 
     def aggregate(self, arrays: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
         n = self.num_model_arrays

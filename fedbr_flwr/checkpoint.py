@@ -1,0 +1,108 @@
+"""Checkpoints of a run's server state, Flower-free.
+
+One file, ``checkpoint.npz`` in the run folder, replaced atomically (written beside it, then renamed),
+so a crash at any moment leaves either the previous checkpoint or the new one, never half of one.
+It holds named arrays (the global weights, strategy state, clients' own state, RNG state) and a JSON
+header (round, config, code version, elapsed time), stored as a byte array so that loading needs no
+pickle.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from .config import ConfigError
+
+CHECKPOINT_NAME = "checkpoint.npz"
+HEADER_KEY = "__header__"
+FORMAT_VERSION = 1
+
+
+def save_checkpoint(out_dir: Path, arrays: Mapping[str, np.ndarray], header: Mapping[str, Any]) -> Path:
+    path = Path(out_dir) / CHECKPOINT_NAME
+    if HEADER_KEY in arrays:
+        raise ValueError(f"'{HEADER_KEY}' is reserved for the checkpoint header")
+    tmp = path.with_name(f".{CHECKPOINT_NAME}.tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **{HEADER_KEY: _json_bytes({**header, "format": FORMAT_VERSION})}, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """(arrays, header) of the run folder's checkpoint; ConfigError when there is none or it is unreadable."""
+    path = Path(out_dir) / CHECKPOINT_NAME
+    if not path.is_file():
+        raise ConfigError(f"no checkpoint to resume from: {path} does not exist (checkpoints are written every "
+                          "checkpoint-every rounds; a run stopped before its first one must start again)")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"checkpoint {path} is unreadable: {exc}") from None
+    if HEADER_KEY not in arrays:
+        raise ConfigError(f"{path} is not a checkpoint of this project (no header)")
+    header = json.loads(arrays.pop(HEADER_KEY).tobytes().decode())
+    if header.get("format") != FORMAT_VERSION:
+        raise ConfigError(f"checkpoint {path} has format {header.get('format')}, this code reads {FORMAT_VERSION}")
+    return arrays, header
+
+
+def _json_bytes(obj: Any) -> np.ndarray:
+    return np.frombuffer(json.dumps(obj, default=str).encode(), dtype=np.uint8)
+
+
+# ---------------------------------------------------------------- lists of arrays <-> named arrays
+
+
+def flatten(prefix: str, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """``prefix/0``, ``prefix/1``, ... so that a list of arrays fits a flat checkpoint."""
+    return {f"{prefix}/{i}": np.asarray(a) for i, a in enumerate(arrays)}
+
+
+def unflatten(arrays: Mapping[str, np.ndarray], prefix: str) -> list[np.ndarray]:
+    items = []
+    while f"{prefix}/{len(items)}" in arrays:
+        items.append(arrays[f"{prefix}/{len(items)}"])
+    return items
+
+
+def pack(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """Named arrays as bytes (an .npz in memory, no pickle): a client's state in one message value."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def unpack(payload: bytes) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(payload), allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
+
+
+# ---------------------------------------------------------------- RNG state
+
+
+def rng_state() -> dict[str, np.ndarray]:
+    """The server process's global torch and numpy RNG states."""
+    import torch
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"rng/torch": torch.get_rng_state().numpy().copy(), "rng/numpy-keys": keys,
+            "rng/numpy-meta": np.array([pos, has_gauss], dtype=np.int64),
+            "rng/numpy-gauss": np.array(cached, dtype=np.float64)}
+
+
+def set_rng_state(arrays: Mapping[str, np.ndarray]) -> None:
+    import torch
+
+    torch.set_rng_state(torch.from_numpy(np.asarray(arrays["rng/torch"], dtype=np.uint8).copy()))
+    pos, has_gauss = (int(v) for v in arrays["rng/numpy-meta"])
+    np.random.set_state(("MT19937", arrays["rng/numpy-keys"], pos, has_gauss, float(arrays["rng/numpy-gauss"])))

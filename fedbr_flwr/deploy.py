@@ -1,0 +1,523 @@
+"""``fedbr-deploy``: the same app on a real Flower deployment, a SuperLink and one SuperNode per client.
+
+On separate machines (every command prints the Flower command it runs):
+
+    fedbr-deploy certs deploy-keys --host 10.0.0.1 --supernodes 4        # once: CA, server cert, node keys
+    fedbr-deploy superlink --certs deploy-keys --auth                     # on the server machine
+    fedbr-deploy register --superlink 10.0.0.1:8000 --certs deploy-keys   # allow the node keys (--auth)
+    fedbr-deploy supernode --superlink 10.0.0.1:8000 --certs deploy-keys \\
+        --partition-id 0 --num-partitions 4 --data-dir /data --gpu 0 --auth-key deploy-keys/supernode-0
+    fedbr-deploy run --superlink 10.0.0.1:8000 --certs deploy-keys experiments/quickstart.yaml num-clients=4
+
+All of it on this machine (127.0.0.1), started, run and stopped in one command:
+
+    fedbr-deploy local --supernodes 2 --tls --auth experiments/quickstart.yaml num-rounds=4
+
+Each SuperNode is paired with a ``fedbr-worker`` (``fedbr_flwr/worker.py``) that keeps the client's
+data, model and CUDA context alive between rounds: Flower 1.41 starts a new ClientApp process for
+every message in both isolation modes. ``--resume DIR`` continues a run from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from .config import ConfigError, check_sampling
+from .launcher import RunFailed, flower_env, free_port, stop_tree, submit_run, wait_healthy
+
+CONNECTION = "fedbr"
+NODE_START_TIMEOUT_S = 60
+CA, SERVER_CERT, SERVER_KEY = "ca.crt", "server.pem", "server.key"
+
+
+# ---------------------------------------------------------------- certificates and node keys
+
+
+def make_certificates(out: Path, hosts: Sequence[str], supernodes: int, days: int = 365) -> list[Path]:
+    """A self-signed CA, the SuperLink's certificate for ``hosts`` (IPs or names), and one EC key pair per
+    SuperNode in OpenSSH format (Flower's SuperNode authentication). Returns the private key paths."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    valid = dict(not_valid_before=now - datetime.timedelta(minutes=5), not_valid_after=now + datetime.timedelta(days=days))
+
+    def cert(subject, issuer, public_key, signing_key, extensions):
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
+                   .serial_number(x509.random_serial_number())
+                   .not_valid_before(valid["not_valid_before"]).not_valid_after(valid["not_valid_after"]))
+        for ext, critical in extensions:
+            builder = builder.add_extension(ext, critical=critical)
+        return builder.sign(signing_key, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedbr-flwr CA")])
+    ca_cert = cert(ca_name, ca_name, ca_key.public_key(), ca_key,
+                   [(x509.BasicConstraints(ca=True, path_length=None), True)])
+    server_key = ec.generate_private_key(ec.SECP384R1())
+    names = [x509.IPAddress(ipaddress.ip_address(h)) if _is_ip(h) else x509.DNSName(h) for h in hosts]
+    server_cert = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]), ca_name,
+                       server_key.public_key(), ca_key, [(x509.SubjectAlternativeName(names), False)])
+    pem = serialization.Encoding.PEM
+    _write_private(out / SERVER_KEY, server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                              serialization.NoEncryption()))
+    (out / SERVER_CERT).write_bytes(server_cert.public_bytes(pem))
+    (out / CA).write_bytes(ca_cert.public_bytes(pem))
+    keys = []
+    for i in range(supernodes):
+        key = ec.generate_private_key(ec.SECP384R1())
+        path = out / f"supernode-{i}"
+        _write_private(path, key.private_bytes(pem, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
+        path.with_name(path.name + ".pub").write_bytes(
+            key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+        keys.append(path)
+    return keys
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+    path.write_bytes(data)
+
+
+def check_certs(certs: Path, server: bool) -> None:
+    needed = [CA] + ([SERVER_CERT, SERVER_KEY] if server else [])
+    missing = [n for n in needed if not (certs / n).is_file()]
+    if missing:
+        raise ConfigError(f"{certs} lacks {', '.join(missing)}: make them with `fedbr-deploy certs {certs}`")
+
+
+# ---------------------------------------------------------------- Flower commands
+
+
+def flower_tool(env: dict[str, str], name: str) -> str:
+    return shutil.which(name, path=env["PATH"]) or name
+
+
+def superlink_command(env: dict[str, str], host: str, port: int, certs: Path | None, auth: bool, state_dir: Path,
+) -> list[str]:
+    security = ["--insecure"] if certs is None else [
+        "--ssl-ca-certfile", str(certs / CA), "--ssl-certfile", str(certs / SERVER_CERT),
+        "--ssl-keyfile", str(certs / SERVER_KEY)]
+    if auth:
+        if certs is None:
+            raise ConfigError("SuperNode authentication needs TLS: give --certs (or --tls with local)")
+        security.append("--enable-supernode-auth")
+    return [flower_tool(env, "flower-superlink"), *security, "--host", host, "--port", str(port),
+            "--database", str(state_dir / "superlink.db"),
+            "--disable-runtime-dependency-installation"]
+
+
+def node_config_string(values: dict[str, object]) -> str:
+    """Flower's --node-config syntax: strings quoted, numbers bare."""
+    return " ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
+
+
+def supernode_command(env: dict[str, str], superlink: str, port: int, certs: Path | None, node_config: dict,
+                      auth_key: Path | None) -> list[str]:
+    security = ["--insecure"] if certs is None else ["--root-certificates", str(certs / CA)]
+    if auth_key is not None:
+        security += ["--auth-supernode-private-key", str(auth_key)]
+    return [flower_tool(env, "flower-supernode"), *security, "--superlink", superlink, "--port", str(port),
+            "--node-config", node_config_string(node_config)]
+
+
+def worker_command(address: Path) -> list[str]:
+    return [sys.executable, "-m", "fedbr_flwr.worker", "--address", str(address)]
+
+
+def write_connection(flwr_home: Path, address: str, certs: Path | None) -> None:
+    """The ``fedbr`` connection in FLWR_HOME/config.toml, used by ``flwr run``, ``flwr ls`` and registration."""
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    security = "insecure = true" if certs is None else f'root-certificates = "{(certs / CA).resolve()}"'
+    (flwr_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{address}"\n{security}\n')
+
+
+def register_supernodes(env: dict[str, str], public_keys: Sequence[Path]) -> None:
+    for key in public_keys:
+        res = subprocess.run([flower_tool(env, "flwr"), "supernode", "register", str(key), CONNECTION], env=env,
+                             capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise RunFailed(f"`flwr supernode register {key}` failed: {(res.stdout + res.stderr).strip()[-500:]}")
+
+
+def deploy_env(flwr_home: Path, address: str, certs: Path | None) -> dict[str, str]:
+    env = flower_env(flwr_home, 0, 0)
+    for k in ("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"):
+        env.pop(k)
+    write_connection(flwr_home, address, certs)
+    return env
+
+
+# ---------------------------------------------------------------- processes
+
+
+@dataclass
+class Deployment:
+    """Processes started on this machine, by role; ``stop()`` ends them all with their children."""
+    env: dict[str, str]
+    log_dir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        print(f"fedbr-deploy: {name}: {' '.join(command)}", flush=True)
+        log = open(self.log_dir / f"{name}.log", "ab")
+        proc = subprocess.Popen(command, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def stop(self, name: str | None = None) -> None:
+        for key in [name] if name else list(self.procs)[::-1]:
+            proc = self.procs.pop(key, None)
+            if proc is not None:
+                stop_tree(proc)
+
+
+def start_worker(deployment: Deployment, name: str, address: Path, gpu: str | None) -> None:
+    env = dict(deployment.env)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    proc = deployment.start(name, worker_command(address), env)
+    deadline = time.time() + NODE_START_TIMEOUT_S
+    while not address.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            raise RunFailed(f"{name} did not start; see {deployment.log_dir / (name + '.log')}")
+        time.sleep(0.1)
+
+
+@contextmanager
+def local_deployment(out_dir: Path, num_supernodes: int, tls: bool = False, auth: bool = False,
+                     workers: bool = True) -> Iterator[Deployment]:
+    """A SuperLink and ``num_supernodes`` SuperNodes (partition i of n each, with a worker unless
+    ``workers=False``) on 127.0.0.1, with TLS and SuperNode authentication when asked; stopped on exit,
+    also on failure. Logs and keys go to ``out_dir/deploy``."""
+    log_dir = out_dir / "deploy"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="fedbr-deploy-"))
+    certs = None
+    keys: list[Path] = []
+    if tls or auth:
+        certs = home / "certs"
+        keys = make_certificates(certs, ["127.0.0.1", "localhost"], num_supernodes if auth else 0)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    deployment = Deployment(deploy_env(home / "flwr", address, certs), log_dir)
+    try:
+        superlink = deployment.start("superlink", superlink_command(deployment.env, "127.0.0.1", port, certs, auth,
+                                                                    home))
+        scheme = "https" if certs else "http"
+        wait_healthy(superlink, f"{scheme}://127.0.0.1:{port}/health", log_dir / "superlink.log",
+                     verify=str(certs / CA) if certs else True)
+        if auth:
+            register_supernodes(deployment.env, [k.with_name(k.name + ".pub") for k in keys])
+        for i in range(num_supernodes):
+            node = {"partition-id": i, "num-partitions": num_supernodes}
+            if workers:
+                sock = home / f"worker-{i}.sock"
+                start_worker(deployment, f"worker-{i}", sock, None)
+                node["worker"] = str(sock)
+            deployment.start(f"supernode-{i}", supernode_command(deployment.env, address, free_port(), certs, node,
+                                                                 keys[i] if auth else None))
+        yield deployment
+    finally:
+        deployment.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def round_seconds(out_dir: Path) -> dict[str, float]:
+    """From a finished run's files: the median seconds of a round's fit phase (rounds after the first,
+    which includes discovery) and the whole run's wall seconds per round."""
+    import numpy as np
+
+    rounds = [json.loads(x) for x in (out_dir / "rounds.jsonl").read_text().splitlines() if x.strip()]
+    evals = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    fit = [r["seconds"] for r in rounds[1:]] or [r["seconds"] for r in rounds]
+    return {"fit_s_per_round": float(np.median(fit)),
+            "wall_s_per_round": float(evals[-1]["wall_time"]) / max(len(rounds), 1) if evals else float("nan")}
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -> dict:
+    from .cli import prepare, resume_config
+    from .config import load_yaml, parse_override, validate
+
+    if resume:
+        return resume_config(Path(resume), items)
+    overrides: dict = {}
+    for item in items:
+        if "=" in item and not item.endswith((".yaml", ".yml")):
+            key, value = parse_override(item)
+            overrides[key] = value
+        else:
+            overrides.update(load_yaml(item))
+    cfg = validate(overrides)
+    if num_clients is not None:
+        if cfg["num-clients"] not in (0, num_clients):
+            raise ConfigError(f"num-clients = {cfg['num-clients']} but --supernodes {num_clients}: drop num-clients "
+                              "or make them equal")
+        cfg["num-clients"] = num_clients
+        check_sampling(cfg)
+    return prepare(cfg, overwrite=False)
+
+
+def _print_result(out: Path) -> None:
+    summary = out / "summary.md"
+    if summary.exists():
+        print("\n" + summary.read_text())
+        print(f"run files: {out}")
+    else:
+        print(f"fedbr-deploy: the run's files are on the SuperLink's machine, in {out}")
+
+
+def cmd_local(args) -> int:
+    cfg = _config(args.items, args.resume, args.supernodes)
+    out = Path(cfg["output-dir"])
+    print(f"fedbr-deploy: {cfg['strategy']} on {cfg['dataset']}, {args.supernodes} SuperNodes on 127.0.0.1"
+          f"{' with TLS' if args.tls or args.auth else ''}{' and SuperNode auth' if args.auth else ''} -> {out}",
+          flush=True)
+    with local_deployment(out, args.supernodes, args.tls, args.auth, not args.no_worker) as dep:
+        submit_run(cfg, dep.env, CONNECTION, out, echo="progress")
+    _print_result(out)
+    return 0
+
+
+def cmd_run(args) -> int:
+    cfg = _config(args.items, args.resume, None)
+    certs = _certs_arg(args)
+    home = Path(tempfile.mkdtemp(prefix="fedbr-deploy-"))
+    try:
+        env = deploy_env(home, args.superlink, certs)
+        submit_run(cfg, env, CONNECTION, Path(cfg["output-dir"]), echo="progress")
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    _print_result(Path(cfg["output-dir"]))
+    return 0
+
+
+def cmd_register(args) -> int:
+    certs = _certs_arg(args)
+    keys = [Path(k) for k in args.keys] or sorted(certs.glob("supernode-*.pub"))
+    if not keys:
+        raise ConfigError(f"no public keys given and none in {certs}")
+    home = Path(tempfile.mkdtemp(prefix="fedbr-deploy-"))
+    try:
+        register_supernodes(deploy_env(home, args.superlink, certs), keys)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    print(f"fedbr-deploy: registered {len(keys)} SuperNode key(s)")
+    return 0
+
+
+def _certs_arg(args) -> Path | None:
+    if args.insecure:
+        return None
+    if not args.certs:
+        raise ConfigError("give --certs DIR (from `fedbr-deploy certs`) or --insecure")
+    certs = Path(args.certs).resolve()
+    check_certs(certs, server=False)
+    return certs
+
+
+def _foreground(deployment: Deployment) -> int:
+    """Wait until any process ends or a signal arrives; then stop them all."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        while all(p.poll() is None for p in deployment.procs.values()):
+            time.sleep(0.5)
+        ended = [k for k, p in deployment.procs.items() if p.poll() is not None]
+        print(f"fedbr-deploy: {', '.join(ended)} exited; see {deployment.log_dir}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        deployment.stop()
+
+
+def cmd_superlink(args) -> int:
+    certs = None if args.insecure else Path(args.certs).resolve() if args.certs else None
+    if certs is None and not args.insecure:
+        raise ConfigError("give --certs DIR (from `fedbr-deploy certs`) or --insecure")
+    if certs is not None:
+        check_certs(certs, server=True)
+    state = Path(args.state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    dep = Deployment(flower_env(state / "flwr-home", 0, 0), state)
+    dep.start("superlink", superlink_command(dep.env, args.host, args.port, certs, args.auth, state))
+    return _foreground(dep)
+
+
+def cmd_supernode(args) -> int:
+    certs = _certs_arg(args)
+    state = Path(args.state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    dep = Deployment(flower_env(state / "flwr-home", 0, 0), state)
+    node: dict[str, object] = {"partition-id": args.partition_id, "num-partitions": args.num_partitions}
+    if args.data_dir:
+        node["data-dir"] = str(Path(args.data_dir).resolve())
+    name = f"supernode-{args.partition_id}"
+    try:
+        if not args.no_worker:
+            sock = state / f"worker-{args.partition_id}.sock"
+            start_worker(dep, f"worker-{args.partition_id}", sock, args.gpu)
+            node["worker"] = str(sock)
+        env = dict(dep.env)
+        if args.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = args.gpu
+        dep.start(name, supernode_command(env, args.superlink, args.port, certs, node,
+                                          Path(args.auth_key).resolve() if args.auth_key else None), env)
+    except BaseException:
+        dep.stop()
+        raise
+    return _foreground(dep)
+
+
+def cmd_certs(args) -> int:
+    keys = make_certificates(Path(args.out), args.host or ["127.0.0.1", "localhost"], args.supernodes)
+    print(f"fedbr-deploy: wrote {args.out}/{{{CA},{SERVER_CERT},{SERVER_KEY}}} and {len(keys)} SuperNode key pair(s) "
+          f"(supernode-<i>, supernode-<i>.pub); keep the .key and private node keys secret")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    """The same config in simulation and in a local deployment (with and without workers): s/round."""
+    from .cli import main as fedbr_run
+
+    base = Path(args.out).resolve()
+    rows = []
+    runs = [("simulation", None), ("deployment + worker", True), ("deployment, no worker", False)]
+    for label, workers in runs:
+        out = base / label.replace(" ", "-").replace(",", "").replace("+", "with")
+        items = [*args.items, f"output-dir={out}", f"num-clients={args.supernodes}"]
+        if workers is None:
+            code = fedbr_run([*items, "--overwrite", "--quiet"])
+            if code:
+                return code
+        else:
+            cfg = _config(items, None, args.supernodes) if not (out / "metrics.jsonl").exists() else None
+            if cfg is None:
+                shutil.rmtree(out)
+                cfg = _config(items, None, args.supernodes)
+            with local_deployment(out, args.supernodes, workers=workers) as dep:
+                submit_run(cfg, dep.env, CONNECTION, out, echo="none")
+        rows.append((label, round_seconds(out)))
+    print("\n| path | fit phase, s/round (median, rounds 2+) | wall s/round (whole run) |\n|---|---|---|")
+    for label, r in rows:
+        print(f"| {label} | {r['fit_s_per_round']:.2f} | {r['wall_s_per_round']:.2f} |")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedbr-deploy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def security(p, server=False):
+        p.add_argument("--certs", help="folder from `fedbr-deploy certs` (TLS)")
+        p.add_argument("--insecure", action="store_true", help="no TLS (trusted networks and tests only)")
+
+    p = sub.add_parser("certs", help="make a CA, the SuperLink's certificate and SuperNode keys")
+    p.add_argument("out")
+    p.add_argument("--host", action="append", help="the SuperLink's IP or name, as SuperNodes reach it (repeatable)")
+    p.add_argument("--supernodes", type=int, default=0, help="SuperNode key pairs to make (for --auth)")
+    p.set_defaults(func=cmd_certs)
+
+    p = sub.add_parser("superlink", help="start a SuperLink (foreground)")
+    security(p, server=True)
+    p.add_argument("--auth", action="store_true", help="accept only registered SuperNode keys (needs --certs)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--state-dir", default="superlink-state", help="its database and logs")
+    p.set_defaults(func=cmd_superlink)
+
+    p = sub.add_parser("register", help="allow SuperNode public keys on a SuperLink started with --auth")
+    security(p)
+    p.add_argument("--superlink", required=True, help="HOST:PORT")
+    p.add_argument("keys", nargs="*", help="public keys (default: every supernode-*.pub in --certs)")
+    p.set_defaults(func=cmd_register)
+
+    p = sub.add_parser("supernode", help="start a SuperNode and its worker (foreground)")
+    security(p)
+    p.add_argument("--superlink", required=True, help="HOST:PORT")
+    p.add_argument("--partition-id", type=int, required=True)
+    p.add_argument("--num-partitions", type=int, required=True)
+    p.add_argument("--data-dir", help="this machine's dataset folder (overrides the run's data-dir)")
+    p.add_argument("--gpu", help="CUDA device index for this client (sets CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--auth-key", help="this node's private key (SuperLink started with --auth)")
+    p.add_argument("--port", type=int, default=9094, help="the SuperNode's local runtime API port")
+    p.add_argument("--no-worker", action="store_true", help="run each message in Flower's fresh ClientApp process")
+    p.add_argument("--state-dir", default="supernode-state", help="its worker socket and logs")
+    p.set_defaults(func=cmd_supernode)
+
+    for name, func, text in (("run", cmd_run, "submit a run to a deployment and follow it"),
+                             ("local", cmd_local, "SuperLink + SuperNodes on 127.0.0.1, run, stop them all")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
+        p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
+        if name == "run":
+            security(p)
+            p.add_argument("--superlink", required=True, help="HOST:PORT")
+        else:
+            p.add_argument("--supernodes", type=int, default=2)
+            p.add_argument("--tls", action="store_true")
+            p.add_argument("--auth", action="store_true", help="SuperNode authentication (implies --tls)")
+            p.add_argument("--no-worker", action="store_true")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("compare", help="seconds per round: simulation vs local deployment, same config")
+    p.add_argument("items", nargs="*")
+    p.add_argument("--supernodes", type=int, default=2)
+    p.add_argument("--out", default="runs/deploy-compare")
+    p.set_defaults(func=cmd_compare)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"fedbr-deploy: error: {exc}", file=sys.stderr)
+        return 2
+    except RunFailed as exc:
+        print(f"fedbr-deploy: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fedbr-deploy: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""A SuperNode's long-lived client process (deployment).
+
+Flower 1.41 runs every message in a new ClientApp process, so a client would import torch, build
+its data on the device and its model again each round. ``fedbr-worker`` is started once beside a
+SuperNode (``fedbr-deploy supernode`` does it) and serves that node's messages over a Unix socket:
+the per-message ClientApp only forwards (run config, node config, Flower's ``context.state``, the
+call) and writes back the new state. The worker keeps each run's client object (model and data on
+the device, CUDA context) between rounds; ``context.state`` stays with Flower's SuperNode, so a
+restarted worker loses nothing but its warm caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import sys
+import traceback
+from collections import OrderedDict
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from typing import Any
+
+from flwr.client import NumPyClient
+from flwr.common import Context
+
+log = logging.getLogger("fedbr-worker")
+RUNS_KEPT = 2  # client objects (with their device memory) are kept for this many most recent runs
+
+
+def key_path(address: str) -> Path:
+    return Path(address + ".key")
+
+
+def read_key(address: str) -> bytes:
+    return key_path(address).read_bytes()
+
+
+class WorkerClient(NumPyClient):
+    """Runs in Flower's per-message ClientApp process: forwards each call to the node's worker."""
+
+    def __init__(self, address: str, context: Context):
+        self.address = address
+        self.context = context
+
+    def call(self, method: str, *args: Any) -> Any:
+        try:
+            conn = Client(self.address, family="AF_UNIX", authkey=read_key(self.address))
+        except (OSError, EOFError) as exc:
+            raise RuntimeError(f"no fedbr worker answers at {self.address} ({exc}): start it with "
+                               f"`fedbr-worker --address {self.address}` (fedbr-deploy supernode does)") from None
+        with conn:
+            conn.send({"run_id": self.context.run_id, "run_config": dict(self.context.run_config),
+                       "node_config": dict(self.context.node_config), "state": self.context.state,
+                       "method": method, "args": args})
+            try:
+                status, result, state = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"the fedbr worker at {self.address} died during '{method}'") from None
+        if status != "ok":
+            raise RuntimeError(f"fedbr worker {self.address}: {result}")
+        self.context.state.clear()  # the same object: Flower keeps it for the node's next message
+        self.context.state.update(state)
+        return result
+
+    def get_properties(self, config):
+        return self.call("get_properties", config)
+
+    def get_parameters(self, config):
+        return self.call("get_parameters", config)
+
+    def fit(self, parameters, config):
+        return self.call("fit", parameters, config)
+
+    def evaluate(self, parameters, config):
+        return self.call("evaluate", parameters, config)
+
+
+class Worker:
+    """Holds one client object per (run, partition), built on first use and reused afterwards."""
+
+    def __init__(self):
+        self.clients: OrderedDict[tuple[int, int], Any] = OrderedDict()
+
+    def handle(self, request: dict) -> Any:
+        from .client_app import build_client
+
+        key = (int(request["run_id"]), int(request["node_config"].get("partition-id", -1)))
+        client = self.clients.get(key)
+        if client is None:
+            client = build_client(request["run_config"], request["node_config"], request["state"])
+            self.clients[key] = client
+            self._forget_old_runs(key[0])
+        client.state = request["state"]  # Flower's copy for this message; sent back after the call
+        return getattr(client, request["method"])(*request["args"])
+
+    def _forget_old_runs(self, current: int) -> None:
+        runs = list(dict.fromkeys(run for run, _ in self.clients))
+        for old in runs[:-RUNS_KEPT]:
+            for key in [k for k in self.clients if k[0] == old and old != current]:
+                del self.clients[key]
+
+    def serve(self, address: str) -> None:
+        path = Path(address)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            path.unlink()
+        key = secrets.token_bytes(32)
+        key_file = key_path(address)
+        key_file.write_bytes(b"")
+        key_file.chmod(0o600)
+        key_file.write_bytes(key)
+        with Listener(address, family="AF_UNIX", authkey=key) as listener:
+            path.chmod(0o600)
+            log.info("fedbr-worker %d ready on %s", os.getpid(), address)
+            while True:
+                try:
+                    conn = listener.accept()
+                except (OSError, EOFError) as exc:  # e.g. a client with the wrong key
+                    log.warning("refused a connection: %s", exc)
+                    continue
+                with conn:
+                    request = conn.recv()
+                    try:
+                        reply = ("ok", self.handle(request), request["state"])
+                    except Exception as exc:  # the reply carries it to the ClientApp, which raises it
+                        log.error("%s failed: %s", request.get("method"), traceback.format_exc())
+                        reply = ("error", f"{type(exc).__name__}: {exc}", None)
+                    conn.send(reply)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fedbr-worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--address", required=True, help="Unix socket path (give the SuperNode worker=\"<path>\")")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        Worker().serve(args.address)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in (Path(args.address), key_path(args.address)):
+            p.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

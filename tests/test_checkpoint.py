@@ -1,0 +1,120 @@
+"""Checkpoint and resume, driven in-process: a run stopped after round 3 and resumed from its round-2
+checkpoint, with fresh strategy and client objects (as after a crash: no Flower state survives),
+must end with exactly the weights and metric lines of a run never stopped."""
+
+import json
+
+import numpy as np
+import pytest
+from flwr.common import parameters_to_ndarrays
+
+from fakes import in_process_federation, run_rounds
+from fedbr_flwr.checkpoint import CHECKPOINT_NAME, load_checkpoint, pack, save_checkpoint, unpack
+from fedbr_flwr.config import ConfigError, validate
+from fedbr_flwr.run_io import keep_rounds_up_to
+from fedbr_flwr.server_app import check_resumable
+from strategies.base import ResumedRun
+
+TIMING_KEYS = ("wall_time", "seconds", "client_fit_seconds")
+
+
+def lines_without_timing(path):
+    out = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        for k in TIMING_KEYS:
+            record.pop(k, None)
+        record.get("train", {}).pop("fit-seconds", None)
+        out.append(record)
+    return out
+
+
+def run_cfg(name, **extra):
+    return validate({"strategy": name, "num-clients": 3, "local-steps": 2, "batch-size": 8, "num-rounds": 4,
+                     "eval-every": 2, "checkpoint-every": 2, "global-test": False, **extra})
+
+
+# every piece of state a checkpoint must carry: server (SCAFFOLD c, FedCM Delta, GroupDRO p, DisTrans
+# offsets and network, broadcast data) and client (SCAFFOLD c_i, MOON's last model, DisTrans offset)
+@pytest.mark.parametrize("name, extra", [
+    ("fedavg", {"global-test": True}), ("scaffold", {}), ("fedcm", {}), ("groupdro", {}), ("moon", {}),
+    ("distrans", {"distrans-agg": "nn"}), ("distrans", {"distrans-agg": "none"}),
+    ("fedbr", {}), ("fedbr", {"fedbr-with": "fedcm", "pseudo-refresh": "every-round"}),
+    ("fedmix", {}), ("vhl", {"vhl-size": 50}),
+])
+def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, name, extra):
+    cfg = run_cfg(name, **extra)
+    straight, _, proxies = in_process_federation(cfg, tmp_path / "straight")
+    expected = parameters_to_ndarrays(run_rounds(straight, proxies, 4))
+
+    first, _, proxies = in_process_federation(cfg, tmp_path / "stopped")
+    run_rounds(first, proxies, 3)  # "killed" after round 3: its lines are in the files, its checkpoint is not
+    assert load_checkpoint(tmp_path / "stopped")[1]["round"] == 2
+
+    resumed, clients, proxies = in_process_federation({**cfg, "resume": True}, tmp_path / "stopped")
+    assert resumed.resumed_round == 2
+    final = parameters_to_ndarrays(run_rounds(ResumedRun(resumed, 2), proxies, 2))
+
+    assert len(final) == len(expected)
+    for got, want in zip(final, expected):
+        np.testing.assert_array_equal(got, want)
+    for file in ("metrics.jsonl", "rounds.jsonl"):
+        assert lines_without_timing(tmp_path / "stopped" / file) == lines_without_timing(tmp_path / "straight" / file)
+    manifest = json.loads((tmp_path / "stopped" / "manifest.json").read_text())
+    assert [r["after_round"] for r in manifest["resumed"]] == [2]
+
+
+def test_client_state_is_collected_at_checkpoints_and_handed_back_once(tmp_path):
+    cfg = run_cfg("scaffold")
+    strategy, clients, proxies = in_process_federation(cfg, tmp_path)
+    run_rounds(strategy, proxies, 2)
+    arrays, _ = load_checkpoint(tmp_path)
+    saved = unpack(arrays["client-state/1"].tobytes())
+    live = clients[1].state["scaffold-control"].to_numpy_ndarrays()
+    assert len(saved) == len(live) and all(np.array_equal(saved[f"scaffold-control/{i}"], a) for i, a in enumerate(live))
+
+    resumed, fresh, proxies = in_process_federation({**cfg, "resume": True}, tmp_path)
+    ins = ResumedRun(resumed, 2).configure_fit(1, resumed.initialize_parameters(None), None)
+    assert all("client-state" in fit_ins.config for _, fit_ins in ins)
+    assert "scaffold-control" not in fresh[1].state  # a new run: Flower's node state is empty
+    fresh[1].restore_state(ins[1][1].config)
+    restored = fresh[1].state["scaffold-control"].to_numpy_ndarrays()
+    assert all(np.array_equal(a, b) for a, b in zip(restored, live))
+    # applied once: a resend must not roll the client back
+    fresh[1].restore_state({"client-state": pack({"scaffold-control/0": np.zeros(1)})})
+    assert all(np.array_equal(a, b) for a, b in zip(fresh[1].state["scaffold-control"].to_numpy_ndarrays(), live))
+    # once a client has answered, the server stops sending its state
+    resumed.aggregate_fit(3, [(proxies[1], proxies[1].fit(ins[1][1], None, 3))], [])
+    assert 1 not in resumed.pending_client_states and 0 in resumed.pending_client_states
+
+
+def test_checkpoint_replaces_atomically_and_reads_back(tmp_path):
+    save_checkpoint(tmp_path, {"a": np.arange(3)}, {"round": 1})
+    save_checkpoint(tmp_path, {"a": np.arange(4)}, {"round": 2})
+    arrays, header = load_checkpoint(tmp_path)
+    assert header["round"] == 2 and arrays["a"].tolist() == [0, 1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME]  # no temporary left behind
+
+
+def test_missing_or_corrupt_checkpoint_stops_with_a_clear_message(tmp_path):
+    with pytest.raises(ConfigError, match="no checkpoint to resume from"):
+        load_checkpoint(tmp_path)
+    (tmp_path / CHECKPOINT_NAME).write_bytes(b"not a zip file")
+    with pytest.raises(ConfigError, match="unreadable"):
+        load_checkpoint(tmp_path)
+
+
+def test_resume_refuses_a_changed_config_or_nothing_left_to_do():
+    saved = run_cfg("fedavg")
+    check_resumable(saved, {**saved, "num-rounds": 10, "resume": True}, 2)
+    with pytest.raises(ConfigError, match="lr = 0.05 in the checkpoint, 0.1 now"):
+        check_resumable(saved, {**saved, "lr": 0.1}, 2)
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        check_resumable(saved, saved, 4)
+
+
+def test_line_files_keep_rounds_up_to_the_checkpoint_and_drop_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"round": 1}\n{"round": 2}\n{"round": 3}\n{"rou')
+    keep_rounds_up_to(path, 2)
+    assert path.read_text() == '{"round": 1}\n{"round": 2}\n'

@@ -1,0 +1,143 @@
+"""Faults the server must survive: failed clients, updates with NaN/Inf or the wrong arrays, too few
+answers; and bad input that must stop before any training with one clear message."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+from fakes import OfflineProxy
+from fedbr_flwr import cli
+from fedbr_flwr.config import validate
+from fedbr_flwr.run_io import RunRecorder
+from strategies.base import update_problem
+from strategies.fedavg import FedAvgStrategy
+from strategies.scaffold import ScaffoldStrategy
+
+SHAPES = [(2, 2), (2,)]
+
+
+def arrays_of(value, shapes=SHAPES):
+    return [np.full(s, value, np.float32) for s in shapes]
+
+
+def fit_res(arrays, pid, loss=1.0):
+    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 10, {"loss": loss, "partition-id": pid})
+
+
+def strategy_with_round_started(tmp_path, cls=FedAvgStrategy, model=None, **overrides):
+    cfg = validate({"output-dir": str(tmp_path), "global-test": False, "num-clients": 4, **overrides})
+    model = model or torch.nn.Linear(2, 2)
+    strategy = cls(cfg, RunRecorder(cfg, tmp_path), model, None)
+    proxies = [OfflineProxy(f"node-{i}") for i in range(4)]
+    strategy.clients_by_pid = {i: p for i, p in enumerate(proxies)}
+    strategy.pid_by_cid = {p.cid: i for i, p in enumerate(proxies)}
+    global_arrays = [a.detach().numpy().copy() for a in model.state_dict().values()]
+    strategy.configure_fit(1, ndarrays_to_parameters(global_arrays), None)
+    return strategy, proxies, global_arrays
+
+
+def last_round(tmp_path):
+    return json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])
+
+
+@pytest.mark.parametrize("arrays, reason", [
+    ([np.full((2, 2), np.nan, np.float32), np.zeros(2, np.float32)], "array 0 holds NaN or Inf"),
+    ([np.zeros((2, 2), np.float32), np.array([0.0, np.inf], np.float32)], "array 1 holds NaN or Inf"),
+    ([np.zeros((2, 3), np.float32), np.zeros(2, np.float32)], "array 0 has shape (2, 3), expected (2, 2)"),
+    ([np.zeros((2, 2), np.float32)], "1 arrays, expected 2"),
+])
+def test_a_bad_update_is_rejected_logged_and_never_averaged_in(tmp_path, arrays, reason):
+    strategy, proxies, _ = strategy_with_round_started(tmp_path)
+    results = [(proxies[0], fit_res(arrays_of(1.0), 0)), (proxies[1], fit_res(arrays, 1)),
+               (proxies[2], fit_res(arrays_of(3.0), 2)), (proxies[3], fit_res(arrays_of(5.0), 3))]
+    params, _ = strategy.aggregate_fit(1, results, [])
+    for layer in parameters_to_ndarrays(params):
+        np.testing.assert_allclose(layer, 3.0)  # the mean of 1, 3 and 5: the bad update is not in it
+    record = last_round(tmp_path)
+    assert record["clients"] == 3 and record["failures"] == 1
+    assert record["rejected"] == [{"partition": 1, "reason": reason}]
+
+
+def test_non_finite_metrics_reject_the_update():
+    assert update_problem(arrays_of(0.0), SHAPES, {"loss": float("nan")}) == "metrics loss are NaN or Inf"
+    assert update_problem(arrays_of(0.0), SHAPES, {"loss": 1.0, "partition-id": 3}) is None
+
+
+def test_failed_and_missing_clients_are_recorded_and_the_round_goes_on(tmp_path):
+    strategy, proxies, _ = strategy_with_round_started(tmp_path)
+    results = [(proxies[0], fit_res(arrays_of(2.0), 0)), (proxies[2], fit_res(arrays_of(4.0), 2))]
+    crashed = (proxies[3], FitRes(Status(Code.FIT_NOT_IMPLEMENTED, "worker died"), ndarrays_to_parameters([]), 0, {}))
+    params, _ = strategy.aggregate_fit(1, results, [ValueError("Node Unavailable"), crashed])
+    for layer in parameters_to_ndarrays(params):
+        np.testing.assert_allclose(layer, 3.0)
+    record = last_round(tmp_path)
+    assert record["clients"] == 2 and record["failures"] == 2 and record["failed_clients"] == [1, 3]
+    assert record["errors"] == ["ValueError: Node Unavailable", "client 3: worker died"]
+
+
+def test_fewer_valid_updates_than_min_fit_clients_keep_the_global_model(tmp_path):
+    strategy, proxies, global_arrays = strategy_with_round_started(tmp_path, **{"min-fit-clients": 3})
+    results = [(proxies[0], fit_res(arrays_of(2.0), 0)), (proxies[1], fit_res(arrays_of(np.nan), 1)),
+               (proxies[2], fit_res(arrays_of(4.0), 2))]
+    params, _ = strategy.aggregate_fit(1, results, [RuntimeError("timeout")])
+    assert params is None
+    record = last_round(tmp_path)
+    assert record["skipped"] is True and record["clients"] == 2 and record["failures"] == 2
+    for kept, sent in zip(strategy.latest, global_arrays):  # what a checkpoint now would hold
+        np.testing.assert_array_equal(kept, sent)
+
+
+def test_scaffold_update_without_its_control_variate_change_is_rejected(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    strategy, proxies, global_arrays = strategy_with_round_started(tmp_path, ScaffoldStrategy, model,
+                                                                   strategy="scaffold")
+    good = [a + 1 for a in global_arrays] + [np.ones_like(a) for a in global_arrays]
+    results = [(proxies[0], fit_res(good, 0)), (proxies[1], fit_res([a + 1 for a in global_arrays], 1))]
+    strategy.aggregate_fit(1, results, [])
+    assert last_round(tmp_path)["rejected"] == [{"partition": 1, "reason": "2 arrays, expected 4"}]
+    # c moved by client 0's change only: 1/N with N = 4 clients
+    for c in strategy.control:
+        np.testing.assert_allclose(c, 0.25)
+
+
+# ---------------------------------------------------------------- bad input stops before anything runs
+
+
+@pytest.mark.parametrize("content, args, message", [
+    ("lr: [0.1\n", [], "is not valid YAML"),
+    ("lr: 0.1\nlearning_rate: 0.2\n", [], "unknown config key 'learning_rate'"),
+    ("", ["lr=fast"], "config key 'lr' must be float, got str 'fast'"),
+    ("", ["alpha=0"], "config key 'alpha' = 0.0 must be > 0"),
+    ("", ["alpha=-0.5"], "config key 'alpha' = -0.5 must be > 0"),
+    ("", ["num-clients=10", "fraction-fit=0.3", "min-fit-clients=4"],
+     "min-fit-clients = 4 but only 3 of the 10 clients are sampled per round"),
+    ("", ["min-fit-clients=11"], "min-fit-clients = 11 but only 10 of the 10 clients"),
+    ("", ["strategy=fedbr", "pseudo-size=16", "batch-size=32"], "pseudo-size = 16 but batch-size = 32"),
+    ("", ["strategy=fedbr", "moon-mu=2"], "config key 'moon-mu' belongs to strategy moon"),
+    ("", ["checkpoint-every=-1"], "config key 'checkpoint-every' = -1 must be >= 0"),
+    ("", ["num-clients=20000"], "num-clients = 20000 but mnist5k has 4500 training samples"),
+])
+def test_bad_input_stops_before_training_with_one_message(tmp_path, capsys, content, args, message):
+    config = tmp_path / "exp.yaml"
+    config.write_text(content)
+    out = tmp_path / "run"
+    code = cli.main([str(config), *args, f"output-dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and err.count("error:") == 1
+    assert not out.exists()  # nothing started, nothing written
+
+
+def test_resume_without_a_checkpoint_or_with_a_changed_config_stops_with_a_message(tmp_path, capsys):
+    assert cli.main(["--resume", str(tmp_path)]) == 2
+    assert "no checkpoint to resume from" in capsys.readouterr().err
+    from fedbr_flwr.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path, {}, {"round": 2, "config": validate({"num-rounds": 4})})
+    assert cli.main(["--resume", str(tmp_path), "lr=0.5"]) == 2
+    assert "cannot resume with a different config (lr = 0.05 in the checkpoint, 0.5 now)" in capsys.readouterr().err
+    assert cli.main(["--resume", str(tmp_path), "experiments/quickstart.yaml"]) == 2
+    assert "give only key=value overrides" in capsys.readouterr().err
