@@ -102,7 +102,8 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
     if cfg["data-dir"]:  # Flower runs the app from a copy elsewhere: hand it absolute paths only
         cfg["data-dir"] = str(Path(cfg["data-dir"]).expanduser().resolve())
     cfg["git-commit"] = cfg["git-commit"] or git_commit(PROJECT_DIR) or "unknown"
-    make_partition(cfg)  # fails here, before Flower starts, on a missing dataset or an impossible split
+    if cfg["num-clients"]:  # 0 (a deployment: one client per SuperNode) is checked when the nodes are known
+        make_partition(cfg)  # fails here, before Flower starts, on a missing dataset or an impossible split
     return cfg
 
 

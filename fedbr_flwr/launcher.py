@@ -136,8 +136,8 @@ def local_superlink(log_dir: Path) -> Iterator[dict[str, str]]:
         shutil.rmtree(flwr_home, ignore_errors=True)
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, log_file: Path, verify: str | bool = True) -> None:
-    """Wait until the SuperLink answers ``url`` (its /health endpoint); ``verify``: the CA file under TLS."""
+def wait_healthy(proc: subprocess.Popen, url: str, log_file: Path, verify=True) -> None:
+    """Wait until the SuperLink answers ``url`` (its /health endpoint); ``verify``: an SSL context under TLS."""
     import httpx
 
     deadline = time.time() + SUPERLINK_START_TIMEOUT_S

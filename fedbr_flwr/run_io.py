@@ -144,7 +144,8 @@ class RunRecorder:
         self._append(self.rounds_path, record)
         shown = {**record.get("train", {}), **record.get("server", {})}
         extras = "".join(f" | {k} {v:.4f}" for k, v in shown.items())
-        failed = f" | {record['failures']} failed" if record.get("failures") else ""
+        failed = f" | {record['failures']} failed or rejected" if record.get("failures") else ""
+        failed += " | too few updates: model unchanged" if record.get("skipped") else ""
         log.info("[fedbr] round %d/%d%s%s | %.2f s/round", record["round"], self.cfg["num-rounds"], extras,
                  failed, record["seconds"])
 

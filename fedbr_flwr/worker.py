@@ -26,6 +26,8 @@ from typing import Any
 from flwr.client import NumPyClient
 from flwr.common import Context
 
+from .run_io import code_hash
+
 log = logging.getLogger("fedbr-worker")
 RUNS_KEPT = 2  # client objects (with their device memory) are kept for this many most recent runs
 
@@ -52,7 +54,7 @@ class WorkerClient(NumPyClient):
             raise RuntimeError(f"no fedbr worker answers at {self.address} ({exc}): start it with "
                                f"`fedbr-worker --address {self.address}` (fedbr-deploy supernode does)") from None
         with conn:
-            conn.send({"run_id": self.context.run_id, "run_config": dict(self.context.run_config),
+            conn.send({"code": code_hash(), "run_id": self.context.run_id, "run_config": dict(self.context.run_config),
                        "node_config": dict(self.context.node_config), "state": self.context.state,
                        "method": method, "args": args})
             try:
@@ -83,10 +85,14 @@ class Worker:
 
     def __init__(self):
         self.clients: OrderedDict[tuple[int, int], Any] = OrderedDict()
+        self.code = code_hash()
 
     def handle(self, request: dict) -> Any:
         from .client_app import build_client
 
+        if request.get("code") != self.code:  # it runs its installed code, not the run's app bundle
+            raise RuntimeError(f"this worker runs code {self.code} but the run's app is {request.get('code')}: "
+                               "restart the worker (and its SuperNode) after installing the new version")
         key = (int(request["run_id"]), int(request["node_config"].get("partition-id", -1)))
         client = self.clients.get(key)
         if client is None:

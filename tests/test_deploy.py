@@ -1,0 +1,165 @@
+"""A real deployment on 127.0.0.1 (SuperLink, SuperNodes, workers; insecure and TLS + SuperNode auth),
+a client killed mid-round, and a run killed and resumed. Every process started is stopped, also when a
+test fails."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from fedbr_flwr import deploy
+from fedbr_flwr.checkpoint import load_checkpoint
+from fedbr_flwr.cli import prepare
+from fedbr_flwr.config import ConfigError, validate
+from fedbr_flwr.launcher import _alive, descendants, stop_tree, submit_run
+
+pytestmark = pytest.mark.e2e
+
+
+def small_run(out, **overrides):
+    cfg = validate({"strategy": "fedavg", "num-clients": 2, "num-rounds": 2, "local-steps": 3, "eval-every": 2,
+                    "output-dir": str(out), **overrides})
+    return prepare(cfg, overwrite=False)
+
+
+def records(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def all_pids(deployment):
+    return [pid for proc in deployment.procs.values() for pid in [proc.pid, *descendants(proc.pid)]]
+
+
+def kill_now(proc):
+    """SIGKILL a process and its children at once: a crash, not a shutdown."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["insecure", "tls-and-auth"])
+def test_two_rounds_of_fedavg_on_a_superlink_and_two_supernodes(tmp_path, tls):
+    out = tmp_path / "run"
+    cfg = small_run(out)
+    with deploy.local_deployment(out, 2, tls=tls, auth=tls) as dep:
+        pids = all_pids(dep)
+        submit_run(cfg, dep.env, deploy.CONNECTION, out, echo="none")
+        pids += all_pids(dep)
+    assert not [pid for pid in pids if _alive(pid)]
+    rounds, evals = records(out / "rounds.jsonl"), records(out / "metrics.jsonl")
+    assert [r["clients"] for r in rounds] == [2, 2] and all(r["failures"] == 0 for r in rounds)
+    assert [e["round"] for e in evals] == [2] and (out / "summary.md").exists()
+    commands = {name: " ".join(c) for name, c in dep.commands.items()}
+    assert sorted(commands) == ["superlink", "supernode-0", "supernode-1", "worker-0", "worker-1"]
+    if tls:  # TLS everywhere, and only the registered node keys were let in
+        assert not [c for c in commands.values() if "--insecure" in c]
+        assert "--enable-supernode-auth" in commands["superlink"] and "--ssl-certfile" in commands["superlink"]
+        assert all("--auth-supernode-private-key" in commands[f"supernode-{i}"] for i in range(2))
+    else:
+        assert "--insecure" in commands["superlink"]
+
+
+def test_every_process_is_stopped_when_the_caller_fails(tmp_path):
+    with pytest.raises(RuntimeError, match="caller failed"):
+        with deploy.local_deployment(tmp_path, 2) as dep:
+            pids = all_pids(dep)
+            raise RuntimeError("caller failed")
+    time.sleep(0.5)
+    assert pids and not [pid for pid in pids if _alive(pid)]
+
+
+def test_a_client_killed_mid_round_is_recorded_and_the_run_completes(tmp_path):
+    out = tmp_path / "run"
+    # a healthy client's round takes a few seconds here; the killed one is given up on after round-timeout
+    cfg = small_run(out, **{"local-steps": 20, "round-timeout": 20.0})
+    outcome = {}
+    with deploy.local_deployment(out, 2) as dep:
+        runner = threading.Thread(target=lambda: outcome.update(status=submit_run(cfg, dep.env, deploy.CONNECTION, out,
+                                                                                  echo="none")), daemon=True)
+        runner.start()
+        deadline = time.time() + 240
+        while not ((out / "rounds.jsonl").exists() and records(out / "rounds.jsonl")):
+            assert time.time() < deadline and runner.is_alive(), "round 1 never finished"
+            time.sleep(0.2)
+        time.sleep(1.0)  # round 2's fit is under way
+        kill_now(dep.procs["supernode-1"])
+        kill_now(dep.procs["worker-1"])
+        runner.join(timeout=240)
+        assert not runner.is_alive(), "the run did not finish after a client was killed"
+    assert outcome["status"]["status"] == "finished:completed"
+    round2 = records(out / "rounds.jsonl")[1]
+    assert round2["round"] == 2 and round2["clients"] == 1 and round2["failures"] == 1
+    assert round2["failed_clients"] == [1] and round2["errors"]
+    final = records(out / "metrics.jsonl")[-1]
+    assert final["round"] == 2 and final["eval_failures"] == 1 and list(final["per_client_acc"]) == ["0"]
+    assert (out / "summary.md").exists()
+
+
+def test_a_killed_run_resumed_from_its_checkpoint_ends_like_an_uninterrupted_one(tmp_path):
+    settings = ["num-rounds=10", "checkpoint-every=2", "eval-every=2", "local-steps=4", "num-clients=3",
+                "global-test=false", "--quiet"]
+    run = [sys.executable, "-m", "fedbr_flwr.cli", *settings]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    subprocess.run([*run, f"output-dir={straight}"], check=True, timeout=600)
+
+    proc = subprocess.Popen([*run, f"output-dir={stopped}"], start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (stopped / "checkpoint.npz").exists():
+            assert time.time() < deadline and proc.poll() is None, "no checkpoint before the run ended"
+            time.sleep(0.1)
+        kill_now(proc)
+    finally:
+        stop_tree(proc)
+    assert not (stopped / "summary.md").exists()  # it really was cut short
+    resumed_from = load_checkpoint(stopped)[1]["round"]
+    assert resumed_from < 10
+
+    subprocess.run([*run[:3], "--resume", str(stopped), "--quiet"], check=True, timeout=600)
+
+    def without_timing(path):
+        out = []
+        for record in records(path):
+            for k in ("wall_time", "seconds", "client_fit_seconds"):
+                record.pop(k, None)
+            record.get("train", {}).pop("fit-seconds", None)
+            out.append(record)
+        return out
+
+    for name in ("metrics.jsonl", "rounds.jsonl"):
+        assert without_timing(stopped / name) == without_timing(straight / name)
+    manifest = json.loads((stopped / "manifest.json").read_text())
+    assert [r["after_round"] for r in manifest["resumed"]] == [resumed_from]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--superlink", "127.0.0.1:8000"], "give --certs DIR"),
+    (["superlink", "--insecure", "--auth"], "SuperNode authentication needs TLS"),
+    (["run", "--superlink", "127.0.0.1:8000", "--certs", "/nonexistent"], "lacks ca.crt"),
+    (["local", "num-clients=3", "--supernodes", "2"], "num-clients = 3 but --supernodes 2"),
+])
+def test_deploy_command_errors_are_one_clear_message(capsys, args, message):
+    assert deploy.main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_certificates_name_the_hosts_and_node_keys_are_openssh(tmp_path):
+    from cryptography import x509
+
+    keys = deploy.make_certificates(tmp_path, ["127.0.0.1", "link.example"], 2)
+    cert = x509.load_pem_x509_certificate((tmp_path / deploy.SERVER_CERT).read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert names.get_values_for_type(x509.DNSName) == ["link.example"]
+    assert [k.name for k in keys] == ["supernode-0", "supernode-1"]
+    assert keys[0].with_name("supernode-0.pub").read_text().startswith("ecdsa-sha2-nistp384 ")
+    assert oct(keys[0].stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(ConfigError, match="lacks"):
+        deploy.check_certs(tmp_path / "nothing", server=True)

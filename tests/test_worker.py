@@ -1,0 +1,59 @@
+"""The SuperNode's long-lived client worker: one client object per run, reused across messages, with
+Flower's context.state carried to it and back."""
+
+import threading
+
+import numpy as np
+import pytest
+from flwr.common import Context, RecordDict
+
+from fedbr_flwr.run_io import code_hash
+from fedbr_flwr.worker import RUNS_KEPT, Worker, WorkerClient
+
+RUN_CONFIG = {"strategy": "scaffold", "num-clients": 2, "local-steps": 2, "batch-size": 8}
+
+
+def request(method, *args, run_id=1, pid=0, state=None, code=None):
+    return {"code": code or code_hash(), "run_id": run_id, "run_config": RUN_CONFIG,
+            "node_config": {"partition-id": pid, "num-partitions": 2}, "state": state if state is not None else RecordDict(),
+            "method": method, "args": args}
+
+
+def test_worker_reuses_a_runs_client_and_forgets_old_runs():
+    worker = Worker()
+    worker.handle(request("get_properties", {}))
+    first = worker.clients[(1, 0)]
+    worker.handle(request("get_properties", {}))
+    assert worker.clients[(1, 0)] is first  # model and data built once per run
+    for run in range(2, 3 + RUNS_KEPT):
+        worker.handle(request("get_properties", {}, run_id=run))
+    assert sorted({run for run, _ in worker.clients}) == list(range(3, 3 + RUNS_KEPT))
+
+
+def test_worker_refuses_a_run_of_other_code():
+    with pytest.raises(RuntimeError, match="restart the worker"):
+        Worker().handle(request("get_properties", {}, code="0123456789abcdef"))
+
+
+def test_client_app_forwards_to_the_worker_and_gets_flowers_state_back(tmp_path):
+    address = str(tmp_path / "w.sock")
+    threading.Thread(target=Worker().serve, args=(address,), daemon=True).start()
+    for _ in range(100):
+        if (tmp_path / "w.sock").exists():
+            break
+        threading.Event().wait(0.05)
+    context = Context(run_id=7, node_id=1, node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(),
+                      run_config=RUN_CONFIG)
+    client = WorkerClient(address, context)
+    assert client.get_properties({})["partition-id"] == 1
+    weights = client.get_parameters({})
+    control = [np.zeros_like(w) for w in weights]
+    returned, n, metrics = client.fit(weights + control, {"server-round": 1})
+    assert n > 0 and metrics["partition-id"] == 1 and len(returned) == 2 * len(weights)
+    assert "scaffold-control" in context.state  # SCAFFOLD's c_i came back into Flower's node state
+
+
+def test_client_app_without_a_worker_says_how_to_start_one(tmp_path):
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    with pytest.raises(RuntimeError, match="no fedbr worker answers at .*start it with `fedbr-worker"):
+        WorkerClient(str(tmp_path / "none.sock"), context).get_properties({})
