@@ -97,7 +97,8 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
         cfg["output-dir"] = str(Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}")
     out = Path(cfg["output-dir"]).expanduser().resolve()
     if (out / "metrics.jsonl").exists() and not overwrite:
-        raise ConfigError(f"{out} already holds a run; pick another output-dir, pass --overwrite, or continue it with `fedbr-run --resume {out}`")
+        raise ConfigError(f"{out} already holds a run; pick another output-dir, pass --overwrite, or continue it "
+                          f"with `fedbr-run --resume {out}`")
     cfg["output-dir"] = str(out)
     if cfg["data-dir"]:  # Flower runs the app from a copy elsewhere: hand it absolute paths only
         cfg["data-dir"] = str(Path(cfg["data-dir"]).expanduser().resolve())

@@ -9,12 +9,13 @@ import torch
 from flwr.common import Context
 from flwr.server import ServerApp, ServerAppComponents, ServerConfig
 
+from strategies.base import ResumedRun
+
 from .checkpoint import load_checkpoint
 from .config import ConfigError, from_run_config, resolved_model
 from .dataset import INFO, load_global_test
 from .model import build_model
 from .registry import strategy_class
-from strategies.base import ResumedRun
 from .run_io import RunRecorder, resolve_output_dir
 from .training import pick_device
 

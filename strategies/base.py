@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from datetime import datetime, timezone
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
@@ -28,8 +28,7 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 
 from fedbr_flwr.broadcast import SharedData
-from fedbr_flwr.checkpoint import (flatten, rng_state, save_checkpoint, set_rng_state,
-                                   unflatten)
+from fedbr_flwr.checkpoint import flatten, rng_state, save_checkpoint, set_rng_state, unflatten
 from fedbr_flwr.config import ConfigError, sampled_per_round
 from fedbr_flwr.dataset import save_partition
 from fedbr_flwr.partition import heterogeneity_from_counts
@@ -444,6 +443,7 @@ class FederatedStrategy(Strategy):
         """Send each listed client a ``get_parameters`` message with its config, in parallel; return
         the arrays each answered (FedBR's RSM means, FedMix's mean data). ``what`` names them in errors.
         With ``required=False`` a client that fails is logged and left out instead of raising."""
+        timeout = self.cfg["round-timeout"] or None
 
         def ask_or_skip(pid: int) -> tuple[int, list[np.ndarray] | None]:
             try:
@@ -456,7 +456,7 @@ class FederatedStrategy(Strategy):
 
         def ask(pid: int) -> tuple[int, list[np.ndarray]]:
             try:
-                res = self.clients_by_pid[pid].get_parameters(GetParametersIns(requests[pid]), None, group)
+                res = self.clients_by_pid[pid].get_parameters(GetParametersIns(requests[pid]), timeout, group)
             except Exception as exc:  # the node's ClientApp raised: its message says why
                 raise RuntimeError(f"client {pid} could not send {what}: {exc}") from None
             if res.status.code.value != 0:
@@ -492,7 +492,6 @@ def _mean_metrics(metrics: list[dict], skip: tuple[str, ...]) -> dict[str, float
     keys = {k for m in metrics for k in m
             if k not in skip and not k.endswith("-version") and isinstance(m[k], (int, float))}
     return {k: float(np.mean([m[k] for m in metrics if k in m])) for k in sorted(keys)}
-
 
 
 class ResumedRun(Strategy):
