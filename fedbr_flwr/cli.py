@@ -30,6 +30,11 @@ MAX_CLIENTS_PER_GPU = 4
 
 def build_config(items: Sequence[str]) -> dict[str, Any]:
     """Defaults <- each YAML file <- each key=value, in the order given."""
+    return config_from_settings(settings_from(items))
+
+
+def settings_from(items: Sequence[str]) -> dict[str, Any]:
+    """The settings that experiment files and ``key=value`` overrides give, later ones winning."""
     overrides: dict[str, Any] = {}
     for item in items:
         if "=" in item and not item.endswith((".yaml", ".yml")):
@@ -41,7 +46,7 @@ def build_config(items: Sequence[str]) -> dict[str, Any]:
                 raise ConfigError(f"{item} describes several runs (it has a 'sweep' block): run it with "
                                   f"`fedbr-sweep {item}`")
             overrides.update(data)
-    return config_from_settings(overrides)
+    return overrides
 
 
 def config_from_settings(settings: dict[str, Any]) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from .config import ConfigError, check_sampling
+from .config import ConfigError
 from .launcher import RunFailed, flower_env, free_port, stop_tree, submit_run, wait_healthy
 
 CONNECTION = "fedbr"
@@ -283,26 +283,20 @@ def round_seconds(out_dir: Path) -> dict[str, float]:
 
 
 def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -> dict:
-    from .cli import prepare, resume_config
-    from .config import load_yaml, parse_override, validate
+    """The run's config from files and overrides (``num_clients``: the local SuperNodes, which it must
+    match), or from the checkpoint of the run being resumed."""
+    from .cli import prepare, resume_config, settings_from
+    from .config import normalise_key, validate
 
     if resume:
         return resume_config(Path(resume), items)
-    overrides: dict = {}
-    for item in items:
-        if "=" in item and not item.endswith((".yaml", ".yml")):
-            key, value = parse_override(item)
-            overrides[key] = value
-        else:
-            overrides.update(load_yaml(item))
-    cfg = validate(overrides)
+    settings = {normalise_key(k): v for k, v in settings_from(items).items()}
     if num_clients is not None:
-        if cfg["num-clients"] not in (0, num_clients):
-            raise ConfigError(f"num-clients = {cfg['num-clients']} but --supernodes {num_clients}: drop num-clients "
-                              "or make them equal")
-        cfg["num-clients"] = num_clients
-        check_sampling(cfg)
-    return prepare(cfg, overwrite=False)
+        if settings.get("num-clients", 0) not in (0, num_clients):
+            raise ConfigError(f"num-clients = {settings['num-clients']} but --supernodes {num_clients}: drop "
+                              "num-clients or make them equal")
+        settings["num-clients"] = num_clients
+    return prepare(validate(settings), overwrite=False)
 
 
 def _print_result(out: Path) -> None:
@@ -438,10 +432,8 @@ def cmd_compare(args) -> int:
             if code:
                 return code
         else:
-            cfg = _config(items, None, args.supernodes) if not (out / "metrics.jsonl").exists() else None
-            if cfg is None:
-                shutil.rmtree(out)
-                cfg = _config(items, None, args.supernodes)
+            shutil.rmtree(out, ignore_errors=True)  # this comparison's own folder, from an earlier call
+            cfg = _config(items, None, args.supernodes)
             with local_deployment(out, args.supernodes, workers=workers) as dep:
                 submit_run(cfg, dep.env, CONNECTION, out, echo="none")
         rows.append((label, round_seconds(out)))

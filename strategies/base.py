@@ -306,9 +306,9 @@ class FederatedStrategy(Strategy):
             **({"eval_failed_clients": sorted(set(self.clients_by_pid) - set(per_client))} if failures else {}),
         }
         self.recorder.log_eval(record)
+        self.end_round(server_round)
         if server_round == self.cfg["num-rounds"]:
             self.recorder.finalize()
-        self.end_round(server_round)
         return loss, {"mean_acc": record["mean_acc"], "worst_acc": record["worst_acc"]}
 
     def evaluate(self, server_round: int, parameters: Parameters) -> tuple[float, dict[str, Any]] | None:
