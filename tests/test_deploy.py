@@ -18,8 +18,6 @@ from fedbr_flwr.cli import prepare
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.launcher import _alive, descendants, stop_tree, submit_run
 
-pytestmark = pytest.mark.e2e
-
 
 def small_run(out, **overrides):
     cfg = validate({"strategy": "fedavg", "num-clients": 2, "num-rounds": 2, "local-steps": 3, "eval-every": 2,
@@ -44,6 +42,7 @@ def kill_now(proc):
             pass
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tls", [False, True], ids=["insecure", "tls-and-auth"])
 def test_two_rounds_of_fedavg_on_a_superlink_and_two_supernodes(tmp_path, tls):
     out = tmp_path / "run"
@@ -66,6 +65,7 @@ def test_two_rounds_of_fedavg_on_a_superlink_and_two_supernodes(tmp_path, tls):
         assert "--insecure" in commands["superlink"]
 
 
+@pytest.mark.e2e
 def test_every_process_is_stopped_when_the_caller_fails(tmp_path):
     with pytest.raises(RuntimeError, match="caller failed"):
         with deploy.local_deployment(tmp_path, 2) as dep:
@@ -75,6 +75,7 @@ def test_every_process_is_stopped_when_the_caller_fails(tmp_path):
     assert pids and not [pid for pid in pids if _alive(pid)]
 
 
+@pytest.mark.e2e
 def test_a_client_killed_mid_round_is_recorded_and_the_run_completes(tmp_path):
     out = tmp_path / "run"
     # a healthy client's round takes a few seconds here; the killed one is given up on after round-timeout
@@ -102,6 +103,7 @@ def test_a_client_killed_mid_round_is_recorded_and_the_run_completes(tmp_path):
     assert (out / "summary.md").exists()
 
 
+@pytest.mark.e2e
 def test_a_killed_run_resumed_from_its_checkpoint_ends_like_an_uninterrupted_one(tmp_path):
     settings = ["num-rounds=10", "checkpoint-every=2", "eval-every=2", "local-steps=4", "num-clients=3",
                 "global-test=false", "--quiet"]
@@ -163,3 +165,14 @@ def test_certificates_name_the_hosts_and_node_keys_are_openssh(tmp_path):
     assert oct(keys[0].stat().st_mode & 0o777) == "0o600"
     with pytest.raises(ConfigError, match="lacks"):
         deploy.check_certs(tmp_path / "nothing", server=True)
+
+
+def test_round_seconds_reads_the_fit_phase_after_discovery_and_the_wall_time_per_round(tmp_path):
+    (tmp_path / "rounds.jsonl").write_text("".join(json.dumps({"round": r, "seconds": s}) + "\n"
+                                                   for r, s in [(1, 30.0), (2, 2.0), (3, 4.0), (4, 3.0)]))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"round": 4, "wall_time": 50.0}) + "\n")
+    assert deploy.round_seconds(tmp_path) == {"fit_s_per_round": 3.0, "wall_s_per_round": 12.5}
+
+
+def test_node_config_quotes_strings_only():
+    assert deploy.node_config_string({"partition-id": 1, "data-dir": "/d"}) == 'partition-id=1 data-dir="/d"'
