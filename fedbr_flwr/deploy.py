@@ -347,13 +347,13 @@ def cmd_register(args) -> int:
     return 0
 
 
-def _certs_arg(args) -> Path | None:
+def _certs_arg(args, server: bool = False) -> Path | None:
     if args.insecure:
         return None
     if not args.certs:
         raise ConfigError("give --certs DIR (from `fedbr-deploy certs`) or --insecure")
     certs = Path(args.certs).resolve()
-    check_certs(certs, server=False)
+    check_certs(certs, server)
     return certs
 
 
@@ -373,11 +373,7 @@ def _foreground(deployment: Deployment) -> int:
 
 
 def cmd_superlink(args) -> int:
-    certs = None if args.insecure else Path(args.certs).resolve() if args.certs else None
-    if certs is None and not args.insecure:
-        raise ConfigError("give --certs DIR (from `fedbr-deploy certs`) or --insecure")
-    if certs is not None:
-        check_certs(certs, server=True)
+    certs = _certs_arg(args, server=True)
     state = Path(args.state_dir).resolve()
     state.mkdir(parents=True, exist_ok=True)
     dep = Deployment(process_env(state / "flwr-home"), state)
@@ -448,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def security(p, server=False):
+    def security(p):
         p.add_argument("--certs", help="folder from `fedbr-deploy certs` (TLS)")
         p.add_argument("--insecure", action="store_true", help="no TLS (trusted networks and tests only)")
 
@@ -459,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_certs)
 
     p = sub.add_parser("superlink", help="start a SuperLink (foreground)")
-    security(p, server=True)
+    security(p)
     p.add_argument("--auth", action="store_true", help="accept only registered SuperNode keys (needs --certs)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
