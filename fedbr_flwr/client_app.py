@@ -13,7 +13,7 @@ from flwr.client import ClientApp
 from flwr.common import Context, RecordDict
 
 
-def build_client(run_config: Mapping[str, Any], node_config: Mapping[str, Any], state: RecordDict):
+def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: RecordDict):
     """The algorithm's client for the partition named in the node config, its data on the device."""
     import torch
 
@@ -23,7 +23,6 @@ def build_client(run_config: Mapping[str, Any], node_config: Mapping[str, Any], 
     from .training import pick_device
 
     cfg = from_run_config(run_config)
-    node = node_config
     if "partition-id" not in node:
         raise ConfigError("this SuperNode has no 'partition-id' in its node config: start it with "
                           "--node-config \"partition-id=<i> num-partitions=<n>\"")

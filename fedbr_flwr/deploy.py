@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import ipaddress
-import json
-import os
 import shutil
 import signal
 import ssl
@@ -32,13 +30,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from .config import ConfigError
 from .launcher import RunFailed, flower_env, free_port, stop_tree, submit_run, wait_healthy
+from .worker import write_private
 
 CONNECTION = "fedbr"
 NODE_START_TIMEOUT_S = 60
@@ -79,7 +78,7 @@ def make_certificates(out: Path, hosts: Sequence[str], supernodes: int, days: in
     server_cert = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]), ca_name,
                        server_key.public_key(), ca_key, [(x509.SubjectAlternativeName(names), False)])
     pem = serialization.Encoding.PEM
-    _write_private(out / SERVER_KEY, server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+    write_private(out / SERVER_KEY, server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
                                                               serialization.NoEncryption()))
     (out / SERVER_CERT).write_bytes(server_cert.public_bytes(pem))
     (out / CA).write_bytes(ca_cert.public_bytes(pem))
@@ -87,7 +86,7 @@ def make_certificates(out: Path, hosts: Sequence[str], supernodes: int, days: in
     for i in range(supernodes):
         key = ec.generate_private_key(ec.SECP384R1())
         path = out / f"supernode-{i}"
-        _write_private(path, key.private_bytes(pem, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
+        write_private(path, key.private_bytes(pem, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
         path.with_name(path.name + ".pub").write_bytes(
             key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
         keys.append(path)
@@ -100,12 +99,6 @@ def _is_ip(host: str) -> bool:
         return True
     except ValueError:
         return False
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    path.touch(mode=0o600, exist_ok=True)
-    path.chmod(0o600)
-    path.write_bytes(data)
 
 
 def check_certs(certs: Path, server: bool) -> None:
@@ -122,8 +115,8 @@ def flower_tool(env: dict[str, str], name: str) -> str:
     return shutil.which(name, path=env["PATH"]) or name
 
 
-def superlink_command(env: dict[str, str], host: str, port: int, certs: Path | None, auth: bool, state_dir: Path,
-) -> list[str]:
+def superlink_command(env: dict[str, str], host: str, port: int, certs: Path | None, auth: bool,
+                      state_dir: Path) -> list[str]:
     security = ["--insecure"] if certs is None else [
         "--ssl-ca-certfile", str(certs / CA), "--ssl-certfile", str(certs / SERVER_CERT),
         "--ssl-keyfile", str(certs / SERVER_KEY)]
@@ -172,9 +165,7 @@ def register_supernodes(env: dict[str, str], public_keys: Sequence[Path]) -> Non
 
 def process_env(flwr_home: Path) -> dict[str, str]:
     """The environment of deployment processes: ours, with Flower's quicker task polling."""
-    env = flower_env(flwr_home, 0, 0)
-    for k in ("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", "FLWR_LOCAL_CONTROL_API_PORT"):
-        env.pop(k)
+    env = flower_env(flwr_home)
     env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", TASK_POLL_INTERVAL_S)
     return env
 
@@ -206,11 +197,10 @@ class Deployment:
         self.procs[name] = proc
         return proc
 
-    def stop(self, name: str | None = None) -> None:
-        for key in [name] if name else list(self.procs)[::-1]:
-            proc = self.procs.pop(key, None)
-            if proc is not None:
-                stop_tree(proc)
+    def stop(self) -> None:
+        """Newest first, so that SuperNodes go before the SuperLink they talk to."""
+        while self.procs:
+            stop_tree(self.procs.pop(next(reversed(self.procs))))
 
 
 def start_worker(deployment: Deployment, name: str, address: Path, gpu: str | None) -> None:
@@ -272,8 +262,9 @@ def round_seconds(out_dir: Path) -> dict[str, float]:
     which includes discovery) and the whole run's wall seconds per round."""
     import numpy as np
 
-    rounds = [json.loads(x) for x in (out_dir / "rounds.jsonl").read_text().splitlines() if x.strip()]
-    evals = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    from .metrics import read_jsonl
+
+    rounds, evals = read_jsonl(out_dir / "rounds.jsonl"), read_jsonl(out_dir / "metrics.jsonl")
     fit = [r["seconds"] for r in rounds[1:]] or [r["seconds"] for r in rounds]
     return {"fit_s_per_round": float(np.median(fit)),
             "wall_s_per_round": float(evals[-1]["wall_time"]) / max(len(rounds), 1) if evals else float("nan")}

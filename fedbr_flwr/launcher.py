@@ -91,12 +91,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def flower_env(flwr_home: Path, http_port: int, control_port: int) -> dict[str, str]:
+def flower_env(flwr_home: Path, http_port: int | None = None, control_port: int | None = None) -> dict[str, str]:
+    """The environment for Flower's commands; the ports are those of the local simulation SuperLink."""
     env = os.environ.copy()
+    if http_port is not None:
+        env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(http_port)
+    if control_port is not None:
+        env["FLWR_LOCAL_CONTROL_API_PORT"] = str(control_port)
     env.update({
         "FLWR_HOME": str(flwr_home),
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_TELEMETRY_ENABLED": "0",

@@ -87,8 +87,13 @@ def keep_rounds_up_to(path: Path, last_round: int) -> None:
             continue
         if int(record.get("round", 0)) <= last_round:
             kept.append(line + "\n")
+    write_text_atomically(path, "".join(kept))
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Readers (and a crash) see the old file or the new one, never half of it."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -175,6 +180,4 @@ class RunRecorder:
             f.write(json.dumps(record) + "\n")
 
     def _write_json(self, name: str, obj: Any) -> None:
-        tmp = self.out_dir / f".{name}.tmp"
-        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-        os.replace(tmp, self.out_dir / name)
+        write_text_atomically(self.out_dir / name, json.dumps(obj, indent=2, default=str) + "\n")

@@ -48,25 +48,21 @@ def build_strategy(cfg: dict):
     device = pick_device(cfg["device"])
     model = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size).to(device)
     global_test = load_global_test(cfg) if cfg["global-test"] else None
-    if checkpoint is None:
-        return strategy_class(cfg["strategy"])(cfg, RunRecorder(cfg, out_dir), model, global_test)
-    arrays, header = checkpoint
-    recorder = RunRecorder(cfg, out_dir, resume_round=int(header["round"]), elapsed=float(header["elapsed"]))
+    recorder = RunRecorder(cfg, out_dir) if checkpoint is None else \
+        RunRecorder(cfg, out_dir, resume_round=int(checkpoint[1]["round"]), elapsed=float(checkpoint[1]["elapsed"]))
     strategy = strategy_class(cfg["strategy"])(cfg, recorder, model, global_test)
-    strategy.resume_from(arrays, header)
+    if checkpoint is not None:
+        strategy.resume_from(*checkpoint)
     return strategy
 
 
 def server_fn(context: Context) -> ServerAppComponents:
     cfg = from_run_config(context.run_config)
     strategy = build_strategy(cfg)
-    timeout = cfg["round-timeout"] or None
-    if strategy.resumed_round:
-        rounds = cfg["num-rounds"] - strategy.resumed_round
-        return ServerAppComponents(strategy=ResumedRun(strategy, strategy.resumed_round),
-                                   config=ServerConfig(num_rounds=rounds, round_timeout=timeout))
-    return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=cfg["num-rounds"],
-                                                                      round_timeout=timeout))
+    done = strategy.resumed_round
+    return ServerAppComponents(strategy=ResumedRun(strategy, done) if done else strategy,
+                               config=ServerConfig(num_rounds=cfg["num-rounds"] - done,
+                                                   round_timeout=cfg["round-timeout"] or None))
 
 
 app = ServerApp(server_fn=server_fn)

@@ -36,6 +36,13 @@ def key_path(address: str) -> Path:
     return Path(address + ".key")
 
 
+def write_private(path: Path, data: bytes) -> None:
+    """A file only its owner may read, made so before the secret is written into it."""
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+    path.write_bytes(data)
+
+
 def read_key(address: str) -> bytes:
     return key_path(address).read_bytes()
 
@@ -114,10 +121,7 @@ class Worker:
         if path.exists():
             path.unlink()
         key = secrets.token_bytes(32)
-        key_file = key_path(address)
-        key_file.write_bytes(b"")
-        key_file.chmod(0o600)
-        key_file.write_bytes(key)
+        write_private(key_path(address), key)
         with Listener(address, family="AF_UNIX", authkey=key) as listener:
             path.chmod(0o600)
             log.info("fedbr-worker %d ready on %s", os.getpid(), address)

@@ -98,3 +98,19 @@ def in_process_federation(cfg, tmp_path):
     proxies = [InProcessProxy(c) for c in clients]
     strategy._discover(FixedClientManager(proxies))
     return strategy, clients, proxies
+
+
+TIMING_KEYS = ("wall_time", "seconds", "client_fit_seconds")
+
+
+def records_without_timing(path):
+    """A run's JSON-lines file with the fields that measure time left out: what must repeat exactly."""
+    from fedbr_flwr.metrics import read_jsonl
+
+    out = []
+    for record in read_jsonl(path):
+        for k in TIMING_KEYS:
+            record.pop(k, None)
+        record.get("train", {}).pop("fit-seconds", None)
+        out.append(record)
+    return out

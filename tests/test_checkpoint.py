@@ -8,26 +8,12 @@ import numpy as np
 import pytest
 from flwr.common import parameters_to_ndarrays
 
-from fakes import in_process_federation, run_rounds
+from fakes import in_process_federation, records_without_timing, run_rounds
 from fedbr_flwr.checkpoint import CHECKPOINT_NAME, load_checkpoint, pack, save_checkpoint, unpack
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.run_io import keep_rounds_up_to
 from fedbr_flwr.server_app import check_resumable
 from strategies.base import ResumedRun
-
-TIMING_KEYS = ("wall_time", "seconds", "client_fit_seconds")
-
-
-def lines_without_timing(path):
-    out = []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        for k in TIMING_KEYS:
-            record.pop(k, None)
-        record.get("train", {}).pop("fit-seconds", None)
-        out.append(record)
-    return out
-
 
 def run_cfg(name, **extra):
     return validate({"strategy": name, "num-clients": 3, "local-steps": 2, "batch-size": 8, "num-rounds": 4,
@@ -59,7 +45,7 @@ def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, name, extr
     for got, want in zip(final, expected):
         np.testing.assert_array_equal(got, want)
     for file in ("metrics.jsonl", "rounds.jsonl"):
-        assert lines_without_timing(tmp_path / "stopped" / file) == lines_without_timing(tmp_path / "straight" / file)
+        assert records_without_timing(tmp_path / "stopped" / file) == records_without_timing(tmp_path / "straight" / file)
     manifest = json.loads((tmp_path / "stopped" / "manifest.json").read_text())
     assert [r["after_round"] for r in manifest["resumed"]] == [2]
 

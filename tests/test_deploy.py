@@ -9,24 +9,23 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from fakes import records_without_timing
 from fedbr_flwr import deploy
 from fedbr_flwr.checkpoint import load_checkpoint
 from fedbr_flwr.cli import prepare
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.launcher import _alive, descendants, stop_tree, submit_run
+from fedbr_flwr.metrics import read_jsonl
 
 
 def small_run(out, **overrides):
     cfg = validate({"strategy": "fedavg", "num-clients": 2, "num-rounds": 2, "local-steps": 3, "eval-every": 2,
                     "output-dir": str(out), **overrides})
     return prepare(cfg, overwrite=False)
-
-
-def records(path):
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def all_pids(deployment):
@@ -52,7 +51,7 @@ def test_two_rounds_of_fedavg_on_a_superlink_and_two_supernodes(tmp_path, tls):
         submit_run(cfg, dep.env, deploy.CONNECTION, out, echo="none")
         pids += all_pids(dep)
     assert not [pid for pid in pids if _alive(pid)]
-    rounds, evals = records(out / "rounds.jsonl"), records(out / "metrics.jsonl")
+    rounds, evals = read_jsonl(out / "rounds.jsonl"), read_jsonl(out / "metrics.jsonl")
     assert [r["clients"] for r in rounds] == [2, 2] and all(r["failures"] == 0 for r in rounds)
     assert [e["round"] for e in evals] == [2] and (out / "summary.md").exists()
     commands = {name: " ".join(c) for name, c in dep.commands.items()}
@@ -86,7 +85,7 @@ def test_a_client_killed_mid_round_is_recorded_and_the_run_completes(tmp_path):
                                                                                   echo="none")), daemon=True)
         runner.start()
         deadline = time.time() + 240
-        while not ((out / "rounds.jsonl").exists() and records(out / "rounds.jsonl")):
+        while not read_jsonl(out / "rounds.jsonl"):
             assert time.time() < deadline and runner.is_alive(), "round 1 never finished"
             time.sleep(0.2)
         time.sleep(1.0)  # round 2's fit is under way
@@ -95,10 +94,10 @@ def test_a_client_killed_mid_round_is_recorded_and_the_run_completes(tmp_path):
         runner.join(timeout=240)
         assert not runner.is_alive(), "the run did not finish after a client was killed"
     assert outcome["status"]["status"] == "finished:completed"
-    round2 = records(out / "rounds.jsonl")[1]
+    round2 = read_jsonl(out / "rounds.jsonl")[1]
     assert round2["round"] == 2 and round2["clients"] == 1 and round2["failures"] == 1
     assert round2["failed_clients"] == [1] and round2["errors"]
-    final = records(out / "metrics.jsonl")[-1]
+    final = read_jsonl(out / "metrics.jsonl")[-1]
     assert final["round"] == 2 and final["eval_failures"] == 1 and list(final["per_client_acc"]) == ["0"]
     assert (out / "summary.md").exists()
 
@@ -126,17 +125,8 @@ def test_a_killed_run_resumed_from_its_checkpoint_ends_like_an_uninterrupted_one
 
     subprocess.run([*run[:3], "--resume", str(stopped), "--quiet"], check=True, timeout=600)
 
-    def without_timing(path):
-        out = []
-        for record in records(path):
-            for k in ("wall_time", "seconds", "client_fit_seconds"):
-                record.pop(k, None)
-            record.get("train", {}).pop("fit-seconds", None)
-            out.append(record)
-        return out
-
     for name in ("metrics.jsonl", "rounds.jsonl"):
-        assert without_timing(stopped / name) == without_timing(straight / name)
+        assert records_without_timing(stopped / name) == records_without_timing(straight / name)
     manifest = json.loads((stopped / "manifest.json").read_text())
     assert [r["after_round"] for r in manifest["resumed"]] == [resumed_from]
 
@@ -176,3 +166,28 @@ def test_round_seconds_reads_the_fit_phase_after_discovery_and_the_wall_time_per
 
 def test_node_config_quotes_strings_only():
     assert deploy.node_config_string({"partition-id": 1, "data-dir": "/d"}) == 'partition-id=1 data-dir="/d"'
+
+
+def test_supernode_data_dir_overrides_the_runs_and_gpu_pins_the_worker(tmp_path, monkeypatch):
+    from fedbr_flwr.client_app import build_client
+    from flwr.common import RecordDict
+
+    with pytest.raises(ConfigError, match="/node/own/data"):  # the node's folder is the one read
+        build_client({"dataset": "mnist", "data-dir": "/run/data", "num-clients": 2},
+                     {"partition-id": 0, "num-partitions": 2, "data-dir": "/node/own/data"}, RecordDict())
+
+    seen = {}
+
+    class Running:
+        def poll(self):
+            return None
+
+    def start(name, command, env=None):
+        seen["env"] = env
+        Path(command[-1]).touch()  # the worker's socket appears
+        return Running()
+
+    dep = deploy.Deployment(deploy.process_env(tmp_path / "home"), tmp_path)
+    monkeypatch.setattr(dep, "start", start)
+    deploy.start_worker(dep, "worker-0", tmp_path / "w.sock", "3")
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "3"
