@@ -19,8 +19,8 @@ from fedbr_flwr.checkpoint import flatten, pack, unflatten, unpack
 from fedbr_flwr.config import resolved_model
 from fedbr_flwr.dataset import INFO, ClientData, make_partition
 from fedbr_flwr.model import build_model
-from fedbr_flwr.training import (Algorithm, BatchSampler, evaluate, get_weights, run_local_steps, set_weights,
-                                 step_seed)
+from fedbr_flwr.training import (Algorithm, BatchSampler, compile_features, evaluate, get_weights,
+                                 peak_memory_mb, run_local_steps, set_weights, step_seed)
 
 
 RESTORED_KEY = "client-state-restored"
@@ -51,6 +51,8 @@ class BaseClient(NumPyClient):
         self.state = state if state is not None else RecordDict()  # Flower's per-node context.state
         info = INFO[cfg["dataset"]]
         backbone = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size)
+        if cfg["compile"]:
+            compile_features(backbone)
         self.model = self.wrap_model(backbone, cfg).to(device)
         self.extras: list[np.ndarray] = []  # arrays the server sent after the weights this round
         self.shared_versions: dict[str, int] = {}  # broadcast data used this round (reported back)
@@ -126,8 +128,9 @@ class BaseClient(NumPyClient):
         algorithm = self.make_algorithm(server_round, config)
         sampler = BatchSampler(self.data, self.cfg["batch-size"], step_seed(self.cfg["seed"], server_round, self.pid))
         start = time.perf_counter()
-        stats = run_local_steps(algorithm, sampler, self.cfg["local-steps"])
+        stats = run_local_steps(algorithm, sampler, self.cfg["local-steps"], self.cfg["precision"])
         metrics = {**stats, "partition-id": self.pid, "fit-seconds": time.perf_counter() - start,
+                   **peak_memory_mb(self.device),
                    **{f"{name}-version": v for name, v in self.shared_versions.items()}}
         returned = get_weights(*self.weight_modules()) + self.after_fit(algorithm)
         return returned, len(self.data.y_train), metrics

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from fedbr_flwr.losses import reverse_gradient
 from fedbr_flwr.model import SplitModel
 from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm
+from fedbr_flwr.training import Algorithm, round_sgd
 
 from .base import BaseClient
 
@@ -28,8 +28,7 @@ class DANN(Algorithm):
     def __init__(self, model: SplitModel, cfg: dict, discriminator: nn.Module, domain: int):
         super().__init__(model, cfg)
         params = list(model.parameters()) + list(discriminator.parameters())
-        self.optimizer = torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"],
-                                         weight_decay=cfg["weight-decay"])
+        self.optimizer = round_sgd(model, params, cfg)
         self.discriminator = discriminator
         self.domain = domain
 

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from fedbr_flwr.dataset import INFO, DatasetInfo, normalise
 from fedbr_flwr.model import DoubleInputModel, Offset, WithOffset
 from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm, step_seed
+from fedbr_flwr.training import Algorithm, round_sgd, step_seed
 
 from .base import BaseClient
 
@@ -32,8 +32,8 @@ class DisTrans(Algorithm):
     def __init__(self, model: DoubleInputModel, offset: Offset, cfg: dict):
         super().__init__(model, cfg)  # SGD on the model at the common lr
         self.offset = offset
-        self.offset_optimizer = torch.optim.SGD(offset.parameters(), lr=cfg["distrans-offset-lr"],
-                                                momentum=cfg["momentum"])
+        self.offset_optimizer = round_sgd(offset, offset.parameters(), cfg, lr=cfg["distrans-offset-lr"],
+                                          weight_decay=0.0)
         self.alternating = cfg["distrans-update"] == "alternating"
         self.model_params = list(model.parameters())
 

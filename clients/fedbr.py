@@ -12,7 +12,6 @@ LayerNorm of our backbones keep the fused batch exact.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ from fedbr_flwr.losses import (MixupSampler, blend_with_global_momentum, decorre
                                not_true_distillation_loss, soft_cross_entropy)
 from fedbr_flwr.model import ProjectionHead, SplitModel
 from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm, parameter_tensors, step_seed
+from fedbr_flwr.training import Algorithm, frozen_copy, parameter_tensors, round_sgd, step_seed
 from pseudodata.mixture import mix
 from pseudodata.rsm import sample_means
 
@@ -76,16 +75,15 @@ class FedBR(Algorithm):
         self.global_momentum = global_momentum
         self.global_model: nn.Module | None = None  # FedNTD's teacher: the model as received this round
         if self.combined == "fedntd":
-            self.global_model = copy.deepcopy(model).eval().requires_grad_(False)
+            self.global_model = frozen_copy(model)
         self.global_features: nn.Module | None = None
         self.z_g_fixed: torch.Tensor | None = None
         if self.contrastive:
             if head is None:
                 raise ValueError("component 2 needs the projection head")
-            self.head_optimizer = torch.optim.SGD(head.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
-                                                  weight_decay=cfg["weight-decay"])
+            self.head_optimizer = round_sgd(head, head.parameters(), cfg)
             self.global_features = self.global_model.features if self.global_model is not None \
-                else copy.deepcopy(model.features).eval().requires_grad_(False)
+                else frozen_copy(model.features)
             if self.mix_k == 0:  # the pseudo-batch is the same at every step: its global features too
                 self.z_g_fixed = self.global_feature(self.x_p)
         if self.mix_k and local_pool is None:

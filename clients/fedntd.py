@@ -3,14 +3,13 @@ and the local model's softened predictions over the NOT-true classes only. The s
 
 from __future__ import annotations
 
-import copy
 
 import torch
 from torch.nn import functional as F
 
 from fedbr_flwr.losses import not_true_distillation_loss
 from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm
+from fedbr_flwr.training import Algorithm, frozen_copy
 
 from .base import BaseClient
 
@@ -18,7 +17,7 @@ from .base import BaseClient
 class FedNTD(Algorithm):
     def __init__(self, model, cfg):
         super().__init__(model, cfg)
-        self.global_model = copy.deepcopy(model).eval().requires_grad_(False)  # as received this round
+        self.global_model = frozen_copy(model)  # as received this round
 
     def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.model(x)

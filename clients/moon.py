@@ -21,7 +21,7 @@ from torch.nn import functional as F
 from fedbr_flwr.losses import moon_contrastive_loss
 from fedbr_flwr.model import SplitModel
 from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm, get_weights, set_weights
+from fedbr_flwr.training import Algorithm, frozen_copy, get_weights, set_weights
 
 from .base import BaseClient
 
@@ -35,7 +35,7 @@ def moon_model(backbone: SplitModel, cfg: dict) -> SplitModel:
 class Moon(Algorithm):
     def __init__(self, model: SplitModel, cfg: dict, previous_features: nn.Module | None):
         super().__init__(model, cfg)
-        self.global_features = copy.deepcopy(model.features).eval().requires_grad_(False)
+        self.global_features = frozen_copy(model.features)
         self.previous_features = previous_features if previous_features is not None else self.global_features
         self.mu, self.tau = cfg["moon-mu"], cfg["moon-tau"]
 

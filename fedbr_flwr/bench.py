@@ -1,13 +1,16 @@
 """``fedbr-bench``: seconds per round of the Flower simulation against a bare PyTorch loop that does
 the same local steps (same algorithm class, data, seeds) and the same averaging in one process.
 
-    fedbr-bench                                  # quick defaults, 5 timed rounds
-    fedbr-bench experiments/fedavg_rotmnist5k.yaml --rounds 3
+    fedbr-bench --suite                          # FedAvg and FedBR on the three shapes below
+    fedbr-bench --suite num-clients=10 local-steps=50 precision=bf16   # the paper's round, on a GPU
+    fedbr-bench experiments/fedavg_rotmnist5k.yaml --rounds 3          # one config
     fedbr-bench --step batch-size=64                # one FedBR / DisTrans local step / one FedAvg step
     fedbr-bench --step dataset=cifar10 model=vgg11  # synthetic inputs of the dataset's shape
 
-Round 1 is a warm-up on both sides (Flower: Ray and actor start, data loading) and is not timed.
-Evaluation is switched off on both sides except Flower's final one, which is not timed either.
+Round 1 is a warm-up on both sides (Flower: Ray and actor start, data loading, compilation) and is
+not timed. Evaluation and checkpoints are off on both sides except Flower's final evaluation, which
+is not timed either. Besides seconds, it reports each client process's peak memory (GPU memory
+reserved by torch on CUDA, host RSS on CPU) and the bytes of Flower's fit messages per round.
 """
 
 from __future__ import annotations
@@ -33,14 +36,15 @@ from .metrics import read_jsonl
 from .model import Offset, build_model
 from .registry import client_class
 from .server_app import build_strategy
-from .training import pick_device
+from .training import peak_memory_mb, pick_device
 from strategies.base import weighted_mean
 
 
-def bare_loop_round_seconds(cfg: dict, rounds: int) -> list[float]:
+def bare_loop_round_seconds(cfg: dict, rounds: int) -> tuple[list[float], float]:
     """The reference: every client's ``fit`` (the same local-step code Flower calls) one after
     another in this process, then the same averaging; no messages, no processes. (DisTrans: the
-    returned offsets are averaged and sent back with the model, as ``distrans-agg=avg`` does.)"""
+    returned offsets are averaged and sent back with the model, as ``distrans-agg=avg`` does.)
+    Returns the timed rounds' seconds and this process's peak memory in MB (GPU on CUDA, else RSS)."""
     device = pick_device(cfg["device"])
     with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:  # the server's seeded initial weights
         strategy = build_strategy({**cfg, "output-dir": tmp, "global-test": False})
@@ -61,20 +65,23 @@ def bare_loop_round_seconds(cfg: dict, rounds: int) -> list[float]:
             torch.cuda.synchronize()
         if server_round > 1:
             times.append(time.perf_counter() - start)
-    return times
+    peak = peak_memory_mb(device)
+    return times, peak.get("peak-gpu-mb", peak["peak-rss-mb"])
 
 
-def bare_fit_config(cfg: dict, clients: list):
-    """Fit config per round; for FedBR the pseudo-data is built once, as the strategy does at round 1."""
+def bare_fit_config(cfg: dict, clients: list | dict):
+    """Fit config per round; for FedBR the pseudo-data is built once, as the strategy does at round 1.
+    ``clients``: the clients by partition id (a list: ids 0, 1, ...)."""
     if cfg["strategy"] != "fedbr":
         return lambda server_round: {"server-round": server_round}
     from pseudodata import build, encode
     from pseudodata.mixture import load_proxy
 
+    by_pid = dict(enumerate(clients)) if isinstance(clients, list) else clients
     proxy = load_proxy(cfg) if cfg["pseudo-data"] == "mixture" else None
-    collect = lambda counts, version: [clients[pid].rsm_means(n, cfg["pseudo-m"], version)  # noqa: E731
+    collect = lambda counts, version: [by_pid[pid].rsm_means(n, cfg["pseudo-m"], version)  # noqa: E731
                                        for pid, n in counts.items()]
-    payload = encode(*build(cfg, 1, list(range(len(clients))), collect, proxy))
+    payload = encode(*build(cfg, 1, sorted(by_pid), collect, proxy))
     return lambda server_round: {"server-round": server_round, "pseudo-version": 1,
                                  **({"pseudo-payload": payload} if server_round == 1 else {})}
 
@@ -158,14 +165,116 @@ def _device_name(cfg: dict, threads: int) -> str:
     return f"CPU x{threads}"
 
 
-def flower_round_seconds(cfg: dict, rounds: int, out_dir: Path) -> tuple[list[float], float]:
+def flower_round_seconds(cfg: dict, rounds: int, out_dir: Path) -> tuple[list[dict], float]:
+    """The timed rounds' records of a Flower simulation (rounds.jsonl: seconds, bytes, client memory),
+    and the whole run's seconds including start-up."""
     cfg = {**cfg, "num-rounds": rounds + 1, "eval-every": rounds + 1, "global-test": False,
-           "output-dir": str(out_dir)}
+           "checkpoint-every": 0, "output-dir": str(out_dir)}
     start = time.perf_counter()
     run_flower(cfg, cfg["num-clients"], out_dir, echo="none")
     total = time.perf_counter() - start
-    per_round = [r["seconds"] for r in read_jsonl(out_dir / "rounds.jsonl") if r["round"] > 1]
-    return per_round, total
+    return [r for r in read_jsonl(out_dir / "rounds.jsonl") if r["round"] > 1], total
+
+
+def compare(cfg: dict, rounds: int) -> dict:
+    """Bare loop and Flower simulation on one config: seconds per round (medians), their ratio, the
+    clients' peak memory and the bytes Flower's fit messages carry per round."""
+    bare, bare_memory = bare_loop_round_seconds(cfg, rounds)
+    with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
+        records, flower_total = flower_round_seconds(cfg, rounds, Path(tmp))
+    bare_s = statistics.median(bare)
+    flower_s = statistics.median(r["seconds"] for r in records)
+    memory_key = "client_peak_gpu_mb" if any("client_peak_gpu_mb" in r for r in records) else "client_peak_rss_mb"
+    return {
+        "strategy": cfg["strategy"], "dataset": cfg["dataset"], "model": resolved_model(cfg),
+        "clients": cfg["num-clients"], "local_steps": cfg["local-steps"], "batch_size": cfg["batch-size"],
+        "precision": cfg["precision"], "compile": cfg["compile"],
+        "bare_s_per_round": bare_s, "flower_s_per_round": flower_s, "ratio": flower_s / bare_s,
+        "flower_total_s_incl_startup": flower_total,
+        "bare_peak_mb": bare_memory, "client_peak_mb": max(r.get(memory_key, 0.0) for r in records),
+        "memory": "GPU (torch reserved)" if memory_key == "client_peak_gpu_mb" else "host RSS",
+        "bytes_per_round": statistics.median(r["bytes_down"] + r["bytes_up"] for r in records),
+        "flower_setup": f"{cfg['num-clients']} simulated clients, {cfg['client-cpus']} CPU / "
+                        f"{cfg['client-gpus']:g} GPU each",
+    }
+
+
+# The issue's shapes: RotatedMNIST's CNN at batch 64, and CIFAR-size VGG11 and CCT at batch 32 on
+# synthetic data (no CIFAR files needed). Each runs FedAvg and FedBR.
+SUITE = {
+    "rotmnist-cnn": {"dataset": "mnist5k", "model": "cnn", "batch-size": 64},
+    "cifar-vgg11": {"dataset": "synthetic", "model": "vgg11", "batch-size": 32},
+    "cifar-cct": {"dataset": "synthetic", "model": "cct", "batch-size": 32},
+}
+SUITE_STRATEGIES = ("fedavg", "fedbr")
+
+
+def suite_configs(items: list[str], shapes: list[str]) -> list[tuple[str, dict]]:
+    """(shape, config) for every shape and strategy; the user's items come after the shape's settings."""
+    unknown = sorted(set(shapes) - set(SUITE))
+    if unknown:
+        raise ConfigError(f"unknown shape(s) {', '.join(unknown)}; valid: {', '.join(SUITE)}")
+    out = []
+    for shape in shapes:
+        for strategy in SUITE_STRATEGIES:
+            preset = [f"{k}={v}" for k, v in {**SUITE[shape], "strategy": strategy}.items()]
+            out.append((shape, build_config(preset + items)))
+    return out
+
+
+def suite_main(items: list[str], shapes: list[str], rounds: int, steps: int, threads: int, json_path: Path | None
+               ) -> int:
+    try:
+        configs = [(shape, size_resources(cfg, torch.cuda.is_available(), threads))
+                   for shape, cfg in suite_configs(items, shapes)]
+    except ConfigError as exc:
+        print(f"fedbr-bench: error: {exc}", file=sys.stderr)
+        return 2
+    device = _device_name(configs[0][1], threads)
+    first = configs[0][1]
+    print(f"fedbr-bench --suite on {device}: {first['num-clients']} clients x {first['local-steps']} local steps, "
+          f"{rounds} timed rounds after one warm-up, precision {first['precision']}, compile {first['compile']}",
+          flush=True)
+    rows = []
+    for shape, cfg in configs:
+        print(f"  {shape} {cfg['strategy']} ...", flush=True)
+        try:
+            row = compare(cfg, rounds)
+        except RunFailed as exc:
+            print(f"fedbr-bench: error: {shape} {cfg['strategy']}: {exc}", file=sys.stderr)
+            return 1
+        if cfg["strategy"] == "fedbr":  # once per shape: FedAvg, FedBR and DisTrans steps on it
+            row["step_s"] = step_seconds(cfg, steps=steps)
+        rows.append({"shape": shape, **row})
+    print_suite_table(rows, device)
+    if json_path:
+        json_path.write_text(json.dumps({"device": device, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+def print_suite_table(rows: list[dict], device: str) -> None:
+    memory = rows[0]["memory"]
+    print(f"\n| shape | strategy | batch | bare s/round | Flower s/round | Flower / bare | peak {memory} MB "
+          f"per client process (bare loop: whole process) | MB moved per round |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['strategy']} | {r['batch_size']} | {r['bare_s_per_round']:.3f} | "
+              f"{r['flower_s_per_round']:.3f} | {r['ratio']:.2f} | {r['client_peak_mb']:.0f} ({r['bare_peak_mb']:.0f}) | "
+              f"{r['bytes_per_round'] / 1e6:.1f} |")
+    print("\n| shape | FedAvg s/step | FedBR s/step | FedBR / FedAvg step | FedBR / FedAvg round (bare) |\n"
+          "|---|---|---|---|---|")
+    by_shape: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_shape.setdefault(r["shape"], {})[r["strategy"]] = r
+    for shape, pair in by_shape.items():
+        t = pair["fedbr"]["step_s"]
+        rounds = pair["fedbr"]["bare_s_per_round"] / pair["fedavg"]["bare_s_per_round"]
+        print(f"| {shape} | {t['fedavg']:.4f} | {t['fedbr']:.4f} | {t['fedbr'] / t['fedavg']:.2f} | {rounds:.2f} |")
+    for r in rows:
+        if r["strategy"] == "fedbr" and r["shape"] == "rotmnist-cnn":
+            print(f"\nFedBR RotatedMNIST, {r['clients']} clients x {r['local_steps']} steps: 1000 rounds at the "
+                  f"measured Flower s/round = {1000 * r['flower_s_per_round'] / 60:.1f} min (training rounds only, "
+                  f"without evaluation; the issue's target is 10 clients x 50 steps in 15 min on one GPU)")
+    print(f"device: {device}")
 
 
 def main(argv=None) -> int:
@@ -177,42 +286,42 @@ def main(argv=None) -> int:
     parser.add_argument("--step", action="store_true",
                         help="time one FedBR and one DisTrans local step against one FedAvg step instead of "
                              "whole rounds")
-    parser.add_argument("--steps", type=int, default=20, help="steps per timing repeat (--step)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timing repeat (--step, and --suite's "
+                                                               "step table)")
+    parser.add_argument("--suite", action="store_true",
+                        help=f"bare loop against Flower for FedAvg and FedBR on each shape ({', '.join(SUITE)}); "
+                             "the items apply to every case")
+    parser.add_argument("--shapes", default=",".join(SUITE), help="comma-separated shapes for --suite")
     args = parser.parse_intermixed_args(argv)
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    if args.suite:
+        return suite_main(args.items, args.shapes.split(","), args.rounds, args.steps, threads, args.json)
     items = (["data-dir=unused-synthetic-inputs"] if args.step else []) + args.items  # --step reads no files
     try:
-        cfg = size_resources(build_config(items), torch.cuda.is_available(), os.cpu_count() or 1)
+        cfg = size_resources(build_config(items), torch.cuda.is_available(), threads)
     except ConfigError as exc:
         print(f"fedbr-bench: error: {exc}", file=sys.stderr)
         return 2
-    threads = os.cpu_count() or 1
-    torch.set_num_threads(threads)
     if args.step:
         return step_main(cfg, args.steps, threads, args.json)
     print(f"fedbr-bench: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients x "
           f"{cfg['local-steps']} steps x batch {cfg['batch-size']}, {args.rounds} timed rounds", flush=True)
-    bare = bare_loop_round_seconds(cfg, args.rounds)
-    with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
-        try:
-            flower, flower_total = flower_round_seconds(cfg, args.rounds, Path(tmp))
-        except RunFailed as exc:
-            print(f"fedbr-bench: error: {exc}", file=sys.stderr)
-            return 1
-    bare_s, flower_s = statistics.median(bare), statistics.median(flower)
+    try:
+        result = compare(cfg, args.rounds)
+    except RunFailed as exc:
+        print(f"fedbr-bench: error: {exc}", file=sys.stderr)
+        return 1
     device = _device_name(cfg, threads)
-    result = {
-        "device": device, "strategy": cfg["strategy"], "dataset": cfg["dataset"],
-        "clients": cfg["num-clients"], "local_steps": cfg["local-steps"], "batch_size": cfg["batch-size"],
-        "bare_s_per_round": bare_s, "flower_s_per_round": flower_s, "ratio": flower_s / bare_s,
-        "flower_total_s_incl_startup": flower_total,
-        "bare_setup": f"one process, {threads} torch threads, clients one after another",
-        "flower_setup": f"{cfg['num-clients']} simulated clients, {cfg['client-cpus']} CPU / "
-                        f"{cfg['client-gpus']} GPU each",
-    }
+    result = {"device": device, **result,
+              "bare_setup": f"one process, {threads} torch threads, clients one after another"}
     print("\n| path | s/round (median) | ratio |\n|---|---|---|")
-    print(f"| bare PyTorch loop ({result['bare_setup']}) | {bare_s:.3f} | 1.00 |")
-    print(f"| Flower simulation ({result['flower_setup']}) | {flower_s:.3f} | {flower_s / bare_s:.2f} |")
-    print(f"\ndevice: {device}; Flower run incl. start-up and final evaluation: {flower_total:.1f} s")
+    print(f"| bare PyTorch loop ({result['bare_setup']}) | {result['bare_s_per_round']:.3f} | 1.00 |")
+    print(f"| Flower simulation ({result['flower_setup']}) | {result['flower_s_per_round']:.3f} | "
+          f"{result['ratio']:.2f} |")
+    print(f"\ndevice: {device}; Flower run incl. start-up and final evaluation: "
+          f"{result['flower_total_s_incl_startup']:.1f} s; peak {result['memory']} per client process "
+          f"{result['client_peak_mb']:.0f} MB; fit messages {result['bytes_per_round'] / 1e6:.2f} MB per round")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -1,12 +1,19 @@
 """Flower ClientApp: builds the configured algorithm's NumPyClient for this node's partition.
 
+In simulation, Flower's Ray actors are long-lived processes that each serve many messages (of any
+partition): ``CLIENTS`` keeps one client object per (run, partition), so the model, its optimisers
+and its data on the device are built once and reused by every later round in that process.
+
 Flower 1.41 starts a fresh ClientApp process for every message in a deployment (both isolation
 modes). A SuperNode started with ``worker="<socket>"`` in its node config therefore hands each
-message to a long-lived ``fedbr_flwr.worker`` process, which keeps the data, the model and the CUDA
-context between rounds; this module then imports nothing heavy (no torch) on that path."""
+message to a long-lived ``fedbr_flwr.worker`` process, which keeps its clients in the same kind of
+cache; this module then imports nothing heavy (no torch) on that path."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections import OrderedDict
 from typing import Any, Mapping
 
 from flwr.client import ClientApp
@@ -42,12 +49,41 @@ def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: 
     return client_class(cfg["strategy"])(cfg, data, device, state)
 
 
+class ClientCache:
+    """One client object per (run, partition, run config), built on first use and reused afterwards;
+    the clients of all but the ``runs_kept`` most recent runs are dropped with their device memory."""
+
+    def __init__(self, runs_kept: int = 2):
+        self.runs_kept = runs_kept
+        self.clients: OrderedDict[tuple[int, int, str], Any] = OrderedDict()
+
+    def get(self, run_id: int, run_config: Mapping[str, Any], node: Mapping[str, Any], state: RecordDict):
+        """The client for this message, holding ``state`` (Flower's node state, a new copy per message)."""
+        settings = json.dumps({"run": dict(run_config), "node": dict(node)}, sort_keys=True, default=str)
+        key = (int(run_id), int(node.get("partition-id", -1)), hashlib.sha256(settings.encode()).hexdigest())
+        client = self.clients.get(key)
+        if client is None:
+            client = self.clients[key] = build_client(run_config, node, state)
+            self._forget_old_runs()
+        client.state = state
+        return client
+
+    def _forget_old_runs(self) -> None:
+        runs = list(dict.fromkeys(run for run, _, _ in self.clients))
+        for old in runs[:-self.runs_kept]:
+            for key in [k for k in self.clients if k[0] == old]:
+                del self.clients[key]
+
+
+CLIENTS = ClientCache()
+
+
 def client_fn(context: Context):
     if context.node_config.get("worker"):
         from .worker import WorkerClient
 
         return WorkerClient(str(context.node_config["worker"]), context).to_client()
-    return build_client(context.run_config, context.node_config, context.state).to_client()
+    return CLIENTS.get(context.run_id, context.run_config, context.node_config, context.state).to_client()
 
 
 app = ClientApp(client_fn=client_fn)

@@ -60,7 +60,8 @@ SCHEMA: dict[str, Key] = {
     "output-dir": Key("", "where the run files go; empty: runs/<strategy>-<dataset>-<time> under the server's cwd"),
     "git-commit": Key("", "code version recorded in the manifest (the CLI fills it in)"),
     # data
-    "dataset": Key("mnist5k", "dataset", choices=("mnist5k", "mnist", "cifar10", "cifar100")),
+    "dataset": Key("mnist5k", "dataset; synthetic: random CIFAR-size images and labels, for benchmarks",
+                   choices=("mnist5k", "mnist", "cifar10", "cifar100", "synthetic")),
     "data-dir": Key("", "folder holding torchvision's MNIST/ or CIFAR files (not needed for mnist5k)"),
     "num-clients": Key(0, "number of clients; 0 = one per SuperNode (Flower's simulation default is 2, "
                           "fedbr-run then starts 10)", check=_non_negative, check_msg=">= 0"),
@@ -80,6 +81,10 @@ SCHEMA: dict[str, Key] = {
     "momentum": Key(0.0, "client SGD momentum", check=lambda v: 0 <= v < 1, check_msg="in [0, 1)"),
     "weight-decay": Key(0.0, "client SGD weight decay", check=_non_negative, check_msg=">= 0"),
     "device": Key("auto", "client training device; auto = cuda when available", choices=("auto", "cpu", "cuda")),
+    "precision": Key("fp32", "local steps in fp32, or under bf16 autocast (weights and optimiser stay fp32)",
+                     choices=("fp32", "bf16")),
+    "compile": Key(False, "torch.compile the backbone's feature extractor on the clients (the first round "
+                          "pays the compilation)"),
     # server
     "fraction-fit": Key(1.0, "share of clients sampled per round", check=_fraction, check_msg="in (0, 1]"),
     "weighting": Key("uniform", "averaging weights", choices=("uniform", "samples")),
@@ -139,7 +144,7 @@ SCHEMA: dict[str, Key] = {
                      check_msg=">= 0", owners=FEDBR),
     "proxy-dataset": Key("auto", "public dataset for mixture pseudo-data, read from data-dir; auto: cifar100 "
                                  "for cifar10, cifar10 for cifar100, mnist5k for MNIST",
-                         choices=("auto", "mnist5k", "mnist", "cifar10", "cifar100"), owners=FEDBR),
+                         choices=("auto", "mnist5k", "mnist", "cifar10", "cifar100", "synthetic"), owners=FEDBR),
     "pseudo-refresh": Key("once", "send the pseudo-data once (at round 1) or rebuild it every round",
                           choices=("once", "every-round"), owners=FEDBR),
     # DisTrans (SPEC section 3); the defaults are the paper's (model lr: the common 'lr')
@@ -339,7 +344,7 @@ def _check_fedbr(cfg: Mapping[str, Any]) -> None:
 def proxy_dataset(cfg: Mapping[str, Any]) -> str:
     if cfg["proxy-dataset"] != "auto":
         return cfg["proxy-dataset"]
-    return {"cifar10": "cifar100", "cifar100": "cifar10"}.get(cfg["dataset"], "mnist5k")
+    return {"cifar10": "cifar100", "cifar100": "cifar10", "synthetic": "synthetic"}.get(cfg["dataset"], "mnist5k")
 
 
 def pseudo_size(cfg: Mapping[str, Any]) -> int:
@@ -397,4 +402,4 @@ def to_toml(cfg: Mapping[str, Any]) -> str:
 def resolved_model(cfg: Mapping[str, Any]) -> str:
     if cfg["model"] != "auto":
         return cfg["model"]
-    return {"mnist5k": "cnn", "mnist": "cnn", "cifar10": "vgg11", "cifar100": "cct"}[cfg["dataset"]]
+    return {"mnist5k": "cnn", "mnist": "cnn", "cifar10": "vgg11", "cifar100": "cct", "synthetic": "vgg11"}[cfg["dataset"]]

@@ -3,8 +3,11 @@ loop, evaluation, and weight (de)serialisation."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
-from typing import Callable, Sequence
+import weakref
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -38,6 +41,44 @@ class BatchSampler:
         return x, self.y[idx]
 
 
+# Objects kept per live module between rounds (a client's model lives as long as its process):
+# its SGD optimisers and the frozen copies of it that some algorithms take at the start of a round.
+_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FROZEN_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def round_sgd(owner: nn.Module, params: Iterable[torch.Tensor], cfg: dict, lr: float | None = None,
+              weight_decay: float | None = None) -> torch.optim.SGD:
+    """SGD over ``params`` (of ``owner``) with the run's momentum (and lr and weight decay unless
+    given), its state empty as a new optimiser's: every round starts without momentum. The object is
+    built once per (owner, parameters, hyperparameters) and reused by later rounds, which clear its
+    state instead."""
+    params = list(params)
+    lr = cfg["lr"] if lr is None else lr
+    weight_decay = cfg["weight-decay"] if weight_decay is None else weight_decay
+    key = (tuple(id(p) for p in params), lr, cfg["momentum"], weight_decay)
+    per_owner = _OPTIMIZERS.setdefault(owner, {})
+    optimizer = per_owner.get(key)
+    if optimizer is None:
+        optimizer = per_owner[key] = torch.optim.SGD(params, lr=lr, momentum=cfg["momentum"],
+                                                     weight_decay=weight_decay)
+    optimizer.state.clear()
+    return optimizer
+
+
+def frozen_copy(module: nn.Module) -> nn.Module:
+    """An eval-mode, gradient-free copy of ``module``'s current weights (e.g. the global model as
+    received this round). Built by the first call; later calls copy the weights into the same copy."""
+    copied = _FROZEN_COPIES.get(module)
+    if copied is None:
+        copied = _FROZEN_COPIES[module] = copy.deepcopy(module).eval().requires_grad_(False)
+    else:
+        with torch.no_grad():
+            for target, source in zip(copied.state_dict().values(), module.state_dict().values()):
+                target.copy_(source)
+    return copied
+
+
 class Algorithm:
     """One client's local optimisation, DomainBed style: ``update(x, y)`` takes one step and returns
     scalar diagnostics. Subclasses set up their extra state in ``__init__``. Knows nothing of Flower."""
@@ -45,8 +86,7 @@ class Algorithm:
     def __init__(self, model: nn.Module, cfg: dict):
         self.model = model
         self.cfg = cfg
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
-                                         weight_decay=cfg["weight-decay"])
+        self.optimizer = round_sgd(model, model.parameters(), cfg)
 
     def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -59,15 +99,33 @@ class Algorithm:
 
 
 def run_local_steps(algorithm: Algorithm, sample: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-                    steps: int) -> dict[str, float]:
-    """K local steps; diagnostics are averaged on the device and copied to the host once."""
+                    steps: int, precision: str = "fp32") -> dict[str, float]:
+    """K local steps; diagnostics are averaged on the device and copied to the host once.
+    ``precision="bf16"``: the steps run under bf16 autocast (weights and optimiser stay fp32)."""
     algorithm.model.train()
     totals: dict[str, torch.Tensor] = {}
-    for _ in range(steps):
-        x, y = sample()
-        for k, v in algorithm.update(x, y).items():
-            totals[k] = totals[k] + v.detach() if k in totals else v.detach().clone()
+    device = next(algorithm.model.parameters()).device
+    with autocast(device, precision):
+        for _ in range(steps):
+            x, y = sample()
+            for k, v in algorithm.update(x, y).items():
+                totals[k] = totals[k] + v.detach().float() if k in totals else v.detach().float().clone()
     return {k: float(v) / steps for k, v in totals.items()}
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+
+
+def compile_features(model: nn.Module) -> None:
+    """torch.compile, in place, of the backbone's feature extractor: the part every algorithm calls
+    and nearly all of the compute. Parameter names and state-dict keys stay as they were."""
+    features = getattr(model, "features", None)
+    (features if isinstance(features, nn.Module) else model).compile()
 
 
 @torch.no_grad()
@@ -125,6 +183,17 @@ def state_arrays(module: nn.Module, tensors: list[torch.Tensor]) -> list[np.ndar
     by_name = {name: t for (name, _), t in zip(module.named_parameters(), tensors)}
     return [by_name[k].detach().cpu().numpy().copy() if k in by_name else np.zeros(v.shape, dtype=np.float32)
             for k, v in module.state_dict().items()]
+
+
+def peak_memory_mb(device: torch.device | str) -> dict[str, float]:
+    """This process's peak memory so far: resident host memory, and on CUDA what torch's allocator
+    reserved on the device (the CUDA context's few hundred MB come on top)."""
+    import resource
+
+    peak = {"peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+    if torch.device(device).type == "cuda":
+        peak["peak-gpu-mb"] = torch.cuda.max_memory_reserved(device) / 2**20
+    return peak
 
 
 def pick_device(name: str) -> torch.device:

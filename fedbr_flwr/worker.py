@@ -18,7 +18,6 @@ import secrets
 import signal
 import sys
 import traceback
-from collections import OrderedDict
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
@@ -91,29 +90,18 @@ class Worker:
     """Holds one client object per (run, partition), built on first use and reused afterwards."""
 
     def __init__(self):
-        self.clients: OrderedDict[tuple[int, int], Any] = OrderedDict()
+        from .client_app import ClientCache
+
+        self.clients = ClientCache(RUNS_KEPT)
         self.code = code_hash()
 
     def handle(self, request: dict) -> Any:
-        from .client_app import build_client
-
         if request.get("code") != self.code:  # it runs its installed code, not the run's app bundle
             raise RuntimeError(f"this worker runs code {self.code} but the run's app is {request.get('code')}: "
                                "restart the worker (and its SuperNode) after installing the new version")
-        key = (int(request["run_id"]), int(request["node_config"].get("partition-id", -1)))
-        client = self.clients.get(key)
-        if client is None:
-            client = build_client(request["run_config"], request["node_config"], request["state"])
-            self.clients[key] = client
-            self._forget_old_runs(key[0])
-        client.state = request["state"]  # Flower's copy for this message; sent back after the call
+        # the state is Flower's copy for this message; it is sent back after the call
+        client = self.clients.get(request["run_id"], request["run_config"], request["node_config"], request["state"])
         return getattr(client, request["method"])(*request["args"])
-
-    def _forget_old_runs(self, current: int) -> None:
-        runs = list(dict.fromkeys(run for run, _ in self.clients))
-        for old in runs[:-RUNS_KEPT]:
-            for key in [k for k in self.clients if k[0] == old and old != current]:
-                del self.clients[key]
 
     def serve(self, address: str) -> None:
         path = Path(address)

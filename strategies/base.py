@@ -38,7 +38,7 @@ from fedbr_flwr.training import evaluate, get_weights, set_weights
 
 log = logging.getLogger("flwr")
 DISCOVERY_TIMEOUT_S = 600
-NOT_TRAINING_METRICS = ("partition-id", "fit-seconds")  # bookkeeping, not averaged (nor are "*-version")
+NOT_TRAINING_METRICS = ("partition-id", "fit-seconds", "peak-rss-mb", "peak-gpu-mb")  # bookkeeping, not averaged (nor are "*-version")
 
 
 def weighted_mean(arrays: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
@@ -91,6 +91,7 @@ class FederatedStrategy(Strategy):
         self.pid_by_cid: dict[str, int] = {}
         self._global_acc: dict[int, tuple[float, float]] = {}
         self._fit_start = 0.0
+        self._bytes_down = 0  # payload of this round's fit instructions
         self._last_train: dict[str, float] = {}
         self.num_model_arrays = len(self.model.state_dict())
         self.sampled: list[int] = []  # partition ids sent fit instructions this round
@@ -182,10 +183,12 @@ class FederatedStrategy(Strategy):
             self.refresh_shared_data(server_round)
         self.sampled = self.sample_partitions(server_round)
         extras = ndarrays_to_parameters(self.fit_extras()).tensors
-        return [(self.clients_by_pid[pid],
-                 FitIns(self._with_extras(self.client_parameters(parameters, pid), extras),
-                        self.fit_config(server_round, pid)))
-                for pid in self.sampled]
+        instructions = [(self.clients_by_pid[pid],
+                         FitIns(self._with_extras(self.client_parameters(parameters, pid), extras),
+                                self.fit_config(server_round, pid)))
+                        for pid in self.sampled]
+        self._bytes_down = sum(payload_bytes(ins.parameters, ins.config) for _, ins in instructions)
+        return instructions
 
     @staticmethod
     def _with_extras(parameters: Parameters, extras: list[bytes]) -> Parameters:
@@ -249,6 +252,8 @@ class FederatedStrategy(Strategy):
             **faults, **({"skipped": True} if skipped else {}),
             "train": self._last_train, "seconds": round(time.perf_counter() - self._fit_start, 4),
             "client_fit_seconds": max((res.metrics.get("fit-seconds", 0.0) for _, res, _ in accepted), default=0.0),
+            "bytes_down": self._bytes_down, "bytes_up": sum(payload_bytes(res.parameters) for _, res in results),
+            **peak_client_memory([res.metrics for _, res, _ in accepted]),
             **({"server": self.server_metrics} if self.server_metrics else {}),
         })
         return new, self._last_train
@@ -486,6 +491,18 @@ class FederatedStrategy(Strategy):
 def _in_partition_order(results: list) -> list:
     """Results arrive in completion order; a fixed order keeps float sums, and so runs, repeatable."""
     return sorted(results, key=lambda r: int(r[1].metrics.get("partition-id", -1)))
+
+
+def payload_bytes(parameters: Parameters, config: dict[str, Any] | None = None) -> int:
+    """Bytes of a message's arrays and of its config's byte and string values (e.g. FedBR's pseudo-data)."""
+    size = sum(len(t) for t in parameters.tensors)
+    return size + sum(len(v) for v in (config or {}).values() if isinstance(v, (bytes, str)))
+
+
+def peak_client_memory(metrics: list[dict]) -> dict[str, float]:
+    """The largest peak memory any client process reported this round (keys as in rounds.jsonl)."""
+    return {key.replace("-", "_").replace("peak_", "client_peak_"): max(m[key] for m in metrics if key in m)
+            for key in ("peak-rss-mb", "peak-gpu-mb") if any(key in m for m in metrics)}
 
 
 def _mean_metrics(metrics: list[dict], skip: tuple[str, ...]) -> dict[str, float]:

@@ -17,7 +17,6 @@ and sends it after the weights.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 import torch

@@ -100,11 +100,14 @@ def in_process_federation(cfg, tmp_path):
     return strategy, clients, proxies
 
 
-TIMING_KEYS = ("wall_time", "seconds", "client_fit_seconds")
+# measurements, not results: time, memory, and bytes (a resumed round also carries the clients' saved state)
+TIMING_KEYS = ("wall_time", "seconds", "client_fit_seconds", "client_peak_rss_mb", "client_peak_gpu_mb",
+               "bytes_down", "bytes_up")
 
 
 def records_without_timing(path):
-    """A run's JSON-lines file with the fields that measure time left out: what must repeat exactly."""
+    """A run's JSON-lines file with the fields that measure time, memory and traffic left out: what must
+    repeat exactly."""
     from fedbr_flwr.metrics import read_jsonl
 
     out = []

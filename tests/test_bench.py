@@ -19,8 +19,8 @@ def test_bare_loop_runs_the_clients_fit_and_averages(strategy, monkeypatch):
         return original(self, parameters, config)
 
     monkeypatch.setattr(bench.client_class(strategy), "fit", counting_fit)
-    times = bench.bare_loop_round_seconds(cfg, rounds=1)
-    assert len(times) == 1 and times[0] > 0  # round 1 is the untimed warm-up
+    times, peak_mb = bench.bare_loop_round_seconds(cfg, rounds=1)
+    assert len(times) == 1 and times[0] > 0 and peak_mb > 50  # round 1 is the untimed warm-up
     assert [(pid, r) for pid, r, _ in fits] == [(0, 1), (1, 1), (0, 2), (1, 2)]
     assert [payload for *_, payload in fits] == ([True, True, False, False] if strategy == "fedbr" else [False] * 4)
 

@@ -22,12 +22,12 @@ def request(method, *args, run_id=1, pid=0, state=None, code=None):
 def test_worker_reuses_a_runs_client_and_forgets_old_runs():
     worker = Worker()
     worker.handle(request("get_properties", {}))
-    first = worker.clients[(1, 0)]
+    [first] = worker.clients.clients.values()
     worker.handle(request("get_properties", {}))
-    assert worker.clients[(1, 0)] is first  # model and data built once per run
+    assert list(worker.clients.clients.values()) == [first]  # model and data built once per run
     for run in range(2, 3 + RUNS_KEPT):
         worker.handle(request("get_properties", {}, run_id=run))
-    assert sorted({run for run, _ in worker.clients}) == list(range(3, 3 + RUNS_KEPT))
+    assert sorted({run for run, _, _ in worker.clients.clients}) == list(range(3, 3 + RUNS_KEPT))
 
 
 def test_worker_refuses_a_run_of_other_code():

@@ -1,0 +1,206 @@
+"""The fast path keeps the results: clients reused across rounds train as new ones would, bf16
+autocast and torch.compile stay within tolerance of fp32 eager, the traffic and memory a round
+records are the messages' own, and the benchmark's suite and synthetic data are what they claim."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.common import RecordDict, ndarrays_to_parameters
+
+from fakes import in_process_federation, run_rounds
+from fedbr_flwr import bench
+from fedbr_flwr.cli import config_from_settings
+from fedbr_flwr.client_app import ClientCache, build_client
+from fedbr_flwr.config import ConfigError
+from fedbr_flwr.dataset import SYNTHETIC_SIZES, load_raw
+from fedbr_flwr.metrics import read_jsonl
+from fedbr_flwr.training import frozen_copy, round_sgd
+
+NODE = {"partition-id": 1, "num-partitions": 2}
+
+
+def run_config(**settings):
+    return {"num-clients": 2, "local-steps": 3, "batch-size": 8, "device": "cpu", "momentum": 0.9, **settings}
+
+
+def fit_rounds(cfg: dict, get_client, rounds: int = 2) -> list[list[np.ndarray]]:
+    """What ``rounds`` fits return when each feeds the next, with the clients that ``get_client`` hands out,
+    from the first client's seeded initial weights."""
+    torch.manual_seed(0)
+    first = get_client()
+    weights = first.get_parameters({})
+    fit_config = bench.bare_fit_config(cfg, {1: first})  # FedBR: the pseudo-data, sent at round 1
+    returned = []
+    for server_round in range(1, rounds + 1):
+        arrays, _, _ = get_client().fit(weights, fit_config(server_round))
+        returned.append(arrays)
+        weights = arrays[:len(weights)]
+    return returned
+
+
+@pytest.mark.parametrize("settings", [
+    {"strategy": "fedavg"}, {"strategy": "fedbr"}, {"strategy": "fedbr", "fedbr-with": "fedntd"},
+    {"strategy": "fedbr", "pseudo-data": "mixture", "proxy-dataset": "mnist5k"}, {"strategy": "moon"},
+    {"strategy": "fedntd"}, {"strategy": "dann"}, {"strategy": "distrans"}, {"strategy": "fedprox"},
+], ids=lambda s: "-".join(str(v) for v in s.values()))
+def test_a_client_reused_across_rounds_trains_as_a_new_client_each_round_would(settings):
+    """Simulation and worker keep one client per partition (model, optimisers, frozen copies); a new
+    client per message, as Flower would build, must give the same arrays to the last bit."""
+    config = run_config(**settings)
+    cfg = config_from_settings(config)
+    fresh_state, cached_state = RecordDict(), RecordDict()  # Flower's node state, kept across messages
+    fresh = fit_rounds(cfg, lambda: build_client(config, NODE, fresh_state))
+    cache = ClientCache()
+    reused = fit_rounds(cfg, lambda: cache.get(5, config, NODE, cached_state))
+    assert len(cache.clients) == 1
+    for a_round, b_round in zip(fresh, reused):
+        assert len(a_round) == len(b_round)
+        for a, b in zip(a_round, b_round):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_the_cache_keeps_a_client_per_run_and_config_and_drops_old_runs():
+    cache = ClientCache(runs_kept=1)
+    state = RecordDict()
+    first = cache.get(1, run_config(), NODE, state)
+    assert cache.get(1, run_config(), NODE, RecordDict()) is first
+    assert first.state is not state  # each message's own copy of Flower's state
+    assert cache.get(1, run_config(lr=0.1), NODE, state) is not first  # another config: another client
+    cache.get(2, run_config(), NODE, state)
+    assert {run for run, _, _ in cache.clients} == {2}
+
+
+def test_round_sgd_is_reused_with_its_momentum_cleared_and_frozen_copies_follow_the_model():
+    model = torch.nn.Linear(3, 2)
+    cfg = {"lr": 0.1, "momentum": 0.9, "weight-decay": 0.0}
+    opt = round_sgd(model, model.parameters(), cfg)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    assert opt.state  # momentum buffers after a step
+    again = round_sgd(model, model.parameters(), cfg)
+    assert again is opt and not again.state  # the next round starts without momentum
+    assert round_sgd(model, model.parameters(), cfg, lr=0.2) is not opt
+    copy = frozen_copy(model)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert not torch.equal(copy.weight, model.weight)  # frozen until the next round asks again
+    assert frozen_copy(model) is copy and torch.equal(copy.weight, model.weight)
+    assert not copy.weight.requires_grad and not copy.training
+
+
+def local_losses(precision: str, compiled: bool = False, strategy: str = "fedbr") -> list[float]:
+    """Per-step training losses of one client from the same weights and batches."""
+    config = run_config(strategy=strategy, precision=precision, compile=compiled, **{"local-steps": 1})
+    cfg = config_from_settings(config)
+    torch.manual_seed(0)
+    client = build_client(config, NODE, RecordDict())
+    weights = client.get_parameters({})
+    fit_config = bench.bare_fit_config(cfg, {1: client})
+    losses = []
+    for server_round in range(1, 6):
+        _, _, metrics = client.fit(weights, fit_config(server_round))  # the same start, other batches
+        losses.append(metrics["loss"])
+    if compiled:
+        assert client.model.features._compiled_call_impl is not None
+    return losses
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "fedbr"])
+def test_bf16_autocast_keeps_the_losses_near_fp32(strategy):
+    fp32, bf16 = local_losses("fp32", strategy=strategy), local_losses("bf16", strategy=strategy)
+    assert fp32 != bf16  # autocast did run in bf16
+    np.testing.assert_allclose(bf16, fp32, rtol=0.03)
+
+
+def test_compiled_feature_extractor_keeps_the_losses_of_eager_fp32():
+    np.testing.assert_allclose(local_losses("fp32", compiled=True), local_losses("fp32"), rtol=1e-4)
+
+
+def test_a_round_records_the_bytes_of_its_messages_and_the_clients_peak_memory(tmp_path):
+    cfg = config_from_settings({"strategy": "fedbr", "num-clients": 3, "local-steps": 1, "batch-size": 8,
+                                "device": "cpu", "eval-every": 5, "global-test": False})
+    strategy, clients, proxies = in_process_federation(cfg, tmp_path)
+    run_rounds(strategy, proxies, 2)
+    first, second = read_jsonl(tmp_path / "rounds.jsonl")
+    weights = clients[0].get_parameters({})
+    serialised = sum(len(t) for t in ndarrays_to_parameters(weights).tensors)
+    assert second["bytes_down"] == second["bytes_up"] == 3 * serialised
+    payload = len(strategy.shared.payload)  # the pseudo-data goes out in round 1 only
+    assert first["bytes_down"] - second["bytes_down"] == 3 * payload > 0
+    assert second["client_peak_rss_mb"] > 50 and "client_peak_gpu_mb" not in second
+
+
+def test_synthetic_data_is_cifar_shaped_balanced_and_the_same_everywhere():
+    load_raw.cache_clear()
+    train, test = load_raw("synthetic", "")
+    assert train.x.shape == (SYNTHETIC_SIZES[0], 3, 32, 32) and len(test.y) == SYNTHETIC_SIZES[1]
+    assert np.bincount(train.y).tolist() == [SYNTHETIC_SIZES[0] // 10] * 10
+    load_raw.cache_clear()
+    assert np.array_equal(load_raw("synthetic", "")[0].x, train.x)
+    cfg = config_from_settings({"dataset": "synthetic"})
+    assert bench.resolved_model(cfg) == "vgg11" and cfg["data-dir"] == ""
+
+
+def test_the_suite_covers_each_shape_for_fedavg_and_fedbr_with_the_users_overrides():
+    configs = bench.suite_configs(["num-clients=3", "local-steps=7"], list(bench.SUITE))
+    got = [(shape, c["strategy"], c["dataset"], bench.resolved_model(c), c["batch-size"]) for shape, c in configs]
+    assert got == [("rotmnist-cnn", "fedavg", "mnist5k", "cnn", 64), ("rotmnist-cnn", "fedbr", "mnist5k", "cnn", 64),
+                   ("cifar-vgg11", "fedavg", "synthetic", "vgg11", 32), ("cifar-vgg11", "fedbr", "synthetic", "vgg11", 32),
+                   ("cifar-cct", "fedavg", "synthetic", "cct", 32), ("cifar-cct", "fedbr", "synthetic", "cct", 32)]
+    assert all(c["num-clients"] == 3 and c["local-steps"] == 7 for _, c in configs)
+    with pytest.raises(ConfigError, match="unknown shape"):
+        bench.suite_configs([], ["cifar-vgg16"])
+
+
+def test_the_suite_table_prints_the_ratios_of_what_was_measured(capsys):
+    def row(strategy, bare, flower, step):
+        return {"shape": "s", "strategy": strategy, "batch_size": 4, "bare_s_per_round": bare,
+                "flower_s_per_round": flower, "ratio": flower / bare, "client_peak_mb": 100.0, "bare_peak_mb": 300.0,
+                "memory": "host RSS", "bytes_per_round": 2e6, "clients": 2, "local_steps": 3,
+                "step_s": {"fedavg": 0.1, "fedbr": step, "distrans": 0.2}}
+    bench.print_suite_table([row("fedavg", 1.0, 1.5, 0.15), row("fedbr", 3.0, 3.3, 0.15)], "CPU x2")
+    out = capsys.readouterr().out
+    assert "| s | fedavg | 4 | 1.000 | 1.500 | 1.50 | 100 (300) | 2.0 |" in out
+    assert "| s | 0.1000 | 0.1500 | 1.50 | 3.00 |" in out  # FedBR / FedAvg: step 1.5x, bare round 3x
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("strategy", ["fedavg", "fedbr"])
+def test_local_steps_on_cuda_wait_for_the_device_only_once_per_round(strategy):
+    """Batches are drawn and diagnostics summed on the device: torch's sync checker raises on any
+    host-device synchronisation inside the steps."""
+    from fedbr_flwr.training import BatchSampler, run_local_steps
+
+    config = run_config(strategy=strategy, device="cuda", **{"local-steps": 5})
+    cfg = config_from_settings(config)
+    client = build_client(config, NODE, RecordDict())
+    fit_config = bench.bare_fit_config(cfg, {1: client})
+    client.fit(client.get_parameters({}), fit_config(1))  # round 1: FedBR's pseudo-data arrives
+    algorithm = client.make_algorithm(2, fit_config(2))
+    sampler = BatchSampler(client.data, cfg["batch-size"], seed=1)
+    sampler()  # warm-up: the generator's and the kernels' first use
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            algorithm.update(*sampler())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert run_local_steps(algorithm, sampler, 1)["loss"] > 0  # one sync at the end: the diagnostics
+
+
+@pytest.mark.e2e
+def test_the_suite_runs_flower_and_the_bare_loop_and_prints_the_table(tmp_path, capsys):
+    json_path = tmp_path / "suite.json"
+    assert bench.main(["--suite", "--shapes", "rotmnist-cnn", "num-clients=2", "local-steps=1", "--rounds", "1",
+                       "--steps", "1", "--json", str(json_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| rotmnist-cnn | fedavg | 64 |" in out and "| rotmnist-cnn | fedbr | 64 |" in out
+    rows = json.loads(json_path.read_text())["rows"]
+    fedavg, fedbr = rows
+    assert fedbr["bytes_per_round"] > fedavg["bytes_per_round"] > 0  # FedBR also sends its projection head
+    assert all(r["client_peak_mb"] > 0 and r["flower_s_per_round"] > 0 and r["bare_s_per_round"] > 0 for r in rows)
