@@ -3,7 +3,6 @@ and the local model's softened predictions over the NOT-true classes only. The s
 
 from __future__ import annotations
 
-
 import torch
 from torch.nn import functional as F
 

@@ -36,7 +36,7 @@ from .metrics import read_jsonl
 from .model import Offset, build_model
 from .registry import client_class
 from .server_app import build_strategy
-from .training import peak_memory_mb, pick_device
+from .training import autocast, compile_features, peak_memory_mb, pick_device
 from strategies.base import weighted_mean
 
 
@@ -88,7 +88,8 @@ def bare_fit_config(cfg: dict, clients: list | dict):
 
 def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     """Seconds per local step of FedAvg, FedBR and DisTrans on the same backbone, batch and device, on
-    synthetic inputs of the dataset's shape. They are timed in alternation and the median repeat is kept."""
+    synthetic inputs of the dataset's shape, with the config's precision and compile switches. They are
+    timed in alternation and the median repeat is kept."""
     from clients.distrans import DisTrans, double_input_model, offset_shape
     from clients.fedavg import FedAvg
     from clients.fedbr import FedBR, build_head
@@ -98,6 +99,8 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     fedbr_cfg = {**cfg, "strategy": "fedbr"}
     torch.manual_seed(cfg["seed"])
     model = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size).to(device)
+    if cfg["compile"]:
+        compile_features(model)
     head = build_head(fedbr_cfg, model.feature_dim)
     head = head.to(device) if head is not None else None
     shape = (cfg["batch-size"], info.in_channels, info.image_size, info.image_size)
@@ -115,8 +118,9 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        for _ in range(n):
-            algorithm.update(x, y)
+        with autocast(device, cfg["precision"]):
+            for _ in range(n):
+                algorithm.update(x, y)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - start) / n
@@ -134,7 +138,7 @@ def step_main(cfg: dict, steps: int, threads: int, json_path: Path | None) -> in
     t = step_seconds(cfg, steps)
     device = _device_name(cfg, threads)
     print(f"fedbr-bench --step: {resolved_model(cfg)} on {cfg['dataset']}-shaped inputs, batch {cfg['batch-size']}, "
-          f"{device}, {steps} steps x 3 repeats\n")
+          f"{device}, {steps} steps x 3 repeats, precision {cfg['precision']}, compile {cfg['compile']}\n")
     print("| local step | s/step (median) | ratio |\n|---|---|---|")
     print(f"| FedAvg | {t['fedavg']:.4f} | 1.00 |")
     print(f"| FedBR ({_fedbr_label(cfg)}) | {t['fedbr']:.4f} | {t['fedbr'] / t['fedavg']:.2f} |")

@@ -38,7 +38,8 @@ from fedbr_flwr.training import evaluate, get_weights, set_weights
 
 log = logging.getLogger("flwr")
 DISCOVERY_TIMEOUT_S = 600
-NOT_TRAINING_METRICS = ("partition-id", "fit-seconds", "peak-rss-mb", "peak-gpu-mb")  # bookkeeping, not averaged (nor are "*-version")
+# bookkeeping, not averaged (nor are "*-version")
+NOT_TRAINING_METRICS = ("partition-id", "fit-seconds", "peak-rss-mb", "peak-gpu-mb")
 
 
 def weighted_mean(arrays: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
