@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
 from typing import Any, Mapping
 
 from flwr.client import ClientApp
@@ -55,7 +54,7 @@ class ClientCache:
 
     def __init__(self, runs_kept: int = 2):
         self.runs_kept = runs_kept
-        self.clients: OrderedDict[tuple[int, int, str], Any] = OrderedDict()
+        self.clients: dict[tuple[int, int, str], Any] = {}  # in insertion order: oldest runs first
 
     def get(self, run_id: int, run_config: Mapping[str, Any], node: Mapping[str, Any], state: RecordDict):
         """The client for this message, holding ``state`` (Flower's node state, a new copy per message)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import resource
 import weakref
 from typing import Callable, Iterable, Sequence
 
@@ -188,8 +189,6 @@ def state_arrays(module: nn.Module, tensors: list[torch.Tensor]) -> list[np.ndar
 def peak_memory_mb(device: torch.device | str) -> dict[str, float]:
     """This process's peak memory so far: resident host memory, and on CUDA what torch's allocator
     reserved on the device (the CUDA context's few hundred MB come on top)."""
-    import resource
-
     peak = {"peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
     if torch.device(device).type == "cuda":
         peak["peak-gpu-mb"] = torch.cuda.max_memory_reserved(device) / 2**20
