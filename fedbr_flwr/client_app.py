@@ -11,7 +11,6 @@ cache; this module then imports nothing heavy (no torch) on that path."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any, Mapping
 
@@ -59,7 +58,7 @@ class ClientCache:
     def get(self, run_id: int, run_config: Mapping[str, Any], node: Mapping[str, Any], state: RecordDict):
         """The client for this message, holding ``state`` (Flower's node state, a new copy per message)."""
         settings = json.dumps({"run": dict(run_config), "node": dict(node)}, sort_keys=True, default=str)
-        key = (int(run_id), int(node.get("partition-id", -1)), hashlib.sha256(settings.encode()).hexdigest())
+        key = (int(run_id), int(node.get("partition-id", -1)), settings)
         client = self.clients.get(key)
         if client is None:
             client = self.clients[key] = build_client(run_config, node, state)

@@ -502,8 +502,9 @@ def payload_bytes(parameters: Parameters, config: dict[str, Any] | None = None) 
 
 def peak_client_memory(metrics: list[dict]) -> dict[str, float]:
     """The largest peak memory any client process reported this round (keys as in rounds.jsonl)."""
-    return {key.replace("-", "_").replace("peak_", "client_peak_"): max(m[key] for m in metrics if key in m)
-            for key in ("peak-rss-mb", "peak-gpu-mb") if any(key in m for m in metrics)}
+    names = {"peak-rss-mb": "client_peak_rss_mb", "peak-gpu-mb": "client_peak_gpu_mb"}
+    return {name: max(m[key] for m in metrics if key in m)
+            for key, name in names.items() if any(key in m for m in metrics)}
 
 
 def _mean_metrics(metrics: list[dict], skip: tuple[str, ...]) -> dict[str, float]:
