@@ -1,0 +1,277 @@
+"""Golden runs: short in-process federations of every strategy and combination, and checkpoint/resume
+runs, reduced to what must not change when the code is restructured: the final global arrays, the
+metric and round lines (timing, memory and traffic fields aside), the data files a run writes and
+the manifest's partition facts.
+
+The federation is driven through Flower's legacy API only, in the order Flower's server loop uses:
+the strategy is built and asked for its initial parameters, then the clients are built (with
+``client_app.build_client``, the simulation's own path) and every message goes through an
+in-process proxy. Recording:
+
+    python tests/golden.py            # (re)writes tests/golden/*.json from the code as it is
+
+The files hold exact hashes and, for other machines, values to compare within a tolerance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+from flwr.common import (Code, EvaluateRes, FitRes, GetParametersRes, GetPropertiesRes, Status, ndarrays_to_parameters,
+                         parameters_to_ndarrays)
+from flwr.server.client_proxy import ClientProxy
+
+HERE = Path(__file__).resolve().parent
+GOLDEN_DIR = HERE / "golden"
+
+BASE = {"num-clients": 3, "num-rounds": 3, "local-steps": 2, "batch-size": 8, "eval-every": 2,
+        "checkpoint-every": 2, "global-test": False, "test-fraction": 0.05, "device": "cpu"}
+
+# name: settings over BASE; every strategy, FedBR's variants and ablations, and its combinations
+CASES: dict[str, dict] = {
+    "fedavg": {"strategy": "fedavg", "global-test": True},
+    "fedavg-samples-momentum-sampled": {"strategy": "fedavg", "weighting": "samples", "momentum": 0.9,
+                                        "weight-decay": 1e-4, "fraction-fit": 0.67},
+    "fedprox": {"strategy": "fedprox"},
+    "scaffold": {"strategy": "scaffold"},
+    "moon": {"strategy": "moon"},
+    "fedmix": {"strategy": "fedmix"},
+    "vhl": {"strategy": "vhl", "vhl-size": 50, "global-test": True},
+    "feddecorr": {"strategy": "feddecorr"},
+    "fedntd": {"strategy": "fedntd"},
+    "fedcm": {"strategy": "fedcm"},
+    "mixup": {"strategy": "mixup"},
+    "groupdro": {"strategy": "groupdro"},
+    "dann": {"strategy": "dann"},
+    "distrans-none": {"strategy": "distrans", "distrans-agg": "none"},
+    "distrans-avg": {"strategy": "distrans", "distrans-agg": "avg", "weighting": "samples"},
+    "distrans-nn": {"strategy": "distrans", "distrans-agg": "nn", "global-test": True},
+    "distrans-alternating-auto": {"strategy": "distrans", "distrans-update": "alternating",
+                                  "partition": "classes", "classes-per-client": 6},
+    "fedbr": {"strategy": "fedbr"},
+    "fedbr-sampled": {"strategy": "fedbr", "fraction-fit": 0.67},
+    "fedbr-mixture": {"strategy": "fedbr", "pseudo-data": "mixture"},
+    "fedbr-mixture-k0-every-round": {"strategy": "fedbr", "pseudo-data": "mixture", "mixture-k": 0,
+                                     "pseudo-refresh": "every-round"},
+    "fedbr-rsm-every-round": {"strategy": "fedbr", "pseudo-refresh": "every-round", "pseudo-m": 5},
+    "fedbr-no-balance": {"strategy": "fedbr", "fedbr-balance": False},
+    "fedbr-no-contrastive": {"strategy": "fedbr", "fedbr-contrastive": False},
+    "fedbr-no-max-step": {"strategy": "fedbr", "fedbr-max-step": False},
+    "fedaug-mean-output": {"strategy": "fedbr", "fedbr-balance-loss": "mean-output", "fedbr-contrastive": False},
+    "fedbr-scales-widths": {"strategy": "fedbr", "fedbr-tau1-scale": 1.0, "fedbr-tau2-scale": 0.0,
+                            "fedbr-proj-hidden": 64, "fedbr-proj-out": 32, "fedbr-lambda": 0.5, "fedbr-mu": 0.2},
+    "fedbr+fedcm": {"strategy": "fedbr", "fedbr-with": "fedcm"},
+    "fedbr+feddecorr": {"strategy": "fedbr", "fedbr-with": "feddecorr"},
+    "fedbr+fedntd": {"strategy": "fedbr", "fedbr-with": "fedntd"},
+    "fedbr+mixup": {"strategy": "fedbr", "mixup": True},
+}
+
+# resumed after round 2 of 4 (stopped after round 3), with fresh strategy, clients and node states
+RESUME_CASES: dict[str, dict] = {
+    "resume-scaffold": {"strategy": "scaffold"},
+    "resume-moon": {"strategy": "moon"},
+    "resume-distrans-nn": {"strategy": "distrans", "distrans-agg": "nn"},
+    "resume-fedbr+fedcm-every-round": {"strategy": "fedbr", "fedbr-with": "fedcm", "pseudo-refresh": "every-round"},
+    "resume-groupdro": {"strategy": "groupdro"},
+    "resume-fedmix": {"strategy": "fedmix"},
+}
+
+TIMING_KEYS = ("wall_time", "seconds", "client_fit_seconds", "client_peak_rss_mb", "client_peak_gpu_mb",
+               "bytes_down", "bytes_up")
+MANIFEST_KEYS = ("partition_hash", "num_partitions", "class_counts", "distributional_heterogeneity", "distrans")
+DATA_FILES = ("partition.npz", "pseudo_data.npz", "fedmix_data.npz", "vhl_data.npz", "offsets.npz")
+
+
+# ---------------------------------------------------------------- how this code base is driven
+# (the only part that may follow a restructuring: it names the entry points, not the algorithms)
+
+
+def case_config(settings: dict) -> dict:
+    from fedbr_flwr.config import validate
+
+    return validate({**BASE, **settings})
+
+
+def global_arrays(parameters) -> list[np.ndarray]:
+    """The global arrays a Parameters object carries, in order."""
+    return parameters_to_ndarrays(parameters)
+
+
+def build_server(cfg: dict, out: Path):
+    from fedbr_flwr.server_app import build_strategy
+    from strategies.base import ResumedRun
+
+    strategy = build_strategy({**cfg, "output-dir": str(out)})
+    done = strategy.resumed_round
+    return (ResumedRun(strategy, done) if done else strategy), done
+
+
+def build_clients(cfg: dict) -> list:
+    from flwr.common import RecordDict
+
+    from fedbr_flwr.client_app import build_client
+
+    n = cfg["num-clients"]
+    return [build_client(cfg, {"partition-id": pid, "num-partitions": n}, RecordDict()) for pid in range(n)]
+
+
+# ---------------------------------------------------------------- Flower's server loop, in process
+
+
+class InProcessProxy(ClientProxy):
+    """Delivers Flower's legacy messages to a NumPyClient in this process, as a SuperNode would."""
+
+    def __init__(self, client, pid: int):
+        super().__init__(f"node-{1000 + 7 * pid}")
+        self.client = client
+
+    def get_properties(self, ins, timeout, group_id):
+        return GetPropertiesRes(Status(Code.OK, ""), self.client.get_properties(ins.config))
+
+    def get_parameters(self, ins, timeout, group_id):
+        return GetParametersRes(Status(Code.OK, ""), ndarrays_to_parameters(self.client.get_parameters(ins.config)))
+
+    def fit(self, ins, timeout, group_id):
+        arrays, n, metrics = self.client.fit(parameters_to_ndarrays(ins.parameters), ins.config)
+        return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n, metrics)
+
+    def evaluate(self, ins, timeout, group_id):
+        loss, n, metrics = self.client.evaluate(parameters_to_ndarrays(ins.parameters), ins.config)
+        return EvaluateRes(Status(Code.OK, ""), loss, n, metrics)
+
+    def reconnect(self, ins, timeout, group_id):
+        raise NotImplementedError
+
+
+class _Manager:
+    def __init__(self, proxies):
+        self.proxies = {p.cid: p for p in proxies}
+
+    def wait_for(self, num_clients, timeout):
+        return len(self.proxies) >= num_clients
+
+    def all(self):
+        return dict(self.proxies)
+
+
+def federate(cfg: dict, out: Path, rounds: int):
+    """Flower's order: strategy, initial parameters, (clients start), then per round: configure_fit
+    (discovery in round 1), fit, aggregate_fit, centralised evaluate, configure_evaluate, evaluate,
+    aggregate_evaluate. Returns the last global Parameters."""
+    strategy, _ = build_server(cfg, out)
+    parameters = strategy.initialize_parameters(None)
+    strategy.evaluate(0, parameters)
+    manager = _Manager([InProcessProxy(c, pid) for pid, c in enumerate(build_clients(cfg))])
+    for server_round in range(1, rounds + 1):
+        fit_ins = strategy.configure_fit(server_round, parameters, manager)
+        results = [(proxy, proxy.fit(ins, None, server_round)) for proxy, ins in fit_ins]
+        new, _ = strategy.aggregate_fit(server_round, results, [])
+        parameters = new if new is not None else parameters
+        strategy.evaluate(server_round, parameters)
+        eval_ins = strategy.configure_evaluate(server_round, parameters, manager)
+        if eval_ins:  # Flower skips the evaluation round when no client is asked
+            eval_results = [(proxy, proxy.evaluate(ins, None, server_round)) for proxy, ins in eval_ins]
+            strategy.aggregate_evaluate(server_round, eval_results, [])
+    return parameters
+
+
+# ---------------------------------------------------------------- what is recorded
+
+
+def array_record(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    flat = a.astype(np.float64).ravel()
+    probe = np.random.default_rng(len(flat)).standard_normal(len(flat))
+    return {"shape": list(a.shape), "dtype": str(a.dtype), "sha256": hashlib.sha256(a.tobytes()).hexdigest(),
+            "norm": float(np.linalg.norm(flat)), "probe": float(flat @ probe)}
+
+
+def lines_without_timing(path: Path) -> list[dict]:
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        for k in TIMING_KEYS:
+            record.pop(k, None)
+        record.get("train", {}).pop("fit-seconds", None)
+        out.append(record)
+    return out
+
+
+def run_record(out: Path, final) -> dict:
+    manifest = json.loads((out / "manifest.json").read_text())
+    files = {}
+    for name in DATA_FILES:
+        if (out / name).exists():
+            with np.load(out / name) as data:
+                files[name] = {k: array_record(data[k]) for k in sorted(data.files)}
+    return {
+        "global": [array_record(a) for a in global_arrays(final)],
+        "metrics": lines_without_timing(out / "metrics.jsonl"),
+        "rounds": lines_without_timing(out / "rounds.jsonl"),
+        "manifest": {k: manifest[k] for k in MANIFEST_KEYS if k in manifest},
+        "files": files,
+    }
+
+
+def straight_record(settings: dict, out: Path) -> dict:
+    cfg = case_config(settings)
+    final = federate(cfg, out, cfg["num-rounds"])
+    return run_record(out, final)
+
+
+def resumed_record(settings: dict, out: Path) -> dict:
+    """4 rounds, checkpoints every 2: stopped after round 3, resumed from round 2 by new objects."""
+    cfg = case_config({**settings, "num-rounds": 4})
+    federate(cfg, out, 3)
+    final = federate({**cfg, "resume": True}, out, 2)
+    return run_record(out, final)
+
+
+def environment() -> dict:
+    import torch
+
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"torch": torch.__version__, "numpy": np.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "machine": platform.machine(), "cpu": cpu}
+
+
+def record(name: str, tmp: Path) -> dict:
+    import torch
+
+    torch.set_num_threads(1)  # what build_client sets for a client with client-cpus = 1
+    if name in CASES:
+        return straight_record(CASES[name], tmp)
+    return resumed_record(RESUME_CASES[name], tmp)
+
+
+def main() -> int:
+    import tempfile
+
+    GOLDEN_DIR.mkdir(exist_ok=True)
+    names = sys.argv[1:] or [*CASES, *RESUME_CASES]
+    env = environment()
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = record(name, Path(tmp))
+        path = GOLDEN_DIR / f"{name}.json"
+        path.write_text(json.dumps({"case": name, "settings": {**CASES, **RESUME_CASES}[name], "environment": env,
+                                    **result}, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    sys.exit(main())
