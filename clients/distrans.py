@@ -4,37 +4,128 @@ model and its own input offset t on cross-entropy of
     model(x, t) = omega([phi((1 - alpha) x + alpha t), phi((1 + alpha) x - alpha t)]),
 
 and evaluates its local test set with the same offset. The offset stays with its client across
-rounds (Flower's per-node ``context.state``); the server may replace it (``distrans-agg`` avg / nn)
-by sending one after the model arrays.
+rounds (its node state); the server may replace it (``distrans-agg`` avg / nn) by sending an
+'offset' array with the model. Every client returns its offset as 'offset'.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
-from flwr.common import ArrayRecord
 from torch import nn
 from torch.nn import functional as F
 
+from fedbr_flwr import seeds
+from fedbr_flwr.algorithm import ClientAlgorithm, LocalStep
 from fedbr_flwr.dataset import INFO, DatasetInfo, normalise
-from fedbr_flwr.model import DoubleInputModel, Offset, WithOffset
+from fedbr_flwr.model import SplitModel
 from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm, round_sgd, step_seed
+from fedbr_flwr.settings import FRACTION, OPEN_FRACTION, POSITIVE, Settings, setting
+from fedbr_flwr.training import round_sgd
 
-from .base import BaseClient
+OFFSET = "offset"  # the array's name in messages
+OFFSET_KEY = "distrans-offset"  # its record in the node state
 
 
-class DisTrans(Algorithm):
-    """One step on (model, offset). ``simultaneous`` (the authors' code): one backward pass feeds
-    both SGD steps. ``alternating`` (the paper's Algorithm 1): an offset step with the model fixed,
-    then a model step on the moved offset."""
+@dataclass(frozen=True)
+class DisTransSettings(Settings):
+    """The defaults are the paper's (the model's learning rate is the common 'lr')."""
+    alpha: float = setting("distrans-alpha", 0.3, "blend weight of the offset in the two input channels",
+                           check=OPEN_FRACTION)
+    offset_lr: float = setting("distrans-offset-lr", 1e-3, "client SGD learning rate of the offset t", check=POSITIVE)
+    update: str = setting("distrans-update", "simultaneous", "model and offset from one backward pass per batch "
+                          "(authors' code), or alternating: offset step, then model step (paper)",
+                          choices=("simultaneous", "alternating"))
+    agg: str = setting("distrans-agg", "auto", "server offset aggregation: none (offsets stay with their clients), "
+                       "avg (the mean to all), nn (aggregation network), auto (none if DH >= threshold, else nn)",
+                       choices=("auto", "none", "avg", "nn"))
+    dh_threshold: float = setting("distrans-dh-threshold", 0.5, "auto picks none at DH >= this, nn below",
+                                  check=FRACTION)
+    nn_lr: float = setting("distrans-nn-lr", 1e-2, "SGD learning rate of the server's offset aggregation network",
+                           check=POSITIVE)
+    nn_steps: int = setting("distrans-nn-steps", 10, "full-batch regression steps of the aggregation network per round",
+                            check=POSITIVE)
 
-    def __init__(self, model: DoubleInputModel, offset: Offset, cfg: dict):
+
+# ---------------------------------------------------------------- model pieces
+
+
+class DoubleInputModel(nn.Module):
+    """DisTrans' double-input-channel model: the SAME feature extractor on x1 = (1 - alpha) x + alpha t and
+    x2 = (1 + alpha) x - alpha t, the two feature vectors concatenated, then one linear classifier over
+    2d features."""
+
+    def __init__(self, features: nn.Module, feature_dim: int, num_classes: int, alpha: float):
+        super().__init__()
+        self.features = features
+        self.feature_dim = 2 * feature_dim
+        self.alpha = alpha
+        self.classifier = nn.Linear(2 * feature_dim, num_classes)
+
+    @classmethod
+    def from_backbone(cls, backbone: SplitModel, alpha: float) -> "DoubleInputModel":
+        """Reuses the backbone's feature extractor; the 2d -> C classifier is new (drawn from torch's RNG)."""
+        return cls(backbone.features, backbone.feature_dim, backbone.classifier.out_features, alpha)
+
+    def channels(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.alpha
+        return (1 - a) * x + a * t, (1 + a) * x - a * t
+
+    def double_features(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        x1, x2 = self.channels(x, t)
+        z1, z2 = self.features(torch.cat([x1, x2])).chunk(2)  # one pass; per-sample norms keep it exact
+        return torch.cat([z1, z2], dim=1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.double_features(x, t))
+
+
+class Offset(nn.Module):
+    """One client's offset t, shaped like one input image; it broadcasts over a batch."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.t = nn.Parameter(torch.zeros(shape))
+
+
+class WithOffset(nn.Module):
+    """``model(x, t)`` as a one-input module, so that evaluation code need not know about offsets."""
+
+    def __init__(self, model: DoubleInputModel, t: torch.Tensor):
+        super().__init__()
+        self.model = model
+        self.t = t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x, self.t)
+
+
+def offset_shape(info: DatasetInfo) -> tuple[int, int, int]:
+    return info.in_channels, info.image_size, info.image_size
+
+
+def initial_offset(info: DatasetInfo, seed: int) -> np.ndarray:
+    """uniform[0, 1) image, normalised like the data (SPEC section 3)."""
+    generator = torch.Generator().manual_seed(seed)
+    u = torch.rand((1, *offset_shape(info)), generator=generator)
+    return normalise(u, info)[0].numpy()
+
+
+# ---------------------------------------------------------------- the local step
+
+
+class DisTransStep(LocalStep):
+    """One step on (model, offset). ``simultaneous`` (the authors' code): one backward pass feeds both
+    SGD steps. ``alternating`` (the paper's Algorithm 1): an offset step with the model fixed, then a
+    model step on the moved offset."""
+
+    def __init__(self, model: DoubleInputModel, offset: Offset, cfg: dict, settings: DisTransSettings):
         super().__init__(model, cfg)  # SGD on the model at the common lr
         self.offset = offset
-        self.offset_optimizer = round_sgd(offset, offset.parameters(), cfg, lr=cfg["distrans-offset-lr"],
-                                          weight_decay=0.0)
-        self.alternating = cfg["distrans-update"] == "alternating"
+        self.offset_optimizer = round_sgd(offset, offset.parameters(), cfg, lr=settings.offset_lr, weight_decay=0.0)
+        self.alternating = settings.update == "alternating"
         self.model_params = list(model.parameters())
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -60,83 +151,71 @@ class DisTrans(Algorithm):
         return {"loss": loss.detach()}
 
 
-def offset_shape(info: DatasetInfo) -> tuple[int, int, int]:
-    return info.in_channels, info.image_size, info.image_size
-
-
-def initial_offset(info: DatasetInfo, seed: int) -> np.ndarray:
-    """uniform[0, 1) image, normalised like the data (SPEC section 3)."""
-    generator = torch.Generator().manual_seed(seed)
-    u = torch.rand((1, *offset_shape(info)), generator=generator)
-    return normalise(u, info)[0].numpy()
-
-
-def double_input_model(backbone: nn.Module, cfg: dict) -> DoubleInputModel:
-    return DoubleInputModel.from_backbone(backbone, cfg["distrans-alpha"])
-
-
-OFFSET_KEY = "distrans-offset"
+# ---------------------------------------------------------------- the client side
 
 
 @register_client("distrans")
-class DisTransClient(BaseClient):
-    """Sends (model, offset). Receives the model, plus an offset when the server aggregates them;
-    otherwise it uses the offset it kept in Flower's per-node state (drawn fresh the first time)."""
+class DisTransClient(ClientAlgorithm):
+    """Returns its offset beside the model. Takes the server's offset when one is sent; otherwise it
+    uses the offset it kept in its node state (drawn fresh the first time)."""
+    Settings = DisTransSettings
     state_keys = (OFFSET_KEY,)
-    algorithm = DisTrans
+    accepts = (OFFSET,)
 
     @classmethod
-    def wrap_model(cls, backbone, cfg):
-        return double_input_model(backbone, cfg)
+    def build_model(cls, backbone, cfg):
+        return DoubleInputModel.from_backbone(backbone, cfg["distrans-alpha"])
+
+    @classmethod
+    def returned_shapes(cls, model, cfg):
+        return {OFFSET: offset_shape(INFO[cfg["dataset"]])}
+
+    @classmethod
+    def with_offset(cls, model: DoubleInputModel, t: torch.Tensor) -> nn.Module:
+        """The model as a one-input predictor seeing ``t`` (the server's global test uses the mean offset)."""
+        return WithOffset(model, t)
 
     def __init__(self, cfg, data, device, state=None):
         super().__init__(cfg, data, device, state)
         self.info = INFO[cfg["dataset"]]
-        self.offset = Offset(offset_shape(self.info)).to(device)
-        self.num_model_arrays = len(self.model.state_dict())
+        self.offset = Offset(offset_shape(self.info)).to(self.device)
         self.fresh_offset = False
+        self.start_offset: np.ndarray | None = None
 
-    def weight_modules(self) -> list[nn.Module]:
-        return [self.model, self.offset]
+    def receive(self, arrays):
+        """The model, and the offset to use: the server's when it sent one, else our own."""
+        super().receive(arrays)
+        self.fresh_offset = False
+        t = self.received.get(OFFSET)
+        if t is None:
+            t = self.stored_offset()
+        with torch.no_grad():
+            self.offset.t.copy_(torch.as_tensor(t))
+        self.start_offset = np.asarray(t)
 
-    def make_algorithm(self, server_round: int, config: dict) -> DisTrans:
-        return DisTrans(self.model, self.offset, self.cfg)
+    def stored_offset(self) -> np.ndarray:
+        stored = self.state.arrays(OFFSET_KEY)
+        if stored is not None:
+            return stored["t"]
+        self.fresh_offset = True
+        return initial_offset(self.info, seeds.seed("distrans-offset", self.cfg["seed"], self.pid))
+
+    def store_offset(self) -> np.ndarray:
+        t = self.offset.t.detach().cpu().numpy().copy()  # no view of t
+        self.state.put_arrays(OFFSET_KEY, {"t": t})
+        return t
+
+    def make_step(self, server_round: int, config: dict) -> DisTransStep:
+        return DisTransStep(self.model, self.offset, self.cfg, self.settings)
+
+    def after_fit(self, step):
+        t = self.store_offset()
+        change = float((torch.as_tensor(t) - torch.as_tensor(self.start_offset)).pow(2).mean().sqrt())
+        # averaged over clients: the share that started from a freshly drawn offset (round 1, or lost state)
+        return {OFFSET: t}, {"offset-rms-change": change, "offset-fresh": float(self.fresh_offset)}
+
+    def after_evaluate(self) -> None:
+        self.store_offset()  # a server-sent offset is this client's from now on
 
     def eval_module(self) -> nn.Module:
         return WithOffset(self.model, self.offset.t)
-
-    def stored_offset(self) -> np.ndarray:
-        if OFFSET_KEY in self.state:
-            return self.state[OFFSET_KEY].to_numpy_ndarrays()[0]
-        self.fresh_offset = True
-        return initial_offset(self.info, step_seed(self.cfg["seed"], self.pid, 201))
-
-    def store_offset(self) -> None:
-        self.state[OFFSET_KEY] = ArrayRecord([self.offset.t.detach().cpu().numpy().copy()])  # no view of t
-
-    def with_offset(self, parameters: list[np.ndarray]) -> list[np.ndarray]:
-        """The model arrays plus the offset to use: the server's when it sent one, else our own."""
-        n = self.num_model_arrays
-        if len(parameters) == n + 1:
-            return parameters
-        if len(parameters) != n:
-            raise ValueError(f"DisTrans client {self.pid} expected {n} model arrays (+ 1 offset), "
-                             f"got {len(parameters)}")
-        return [*parameters, self.stored_offset()]
-
-    def fit(self, parameters, config):
-        self.restore_state(config)  # before the stored offset is read
-        self.fresh_offset = False
-        parameters = self.with_offset(parameters)
-        start = torch.as_tensor(parameters[-1])
-        weights, n, metrics = super().fit(parameters, config)
-        self.store_offset()
-        change = float((torch.as_tensor(weights[-1]) - start).pow(2).mean().sqrt())
-        # averaged over clients: the share that started from a freshly drawn offset (round 1, or lost state)
-        return weights, n, {**metrics, "offset-rms-change": change, "offset-fresh": float(self.fresh_offset)}
-
-    def evaluate(self, parameters, config):
-        self.restore_state(config)
-        result = super().evaluate(self.with_offset(parameters), config)
-        self.store_offset()  # a server-sent offset is this client's from now on
-        return result

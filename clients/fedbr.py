@@ -4,86 +4,165 @@ Per step, on a local batch (x, y) and the pseudo-batch x_p (same size B, paired 
   z_l = phi(x), z_p = phi(x_p), z_g = phi_g(x_p) with phi_g the round's frozen global extractor;
   max step (theta only, features detached): theta <- theta + lr * grad L_con;
   min step (phi, omega; with the updated theta): L = CE(omega(z_l), y) + lam * CE_soft(omega(z_p), y_p)
-                                                   + mu * L_con.
+                                                   + mu * L_con (+ the terms of the components it carries).
 phi is applied once to cat(x, x_p): phi does not change between the two steps, so the max step's
 detached features and the min step's features are the same values; the per-sample GroupNorm and
 LayerNorm of our backbones keep the fused batch exact.
+
+Combinations (paper Table 3) are components listed in ``fedbr-with`` (fedcm, feddecorr, fedntd, mixup,
+fedprox): each adds its own term, batch transform or gradient change, in the listed order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedbr_flwr.config import pseudo_size
+from fedbr_flwr import seeds
+from fedbr_flwr.algorithm import Batch, ClientAlgorithm, LocalStep, StepView
 from fedbr_flwr.dataset import INFO
-from fedbr_flwr.losses import (MixupSampler, blend_with_global_momentum, decorrelation_loss, fedbr_contrastive_loss,
-                               mean_output_cross_entropy, mixup_batch, mixup_cross_entropy,
-                               not_true_distillation_loss, soft_cross_entropy)
-from fedbr_flwr.model import ProjectionHead, SplitModel
+from fedbr_flwr.errors import ConfigError
+from fedbr_flwr.losses import soft_cross_entropy
+from fedbr_flwr.model import SplitModel
 from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm, frozen_copy, parameter_tensors, round_sgd, step_seed
+from fedbr_flwr.settings import NON_NEGATIVE, POSITIVE, Settings, setting
+from fedbr_flwr.training import frozen_copy, round_sgd
+from pseudodata import proxy_dataset, pseudo_size
 from pseudodata.mixture import mix
 from pseudodata.rsm import sample_means
 
-from .base import BaseClient
+
+@dataclass(frozen=True)
+class FedBRSettings(Settings):
+    """The defaults are the authors'."""
+    lam: float = setting("fedbr-lambda", 1.0, "weight of component 1, the balancing loss on pseudo-data",
+                         check=NON_NEGATIVE)
+    mu: float = setting("fedbr-mu", 0.5, "weight of component 2, the contrastive loss L_con", check=NON_NEGATIVE)
+    tau1: float = setting("fedbr-tau1-scale", 2.0, "positive-pair similarity scale: s1 = tau1 * cos (multiplied form)",
+                          check=NON_NEGATIVE)
+    tau2: float = setting("fedbr-tau2-scale", 2.0, "negative-pair similarity scale: s2 = tau2 * cos; 0 drops the "
+                                                   "negative pair's dependence", check=NON_NEGATIVE)
+    proj_hidden: int = setting("fedbr-proj-hidden", 0, "projection head hidden width; 0 = 2 x feature size",
+                               check=NON_NEGATIVE)
+    proj_out: int = setting("fedbr-proj-out", 0, "projection head output width; 0 = feature size", check=NON_NEGATIVE)
+    balance: bool = setting("fedbr-balance", True, "component 1 (classifier balancing on pseudo-data)")
+    contrastive: bool = setting("fedbr-contrastive", True, "component 2 (min-max contrastive step with the "
+                                                           "projection head)")
+    max_step: bool = setting("fedbr-max-step", True, "component 2's max step on the projection head (false: min "
+                                                     "step only)")
+    balance_loss: str = setting("fedbr-balance-loss", "soft-ce", "component 1's loss: per-sample soft cross-entropy "
+                                "(FedBR) or cross-entropy of the mean softmax output (FedAug's AugMean)",
+                                choices=("soft-ce", "mean-output"))
+    combine: tuple = setting("fedbr-with", "none", "components FedBR's local steps also carry, comma-separated "
+                             "(paper Table 3): fedcm, feddecorr, fedntd, mixup (the Mixup backbone), fedprox",
+                             names=True)
+    pseudo_data: str = setting("pseudo-data", "rsm", "FedBR pseudo-data: rsm (means of M samples of one client) or "
+                               "mixture (means of a public proxy dataset mixed with K local samples each step)",
+                               choices=("rsm", "mixture"))
+    pseudo_size: int = setting("pseudo-size", 0, "pseudo-samples B; 0 = batch-size (component 2 pairs them with the "
+                                                 "local batch)", check=NON_NEGATIVE)
+    pseudo_m: int = setting("pseudo-m", 10, "local (RSM) or proxy (mixture) samples averaged into one pseudo-sample",
+                            check=POSITIVE)
+    mixture_k: int = setting("mixture-k", 1, "local samples mixed into each pseudo-sample per step (mixture)",
+                             check=NON_NEGATIVE)
+    proxy_dataset: str = setting("proxy-dataset", "auto", "public dataset for mixture pseudo-data, read from "
+                                 "data-dir; auto: cifar100 for cifar10, cifar10 for cifar100, mnist5k for MNIST",
+                                 choices=("auto", "mnist5k", "mnist", "cifar10", "cifar100", "synthetic"))
+    pseudo_refresh: str = setting("pseudo-refresh", "once", "send the pseudo-data once (at round 1) or rebuild it "
+                                  "every round", choices=("once", "every-round"))
+
+    @classmethod
+    def check(cls, cfg):
+        if not cfg["fedbr-balance"] and not cfg["fedbr-contrastive"]:
+            raise ConfigError("fedbr-balance and fedbr-contrastive are both false: that is FedAvg "
+                              "(use strategy=fedavg, or strategy=mixup for the Mixup backbone)")
+        if not cfg["fedbr-contrastive"] and not cfg["fedbr-max-step"]:
+            raise ConfigError("fedbr-max-step = false only applies with fedbr-contrastive = true")
+        if cfg["fedbr-contrastive"] and cfg["pseudo-size"] not in (0, cfg["batch-size"]):
+            raise ConfigError(f"pseudo-size = {cfg['pseudo-size']} but batch-size = {cfg['batch-size']}: component 2 "
+                              "pairs pseudo-samples with local samples one to one, so they must be equal "
+                              "(pseudo-size = 0 follows batch-size)")
+        if cfg["pseudo-data"] == "mixture" and proxy_dataset(cfg) in ("mnist", "cifar10", "cifar100") \
+                and not cfg["data-dir"]:
+            raise ConfigError(f"pseudo-data = mixture reads the proxy dataset '{proxy_dataset(cfg)}' from data-dir, "
+                              "which is empty: set data-dir or proxy-dataset=mnist5k")
+
+
+# ---------------------------------------------------------------- model pieces and losses
+
+
+class ProjectionHead(nn.Module):
+    """FedBR's projection head theta, used only in training: d -> hidden -> hidden -> out with ReLU
+    between (SPEC: 128 -> 256 -> 256 -> 128 for the MNIST CNN)."""
+
+    def __init__(self, feature_dim: int, hidden: int = 0, out: int = 0):
+        super().__init__()
+        hidden = hidden or 2 * feature_dim
+        out = out or feature_dim
+        self.net = nn.Sequential(nn.Linear(feature_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, out))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.net(z)
+
+
+def mean_output_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """FedAug's AugMean (eq. 3 of the earlier version): cross-entropy between the batch's MEAN softmax
+    output and the mean target (the uniform prior for RSM pseudo-data)."""
+    mean_prob = F.softmax(logits, dim=1).mean(dim=0)
+    return -(target.mean(dim=0) * torch.log(mean_prob.clamp_min(1e-12))).sum()
+
+
+def fedbr_contrastive_loss(p_local_pseudo: torch.Tensor, p_global_pseudo: torch.Tensor,
+                           p_local_real: torch.Tensor, tau1_scale: float, tau2_scale: float) -> torch.Tensor:
+    """FedBR's L_con on projected features, pairs matched element-wise:
+    mean_i -log(e^{s1_i} / (e^{s1_i} + e^{s2_i})) with s1 = tau1 * cos(local pseudo, global pseudo) and
+    s2 = tau2 * cos(local pseudo, local real). Written as softplus(s2 - s1), which is the same value
+    without overflow."""
+    s1 = tau1_scale * F.cosine_similarity(p_local_pseudo, p_global_pseudo, dim=1)
+    s2 = tau2_scale * F.cosine_similarity(p_local_pseudo, p_local_real, dim=1)
+    return F.softplus(s2 - s1).mean()
+
+
+# ---------------------------------------------------------------- the local step
 
 
 @dataclass
 class StepBatch:
-    """One step's inputs: the local batch (mixed when Mixup is on: targets y_a, y_b with weight lam)
-    and the pseudo-batch with its soft labels and, for component 2, its global features."""
-    x: torch.Tensor
-    y_a: torch.Tensor
-    y_b: torch.Tensor
-    lam: float
+    """One step's inputs: the local batch (transformed by the components, e.g. mixed by Mixup) and the
+    pseudo-batch with its soft labels and, for component 2, its global features."""
+    local: Batch
     x_p: torch.Tensor
     y_p: torch.Tensor
     z_g: torch.Tensor | None
 
 
-class FedBR(Algorithm):
-    def __init__(self, model: SplitModel, cfg: dict, head: nn.Module | None, pseudo_x: torch.Tensor,
-                 pseudo_y: torch.Tensor, local_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 seed: int = 0, global_momentum: list[torch.Tensor] | None = None):
-        super().__init__(model, cfg)  # SGD on (phi, omega)
-        self.params = [p for p in model.parameters()]
-        self.balance = cfg["fedbr-balance"]
-        self.contrastive = cfg["fedbr-contrastive"]
-        self.use_max_step = cfg["fedbr-max-step"]
-        self.balance_loss = mean_output_cross_entropy if cfg["fedbr-balance-loss"] == "mean-output" \
-            else soft_cross_entropy
-        self.lam, self.mu = cfg["fedbr-lambda"], cfg["fedbr-mu"]
-        self.tau1, self.tau2 = cfg["fedbr-tau1-scale"], cfg["fedbr-tau2-scale"]
+class FedBRStep(LocalStep):
+    def __init__(self, model: SplitModel, cfg: dict, settings: FedBRSettings, head: nn.Module | None,
+                 pseudo_x: torch.Tensor, pseudo_y: torch.Tensor,
+                 local_pool: tuple[torch.Tensor, torch.Tensor] | None = None, seed: int = 0, components=()):
+        super().__init__(model, cfg, components)  # SGD on (phi, omega)
+        self.params = list(model.parameters())
+        self.s = settings
+        self.balance_loss = mean_output_cross_entropy if settings.balance_loss == "mean-output" else soft_cross_entropy
         self.num_classes = model.classifier.out_features
         self.x_p, self.y_p = pseudo_x, pseudo_y
-        self.mix_k = cfg["mixture-k"] if cfg["pseudo-data"] == "mixture" else 0
+        self.mix_k = settings.mixture_k if settings.pseudo_data == "mixture" else 0
         self.local_pool = local_pool
-        device = pseudo_x.device
-        self.generator = torch.Generator(device=device)
+        self.generator = torch.Generator(device=pseudo_x.device)
         self.generator.manual_seed(seed)
-        self.mixup = MixupSampler(cfg["mixup-alpha"], seed + 1, device) if cfg["mixup"] else None
         self.head = head
-        self.combined = cfg["fedbr-with"]  # paper Table 3: one more method's local term
-        if self.combined == "fedcm" and global_momentum is None:
-            raise ValueError("fedbr-with=fedcm needs the server's global update direction")
-        self.global_momentum = global_momentum
-        self.global_model: nn.Module | None = None  # FedNTD's teacher: the model as received this round
-        if self.combined == "fedntd":
-            self.global_model = frozen_copy(model)
         self.global_features: nn.Module | None = None
         self.z_g_fixed: torch.Tensor | None = None
-        if self.contrastive:
+        if settings.contrastive:
             if head is None:
                 raise ValueError("component 2 needs the projection head")
             self.head_optimizer = round_sgd(head, head.parameters(), cfg)
-            self.global_features = self.global_model.features if self.global_model is not None \
-                else frozen_copy(model.features)
+            self.global_features = frozen_copy(model.features)
             if self.mix_k == 0:  # the pseudo-batch is the same at every step: its global features too
                 self.z_g_fixed = self.global_feature(self.x_p)
         if self.mix_k and local_pool is None:
@@ -101,21 +180,18 @@ class FedBR(Algorithm):
                                 generator=self.generator)
             x_p, y_p = mix(x_p, y_p, pool_x[idx], pool_y[idx], self.num_classes)
         z_g = None
-        if self.contrastive:
+        if self.s.contrastive:
             z_g = self.z_g_fixed if self.z_g_fixed is not None else self.global_feature(x_p)
-        y_b, lam = y, 1.0
-        if self.mixup is not None:
-            lam, perm = self.mixup(len(y))
-            x, _, y_b = mixup_batch(x, y, lam, perm)
-        return StepBatch(x, y, y_b, lam, x_p, y_p, z_g)
+        return StepBatch(self.transform(Batch(x, y)), x_p, y_p, z_g)
 
     def features(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        z = self.model.features(torch.cat([batch.x, batch.x_p]))
-        return z[:len(batch.x)], z[len(batch.x):]
+        n = len(batch.local.x)
+        z = self.model.features(torch.cat([batch.local.x, batch.x_p]))
+        return z[:n], z[n:]
 
     def contrastive_loss(self, z_p: torch.Tensor, z_g: torch.Tensor, z_l: torch.Tensor) -> torch.Tensor:
         p_p, p_g, p_l = self.head(torch.cat([z_p, z_g, z_l])).split([len(z_p), len(z_g), len(z_l)])  # one call
-        return fedbr_contrastive_loss(p_p, p_g, p_l, self.tau1, self.tau2)
+        return fedbr_contrastive_loss(p_p, p_g, p_l, self.s.tau1, self.s.tau2)
 
     def max_step(self, z_p: torch.Tensor, z_g: torch.Tensor, z_l: torch.Tensor) -> torch.Tensor:
         """Gradient ASCENT on L_con w.r.t. theta only (features are detached); returns L_con before it."""
@@ -127,79 +203,63 @@ class FedBR(Algorithm):
 
     def objective(self, batch: StepBatch, z_l: torch.Tensor, z_p: torch.Tensor) -> dict[str, torch.Tensor]:
         """The min step's loss and its terms; a switched-off component contributes no term at all."""
-        logits = self.model.classifier(torch.cat([z_l, z_p]) if self.balance else z_l)
+        logits = self.model.classifier(torch.cat([z_l, z_p]) if self.s.balance else z_l)
         logits_l = logits[:len(z_l)]
-        ce = mixup_cross_entropy(logits_l, batch.y_a, batch.y_b, batch.lam) if self.mixup is not None \
-            else F.cross_entropy(logits_l, batch.y_a)
+        ce = batch.local.cross_entropy(logits_l)
         terms = {"ce": ce}
         total = ce
-        if self.balance:
+        if self.s.balance:
             terms["balance"] = self.balance_loss(logits[len(z_l):], batch.y_p)
-            total = total + self.lam * terms["balance"]
-        if self.contrastive:
+            total = total + self.s.lam * terms["balance"]
+        if self.s.contrastive:
             terms["con"] = self.contrastive_loss(z_p, batch.z_g, z_l)
-            total = total + self.mu * terms["con"]
-        if self.combined == "feddecorr":
-            terms["decorr"] = decorrelation_loss(z_l)
-            total = total + self.cfg["feddecorr-weight"] * terms["decorr"]
-        elif self.combined == "fedntd":
-            with torch.no_grad():
-                global_logits = self.global_model(batch.x)
-            terms["ntd"] = not_true_distillation_loss(logits_l, global_logits, batch.y_a, self.cfg["fedntd-tau"])
-            total = total + self.cfg["fedntd-beta"] * terms["ntd"]
-        terms["loss"] = total
+            total = total + self.s.mu * terms["con"]
+        terms["loss"] = self.add_terms(total, terms, StepView(batch.local, z_l, logits_l, self.params))
         return terms
 
     def min_step(self, loss: torch.Tensor) -> None:
         """SGD on (phi, omega) only: gradients are not even accumulated into theta."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward(inputs=self.params)
-        if self.global_momentum is not None:  # FedCM's step direction on (phi, omega)
-            blend_with_global_momentum([p.grad for p in self.params], self.global_momentum, self.cfg["fedcm-alpha"])
+        self.adjust_gradients(self.params)  # e.g. FedCM's blend with the global direction
         self.optimizer.step()
 
     def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         batch = self.make_batch(x, y)
         z_l, z_p = self.features(batch)
         stats = {}
-        if self.contrastive and self.use_max_step:
+        if self.s.contrastive and self.s.max_step:
             stats["con-max"] = self.max_step(z_p, batch.z_g, z_l)
         terms = self.objective(batch, z_l, z_p)
         self.min_step(terms["loss"])
         return {**stats, **{k: v.detach() for k, v in terms.items()}}
 
 
-def build_head(cfg: dict[str, Any], feature_dim: int) -> ProjectionHead | None:
-    if not cfg["fedbr-contrastive"]:
-        return None
-    return ProjectionHead(feature_dim, cfg["fedbr-proj-hidden"], cfg["fedbr-proj-out"])
+# ---------------------------------------------------------------- the client side
 
 
 @register_client("fedbr")
-class FedBRClient(BaseClient):
-    """Sends (phi, omega, theta); answers the server's request for RSM means; keeps the pseudo-data it
-    was sent in Flower's per-node state, so that it travels once and not every round."""
-    algorithm = FedBR
+class FedBRClient(ClientAlgorithm):
+    """Sends (phi, omega, theta) as 'model/...' and 'head/...'; answers the server's 'rsm-means' request;
+    keeps the pseudo-data it was sent in its node state, so that it travels once and not every round."""
+    Settings = FedBRSettings
+    component_key = "fedbr-with"
+    seed_streams = {"mixup": "fedbr-mixup"}
 
-    def __init__(self, cfg, data, device, state=None):
-        super().__init__(cfg, data, device, state)
-        self.takes_extras = cfg["fedbr-with"] == "fedcm"  # FedCM's Delta comes after the weights
-        head = build_head(cfg, self.model.feature_dim)
-        self.head = head.to(device) if head is not None else None
+    @classmethod
+    def extra_modules(cls, model, cfg):
+        s = FedBRSettings.from_config(cfg)
+        return {"head": ProjectionHead(model.feature_dim, s.proj_hidden, s.proj_out)} if s.contrastive else {}
 
-    def weight_modules(self) -> list[nn.Module]:
-        return [self.model] if self.head is None else [self.model, self.head]
+    def requests(self):
+        return {"rsm-means": self.rsm_means}
 
-    def get_parameters(self, config: dict) -> list[np.ndarray]:
-        if config.get("pseudo-request") == "rsm":
-            return [self.rsm_means(int(config["count"]), int(config["pseudo-m"]), int(config["version"]))]
-        return super().get_parameters(config)
-
-    def rsm_means(self, count: int, m: int, version: int) -> np.ndarray:
+    def rsm_means(self, config: dict) -> dict[str, np.ndarray]:
         """Only these means leave the client, never its samples."""
-        generator = torch.Generator(device=self.data.x_train.device)
-        generator.manual_seed(step_seed(self.cfg["seed"], version, self.pid, 101))
-        return sample_means(self.data.x_train, count, m, generator).cpu().numpy()
+        generator = seeds.torch_generator("rsm-means", self.cfg["seed"], int(config["version"]), self.pid,
+                                          device=self.data.x_train.device)
+        means = sample_means(self.data.x_train, int(config["count"]), int(config["pseudo-m"]), generator)
+        return {"means": means.cpu().numpy()}
 
     def pseudo_data(self, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.shared("pseudo", config)
@@ -208,8 +268,10 @@ class FedBRClient(BaseClient):
             raise RuntimeError(f"pseudo-data has {len(x)} samples of {y.shape[1]} classes, expected {expected}")
         return x, y
 
-    def make_algorithm(self, server_round: int, config: dict) -> FedBR:
+    def make_step(self, server_round: int, config: dict) -> FedBRStep:
         x_p, y_p = self.pseudo_data(config)
-        momentum = parameter_tensors(self.model, self.extras, self.device) if self.takes_extras else None
-        return FedBR(self.model, self.cfg, self.head, x_p, y_p, (self.data.x_train, self.data.y_train),
-                     seed=step_seed(self.cfg["seed"], server_round, self.pid, 102), global_momentum=momentum)
+        components = self.start_components(server_round)
+        return FedBRStep(self.model, self.cfg, self.settings, self.modules.get("head"), x_p, y_p,
+                         (self.data.x_train, self.data.y_train),
+                         seed=seeds.seed("fedbr-steps", self.cfg["seed"], server_round, self.pid),
+                         components=components)

@@ -1,39 +1,45 @@
 """FedCM (Xu et al. 2021): client-level momentum. Every local step moves along
-alpha g + (1 - alpha) Delta, where Delta is the global update direction of the previous round
-(sent by the server after the model, in gradient units; zero in round 1)."""
+alpha g + (1 - alpha) Delta, where Delta is the global update direction of the previous round, sent
+by the server as 'fedcm-delta/<key>' (in gradient units; zero in round 1; the server part is in
+strategies/fedcm.py). A component: ``strategy=fedcm`` is FedAvg + it, ``fedbr-with=fedcm`` blends
+FedBR's (phi, omega) gradient."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from torch.nn import functional as F
 
-from fedbr_flwr.losses import blend_with_global_momentum
-from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm, parameter_tensors
+from fedbr_flwr.algorithm import LocalComponent, RoundContext
+from fedbr_flwr.registry import register_component, register_variant
+from fedbr_flwr.settings import FRACTION, Settings, setting
+from fedbr_flwr.training import parameter_tensors
 
-from .base import BaseClient
-
-
-class FedCM(Algorithm):
-    def __init__(self, model, cfg, global_momentum: list[torch.Tensor]):
-        super().__init__(model, cfg)
-        self.params = list(model.parameters())
-        self.global_momentum = global_momentum
-        self.alpha = cfg["fedcm-alpha"]
-
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        loss = F.cross_entropy(self.model(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        blend_with_global_momentum([p.grad for p in self.params], self.global_momentum, self.alpha)
-        self.optimizer.step()
-        return {"loss": loss.detach()}
+DELTA = "fedcm-delta"
 
 
-@register_client("fedcm")
-class FedCMClient(BaseClient):
-    algorithm = FedCM
-    takes_extras = True  # Delta, after the model
+@dataclass(frozen=True)
+class FedCMSettings(Settings):
+    alpha: float = setting("fedcm-alpha", 0.1, "FedCM: client step direction alpha g + (1 - alpha) Delta_global",
+                           check=FRACTION)
 
-    def make_algorithm(self, server_round: int, config: dict) -> FedCM:
-        return FedCM(self.model, self.cfg, parameter_tensors(self.model, self.extras, self.device))
+
+def blend_with_global_momentum(grads: list[torch.Tensor], momentum: list[torch.Tensor], alpha: float) -> None:
+    """In place: g <- alpha g + (1 - alpha) Delta_global."""
+    torch._foreach_mul_(grads, alpha)
+    torch._foreach_add_(grads, momentum, alpha=1.0 - alpha)
+
+
+@register_component("fedcm")
+class FedCMDirection(LocalComponent):
+    Settings = FedCMSettings
+    accepts = (f"{DELTA}/",)
+
+    def start_round(self, ctx: RoundContext) -> None:
+        self.delta = parameter_tensors(ctx.model, DELTA, ctx.received, ctx.device)
+
+    def adjust_gradients(self, params: list[torch.Tensor]) -> None:
+        blend_with_global_momentum([p.grad for p in params], self.delta, self.settings.alpha)
+
+
+register_variant("fedcm", "fedavg", ("fedcm",), "FedCM: FedAvg + client-level momentum")

@@ -1,20 +1,29 @@
-"""FedMix (Yoon et al. 2021). Before round 1 each client shares mean data: n_i // M means of M of
-its samples (disjoint groups of a seeded permutation), images and one-hot labels averaged. The server
-gathers them from every client and broadcasts the pool once. Each local step pairs the local batch
-with as many means drawn from the pool and takes FedMix's loss (``losses.fedmix_loss``: Mixup's
-first-order approximation around (1 - lam) x)."""
+"""FedMix (Yoon et al. 2021). Before round 1 each client answers the server's 'fedmix-means' request with
+mean data: n_i // M means of M of its samples (disjoint groups of a seeded permutation), images and
+one-hot labels averaged. The server gathers them from every client and broadcasts the pool once. Each
+local step pairs the local batch with as many means drawn from the pool and takes FedMix's loss
+(Mixup's first-order approximation around (1 - lam) x)."""
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
+
 import torch
 from torch.nn import functional as F
 
-from fedbr_flwr.losses import fedmix_loss
+from fedbr_flwr import seeds
+from fedbr_flwr.algorithm import ClientAlgorithm, LocalStep
+from fedbr_flwr.losses import soft_cross_entropy
 from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm, step_seed
+from fedbr_flwr.settings import BELOW_ONE, POSITIVE, Settings, setting
 
-from .base import BaseClient
+
+@dataclass(frozen=True)
+class FedMixSettings(Settings):
+    lam: float = setting("fedmix-lambda", 0.1, "FedMix: mixing weight lambda (0: plain cross-entropy; paper grid "
+                                               "0.01 / 0.1 / 0.2)", check=BELOW_ONE)
+    m: int = setting("fedmix-m", 10, "FedMix: local samples averaged into one mean sample; each client shares n_i // M",
+                     check=POSITIVE)
 
 
 def mean_data(x: torch.Tensor, y: torch.Tensor, m: int, num_classes: int, generator: torch.Generator
@@ -30,11 +39,32 @@ def mean_data(x: torch.Tensor, y: torch.Tensor, m: int, num_classes: int, genera
     return x[idx].mean(dim=1), F.one_hot(y[idx], num_classes).float().mean(dim=1)
 
 
-class FedMix(Algorithm):
-    def __init__(self, model, cfg, mean_x: torch.Tensor, mean_y: torch.Tensor, seed: int):
+def fedmix_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, x_mean: torch.Tensor,
+                y_mean: torch.Tensor, lam: float) -> dict[str, torch.Tensor]:
+    """FedMix (eq. 5): the first-order Taylor approximation of Mixup between a local sample x_i and a
+    global mean sample (x_mean_j, y_mean_j), around (1 - lam) x_i:
+
+        (1 - lam) CE(f((1 - lam) x_i), y_i) + lam CE_soft(f((1 - lam) x_i), y_mean_j)
+        + lam <d CE(f((1 - lam) x_i), y_i) / dx, x_mean_j>.
+
+    The input gradient is per sample (our backbones have no batch-coupled layers), kept in the graph
+    so that the last term trains the model. At lam = 0 this is plain cross-entropy."""
+    x_in = ((1.0 - lam) * x).requires_grad_(True)
+    logits = model(x_in)
+    ce_each = F.cross_entropy(logits, y, reduction="none")
+    ce = ce_each.mean()
+    mean_label = soft_cross_entropy(logits, y_mean)
+    (grad_x,) = torch.autograd.grad(ce_each.sum(), x_in, create_graph=True)
+    taylor = (grad_x * x_mean).flatten(1).sum(dim=1).mean()
+    loss = (1.0 - lam) * ce + lam * mean_label + lam * taylor
+    return {"loss": loss, "ce": ce, "mean-label": mean_label, "taylor": taylor}
+
+
+class FedMixStep(LocalStep):
+    def __init__(self, model, cfg, lam: float, mean_x: torch.Tensor, mean_y: torch.Tensor, seed: int):
         super().__init__(model, cfg)
         self.mean_x, self.mean_y = mean_x, mean_y
-        self.lam = cfg["fedmix-lambda"]
+        self.lam = lam
         self.generator = torch.Generator(device=mean_x.device)
         self.generator.manual_seed(seed)
 
@@ -46,18 +76,20 @@ class FedMix(Algorithm):
 
 
 @register_client("fedmix")
-class FedMixClient(BaseClient):
-    algorithm = FedMix
+class FedMixClient(ClientAlgorithm):
+    Settings = FedMixSettings
 
-    def get_parameters(self, config: dict) -> list[np.ndarray]:
-        if config.get("fedmix-request"):
-            generator = torch.Generator(device=self.data.x_train.device)
-            generator.manual_seed(step_seed(self.cfg["seed"], int(config["version"]), self.pid, 105))
-            x, y = mean_data(self.data.x_train, self.data.y_train, self.cfg["fedmix-m"], self.data.num_classes,
-                             generator)
-            return [x.cpu().numpy(), y.cpu().numpy()]  # only means leave the client
-        return super().get_parameters(config)
+    def requests(self):
+        return {"fedmix-means": self.mean_data}
 
-    def make_algorithm(self, server_round: int, config: dict) -> FedMix:
+    def mean_data(self, config: dict):
+        """Only means leave the client."""
+        generator = seeds.torch_generator("fedmix-means", self.cfg["seed"], int(config["version"]), self.pid,
+                                          device=self.data.x_train.device)
+        x, y = mean_data(self.data.x_train, self.data.y_train, self.settings.m, self.data.num_classes, generator)
+        return {"x": x.cpu().numpy(), "y": y.cpu().numpy()}
+
+    def make_step(self, server_round: int, config: dict) -> FedMixStep:
         x, y = self.shared("fedmix", config)
-        return FedMix(self.model, self.cfg, x, y, step_seed(self.cfg["seed"], server_round, self.pid, 106))
+        return FedMixStep(self.model, self.cfg, self.settings.lam, x, y,
+                          seeds.seed("fedmix-steps", self.cfg["seed"], server_round, self.pid))

@@ -1,34 +1,54 @@
 """FedNTD (Lee et al. 2022): cross-entropy plus beta tau^2 KL between the round-start global model's
-and the local model's softened predictions over the NOT-true classes only. The server is FedAvg's."""
+and the local model's softened predictions over the NOT-true classes only. A component:
+``strategy=fedntd`` is FedAvg + it, ``fedbr-with=fedntd`` adds it to FedBR's min step (on the local
+logits). The server is FedAvg's."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
-from fedbr_flwr.losses import not_true_distillation_loss
-from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm, frozen_copy
+from fedbr_flwr.algorithm import LocalComponent, RoundContext, StepView
+from fedbr_flwr.registry import register_component, register_variant
+from fedbr_flwr.settings import NON_NEGATIVE, POSITIVE, Settings, setting
+from fedbr_flwr.training import frozen_copy
 
-from .base import BaseClient
+
+@dataclass(frozen=True)
+class FedNTDSettings(Settings):
+    beta: float = setting("fedntd-beta", 1.0, "FedNTD: weight of the not-true distillation loss", check=NON_NEGATIVE)
+    tau: float = setting("fedntd-tau", 1.0, "FedNTD: distillation temperature", check=POSITIVE)
 
 
-class FedNTD(Algorithm):
-    def __init__(self, model, cfg):
-        super().__init__(model, cfg)
-        self.global_model = frozen_copy(model)  # as received this round
+def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B, C) -> (B, C-1): every logit except the true class's."""
+    keep = torch.ones_like(logits, dtype=torch.bool).scatter_(1, y[:, None], False)
+    return logits[keep].view(len(y), logits.shape[1] - 1)
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        logits = self.model(x)
-        ce = F.cross_entropy(logits, y)
+
+def not_true_distillation_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor,
+                               tau: float) -> torch.Tensor:
+    """tau^2 KL(softmax(g~/tau) || softmax(l~/tau)) over the not-true classes only, batch mean, with g
+    the round-start global model's logits."""
+    local = F.log_softmax(not_true_logits(logits, y) / tau, dim=1)
+    target = F.softmax(not_true_logits(global_logits, y) / tau, dim=1)
+    return tau * tau * F.kl_div(local, target, reduction="batchmean")
+
+
+@register_component("fedntd")
+class FedNTDTerm(LocalComponent):
+    Settings = FedNTDSettings
+
+    def start_round(self, ctx: RoundContext) -> None:
+        self.teacher = frozen_copy(ctx.model)  # the global model as received this round
+
+    def terms(self, view: StepView):
         with torch.no_grad():
-            global_logits = self.global_model(x)
-        ntd = not_true_distillation_loss(logits, global_logits, y, self.cfg["fedntd-tau"])
-        loss = ce + self.cfg["fedntd-beta"] * ntd
-        self.step(loss)
-        return {"loss": loss.detach(), "ce": ce.detach(), "ntd": ntd.detach()}
+            global_logits = self.teacher(view.batch.x)
+        ntd = not_true_distillation_loss(view.logits, global_logits, view.batch.y, self.settings.tau)
+        return [("ntd", self.settings.beta, ntd)]
 
 
-@register_client("fedntd")
-class FedNTDClient(BaseClient):
-    algorithm = FedNTD
+register_variant("fedntd", "fedavg", ("fedntd",), "FedNTD: FedAvg + not-true distillation")

@@ -4,40 +4,60 @@ Loss: CE + mu * l_con with
 
     l_con = -log(e^{cos(z, z_glob)/tau} / (e^{cos(z, z_glob)/tau} + e^{cos(z, z_prev)/tau})),
 
-z_glob from the round's global model, z_prev from THIS client's own last local model (kept in
-Flower's per-node state). Before a client's first round it has no last model: the global model
-stands in, so l_con is the constant log 2 and adds no gradient (as in MOON's code)."""
+z_glob from the round's global model, z_prev from THIS client's own last local model (kept in its
+node state). Before a client's first round it has no last model: the global model stands in, so l_con
+is the constant log 2 and adds no gradient (as in MOON's code)."""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
-import numpy as np
 import torch
-from flwr.common import ArrayRecord
 from torch import nn
 from torch.nn import functional as F
 
-from fedbr_flwr.losses import moon_contrastive_loss
+from fedbr_flwr.algorithm import ClientAlgorithm, LocalStep
 from fedbr_flwr.model import SplitModel
 from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm, frozen_copy, get_weights, set_weights
+from fedbr_flwr.settings import NON_NEGATIVE, POSITIVE, Settings, setting
+from fedbr_flwr.training import frozen_copy, load_module_arrays, module_arrays
 
-from .base import BaseClient
+PREVIOUS_KEY = "moon-previous"
 
 
-def moon_model(backbone: SplitModel, cfg: dict) -> SplitModel:
-    d, hidden, out = backbone.feature_dim, cfg["moon-proj-hidden"], cfg["moon-proj-out"]
+@dataclass(frozen=True)
+class MoonSettings(Settings):
+    mu: float = setting("moon-mu", 1.0, "MOON: weight of the model-contrastive loss (paper grid 0.01-10)",
+                        check=NON_NEGATIVE)
+    tau: float = setting("moon-tau", 0.5, "MOON: temperature of the model-contrastive loss", check=POSITIVE)
+    proj_hidden: int = setting("moon-proj-hidden", 256, "MOON: width of the projection layers added to the feature "
+                                                        "extractor", check=POSITIVE)
+    proj_out: int = setting("moon-proj-out", 128, "MOON: output width of the projection layers (the representation)",
+                            check=POSITIVE)
+
+
+def moon_model(backbone: SplitModel, settings: MoonSettings) -> SplitModel:
+    d, hidden, out = backbone.feature_dim, settings.proj_hidden, settings.proj_out
     features = nn.Sequential(backbone.features, nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, out))
     return SplitModel(features, out, backbone.classifier.out_features)
 
 
-class Moon(Algorithm):
-    def __init__(self, model: SplitModel, cfg: dict, previous_features: nn.Module | None):
+def moon_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_previous: torch.Tensor,
+                          tau: float) -> torch.Tensor:
+    """mean_i -log(e^{cos(z, z_glob)/tau} / (e^{cos(z, z_glob)/tau} + e^{cos(z, z_prev)/tau})), as softplus of
+    the difference (same value, no overflow)."""
+    pos = F.cosine_similarity(z, z_global, dim=1) / tau
+    neg = F.cosine_similarity(z, z_previous, dim=1) / tau
+    return F.softplus(neg - pos).mean()
+
+
+class MoonStep(LocalStep):
+    def __init__(self, model: SplitModel, cfg: dict, settings: MoonSettings, previous_features: nn.Module | None):
         super().__init__(model, cfg)
         self.global_features = frozen_copy(model.features)
         self.previous_features = previous_features if previous_features is not None else self.global_features
-        self.mu, self.tau = cfg["moon-mu"], cfg["moon-tau"]
+        self.mu, self.tau = settings.mu, settings.tau
 
     def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         z = self.model.features(x)
@@ -50,29 +70,27 @@ class Moon(Algorithm):
         return {"loss": loss.detach(), "ce": ce.detach(), "con": con.detach()}
 
 
-PREVIOUS_KEY = "moon-previous"
-
-
 @register_client("moon")
-class MoonClient(BaseClient):
+class MoonClient(ClientAlgorithm):
+    Settings = MoonSettings
     state_keys = (PREVIOUS_KEY,)
-    algorithm = Moon
 
     @classmethod
-    def wrap_model(cls, backbone, cfg):
-        return moon_model(backbone, cfg)
+    def build_model(cls, backbone, cfg):
+        return moon_model(backbone, MoonSettings.from_config(cfg))
 
     def __init__(self, cfg, data, device, state=None):
         super().__init__(cfg, data, device, state)
         self.previous = copy.deepcopy(self.model.features).requires_grad_(False)  # reloaded each round
 
-    def make_algorithm(self, server_round: int, config: dict) -> Moon:
+    def make_step(self, server_round: int, config: dict) -> MoonStep:
         previous = None
-        if PREVIOUS_KEY in self.state:
-            set_weights(self.previous, self.state[PREVIOUS_KEY].to_numpy_ndarrays())
+        stored = self.state.arrays(PREVIOUS_KEY)
+        if stored is not None:
+            load_module_arrays(self.previous, "features", stored)
             previous = self.previous.eval()
-        return Moon(self.model, self.cfg, previous)
+        return MoonStep(self.model, self.cfg, self.settings, previous)
 
-    def after_fit(self, algorithm: Moon) -> list[np.ndarray]:
-        self.state[PREVIOUS_KEY] = ArrayRecord(get_weights(self.model.features))
-        return []
+    def after_fit(self, step: MoonStep):
+        self.state.put_arrays(PREVIOUS_KEY, module_arrays("features", self.model.features))
+        return {}, {}

@@ -1,23 +1,25 @@
 """SCAFFOLD (Karimireddy et al. 2020, Algorithm 1 with option II). Client i keeps its control variate
-c_i across rounds (Flower's per-node state; zero at first). Each local step corrects the gradient:
-y <- y - lr (g(y) - c_i + c). After K steps: c_i+ = c_i - c + (x - y) / (K lr). The client returns y,
-then Delta c_i = c_i+ - c_i (laid out like the model's state; the server adds sum_i Delta c_i / N to c).
+c_i across rounds (its node state; zero at first). The server sends c as 'control/<key>'. Each local
+step corrects the gradient: y <- y - lr (g(y) - c_i + c). After K steps: c_i+ = c_i - c + (x - y) / (K lr).
+The client returns y, and Delta c_i = c_i+ - c_i as 'control-delta/<key>' (the server adds
+sum_i Delta c_i / N to c).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from flwr.common import ArrayRecord
 from torch.nn import functional as F
 
+from fedbr_flwr.algorithm import ClientAlgorithm, LocalStep
 from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import Algorithm, parameter_tensors, state_arrays
+from fedbr_flwr.training import parameter_tensors, state_arrays
 
-from .base import BaseClient
+CONTROL = "control"  # the server's c, as sent
+CONTROL_DELTA = "control-delta"  # the client's change of c_i, as returned
+CONTROL_KEY = "scaffold-control"  # c_i in the node state
 
 
-class Scaffold(Algorithm):
+class ScaffoldStep(LocalStep):
     def __init__(self, model, cfg, c_global: list[torch.Tensor], c_local: list[torch.Tensor]):
         super().__init__(model, cfg)
         self.params = list(model.parameters())
@@ -43,25 +45,27 @@ class Scaffold(Algorithm):
                                                                      self.params)]
 
 
-CONTROL_KEY = "scaffold-control"
-
-
 @register_client("scaffold")
-class ScaffoldClient(BaseClient):
+class ScaffoldClient(ClientAlgorithm):
     state_keys = (CONTROL_KEY,)
-    algorithm = Scaffold
-    takes_extras = True  # c, after the model
+    accepts = (f"{CONTROL}/",)
+
+    @classmethod
+    def returned_shapes(cls, model, cfg):
+        return {f"{CONTROL_DELTA}/{k}": tuple(v.shape) for k, v in model.state_dict().items()}
 
     def local_control(self) -> list[torch.Tensor]:
-        if CONTROL_KEY in self.state:
-            return [torch.as_tensor(a, device=self.device) for a in self.state[CONTROL_KEY].to_numpy_ndarrays()]
+        stored = self.state.arrays(CONTROL_KEY)
+        if stored is not None:
+            return [torch.as_tensor(stored[name], device=self.device) for name, _ in self.model.named_parameters()]
         return [torch.zeros_like(p) for p in self.model.parameters()]
 
-    def make_algorithm(self, server_round: int, config: dict) -> Scaffold:
-        c_global = parameter_tensors(self.model, self.extras, self.device)
-        return Scaffold(self.model, self.cfg, c_global, self.local_control())
+    def make_step(self, server_round: int, config: dict) -> ScaffoldStep:
+        c_global = parameter_tensors(self.model, CONTROL, self.received, self.device)
+        return ScaffoldStep(self.model, self.cfg, c_global, self.local_control())
 
-    def after_fit(self, algorithm: Scaffold) -> list[np.ndarray]:
-        new = algorithm.new_control_variate()
-        self.state[CONTROL_KEY] = ArrayRecord([c.cpu().numpy().copy() for c in new])
-        return state_arrays(self.model, torch._foreach_sub(new, algorithm.c_local))
+    def after_fit(self, step: ScaffoldStep):
+        new = step.new_control_variate()
+        self.state.put_arrays(CONTROL_KEY, {name: c.cpu().numpy().copy()
+                                            for (name, _), c in zip(self.model.named_parameters(), new)})
+        return state_arrays(self.model, CONTROL_DELTA, torch._foreach_sub(new, step.c_local)), {}

@@ -26,29 +26,28 @@ import time
 from pathlib import Path
 
 import torch
-from flwr.common import parameters_to_ndarrays
 
+from .broadcast import SharedData
 from .cli import build_config, size_resources
 from .config import ConfigError, resolved_model
 from .dataset import INFO, load_client_data
 from .launcher import RunFailed, run_flower
 from .metrics import read_jsonl
-from .model import Offset, build_model
 from .registry import client_class
+from .server.updates import named_mean
 from .server_app import build_strategy
-from .training import autocast, compile_features, peak_memory_mb, pick_device
-from strategies.base import weighted_mean
+from .training import autocast, peak_memory_mb, pick_device
 
 
 def bare_loop_round_seconds(cfg: dict, rounds: int) -> tuple[list[float], float]:
     """The reference: every client's ``fit`` (the same local-step code Flower calls) one after
-    another in this process, then the same averaging; no messages, no processes. (DisTrans: the
-    returned offsets are averaged and sent back with the model, as ``distrans-agg=avg`` does.)
-    Returns the timed rounds' seconds and this process's peak memory in MB (GPU on CUDA, else RSS)."""
+    another in this process, then the same averaging; no messages, no processes. What a client returns
+    and takes back is averaged and sent back with the model (DisTrans: the offsets, as
+    ``distrans-agg=avg`` does). Returns the timed rounds' seconds and this process's peak memory in MB
+    (GPU on CUDA, else RSS)."""
     device = pick_device(cfg["device"])
     with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:  # the server's seeded initial weights
-        strategy = build_strategy({**cfg, "output-dir": tmp, "global-test": False})
-        global_weights = parameters_to_ndarrays(strategy.initialize_parameters(None))
+        global_arrays = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
     client_cls = client_class(cfg["strategy"])
     clients = [client_cls(cfg, load_client_data(cfg, pid, device), device) for pid in range(cfg["num-clients"])]
     fit_config = bare_fit_config(cfg, clients)
@@ -57,10 +56,11 @@ def bare_loop_round_seconds(cfg: dict, rounds: int) -> tuple[list[float], float]
         start = time.perf_counter()
         updates, sizes = [], []
         for client in clients:
-            weights, n, _ = client.fit(global_weights, fit_config(server_round))
-            updates.append(weights)
+            arrays, n, _ = client.fit(global_arrays, fit_config(server_round))
+            updates.append(arrays)
             sizes.append(n if cfg["weighting"] == "samples" else 1.0)
-        global_weights = weighted_mean(updates, sizes)
+        names = [n for n in updates[0] if n in global_arrays or n.startswith(client_cls.accepts)]
+        global_arrays = named_mean(updates, sizes, names)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if server_round > 1:
@@ -71,46 +71,49 @@ def bare_loop_round_seconds(cfg: dict, rounds: int) -> tuple[list[float], float]
 
 def bare_fit_config(cfg: dict, clients: list | dict):
     """Fit config per round; for FedBR the pseudo-data is built once, as the strategy does at round 1.
-    ``clients``: the clients by partition id (a list: ids 0, 1, ...)."""
+    ``clients``: the clients' ``ClientAlgorithm`` objects by partition id (a list: ids 0, 1, ...)."""
     if cfg["strategy"] != "fedbr":
         return lambda server_round: {"server-round": server_round}
-    from pseudodata import build, encode
+    from pseudodata import build
     from pseudodata.mixture import load_proxy
 
     by_pid = dict(enumerate(clients)) if isinstance(clients, list) else clients
     proxy = load_proxy(cfg) if cfg["pseudo-data"] == "mixture" else None
-    collect = lambda counts, version: [by_pid[pid].rsm_means(n, cfg["pseudo-m"], version)  # noqa: E731
-                                       for pid, n in counts.items()]
-    payload = encode(*build(cfg, 1, sorted(by_pid), collect, proxy))
+
+    def collect(counts, version):
+        return [by_pid[pid].answer({"request": "rsm-means", "count": n, "pseudo-m": cfg["pseudo-m"],
+                                    "version": version})["means"] for pid, n in counts.items()]
+
+    shared = SharedData("pseudo")
+    shared.publish(*build(cfg, 1, sorted(by_pid), collect, proxy), 1)
     return lambda server_round: {"server-round": server_round, "pseudo-version": 1,
-                                 **({"pseudo-payload": payload} if server_round == 1 else {})}
+                                 **({"pseudo-payload": shared.payload} if server_round == 1 else {})}
 
 
 def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     """Seconds per local step of FedAvg, FedBR and DisTrans on the same backbone, batch and device, on
     synthetic inputs of the dataset's shape, with the config's precision and compile switches. They are
     timed in alternation and the median repeat is kept."""
-    from clients.distrans import DisTrans, double_input_model, offset_shape
-    from clients.fedavg import FedAvg
-    from clients.fedbr import FedBR, build_head
+    from clients.distrans import DisTransClient, DisTransStep, Offset, offset_shape
+    from clients.fedavg import SupervisedStep
+    from clients.fedbr import FedBRClient, FedBRStep
 
     device = pick_device(cfg["device"])
     info = INFO[cfg["dataset"]]
     fedbr_cfg = {**cfg, "strategy": "fedbr"}
     torch.manual_seed(cfg["seed"])
-    model = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size).to(device)
-    if cfg["compile"]:
-        compile_features(model)
-    head = build_head(fedbr_cfg, model.feature_dim)
-    head = head.to(device) if head is not None else None
+    fedbr_modules = {k: m.to(device) for k, m in FedBRClient.build_modules(fedbr_cfg, cfg["compile"]).items()}
+    model, head = fedbr_modules["model"], fedbr_modules.get("head")
     shape = (cfg["batch-size"], info.in_channels, info.image_size, info.image_size)
     x, x_p = torch.randn(shape, device=device), torch.randn(shape, device=device)
     y = torch.randint(0, info.num_classes, (cfg["batch-size"],), device=device)
     y_p = torch.full((cfg["batch-size"], info.num_classes), 1.0 / info.num_classes, device=device)
-    distrans_model = double_input_model(copy.deepcopy(model), cfg).to(device)
-    algorithms = {"fedavg": FedAvg(model, cfg),
-                  "fedbr": FedBR(model, fedbr_cfg, head, x_p, y_p, (x, y), seed=cfg["seed"]),
-                  "distrans": DisTrans(distrans_model, Offset(offset_shape(info)).to(device), cfg)}
+    distrans_model = DisTransClient.build_model(copy.deepcopy(model), cfg).to(device)
+    algorithms = {"fedavg": SupervisedStep(model, cfg),
+                  "fedbr": FedBRStep(model, fedbr_cfg, FedBRClient.Settings.from_config(fedbr_cfg), head, x_p, y_p, (x, y),
+                                     seed=cfg["seed"]),
+                  "distrans": DisTransStep(distrans_model, Offset(offset_shape(info)).to(device), cfg,
+                                           DisTransClient.Settings.from_config(cfg))}
     model.train()
     distrans_model.train()
 

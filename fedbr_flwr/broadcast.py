@@ -1,6 +1,6 @@
-"""Data the server shares with every client once (FedBR's pseudo-data, FedMix's mean data, VHL's
-virtual data): it rides in the fit config, as bytes, only to clients that have not yet confirmed
-holding its current version; clients keep it in Flower's per-node state.
+"""Data the server shares with every client (FedBR's pseudo-data, FedMix's mean data, VHL's virtual
+data): it rides in the fit config, as npz bytes, only to clients that have not yet confirmed holding
+its current version; clients keep it in their node state.
 
 Keys, for a broadcast named ``name``: ``<name>-version`` in every fit config and in every fit
 result's metrics; ``<name>-payload`` in the config when the client needs it."""
@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from flwr.common import ArrayRecord, ConfigRecord, RecordDict
 
-from pseudodata import decode, encode
+from . import codec
 
 
 class SharedData:
@@ -26,7 +25,8 @@ class SharedData:
         self.held: dict[int, int] = {}  # partition id -> version it confirmed holding
 
     def publish(self, x: np.ndarray, y: np.ndarray, version: int) -> None:
-        self.arrays, self.version, self.payload = (x, y), version, encode(x, y)
+        self.arrays, self.version = (x, y), version
+        self.payload = codec.encode({"x": np.asarray(x, dtype=np.float32), "y": np.asarray(y, dtype=np.float32)})
 
     def fit_config(self, pid: int) -> dict[str, Any]:
         config: dict[str, Any] = {f"{self.name}-version": self.version}
@@ -43,18 +43,19 @@ class SharedData:
             self.held.pop(pid, None)
 
 
-def receive_shared(state: RecordDict, name: str, config: dict, pid: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Client side: store a payload that came with this message, else use the stored one, which must
-    be the version the server says is current. Returns (x, y, version)."""
+def receive_shared(state, name: str, config: dict, pid: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Client side (``state``: its ``NodeState``): store a payload that came with this message, else use the
+    stored one, which must be the version the server says is current. Returns (x, y, version)."""
     version = int(config[f"{name}-version"])
     key, meta = f"{name}-data", f"{name}-meta"
     if f"{name}-payload" in config:
-        x, y = decode(config[f"{name}-payload"])
-        state[key] = ArrayRecord([x, y])
-        state[meta] = ConfigRecord({"version": version})
-    stored = int(state[meta]["version"]) if meta in state else None
+        arrays = codec.decode(config[f"{name}-payload"])
+        state.put_arrays(key, {"x": arrays["x"], "y": arrays["y"]})
+        state.put_meta(meta, {"version": version})
+    stored = state.meta(meta)
+    stored = int(stored["version"]) if stored is not None else None
     if stored != version:
         raise RuntimeError(f"client {pid} holds {name} data version {stored}, the server expects {version}; "
                            "it resends the data to this client next round")
-    x, y = state[key].to_numpy_ndarrays()
-    return x, y, version
+    arrays = state.arrays(key)
+    return arrays["x"], arrays["y"], version

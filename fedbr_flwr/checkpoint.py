@@ -9,32 +9,25 @@ pickle.
 
 from __future__ import annotations
 
-import io
 import json
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from .config import ConfigError
+from . import codec
+from .errors import ConfigError
 
 CHECKPOINT_NAME = "checkpoint.npz"
 HEADER_KEY = "__header__"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: arrays by name ("global/model/<key>"); 1 (before): by position
 
 
 def save_checkpoint(out_dir: Path, arrays: Mapping[str, np.ndarray], header: Mapping[str, Any]) -> Path:
     path = Path(out_dir) / CHECKPOINT_NAME
     if HEADER_KEY in arrays:
         raise ValueError(f"'{HEADER_KEY}' is reserved for the checkpoint header")
-    tmp = path.with_name(f".{CHECKPOINT_NAME}.tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **{HEADER_KEY: _json_bytes({**header, "format": FORMAT_VERSION})}, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return codec.write(path, {HEADER_KEY: _json_bytes({**header, "format": FORMAT_VERSION}), **arrays}, durable=True)
 
 
 def load_checkpoint(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -44,8 +37,7 @@ def load_checkpoint(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, Any
         raise ConfigError(f"no checkpoint to resume from: {path} does not exist (checkpoints are written every "
                           "checkpoint-every rounds; a run stopped before its first one must start again)")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files}
+        arrays = codec.read(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"checkpoint {path} is unreadable: {exc}") from None
     if HEADER_KEY not in arrays:
@@ -58,33 +50,6 @@ def load_checkpoint(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, Any
 
 def _json_bytes(obj: Any) -> np.ndarray:
     return np.frombuffer(json.dumps(obj, default=str).encode(), dtype=np.uint8)
-
-
-# ---------------------------------------------------------------- lists of arrays <-> named arrays
-
-
-def flatten(prefix: str, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """``prefix/0``, ``prefix/1``, ... so that a list of arrays fits a flat checkpoint."""
-    return {f"{prefix}/{i}": np.asarray(a) for i, a in enumerate(arrays)}
-
-
-def unflatten(arrays: Mapping[str, np.ndarray], prefix: str) -> list[np.ndarray]:
-    items = []
-    while f"{prefix}/{len(items)}" in arrays:
-        items.append(arrays[f"{prefix}/{len(items)}"])
-    return items
-
-
-def pack(arrays: Mapping[str, np.ndarray]) -> bytes:
-    """Named arrays as bytes (an .npz in memory, no pickle): a client's state in one message value."""
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    return buffer.getvalue()
-
-
-def unpack(payload: bytes) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(payload), allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}
 
 
 # ---------------------------------------------------------------- RNG state

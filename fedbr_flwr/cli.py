@@ -20,10 +20,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from .config import DEFAULTS, SCHEMA, ConfigError, check_sampling, load_yaml, parse_override, validate
+from .config import ConfigError, check_sampling, load_yaml, parse_override, pyproject_table, schema, validate
 from .launcher import PROJECT_DIR, RunFailed, run_flower
 from .run_io import git_commit
 
+PYPROJECT_MARK = "# Generated from the schema by `fedbr-run --write-pyproject` (a test keeps it equal):\n"
 DEFAULT_SIMULATED_CLIENTS = 10
 MAX_CLIENTS_PER_GPU = 4
 
@@ -114,20 +115,41 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
 
 
 def list_keys() -> str:
-    from .registry import strategy_names
+    """Every strategy and component, then every key by owner: its default, choices and meaning."""
+    from .registry import COMPONENTS, algorithm_names, how_to_enable
 
-    lines = [f"strategies: {', '.join(strategy_names())}", "", "config keys (default) - meaning:"]
-    for key, spec in SCHEMA.items():
+    lines = [f"strategies: {', '.join(algorithm_names())}",
+             f"components (strategy=fedbr fedbr-with=a,b): {', '.join(sorted(COMPONENTS))}"]
+    owner = object()
+    for key, spec in schema().items():
+        if spec.owner != owner:
+            owner = spec.owner
+            lines += ["", "common keys (default) - meaning:" if owner is None else
+                      f"{owner} keys ({how_to_enable(owner)}):"]
         choices = f" [{'|'.join(spec.choices)}]" if spec.choices else ""
-        lines.append(f"  {key} ({DEFAULTS[key]!r}){choices} - {spec.help}")
+        lines.append(f"  {key} ({spec.default!r}){choices} - {spec.help}")
     return "\n".join(lines)
+
+
+def write_pyproject(path: Path = PROJECT_DIR / "pyproject.toml") -> bool:
+    """Rewrite pyproject.toml's ``[tool.flwr.app.config]`` table from the schema; True if it changed."""
+    text = path.read_text()
+    head, sep, _ = text.partition(PYPROJECT_MARK)
+    if not sep:
+        raise ConfigError(f"{path} lacks the line '{PYPROJECT_MARK.strip()}' above [tool.flwr.app.config]")
+    new = head + sep + "[tool.flwr.app.config]\n" + pyproject_table()
+    if new != text:
+        path.write_text(new)
+    return new != text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedbr-run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
-    parser.add_argument("--list", action="store_true", help="list strategies and config keys, then exit")
+    parser.add_argument("--list", action="store_true", help="list strategies, components and config keys, then exit")
+    parser.add_argument("--write-pyproject", action="store_true",
+                        help="rewrite pyproject.toml's run-config table from the schema (after adding a key), then exit")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then exit")
     parser.add_argument("--overwrite", action="store_true", help="reuse an output-dir that holds a run")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
@@ -136,6 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # options may come between files and overrides
     if args.list:
         print(list_keys())
+        return 0
+    if args.write_pyproject:
+        changed = write_pyproject()
+        print(f"fedbr-run: {PROJECT_DIR / 'pyproject.toml'} {'rewritten' if changed else 'already up to date'}")
         return 0
     try:
         import torch

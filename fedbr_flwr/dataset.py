@@ -17,9 +17,9 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .config import ConfigError
+from . import codec, seeds
+from .errors import ConfigError
 from .partition import partition, partition_hash, split_train_test
-from .run_io import save_npz_atomically
 
 ROTATION_STEP = 15.0
 ROTATION_DOMAINS = 10  # client i is rotated by 15 * (i mod 10) degrees: 0..135, as in the paper
@@ -96,7 +96,7 @@ def load_mnist5k(seed: int = 0) -> tuple[Split, Split]:
     x, y = mnist_data()
     x = np.asarray(x, dtype=np.uint8).reshape(-1, 1, 28, 28)
     y = np.asarray(y, dtype=np.int64)
-    rng = np.random.default_rng(12345)  # fixed: the global test set never depends on the run seed
+    rng = np.random.default_rng(seeds.MNIST5K_GLOBAL_TEST)  # the global test set never depends on the run seed
     test = np.concatenate([rng.permutation(np.flatnonzero(y == c))[:MNIST5K_GLOBAL_TEST_PER_CLASS]
                            for c in range(10)])
     train = np.setdiff1d(np.arange(len(y)), test)
@@ -134,7 +134,7 @@ def load_cifar(name: str, data_dir: str) -> tuple[Split, Split]:
 def load_synthetic() -> tuple[Split, Split]:
     """Uniformly random CIFAR-size images with balanced random labels, the same on every machine:
     shapes for speed measurements, nothing to learn."""
-    rng = np.random.default_rng(20260101)
+    rng = np.random.default_rng(seeds.SYNTHETIC_DATA)
     splits = []
     for n in SYNTHETIC_SIZES:
         x = rng.integers(0, 256, size=(n, 3, 32, 32), dtype=np.uint8)
@@ -164,7 +164,7 @@ def client_angle(partition_id: int) -> float:
 
 def cifar_angle_prior(partition_id: int, seed: int) -> np.ndarray:
     """RotatedCIFAR10: client's prior over {0, 15, ..., 135} degrees, q ~ Dir(1.0 * uniform/10)."""
-    rng = np.random.default_rng([seed, 3, partition_id])
+    rng = seeds.rng("cifar-angle-prior", seed, partition_id)
     return rng.dirichlet(np.full(ROTATION_DOMAINS, 1.0 / ROTATION_DOMAINS))
 
 
@@ -198,7 +198,7 @@ def image_angles(cfg: Mapping[str, Any], partition_id: int, n: int) -> np.ndarra
         return np.zeros(n)
     if cfg["dataset"] in ("mnist5k", "mnist"):
         return np.full(n, client_angle(partition_id))
-    rng = np.random.default_rng([cfg["seed"], 4, partition_id])
+    rng = seeds.rng("cifar-angles", cfg["seed"], partition_id)
     choices = ROTATION_STEP * np.arange(ROTATION_DOMAINS)
     return rng.choice(choices, size=n, p=cifar_angle_prior(partition_id, cfg["seed"]))
 
@@ -218,7 +218,6 @@ class ClientData:
 
 
 PARTITION_KEYS = ("dataset", "data-dir", "num-clients", "partition", "alpha", "classes-per-client", "seed")
-CLIENT_KEYS = PARTITION_KEYS + ("rotate", "test-fraction")
 
 
 def make_partition(cfg: Mapping[str, Any]) -> tuple[list[np.ndarray], str]:
@@ -244,7 +243,7 @@ def _cached_partition(dataset, data_dir, num_clients, method, alpha, classes_eac
 
 def client_indices(cfg: Mapping[str, Any], partition_id: int) -> tuple[np.ndarray, np.ndarray]:
     parts, _ = make_partition(cfg)
-    rng = np.random.default_rng([cfg["seed"], 2, partition_id])
+    rng = seeds.rng("client-split", cfg["seed"], partition_id)
     return split_train_test(parts[partition_id], cfg["test-fraction"], rng)
 
 
@@ -254,24 +253,16 @@ def save_partition(cfg: Mapping[str, Any], path: Path) -> str:
     arrays = {}
     for pid in range(cfg["num-clients"]):
         arrays[f"train_{pid}"], arrays[f"test_{pid}"] = client_indices(cfg, pid)
-    save_npz_atomically(path, compressed=True, **arrays)
+    codec.write(path, arrays, compressed=True)
     return make_partition(cfg)[1]
 
 
-_CLIENT_CACHE: dict[tuple, ClientData] = {}
-
-
 def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.device | str) -> ClientData:
-    """This client's train/test tensors on ``device``, built once per process and reused."""
+    """This client's train/test tensors on ``device``. The node's client cache (``fedbr_flwr.node``)
+    keeps them with the client that uses them, for as long as it keeps that client."""
     if not 0 <= partition_id < cfg["num-clients"]:
         raise ConfigError(f"partition-id {partition_id} outside 0..{cfg['num-clients'] - 1}")
-    key = tuple(cfg[k] for k in CLIENT_KEYS) + (partition_id, str(device))
-    if key not in _CLIENT_CACHE:
-        _CLIENT_CACHE[key] = _build_client_data(cfg, partition_id, torch.device(device))
-    return _CLIENT_CACHE[key]
-
-
-def _build_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.device) -> ClientData:
+    device = torch.device(device)
     info = INFO[cfg["dataset"]]
     train, _ = load_raw(cfg["dataset"], cfg["data-dir"])
     train_idx, test_idx = client_indices(cfg, partition_id)
@@ -299,7 +290,7 @@ def load_global_test(cfg: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor
     if cfg["rotate"] and cfg["dataset"] in ("mnist5k", "mnist"):
         angles = ROTATION_STEP * (np.arange(n) % ROTATION_DOMAINS)
     elif cfg["rotate"] and cfg["dataset"] == "cifar10":
-        angles = np.random.default_rng([cfg["seed"], 5]).choice(ROTATION_STEP * np.arange(ROTATION_DOMAINS), n)
+        angles = seeds.rng("global-test-angles", cfg["seed"]).choice(ROTATION_STEP * np.arange(ROTATION_DOMAINS), n)
     x = normalise(rotate(to_float(test.x), angles), info)
     return x, torch.from_numpy(test.y)
 

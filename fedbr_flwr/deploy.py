@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from .config import ConfigError
+from .errors import ConfigError
 from .launcher import RunFailed, flower_env, free_port, stop_tree, submit_run, wait_healthy
 from .worker import write_private
 
@@ -317,7 +317,7 @@ def cmd_run(args) -> int:
     home = Path(tempfile.mkdtemp(prefix="fedbr-deploy-"))
     try:
         env = deploy_env(home, args.superlink, certs)
-        submit_run(cfg, env, CONNECTION, Path(cfg["output-dir"]), echo="progress")
+        submit_run(cfg, env, CONNECTION, Path(cfg["output-dir"]), echo=args.echo)
     finally:
         shutil.rmtree(home, ignore_errors=True)
     _print_result(Path(cfg["output-dir"]))
@@ -480,6 +480,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "run":
             security(p)
             p.add_argument("--superlink", required=True, help="HOST:PORT")
+            p.add_argument("--echo", choices=("all", "progress", "none"), default="all",
+                           help="what to print while the run goes on: Flower's whole log (all: the only channel "
+                                "from a SuperLink on another machine), the run's events from output-dir/progress.jsonl "
+                                "(progress: when this machine sees the run folder), or nothing")
         else:
             p.add_argument("--supernodes", type=int, default=2)
             p.add_argument("--tls", action="store_true")

@@ -4,6 +4,7 @@ every process that run started (FLOWER.md: the auto-started SuperLink outlives `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,7 +19,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from .config import ConfigError, to_toml
+from .config import to_toml
+from .errors import ConfigError
+from .progress import PROGRESS_FILE, Follower
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 SUPERLINK_START_TIMEOUT_S = 60
@@ -161,10 +164,6 @@ def federation_config(num_supernodes: int, cpus: float, gpus: float) -> str:
             f"client-resources-num-gpus={gpus}")
 
 
-def is_progress_line(line: str) -> bool:
-    return "[fedbr]" in line or "ERROR" in line
-
-
 def run_flower(cfg: dict, num_supernodes: int, out_dir: Path, project_dir: Path = PROJECT_DIR,
                echo: str = "progress") -> dict:
     """``flwr run`` the app with ``cfg`` on a fresh local simulation SuperLink; see ``submit_run``."""
@@ -178,8 +177,10 @@ def submit_run(cfg: dict, env: dict[str, str], connection: str, out_dir: Path, p
                echo: str = "progress", extra_args: list[str] | None = None) -> dict:
     """``flwr run`` the app with ``cfg`` on the SuperLink that ``connection`` names in ``env``'s FLWR_HOME;
     wait for it; return the run's final status record from ``flwr ls``. Raises RunFailed when the run
-    did not complete. ``echo``: "all" of Flower's log, "progress" (our per-round lines and errors) or
-    "none"; the whole log is always in ``out_dir/flower.log`` (appended to when the run resumes)."""
+    did not complete. ``echo``: "progress" (the run's events, followed in ``out_dir/progress.jsonl``, which
+    the ServerApp writes: this machine must see the run folder), "all" (Flower's whole log, which also
+    reaches a remote submitter) or "none"; the whole log is always in ``out_dir/flower.log`` (appended to
+    when the run resumes)."""
     if not (project_dir / "pyproject.toml").is_file():
         raise ConfigError(f"no pyproject.toml in {project_dir}: fedbr-run needs the project checkout "
                           "installed with `pip install -e .`")
@@ -194,17 +195,18 @@ def submit_run(cfg: dict, env: dict[str, str], connection: str, out_dir: Path, p
         proc = subprocess.Popen(command, env=env, cwd=out_dir, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         run_id = None
+        follow = Follower(out_dir / PROGRESS_FILE, _print) if echo == "progress" else contextlib.nullcontext()
         try:
-            for line in proc.stdout:
-                log.write(line)
-                log.flush()
-                if echo == "all" or (echo == "progress" and is_progress_line(line)):
-                    sys.stdout.write(ANSI_ESCAPE.sub("", line))
-                    sys.stdout.flush()
-                match = re.search(r"run (\d+)", line)
-                if run_id is None and match and "start" in line.lower():
-                    run_id = int(match.group(1))
-            proc.wait()
+            with follow:
+                for line in proc.stdout:
+                    log.write(line)
+                    log.flush()
+                    if echo == "all":
+                        _print(ANSI_ESCAPE.sub("", line).rstrip("\n"))
+                    match = re.search(r"run (\d+)", line)
+                    if run_id is None and match and "start" in line.lower():
+                        run_id = int(match.group(1))
+                proc.wait()
         finally:
             if proc.poll() is None:
                 stop_tree(proc)
@@ -214,6 +216,11 @@ def submit_run(cfg: dict, env: dict[str, str], connection: str, out_dir: Path, p
     if status.get("status") != "finished:completed":
         raise RunFailed(f"run {run_id} ended as '{status.get('status')}'{last_error(log_path)}; see {log_path}")
     return status
+
+
+def _print(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def last_error(log_path: Path) -> str:

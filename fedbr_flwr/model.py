@@ -1,5 +1,6 @@
 """Backbones with an explicit split: feature extractor phi (``features``) and linear classifier
-omega (``classifier``). FedBR's projection head and DisTrans' double input wrap these two parts."""
+omega (``classifier``). Algorithms build their own models around these two parts in their client
+files (FedBR's projection head, DisTrans' double input, MOON's projection layers)."""
 
 from __future__ import annotations
 
@@ -102,100 +103,5 @@ def build_model(name: str, num_classes: int, in_channels: int, image_size: int) 
     return SplitModel(features, FEATURE_DIMS[name], num_classes)
 
 
-class ProjectionHead(nn.Module):
-    """FedBR's projection head theta, used only in training: d -> hidden -> hidden -> out with ReLU
-    between (SPEC: 128 -> 256 -> 256 -> 128 for the MNIST CNN)."""
-
-    def __init__(self, feature_dim: int, hidden: int = 0, out: int = 0):
-        super().__init__()
-        hidden = hidden or 2 * feature_dim
-        out = out or feature_dim
-        self.net = nn.Sequential(nn.Linear(feature_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, out))
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.net(z)
-
-
 def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-class DoubleInputModel(nn.Module):
-    """DisTrans' double-input-channel model (SPEC section 3): the SAME feature extractor on
-    x1 = (1 - alpha) x + alpha t and x2 = (1 + alpha) x - alpha t, the two feature vectors
-    concatenated, then one linear classifier over 2d features."""
-
-    def __init__(self, features: nn.Module, feature_dim: int, num_classes: int, alpha: float):
-        super().__init__()
-        self.features = features
-        self.feature_dim = 2 * feature_dim
-        self.alpha = alpha
-        self.classifier = nn.Linear(2 * feature_dim, num_classes)
-
-    @classmethod
-    def from_backbone(cls, backbone: SplitModel, alpha: float) -> "DoubleInputModel":
-        """Reuses the backbone's feature extractor; the 2d -> C classifier is new (drawn from torch's RNG)."""
-        return cls(backbone.features, backbone.feature_dim, backbone.classifier.out_features, alpha)
-
-    def channels(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a = self.alpha
-        return (1 - a) * x + a * t, (1 + a) * x - a * t
-
-    def double_features(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        x1, x2 = self.channels(x, t)
-        z1, z2 = self.features(torch.cat([x1, x2])).chunk(2)  # one pass; per-sample norms keep it exact
-        return torch.cat([z1, z2], dim=1)
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.double_features(x, t))
-
-
-class Offset(nn.Module):
-    """One client's DisTrans offset t, shaped like one input image; it broadcasts over a batch."""
-
-    def __init__(self, shape: tuple[int, ...]):
-        super().__init__()
-        self.t = nn.Parameter(torch.zeros(shape))
-
-
-class WithOffset(nn.Module):
-    """``model(x, t)`` as a one-input module, so that evaluation code need not know about offsets."""
-
-    def __init__(self, model: DoubleInputModel, t: torch.Tensor):
-        super().__init__()
-        self.model = model
-        self.t = t
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x, self.t)
-
-
-class OffsetGenerator(nn.Module):
-    """DisTrans' server-side aggregation network h(e) -> offset: a small MLP on the class-share
-    embedding e, then a generator of four conv layers (two transposed, stride 2) with a Tanh output,
-    cropped to the input shape and mapped affinely from [-1, 1] onto [low, high] per channel."""
-
-    def __init__(self, num_classes: int, in_channels: int, image_size: int, width: int = 64,
-                 low: torch.Tensor | None = None, high: torch.Tensor | None = None):
-        super().__init__()
-        self.base = -(-image_size // 4)  # ceil: two stride-2 upsamplings reach at least image_size
-        self.width = width
-        self.image_size = image_size
-        self.mlp = nn.Sequential(nn.Linear(num_classes, 128), nn.ReLU(),
-                                 nn.Linear(128, width * self.base * self.base), nn.ReLU())
-        self.generator = nn.Sequential(
-            nn.ConvTranspose2d(width, width // 2, 4, stride=2, padding=1), nn.ReLU(),
-            nn.ConvTranspose2d(width // 2, width // 4, 4, stride=2, padding=1), nn.ReLU(),
-            nn.Conv2d(width // 4, width // 4, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(width // 4, in_channels, 3, padding=1), nn.Tanh(),
-        )
-        low = torch.full((in_channels, 1, 1), -1.0) if low is None else low.reshape(in_channels, 1, 1)
-        high = torch.full((in_channels, 1, 1), 1.0) if high is None else high.reshape(in_channels, 1, 1)
-        self.register_buffer("center", (high + low) / 2)
-        self.register_buffer("half_range", (high - low) / 2)
-
-    def forward(self, e: torch.Tensor) -> torch.Tensor:
-        h = self.mlp(e).view(len(e), self.width, self.base, self.base)
-        unit = self.generator(h)[..., :self.image_size, :self.image_size]
-        return self.center + self.half_range * unit

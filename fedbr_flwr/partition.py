@@ -10,6 +10,8 @@ import hashlib
 
 import numpy as np
 
+from . import seeds
+
 DIRICHLET_MAX_TRIES = 100
 
 
@@ -117,7 +119,7 @@ def classes_per_client(labels: np.ndarray, num_clients: int, classes_each: int, 
 
 def partition(labels: np.ndarray, num_clients: int, method: str, seed: int, alpha: float = 0.1,
               classes_each: int = 2) -> list[np.ndarray]:
-    rng = np.random.default_rng([seed, 1])
+    rng = seeds.rng("partition", seed)
     if method == "fedbr":
         return fedbr_lda(labels, num_clients, alpha, rng)
     if method == "dirichlet":

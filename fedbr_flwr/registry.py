@@ -1,17 +1,40 @@
-"""Algorithms found by name. A new algorithm is a file in ``clients/`` that registers its client
-and a file in ``strategies/`` that registers its strategy under the same name (either may be left
-out: the FedAvg one is used instead), plus an experiment file."""
+"""Algorithms and components found by name; the neutral place through which both sides reach what
+they share (an algorithm's model and settings), so that no strategy imports a client module.
+
+A new algorithm is a file in ``clients/`` whose client side is registered with ``@register_client``
+and, when its server does more than FedAvg's, a file in ``strategies/`` registered with
+``@register_strategy`` under the same name; plus an experiment file. A local piece other algorithms
+can carry (FedBR's combinations, paper Table 3) is registered with ``@register_component`` (and its
+server part with ``@register_server_component``); ``register_variant`` names a host algorithm plus
+components as an algorithm of its own (``strategy=fedcm`` is FedAvg + the fedcm component).
+Every module of ``clients`` and ``strategies`` is imported the first time a name is looked up."""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, TypeVar
+
+from .settings import Key, NoSettings, names_list
 
 T = TypeVar("T")
+DEFAULT = "fedavg"
+
+
+@dataclass(frozen=True)
+class Variant:
+    base: str
+    components: tuple[str, ...]
+    summary: str
+
+
 CLIENTS: dict[str, type] = {}
 STRATEGIES: dict[str, type] = {}
-DEFAULT = "fedavg"
+VARIANTS: dict[str, Variant] = {}
+COMPONENTS: dict[str, type] = {}
+SERVER_COMPONENTS: dict[str, type] = {}
+PACKAGES = ("clients", "strategies")
 _loaded = False
 
 
@@ -20,41 +43,125 @@ def _register(table: dict[str, type], name: str) -> Callable[[T], T]:
         if name in table and table[name] is not cls:
             raise ValueError(f"'{name}' is registered twice: {table[name]} and {cls}")
         table[name] = cls
+        cls.name = name
         return cls
 
     return decorator
 
 
 def register_client(name: str) -> Callable[[T], T]:
+    """The client side of algorithm ``name`` (a ``fedbr_flwr.algorithm.ClientAlgorithm``)."""
     return _register(CLIENTS, name)
 
 
 def register_strategy(name: str) -> Callable[[T], T]:
+    """The server side of algorithm ``name`` (a ``strategies.base.FederatedStrategy``)."""
     return _register(STRATEGIES, name)
 
 
+def register_component(name: str) -> Callable[[T], T]:
+    """A local piece other algorithms' steps can carry (a ``fedbr_flwr.algorithm.LocalComponent``)."""
+    return _register(COMPONENTS, name)
+
+
+def register_server_component(name: str) -> Callable[[T], T]:
+    """The server part of component ``name`` (a ``fedbr_flwr.server.components.ServerComponent``)."""
+    return _register(SERVER_COMPONENTS, name)
+
+
+def register_variant(name: str, base: str, components: tuple[str, ...], summary: str) -> None:
+    """``strategy=name`` runs algorithm ``base`` (both sides) with ``components`` added."""
+    if name in VARIANTS and VARIANTS[name] != Variant(base, components, summary):
+        raise ValueError(f"'{name}' is registered twice as a variant")
+    VARIANTS[name] = Variant(base, tuple(components), summary)
+
+
 def load_all() -> None:
-    """Import every module of ``clients`` and ``strategies`` so that their decorators run."""
+    """Import every module of ``clients`` and ``strategies`` so that their registrations run."""
     global _loaded
     if _loaded:
         return
-    for package_name in ("clients", "strategies"):
+    _loaded = True
+    for package_name in PACKAGES:
         package = importlib.import_module(package_name)
         for mod in pkgutil.iter_modules(package.__path__):
             importlib.import_module(f"{package_name}.{mod.name}")
-    _loaded = True
 
 
-def strategy_names() -> list[str]:
+def algorithm_names() -> list[str]:
     load_all()
-    return sorted(set(CLIENTS) | set(STRATEGIES))
+    return sorted(set(CLIENTS) | set(STRATEGIES) | set(VARIANTS))
+
+
+def _base(name: str) -> str:
+    return VARIANTS[name].base if name in VARIANTS else name
 
 
 def client_class(name: str) -> type:
     load_all()
-    return CLIENTS.get(name, CLIENTS[DEFAULT])
+    return CLIENTS.get(_base(name), CLIENTS[DEFAULT])
 
 
 def strategy_class(name: str) -> type:
     load_all()
-    return STRATEGIES.get(name, STRATEGIES[DEFAULT])
+    return STRATEGIES.get(_base(name), STRATEGIES[DEFAULT])
+
+
+def component_class(name: str) -> type:
+    load_all()
+    return COMPONENTS[name]
+
+
+def server_component_class(name: str) -> type | None:
+    load_all()
+    return SERVER_COMPONENTS.get(name)
+
+
+def components_of(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """The components a run's local steps carry: its variant's, then those its host's key lists
+    (FedBR's ``fedbr-with``), in that order."""
+    load_all()
+    name = cfg["strategy"]
+    built_in = VARIANTS[name].components if name in VARIANTS else ()
+    key = getattr(client_class(name), "component_key", None)
+    return built_in + (names_list(cfg[key]) if key else ())
+
+
+def active_owners(cfg: Mapping[str, Any]) -> list[str]:
+    """The names whose keys apply to a run: its algorithm (and a variant's base), then its components."""
+    name = cfg["strategy"]
+    owners = [name] + ([_base(name)] if _base(name) != name else [])
+    return list(dict.fromkeys(owners + list(components_of(cfg))))
+
+
+def settings_of(owner: str) -> type:
+    """The Settings class of an algorithm (declared by its client or its strategy) or a component."""
+    load_all()
+    if owner in COMPONENTS:
+        return COMPONENTS[owner].Settings
+    declared = {getattr(table.get(owner), "Settings", NoSettings) for table in (CLIENTS, STRATEGIES)} - {NoSettings}
+    if len(declared) > 1:
+        raise ValueError(f"'{owner}' declares settings in both its client and its strategy: keep one declaration")
+    return declared.pop() if declared else NoSettings
+
+
+def owned_keys() -> dict[str, Key]:
+    """Every algorithm's and component's keys, tagged with their owner, in name order."""
+    load_all()
+    keys: dict[str, Key] = {}
+    for owner in sorted(set(CLIENTS) | set(STRATEGIES) | set(COMPONENTS)):
+        for key, spec in settings_of(owner).keys(owner).items():
+            if key in keys:
+                raise ValueError(f"config key '{key}' is declared by both {keys[key].owner} and {owner}")
+            keys[key] = spec
+    return keys
+
+
+def how_to_enable(owner: str) -> str:
+    """How a run gets ``owner``'s keys: 'strategy=fedprox, or strategy=fedbr fedbr-with=fedprox'."""
+    load_all()
+    ways = [f"strategy={owner}"] if owner in algorithm_names() else []
+    ways += [f"strategy={name} {key}={owner}" for name, cls in sorted(CLIENTS.items())
+             if owner in COMPONENTS and (key := getattr(cls, "component_key", None))]
+    ways += [f"strategy={name}" for name, v in sorted(VARIANTS.items()) if owner == v.base and name != owner]
+    return ", or ".join(ways) or "no strategy"

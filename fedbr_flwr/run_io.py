@@ -1,11 +1,11 @@
 """Run files: manifest.json, metrics.jsonl (one line per evaluation), rounds.jsonl (one line per
-round), summary.json / summary.md and convergence.png, all in the run's output directory."""
+round), progress.jsonl (events), summary.json / summary.md and convergence.png, all in the run's output
+directory."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import platform
 import subprocess
@@ -16,20 +16,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
-
 from .metrics import plot_history, read_jsonl, summarize, summary_table
+from .progress import Progress
 
-log = logging.getLogger("flwr")
 PACKAGES = ("flwr", "torch", "torchvision", "numpy", "ray", "mlxtend", "pyyaml", "matplotlib")
 CODE_PACKAGES = ("fedbr_flwr", "clients", "strategies", "pseudodata")
-
-
-def save_npz_atomically(path: Path, compressed: bool = False, **arrays) -> None:
-    """Write an .npz file that readers never see half-written (they may read it while a run goes on)."""
-    tmp = path.with_name(path.name + ".tmp.npz")  # np.savez appends .npz to names without it
-    (np.savez_compressed if compressed else np.savez)(tmp, **arrays)
-    tmp.replace(path)
 
 
 def resolve_output_dir(cfg: Mapping[str, Any]) -> Path:
@@ -118,6 +109,7 @@ class RunRecorder:
                 keep_rounds_up_to(p, resume_round)
         self.start = time.time() - elapsed
         self.title = f"{cfg['strategy']} on {cfg['dataset']}"
+        self.progress = Progress(out_dir, resumed=resume_round is not None)
 
     def elapsed(self) -> float:
         return time.time() - self.start
@@ -151,15 +143,16 @@ class RunRecorder:
         extras = "".join(f" | {k} {v:.4f}" for k, v in shown.items())
         failed = f" | {record['failures']} failed or rejected" if record.get("failures") else ""
         failed += " | too few updates: model unchanged" if record.get("skipped") else ""
-        log.info("[fedbr] round %d/%d%s%s | %.2f s/round", record["round"], self.cfg["num-rounds"], extras,
-                 failed, record["seconds"])
+        self.progress.emit("round", f"round {record['round']}/{self.cfg['num-rounds']}{extras}{failed} | "
+                                    f"{record['seconds']:.2f} s/round", round=record["round"])
 
     def log_eval(self, record: dict[str, Any]) -> None:
         record = {**record, "wall_time": round(self.elapsed(), 3)}
         self._append(self.metrics_path, record)
         glob = "" if record.get("global_acc") is None else f" | global {100 * record['global_acc']:.2f}%"
-        log.info("[fedbr] eval round %d | mean acc %.2f%% | worst %.2f%%%s | loss %.4f", record["round"],
-                 100 * record["mean_acc"], 100 * record["worst_acc"], glob, record["loss"])
+        self.progress.emit("eval", f"eval round {record['round']} | mean acc {100 * record['mean_acc']:.2f}% | worst "
+                                   f"{100 * record['worst_acc']:.2f}%{glob} | loss {record['loss']:.4f}",
+                           round=record["round"])
         self._write_json("summary.json", self.summary())
 
     def summary(self) -> dict[str, Any]:
@@ -172,7 +165,7 @@ class RunRecorder:
         (self.out_dir / "summary.md").write_text(summary_table(summary, self.title))
         if history:
             plot_history(history, self.out_dir / "convergence.png", self.title)
-        log.info("[fedbr] run files in %s\n%s", self.out_dir, summary_table(summary, self.title))
+        self.progress.emit("summary", f"run files in {self.out_dir}\n{summary_table(summary, self.title)}")
         return summary
 
     def _append(self, path: Path, record: dict) -> None:

@@ -10,14 +10,13 @@ from flwr.common import Context
 from flwr.server import Grid, ServerApp, ServerAppComponents, ServerConfig
 from flwr.server.compat import start_grid
 
-from strategies.base import ResumedRun
-
 from .checkpoint import load_checkpoint
-from .config import ConfigError, from_run_config, resolved_model
-from .dataset import INFO, load_global_test
-from .model import build_model
-from .registry import strategy_class
+from .config import from_run_config
+from .dataset import load_global_test
+from .errors import ConfigError
+from .registry import client_class, strategy_class
 from .run_io import RunRecorder, resolve_output_dir
+from .server.checkpointing import ResumedRun
 from .training import pick_device
 
 # The simulation's in-memory grid checks for the clients' replies every 0.1 s (Flower's default), which
@@ -48,14 +47,13 @@ def build_strategy(cfg: dict):
     if cfg["resume"]:
         checkpoint = load_checkpoint(out_dir)
         check_resumable(checkpoint[1]["config"], cfg, int(checkpoint[1]["round"]))
-    torch.manual_seed(cfg["seed"])
-    info = INFO[cfg["dataset"]]
+    torch.manual_seed(cfg["seed"])  # the initial model: what every client is sent in round 1
     device = pick_device(cfg["device"])
-    model = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size).to(device)
+    modules = {name: m.to(device) for name, m in client_class(cfg["strategy"]).build_modules(cfg).items()}
     global_test = load_global_test(cfg) if cfg["global-test"] else None
     recorder = RunRecorder(cfg, out_dir) if checkpoint is None else \
         RunRecorder(cfg, out_dir, resume_round=int(checkpoint[1]["round"]), elapsed=float(checkpoint[1]["elapsed"]))
-    strategy = strategy_class(cfg["strategy"])(cfg, recorder, model, global_test)
+    strategy = strategy_class(cfg["strategy"])(cfg, recorder, modules, global_test)
     if checkpoint is not None:
         strategy.resume_from(*checkpoint)
     return strategy

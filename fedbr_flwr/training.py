@@ -1,26 +1,19 @@
 """Flower-free training pieces shared by every algorithm: batch sampling on the device, the local
-loop, evaluation, and weight (de)serialisation."""
+loop, evaluation, optimisers and frozen copies reused across rounds, and module state as named arrays."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import resource
 import weakref
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from .dataset import ClientData, random_crop_flip
-
-
-def step_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (run seed, round, client id, ...), stable across processes."""
-    digest = hashlib.sha256(",".join(str(int(p)) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class BatchSampler:
@@ -80,28 +73,10 @@ def frozen_copy(module: nn.Module) -> nn.Module:
     return copied
 
 
-class Algorithm:
-    """One client's local optimisation, DomainBed style: ``update(x, y)`` takes one step and returns
-    scalar diagnostics. Subclasses set up their extra state in ``__init__``. Knows nothing of Flower."""
-
-    def __init__(self, model: nn.Module, cfg: dict):
-        self.model = model
-        self.cfg = cfg
-        self.optimizer = round_sgd(model, model.parameters(), cfg)
-
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def step(self, loss: torch.Tensor) -> None:
-        """One SGD step of the model on ``loss``."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-
-
-def run_local_steps(algorithm: Algorithm, sample: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+def run_local_steps(algorithm, sample: Callable[[], tuple[torch.Tensor, torch.Tensor]],
                     steps: int, precision: str = "fp32") -> dict[str, float]:
-    """K local steps; diagnostics are averaged on the device and copied to the host once.
+    """K local steps of ``algorithm`` (a ``LocalStep``); diagnostics are averaged on the device and copied to
+    the host once.
     ``precision="bf16"``: the steps run under bf16 autocast (weights and optimiser stay fp32)."""
     algorithm.model.train()
     totals: dict[str, torch.Tensor] = {}
@@ -166,24 +141,43 @@ def set_weights(modules: nn.Module | Sequence[nn.Module], weights: list[np.ndarr
             current.copy_(torch.as_tensor(new))
 
 
-def parameter_tensors(module: nn.Module, arrays: list[np.ndarray], device: torch.device | None = None
-                      ) -> list[torch.Tensor]:
-    """Arrays laid out like ``module.state_dict()`` (how the server holds SCAFFOLD's c and FedCM's Delta),
-    as tensors for ``module.parameters()``, in that order; buffers are dropped."""
-    keys = list(module.state_dict())
-    if len(arrays) != len(keys):
-        raise ValueError(f"expected {len(keys)} arrays laid out like the model's state, got {len(arrays)}")
-    by_key = dict(zip(keys, arrays))
+def module_arrays(prefix: str, module: nn.Module) -> dict[str, np.ndarray]:
+    """``{prefix/<state key>: array}`` of a module's state. Copies, never views: on CPU ``.numpy()``
+    shares memory with the live parameters."""
+    return {f"{prefix}/{k}": t.detach().cpu().numpy().copy() for k, t in module.state_dict().items()}
+
+
+def load_module_arrays(module: nn.Module, prefix: str, arrays: Mapping[str, np.ndarray]) -> None:
+    """Load ``prefix/<state key>`` arrays into a module: every key must be there, with its shape."""
+    state = module.state_dict()
+    missing = [k for k in state if f"{prefix}/{k}" not in arrays]
+    if missing:
+        raise ValueError(f"no array for {prefix}/{missing[0]} ({len(missing)} of {len(state)} missing)")
+    for key, current in state.items():
+        new = arrays[f"{prefix}/{key}"]
+        if tuple(current.shape) != tuple(new.shape):
+            raise ValueError(f"shape mismatch for '{prefix}/{key}': expected {tuple(current.shape)}, got {new.shape}")
+        current.copy_(torch.as_tensor(new))
+
+
+def parameter_tensors(module: nn.Module, prefix: str, arrays: Mapping[str, np.ndarray],
+                      device: torch.device | None = None) -> list[torch.Tensor]:
+    """Arrays named like ``module``'s state under ``prefix`` (how the server sends SCAFFOLD's c and FedCM's
+    Delta) as tensors for ``module.parameters()``, in that order; buffers are not read."""
     device = device or next(module.parameters()).device
-    return [torch.as_tensor(by_key[name], dtype=p.dtype, device=device) for name, p in module.named_parameters()]
+    missing = [name for name, _ in module.named_parameters() if f"{prefix}/{name}" not in arrays]
+    if missing:
+        raise ValueError(f"no array for {prefix}/{missing[0]} ({len(missing)} missing)")
+    return [torch.as_tensor(arrays[f"{prefix}/{name}"], dtype=p.dtype, device=device)
+            for name, p in module.named_parameters()]
 
 
-def state_arrays(module: nn.Module, tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """The inverse of ``parameter_tensors``: per-parameter tensors laid out like ``module.state_dict()``,
-    with zeros for buffers."""
+def state_arrays(module: nn.Module, prefix: str, tensors: list[torch.Tensor]) -> dict[str, np.ndarray]:
+    """The inverse of ``parameter_tensors``: per-parameter tensors named like ``module``'s state under
+    ``prefix``, with zeros for buffers."""
     by_name = {name: t for (name, _), t in zip(module.named_parameters(), tensors)}
-    return [by_name[k].detach().cpu().numpy().copy() if k in by_name else np.zeros(v.shape, dtype=np.float32)
-            for k, v in module.state_dict().items()]
+    return {f"{prefix}/{k}": by_name[k].detach().cpu().numpy().copy() if k in by_name
+            else np.zeros(v.shape, dtype=np.float32) for k, v in module.state_dict().items()}
 
 
 def peak_memory_mb(device: torch.device | str) -> dict[str, float]:

@@ -90,7 +90,7 @@ class Worker:
     """Holds one client object per (run, partition), built on first use and reused afterwards."""
 
     def __init__(self):
-        from .client_app import ClientCache
+        from .node import ClientCache
 
         self.clients = ClientCache(RUNS_KEPT)
         self.code = code_hash()

@@ -2,13 +2,12 @@
 
 ``rsm``: each pseudo-sample is the mean of M samples of ONE client, computed on that client; only
 the means leave it, and the server assembles the B of them. ``mixture``: means of a public proxy
-dataset, mixed on each client at each step with K local samples. Both are Flower-free; the FedBR
-strategy and client move them through Flower messages with ``encode``/``decode``.
+dataset, mixed on each client at each step with K local samples. Both are Flower-free: FedBR's
+client and strategy files move them (a named request for the RSM means, a broadcast for the batch).
 """
 
 from __future__ import annotations
 
-import io
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
@@ -22,16 +21,16 @@ def uniform_labels(count: int, num_classes: int) -> np.ndarray:
     return np.full((count, num_classes), 1.0 / num_classes, dtype=np.float32)
 
 
-def encode(x: np.ndarray, y: np.ndarray) -> bytes:
-    """Pseudo-data as bytes for a Flower config value (float32 arrays, no pickle)."""
-    buffer = io.BytesIO()
-    np.savez(buffer, x=np.asarray(x, dtype=np.float32), y=np.asarray(y, dtype=np.float32))
-    return buffer.getvalue()
+def pseudo_size(cfg: Mapping[str, Any]) -> int:
+    """B: the pseudo-batch size (pseudo-size, or the batch size when 0)."""
+    return cfg["pseudo-size"] or cfg["batch-size"]
 
 
-def decode(payload: bytes) -> tuple[np.ndarray, np.ndarray]:
-    with np.load(io.BytesIO(payload), allow_pickle=False) as arrays:
-        return arrays["x"], arrays["y"]
+def proxy_dataset(cfg: Mapping[str, Any]) -> str:
+    """Mixture's public dataset: proxy-dataset, or by the run's dataset when 'auto'."""
+    if cfg["proxy-dataset"] != "auto":
+        return cfg["proxy-dataset"]
+    return {"cifar10": "cifar100", "cifar100": "cifar10", "synthetic": "synthetic"}.get(cfg["dataset"], "mnist5k")
 
 
 def build(cfg: Mapping[str, Any], version: int, partition_ids: list[int],
@@ -40,11 +39,8 @@ def build(cfg: Mapping[str, Any], version: int, partition_ids: list[int],
     """The pseudo-batch (x, uniform labels) of one version. RSM: ``collect_means({pid: count}, version)`` must
     return each listed client's means, in the order of the mapping (partition order). Mixture: B means
     of M samples of ``proxy``, seeded by (seed, version)."""
-    import torch
-
-    from fedbr_flwr.config import pseudo_size
+    from fedbr_flwr import seeds
     from fedbr_flwr.dataset import INFO
-    from fedbr_flwr.training import step_seed
 
     from .rsm import allot, assemble, sample_means
 
@@ -55,7 +51,7 @@ def build(cfg: Mapping[str, Any], version: int, partition_ids: list[int],
     else:
         if proxy is None:
             raise ValueError("mixture pseudo-data needs the proxy dataset")
-        generator = torch.Generator().manual_seed(step_seed(cfg["seed"], version, 103))
+        generator = seeds.torch_generator("mixture-means", cfg["seed"], version)
         x = sample_means(proxy, size, cfg["pseudo-m"], generator).numpy()
     if len(x) != size:
         raise RuntimeError(f"pseudo-data has {len(x)} samples, {size} were asked for")

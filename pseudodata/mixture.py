@@ -8,8 +8,9 @@ from typing import Any, Mapping
 import torch
 from torch.nn import functional as F
 
-from fedbr_flwr.config import proxy_dataset
 from fedbr_flwr.dataset import INFO, load_mnist5k, load_raw, normalise, to_float
+
+from . import proxy_dataset
 
 
 def load_proxy(cfg: Mapping[str, Any]) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedbr_flwr import seeds
+
 
 def allot(total: int, partition_ids: list[int], seed: int, version: int) -> dict[int, int]:
     """How many means each client contributes so that there are exactly ``total``: an equal share,
@@ -14,7 +16,7 @@ def allot(total: int, partition_ids: list[int], seed: int, version: int) -> dict
         raise ValueError("no clients to build pseudo-data from")
     base, extra = divmod(total, len(pids))
     counts = {pid: base for pid in pids}
-    rng = np.random.default_rng([seed, 7, version])
+    rng = seeds.rng("rsm-allotment", seed, version)
     for pid in rng.choice(pids, size=extra, replace=False):
         counts[int(pid)] += 1
     return counts

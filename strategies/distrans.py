@@ -9,33 +9,63 @@ each client's returned offset is aggregated by ``distrans-agg``:
 * ``auto``: DH (distributional heterogeneity) of the clients' reported class histograms picks
   ``none`` at DH >= ``distrans-dh-threshold`` and ``nn`` below.
 
-Message layout: fit and evaluate instructions carry the model arrays, then client i's offset when
-the server has one for it; clients return the model arrays, then their offset.
+Messages: fit and evaluate instructions carry the model's arrays and, when the server has one for it,
+client i's offset as 'offset'; clients return the model's arrays and their offset.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.common import Parameters, ndarray_to_bytes
+from torch import nn
 from torch.nn import functional as F
 
-from clients.distrans import offset_shape
-from fedbr_flwr.checkpoint import flatten, unflatten
-from fedbr_flwr.config import ConfigError
+from fedbr_flwr import codec
 from fedbr_flwr.dataset import INFO, DatasetInfo, normalise
-from fedbr_flwr.model import OffsetGenerator, WithOffset
+from fedbr_flwr.errors import ConfigError
 from fedbr_flwr.partition import heterogeneity_from_counts
 from fedbr_flwr.registry import register_strategy
-from fedbr_flwr.run_io import save_npz_atomically
-from fedbr_flwr.training import get_weights, set_weights
+from fedbr_flwr.server.updates import weighted_mean
+from fedbr_flwr.training import load_module_arrays, module_arrays
 
-from .base import FederatedStrategy, weighted_mean
+from .base import FederatedStrategy
 
-log = logging.getLogger("flwr")
+OFFSET = "offset"  # as the clients name it (clients/distrans.py)
+
+
+# ---------------------------------------------------------------- the offset aggregation network
+
+
+class OffsetGenerator(nn.Module):
+    """DisTrans' server-side aggregation network h(e) -> offset: a small MLP on the class-share
+    embedding e, then a generator of four conv layers (two transposed, stride 2) with a Tanh output,
+    cropped to the input shape and mapped affinely from [-1, 1] onto [low, high] per channel."""
+
+    def __init__(self, num_classes: int, in_channels: int, image_size: int, width: int = 64,
+                 low: torch.Tensor | None = None, high: torch.Tensor | None = None):
+        super().__init__()
+        self.base = -(-image_size // 4)  # ceil: two stride-2 upsamplings reach at least image_size
+        self.width = width
+        self.image_size = image_size
+        self.mlp = nn.Sequential(nn.Linear(num_classes, 128), nn.ReLU(),
+                                 nn.Linear(128, width * self.base * self.base), nn.ReLU())
+        self.generator = nn.Sequential(
+            nn.ConvTranspose2d(width, width // 2, 4, stride=2, padding=1), nn.ReLU(),
+            nn.ConvTranspose2d(width // 2, width // 4, 4, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(width // 4, width // 4, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(width // 4, in_channels, 3, padding=1), nn.Tanh(),
+        )
+        low = torch.full((in_channels, 1, 1), -1.0) if low is None else low.reshape(in_channels, 1, 1)
+        high = torch.full((in_channels, 1, 1), 1.0) if high is None else high.reshape(in_channels, 1, 1)
+        self.register_buffer("center", (high + low) / 2)
+        self.register_buffer("half_range", (high - low) / 2)
+
+    def forward(self, e: torch.Tensor) -> torch.Tensor:
+        h = self.mlp(e).view(len(e), self.width, self.base, self.base)
+        unit = self.generator(h)[..., :self.image_size, :self.image_size]
+        return self.center + self.half_range * unit
 
 
 # ---------------------------------------------------------------- the aggregation rule (Flower-free)
@@ -119,17 +149,17 @@ class OffsetAggregator:
         return {pid: out[pid] for pid in range(len(out))}
 
 
-# ---------------------------------------------------------------- the Flower strategy
+# ---------------------------------------------------------------- the strategy
 
 
 @register_strategy("distrans")
 class DisTransStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, model, global_test):
-        super().__init__(cfg, recorder, model, global_test)  # self.model: the double-input model
+    def __init__(self, cfg, recorder, modules, global_test):
+        super().__init__(cfg, recorder, modules, global_test)  # self.model: the double-input model
         self.info = INFO[cfg["dataset"]]
         # built right after the seeded model, so that it is seeded too; unused when auto picks none
         self.network = build_offset_network(self.info).to(self._device()) \
-            if cfg["distrans-agg"] in ("nn", "auto") else None
+            if self.settings.agg in ("nn", "auto") else None
         self.aggregator: OffsetAggregator | None = None  # needs the class histograms: built at discovery
         self.returned_offsets: dict[int, np.ndarray] = {}  # the last offset each client sent
         self.next_offsets: dict[int, np.ndarray] = {}  # what each client receives next (avg, nn)
@@ -138,32 +168,28 @@ class DisTransStrategy(FederatedStrategy):
         return next(self.model.parameters()).device
 
     def after_discovery(self) -> dict[str, Any]:
-        counts = self.class_count_matrix()
+        counts = self.federation.class_count_matrix()
         if counts is None:
             raise ConfigError("DisTrans needs every client's class histogram ('class-counts' in its properties)")
         dh = heterogeneity_from_counts(counts)
-        mode = resolve_mode(self.cfg["distrans-agg"], dh, self.cfg["distrans-dh-threshold"])
-        self.aggregator = OffsetAggregator(mode, class_shares(counts), self.network, self.cfg["distrans-nn-lr"],
-                                           self.cfg["distrans-nn-steps"])
-        log.info("[fedbr] DisTrans: distributional heterogeneity DH = %.1f%%; offset aggregation '%s' "
-                 "(distrans-agg = %s, threshold %.0f%%)", 100 * dh, mode, self.cfg["distrans-agg"],
-                 100 * self.cfg["distrans-dh-threshold"])
-        return {"distrans": {"dh": dh, "offset_agg": mode, "distrans_agg_setting": self.cfg["distrans-agg"]}}
+        s = self.settings
+        mode = resolve_mode(s.agg, dh, s.dh_threshold)
+        self.aggregator = OffsetAggregator(mode, class_shares(counts), self.network, s.nn_lr, s.nn_steps)
+        self.recorder.progress.emit("info", f"DisTrans: distributional heterogeneity DH = {100 * dh:.1f}%; offset "
+                                            f"aggregation '{mode}' (distrans-agg = {s.agg}, threshold "
+                                            f"{100 * s.dh_threshold:.0f}%)")
+        return {"distrans": {"dh": dh, "offset_agg": mode, "distrans_agg_setting": s.agg}}
 
-    def aggregate(self, arrays: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
-        n = self.num_model_arrays
-        bad = [pid for pid, a in zip(self.result_pids, arrays) if len(a) != n + 1]
-        if bad:
-            raise ValueError(f"DisTrans clients {bad} did not return {n} model arrays + 1 offset")
-        offsets = {pid: a[n] for pid, a in zip(self.result_pids, arrays)}
+    def aggregate(self, updates, weights):
+        offsets = {u.pid: u.arrays[OFFSET] for u in updates}
         self.returned_offsets.update(offsets)
-        nxt, self.server_metrics = self.aggregator.update(offsets, dict(zip(self.result_pids, weights)))
+        nxt, self.server_metrics = self.aggregator.update(offsets, {u.pid: w for u, w in zip(updates, weights)})
         self.next_offsets.update(nxt)
         self.save_offsets()
-        return weighted_mean([a[:n] for a in arrays], weights)
+        return super().aggregate(updates, weights)
 
-    def returned_extra_shapes(self):
-        return [offset_shape(self.info)]
+    def client_arrays(self, pid):
+        return {OFFSET: self.next_offsets[pid].astype(np.float32)} if pid in self.next_offsets else {}
 
     def checkpoint_state(self):
         """Offsets (returned and next), and the aggregation network's weights (plain SGD keeps no optimiser state)."""
@@ -171,7 +197,7 @@ class DisTransStrategy(FederatedStrategy):
         state.update({f"distrans/returned/{pid}": t for pid, t in self.returned_offsets.items()})
         state.update({f"distrans/next/{pid}": t for pid, t in self.next_offsets.items()})
         if self.network is not None:
-            state.update(flatten("distrans/network", get_weights(self.network)))
+            state.update(module_arrays("distrans/network", self.network))
         return state
 
     def restore_state(self, arrays):
@@ -180,25 +206,20 @@ class DisTransStrategy(FederatedStrategy):
             prefix = f"distrans/{name}/"
             target.update({int(k[len(prefix):]): v for k, v in arrays.items() if k.startswith(prefix)})
         if self.network is not None:
-            set_weights(self.network, unflatten(arrays, "distrans/network"))
+            load_module_arrays(self.network, "distrans/network", arrays)
 
     def save_offsets(self) -> None:
         """offsets.npz in the run folder: each client's last returned offset (``returned_<i>``) and,
         under avg / nn, the offset it receives next (``next_<i>``); rewritten every round."""
         arrays = {f"returned_{pid}": t for pid, t in sorted(self.returned_offsets.items())}
         arrays.update({f"next_{pid}": t for pid, t in sorted(self.next_offsets.items())})
-        save_npz_atomically(self.recorder.out_dir / "offsets.npz", **arrays)
-
-    def client_parameters(self, parameters: Parameters, pid: int) -> Parameters:
-        if pid not in self.next_offsets:
-            return parameters
-        offset = ndarray_to_bytes(self.next_offsets[pid].astype(np.float32))
-        return Parameters(tensors=[*parameters.tensors, offset], tensor_type=parameters.tensor_type)
+        codec.write(self.recorder.out_dir / "offsets.npz", arrays)
 
     def global_test_module(self) -> torch.nn.Module:
         """The global test set has no client: it is seen through the mean of the clients' latest offsets."""
         if self.returned_offsets:
             t = np.mean(np.stack(list(self.returned_offsets.values())), axis=0)
         else:
-            t = np.zeros(offset_shape(self.info), dtype=np.float32)
-        return WithOffset(self.model, torch.as_tensor(t, dtype=torch.float32, device=self._device()))
+            t = np.zeros(self.returned_shapes()[OFFSET], dtype=np.float32)
+        t = torch.as_tensor(t, dtype=torch.float32, device=self._device())
+        return self.client_class.with_offset(self.model, t)

@@ -9,4 +9,4 @@ from .base import FederatedStrategy
 
 @register_strategy("fedavg")
 class FedAvgStrategy(FederatedStrategy):
-    """``FederatedStrategy.aggregate`` is already the weighted mean of every array."""
+    """``FederatedStrategy``'s hooks are FedAvg's; algorithms without a strategy file use this one."""

@@ -1,62 +1,40 @@
-"""FedCM's server: FedAvg of the model, plus the global update direction
-Delta = (x_round_start - x_new) / (lr K) (the mean client step, in gradient units; zero before the
-first round), sent after the model with the next fit instructions. ``GlobalMomentumMixin`` adds this to
-any strategy: FedBR uses it for fedbr-with=fedcm."""
+"""FedCM's server part: the global update direction Delta = (x_round_start - x_new) / (lr K) over the
+model's arrays (the mean client step, in gradient units; zero before the first round), sent to every
+sampled client as 'fedcm-delta/<key>'. A server component: with ``strategy=fedcm`` it rides on FedAvg's
+strategy, with ``fedbr-with=fedcm`` on FedBR's."""
 
 from __future__ import annotations
 
 import numpy as np
-from flwr.common import parameters_to_ndarrays
 
-from fedbr_flwr.checkpoint import flatten, unflatten
-from fedbr_flwr.registry import register_strategy
-from fedbr_flwr.training import get_weights
+from fedbr_flwr.registry import register_server_component
+from fedbr_flwr.server.components import ServerComponent
 
-from .base import FederatedStrategy
-
-
-def global_update_direction(start: list[np.ndarray], new: list[np.ndarray], lr: float, steps: int
-                            ) -> list[np.ndarray]:
-    return [((s - n) / (lr * steps)).astype(s.dtype) for s, n in zip(start, new)]
+DELTA = "fedcm-delta"  # as the clients read it (clients/fedcm.py)
+MODEL = "model/"
 
 
-class GlobalMomentumMixin:
-    """For a FederatedStrategy: keeps Delta over the model's arrays when ``momentum_on``."""
-    momentum_on = False
+def global_update_direction(start: np.ndarray, new: np.ndarray, lr: float, steps: int) -> np.ndarray:
+    return ((start - new) / (lr * steps)).astype(start.dtype)
 
-    def init_momentum(self) -> None:
-        self.momentum = [np.zeros_like(a) for a in get_weights(self.model)]
-        self.round_start: list[np.ndarray] = []
 
-    def configure_fit(self, server_round, parameters, client_manager):
-        if self.momentum_on:
-            self.round_start = parameters_to_ndarrays(parameters)[:self.num_model_arrays]
-        return super().configure_fit(server_round, parameters, client_manager)
+@register_server_component("fedcm")
+class GlobalDirection(ServerComponent):
+    def __init__(self, cfg, global_arrays):
+        super().__init__(cfg, global_arrays)
+        self.delta = {name[len(MODEL):]: np.zeros_like(a) for name, a in global_arrays.items() if name.startswith(MODEL)}
+        self.round_start: dict[str, np.ndarray] = {}
 
-    def fit_extras(self) -> list[np.ndarray]:
-        return self.momentum if self.momentum_on else super().fit_extras()
+    def round_arrays(self, server_round, global_arrays):
+        self.round_start = {key: global_arrays[MODEL + key] for key in self.delta}
+        return {f"{DELTA}/{key}": d for key, d in self.delta.items()}
+
+    def after_aggregate(self, new_global):
+        self.delta = {key: global_update_direction(self.round_start[key], new_global[MODEL + key], self.cfg["lr"],
+                                                   self.cfg["local-steps"]) for key in self.delta}
 
     def checkpoint_state(self):
-        state = super().checkpoint_state()
-        return {**state, **flatten("fedcm/momentum", self.momentum)} if self.momentum_on else state
+        return {f"fedcm/delta/{key}": d for key, d in self.delta.items()}
 
     def restore_state(self, arrays):
-        super().restore_state(arrays)
-        if self.momentum_on:
-            self.momentum = unflatten(arrays, "fedcm/momentum")
-
-    def aggregate(self, arrays, weights):
-        new = super().aggregate(arrays, weights)
-        if self.momentum_on:
-            self.momentum = global_update_direction(self.round_start, new[:self.num_model_arrays], self.cfg["lr"],
-                                                    self.cfg["local-steps"])
-        return new
-
-
-@register_strategy("fedcm")
-class FedCMStrategy(GlobalMomentumMixin, FederatedStrategy):
-    momentum_on = True
-
-    def __init__(self, cfg, recorder, model, global_test):
-        super().__init__(cfg, recorder, model, global_test)
-        self.init_momentum()
+        self.delta = {key: arrays[f"fedcm/delta/{key}"] for key in self.delta}

@@ -1,14 +1,24 @@
 """GroupDRO in FL: the server keeps a weight p_i per client (uniform at first). After each round,
 p_i <- p_i exp(eta loss_i) for every client that answered (loss_i: its mean training loss over the
-round's local steps), then p is normalised, and the round's models are averaged with weights p_i."""
+round's local steps), then p is normalised, and the round's models are averaged with weights p_i.
+A server-only algorithm: its settings are declared here, its clients are FedAvg's."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.settings import NON_NEGATIVE, Settings, setting
 
 from .base import FederatedStrategy
+
+
+@dataclass(frozen=True)
+class GroupDROSettings(Settings):
+    eta: float = setting("groupdro-eta", 0.01, "GroupDRO: server weight step p_i <- p_i exp(eta loss_i)",
+                         check=NON_NEGATIVE)
 
 
 class ClientWeights:
@@ -26,8 +36,10 @@ class ClientWeights:
 
 @register_strategy("groupdro")
 class GroupDROStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, model, global_test):
-        super().__init__(cfg, recorder, model, global_test)
+    Settings = GroupDROSettings
+
+    def __init__(self, cfg, recorder, modules, global_test):
+        super().__init__(cfg, recorder, modules, global_test)
         self.client_weights: ClientWeights | None = None  # sized at discovery
 
     def checkpoint_state(self):
@@ -37,12 +49,12 @@ class GroupDROStrategy(FederatedStrategy):
     def restore_state(self, arrays):
         super().restore_state(arrays)
         if "groupdro/p" in arrays:
-            self.client_weights = ClientWeights(self.cfg["num-clients"], self.cfg["groupdro-eta"])
+            self.client_weights = ClientWeights(self.cfg["num-clients"], self.settings.eta)
             self.client_weights.p = arrays["groupdro/p"].astype(np.float64).copy()
 
-    def aggregation_weights(self, results):
+    def aggregation_weights(self, updates):
         if self.client_weights is None:
-            self.client_weights = ClientWeights(self.cfg["num-clients"], self.cfg["groupdro-eta"])
-        self.client_weights.update({int(res.metrics["partition-id"]): float(res.metrics["loss"]) for res in results})
+            self.client_weights = ClientWeights(self.cfg["num-clients"], self.settings.eta)
+        self.client_weights.update({u.pid: float(u.metrics["loss"]) for u in updates})
         self.server_metrics = {f"p-{pid}": float(p) for pid, p in enumerate(self.client_weights.p)}
-        return [float(self.client_weights.p[int(res.metrics["partition-id"])]) for res in results]
+        return [float(self.client_weights.p[u.pid]) for u in updates]

@@ -1,48 +1,44 @@
-"""SCAFFOLD's server: the model is averaged (global lr 1); the server control variate c, laid out
-like the model's state and zero at first, is sent after the model to every sampled client and moves
-by the clients' returned changes: c <- c + (1/N) sum_{i in S} Delta c_i, N = all clients."""
+"""SCAFFOLD's server: the model is averaged (global lr 1); the server control variate c, named like the
+model's state and zero at first, is sent to every sampled client as 'control/<key>' and moves by the
+clients' returned changes ('control-delta/<key>'): c <- c + (1/N) sum_{i in S} Delta c_i, N = all clients."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from fedbr_flwr.checkpoint import flatten, unflatten
 from fedbr_flwr.registry import register_strategy
-from fedbr_flwr.training import get_weights
 
-from .base import FederatedStrategy, weighted_mean
+from .base import FederatedStrategy
+
+CONTROL, CONTROL_DELTA = "control", "control-delta"  # as the clients name them (clients/scaffold.py)
+MODEL = "model/"
 
 
-def update_server_control(control: list[np.ndarray], deltas: list[list[np.ndarray]], num_clients: int
-                          ) -> list[np.ndarray]:
+def update_server_control(control: np.ndarray, deltas: list[np.ndarray], num_clients: int) -> np.ndarray:
     """c + sum_i Delta c_i / N (Karimireddy et al. 2020, Algorithm 1 line 17)."""
-    return [(c + sum(d[k] for d in deltas) / num_clients).astype(c.dtype) for k, c in enumerate(control)]
+    return (control + sum(deltas) / num_clients).astype(control.dtype)
 
 
 @register_strategy("scaffold")
 class ScaffoldStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, model, global_test):
-        super().__init__(cfg, recorder, model, global_test)
-        self.control = [np.zeros_like(a) for a in get_weights(self.model)]
+    def __init__(self, cfg, recorder, modules, global_test):
+        super().__init__(cfg, recorder, modules, global_test)
+        self.control = {name[len(MODEL):]: np.zeros_like(a) for name, a in self.initial_arrays().items()
+                        if name.startswith(MODEL)}
 
-    def fit_extras(self) -> list[np.ndarray]:
-        return self.control
+    def round_arrays(self, server_round, global_arrays):
+        return {**super().round_arrays(server_round, global_arrays),
+                **{f"{CONTROL}/{key}": c for key, c in self.control.items()}}
 
-    def returned_extra_shapes(self):
-        return [c.shape for c in self.control]
+    def aggregate(self, updates, weights):
+        self.control = {key: update_server_control(c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in updates],
+                                                   self.cfg["num-clients"]) for key, c in self.control.items()}
+        self.server_metrics = {"control-norm": float(np.sqrt(sum(float((c ** 2).sum()) for c in self.control.values())))}
+        return super().aggregate(updates, weights)
 
     def checkpoint_state(self):
-        return {**super().checkpoint_state(), **flatten("scaffold/control", self.control)}
+        return {**super().checkpoint_state(), **{f"scaffold/control/{key}": c for key, c in self.control.items()}}
 
     def restore_state(self, arrays):
         super().restore_state(arrays)
-        self.control = unflatten(arrays, "scaffold/control")
-
-    def aggregate(self, arrays: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
-        n = self.num_model_arrays
-        bad = [pid for pid, a in zip(self.result_pids, arrays) if len(a) != 2 * n]
-        if bad:
-            raise ValueError(f"SCAFFOLD clients {bad} did not return {n} model arrays + {n} control-variate changes")
-        self.control = update_server_control(self.control, [a[n:] for a in arrays], self.cfg["num-clients"])
-        self.server_metrics = {"control-norm": float(np.sqrt(sum(float((c ** 2).sum()) for c in self.control)))}
-        return weighted_mean([a[:n] for a in arrays], weights)
+        self.control = {key: arrays[f"scaffold/control/{key}"] for key in self.control}

@@ -68,7 +68,7 @@ CASES: dict[str, dict] = {
     "fedbr+fedcm": {"strategy": "fedbr", "fedbr-with": "fedcm"},
     "fedbr+feddecorr": {"strategy": "fedbr", "fedbr-with": "feddecorr"},
     "fedbr+fedntd": {"strategy": "fedbr", "fedbr-with": "fedntd"},
-    "fedbr+mixup": {"strategy": "fedbr", "mixup": True},
+    "fedbr+mixup": {"strategy": "fedbr", "fedbr-with": "mixup"},  # recorded as mixup=true, the key it replaced
 }
 
 # resumed after round 2 of 4 (stopped after round 3), with fresh strategy, clients and node states
@@ -98,13 +98,16 @@ def case_config(settings: dict) -> dict:
 
 
 def global_arrays(parameters) -> list[np.ndarray]:
-    """The global arrays a Parameters object carries, in order."""
-    return parameters_to_ndarrays(parameters)
+    """The global arrays a Parameters object carries, in order (since the restructuring, by name:
+    'model/...', then 'head/...' or 'discriminator/...', the order they were recorded in)."""
+    from fedbr_flwr.payload import from_parameters
+
+    return list(from_parameters(parameters).values())
 
 
 def build_server(cfg: dict, out: Path):
+    from fedbr_flwr.server.checkpointing import ResumedRun
     from fedbr_flwr.server_app import build_strategy
-    from strategies.base import ResumedRun
 
     strategy = build_strategy({**cfg, "output-dir": str(out)})
     done = strategy.resumed_round
@@ -114,7 +117,7 @@ def build_server(cfg: dict, out: Path):
 def build_clients(cfg: dict) -> list:
     from flwr.common import RecordDict
 
-    from fedbr_flwr.client_app import build_client
+    from fedbr_flwr.node import build_client
 
     n = cfg["num-clients"]
     return [build_client(cfg, {"partition-id": pid, "num-partitions": n}, RecordDict()) for pid in range(n)]

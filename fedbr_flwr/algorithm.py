@@ -1,0 +1,346 @@
+"""What every algorithm's client side is made of, Flower-free (``clients/<name>.py`` subclass these):
+
+* ``LocalStep``: one client's local optimisation over one round, DomainBed style: ``update(x, y)``
+  takes one step and returns scalar diagnostics;
+* ``LocalComponent``: a local piece another algorithm's step can carry (a batch transform, extra loss
+  terms, a change of the gradient): FedBR's combinations and the FedAvg-based baselines;
+* ``ClientAlgorithm``: the model an algorithm trains (the server builds the same one, through the
+  registry), what it receives and returns by name, what it keeps between rounds, the requests it
+  answers, and the local step of a round;
+* ``NodeState``: a client's own state between messages (Flower's per-node ``context.state`` on a node,
+  ``MemoryState`` in tests and the bare benchmark loop).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from . import codec, seeds
+from .broadcast import receive_shared
+from .config import resolved_model
+from .dataset import INFO, ClientData, make_partition
+from .model import build_model
+from .registry import component_class, components_of
+from .settings import NoSettings, Settings
+from .training import (BatchSampler, compile_features, evaluate, load_module_arrays, module_arrays, peak_memory_mb,
+                       round_sgd, run_local_steps)
+
+Named = dict[str, np.ndarray]
+RESTORED_KEY = "client-state-restored"
+
+
+# ---------------------------------------------------------------- a client's own state
+
+
+class NodeState:
+    """A client's state between messages, by key: named arrays and small metadata."""
+
+    def arrays(self, key: str) -> Named | None:
+        raise NotImplementedError
+
+    def put_arrays(self, key: str, arrays: Named) -> None:
+        raise NotImplementedError
+
+    def meta(self, key: str) -> dict | None:
+        raise NotImplementedError
+
+    def put_meta(self, key: str, values: dict) -> None:
+        raise NotImplementedError
+
+
+class MemoryState(NodeState):
+    def __init__(self):
+        self.records: dict[str, Any] = {}
+
+    def arrays(self, key):
+        return dict(self.records[key]) if key in self.records else None
+
+    def put_arrays(self, key, arrays):
+        self.records[key] = {k: np.array(v, copy=True) for k, v in arrays.items()}
+
+    def meta(self, key):
+        return dict(self.records[key]) if key in self.records else None
+
+    def put_meta(self, key, values):
+        self.records[key] = dict(values)
+
+
+# ---------------------------------------------------------------- local steps and their components
+
+
+@dataclass
+class Batch:
+    """A local batch. Mixup leaves targets ``y`` and ``y_b`` mixed with weight ``lam``."""
+    x: torch.Tensor
+    y: torch.Tensor
+    y_b: torch.Tensor | None = None
+    lam: float = 1.0
+
+    def cross_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.y_b is None:
+            return F.cross_entropy(logits, self.y)
+        return self.lam * F.cross_entropy(logits, self.y) + (1.0 - self.lam) * F.cross_entropy(logits, self.y_b)
+
+
+@dataclass
+class StepView:
+    """What a component's loss terms may read: the batch, the local features and logits, the parameters."""
+    batch: Batch
+    features: torch.Tensor
+    logits: torch.Tensor
+    params: list[torch.Tensor]
+
+
+@dataclass
+class RoundContext:
+    """What a component may use when a round starts: the model as received, the arrays the server sent
+    beside it, and the round's seed streams."""
+    model: nn.Module
+    received: Named
+    seed: Callable[[str], int]
+    device: torch.device
+
+
+class LocalComponent:
+    """A local piece other algorithms' steps can carry, registered with ``register_component``. One
+    object per client, reused every round."""
+    name = ""  # set by register_component
+    Settings: type[Settings] = NoSettings
+    accepts: tuple[str, ...] = ()  # names of arrays it takes from the server (FedCM: "fedcm-delta/")
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.settings = self.Settings.from_config(cfg)
+
+    def start_round(self, ctx: RoundContext) -> None:
+        """Per-round set-up before the first step (a teacher copy, the server's direction, a sampler)."""
+
+    def transform(self, batch: Batch) -> Batch:
+        return batch
+
+    def terms(self, view: StepView) -> list[tuple[str, float, torch.Tensor]]:
+        """(name, weight, value) of each loss term it adds."""
+        return []
+
+    def adjust_gradients(self, params: list[torch.Tensor]) -> None:
+        """Change the gradients of ``params`` in place after the backward pass."""
+
+
+class LocalStep:
+    """One client's local optimisation over one round: ``update(x, y)`` takes one step and returns scalar
+    diagnostics. Subclasses set up their extra state in ``__init__``; the SGD optimiser over the model
+    is built (or reused) with its state empty."""
+
+    def __init__(self, model: nn.Module, cfg: dict, components: list[LocalComponent] = ()):
+        self.model = model
+        self.cfg = cfg
+        self.components = list(components)
+        self.optimizer = round_sgd(model, model.parameters(), cfg)
+
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def step(self, loss: torch.Tensor) -> None:
+        """One SGD step of the model on ``loss``."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+
+    def transform(self, batch: Batch) -> Batch:
+        for component in self.components:
+            batch = component.transform(batch)
+        return batch
+
+    def add_terms(self, total: torch.Tensor, terms: dict[str, torch.Tensor], view: StepView) -> torch.Tensor:
+        """``total`` plus each component's weighted terms, in component order (recorded in ``terms``)."""
+        for component in self.components:
+            for name, weight, value in component.terms(view):
+                terms[name] = value
+                total = total + weight * value
+        return total
+
+    def adjust_gradients(self, params: list[torch.Tensor]) -> None:
+        for component in self.components:
+            component.adjust_gradients(params)
+
+
+# ---------------------------------------------------------------- an algorithm's client side
+
+
+class ClientAlgorithm:
+    """The client side of one algorithm. Subclasses (one per ``clients/<name>.py``, registered with
+    ``register_client``) override ``make_step`` and, as needed, the model classmethods and the hooks."""
+    name = ""  # set by register_client
+    Settings: type[Settings] = NoSettings
+    state_keys: tuple[str, ...] = ()  # its records in the node state, saved in checkpoints
+    accepts: tuple[str, ...] = ()  # prefixes of arrays it takes beside its modules' (SCAFFOLD: "control/")
+    component_key: str | None = None  # the setting that lists components to carry (FedBR: fedbr-with)
+    seed_streams: dict[str, str] = {}  # a component's stream -> this algorithm's (FedBR: mixup -> fedbr-mixup)
+
+    # ------------------------------------------------------------ the model (the server builds the same)
+    @classmethod
+    def build_model(cls, backbone: nn.Module, cfg: dict) -> nn.Module:
+        """The model this algorithm trains and the server averages, built around the backbone."""
+        return backbone
+
+    @classmethod
+    def extra_modules(cls, model: nn.Module, cfg: dict) -> dict[str, nn.Module]:
+        """Modules trained and averaged beside the model (FedBR's head), each sent as '<name>/<key>'."""
+        return {}
+
+    @classmethod
+    def predictor(cls, model: nn.Module, cfg: dict) -> nn.Module:
+        """What predicts the dataset's classes from an input (VHL: the real classes' logits only)."""
+        return model
+
+    @classmethod
+    def returned_shapes(cls, model: nn.Module, cfg: dict) -> dict[str, tuple[int, ...]]:
+        """Arrays each client returns beside its modules' (SCAFFOLD's change of c_i, DisTrans' offset)."""
+        return {}
+
+    @classmethod
+    def build_modules(cls, cfg: dict, compile: bool = False) -> dict[str, nn.Module]:
+        """{"model": ..., **extra_modules}, drawn from torch's RNG in this order (the server seeds it first)."""
+        info = INFO[cfg["dataset"]]
+        backbone = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size)
+        if compile:
+            compile_features(backbone)
+        model = cls.build_model(backbone, cfg)
+        return {"model": model, **cls.extra_modules(model, cfg)}
+
+    def __init__(self, cfg: dict, data: ClientData, device: torch.device | str, state: NodeState | None = None):
+        self.cfg = cfg
+        self.data = data
+        self.pid = data.partition_id
+        self.device = torch.device(device)
+        self.state = state if state is not None else MemoryState()
+        self.settings = self.Settings.from_config(cfg)
+        self.modules = {k: m.to(self.device) for k, m in self.build_modules(cfg, cfg["compile"]).items()}
+        self.model = self.modules["model"]
+        self.components = [component_class(name)(cfg) for name in components_of(cfg)]
+        self.received: Named = {}  # what the server sent beside the modules' arrays this message
+        self.shared_versions: dict[str, int] = {}  # broadcast data used this round (reported back)
+
+    # ------------------------------------------------------------ hooks for algorithms
+    def make_step(self, server_round: int, config: dict) -> LocalStep:
+        raise NotImplementedError
+
+    def after_fit(self, step: LocalStep) -> tuple[Named, dict[str, float]]:
+        """Arrays returned beside the modules', and metrics beside the step's; also where per-client state
+        is kept for the next round."""
+        return {}, {}
+
+    def after_evaluate(self) -> None:
+        """Called after the local test set was evaluated (DisTrans keeps a server-sent offset)."""
+
+    def eval_module(self) -> nn.Module:
+        """What predicts on the local test set (DisTrans: the model with this client's offset)."""
+        return self.predictor(self.model, self.cfg)
+
+    def requests(self) -> dict[str, Callable[[dict], Named]]:
+        """The named requests it answers besides 'client-state' (FedBR: 'rsm-means')."""
+        return {}
+
+    # ------------------------------------------------------------ helpers for algorithms
+    def start_components(self, server_round: int) -> list[LocalComponent]:
+        """Its components, set up for this round (with the round's seed streams)."""
+        def stream_seed(stream: str) -> int:
+            return seeds.seed(self.seed_streams.get(stream, stream), self.cfg["seed"], server_round, self.pid)
+
+        ctx = RoundContext(self.model, self.received, stream_seed, self.device)
+        for component in self.components:
+            component.start_round(ctx)
+        return self.components
+
+    def shared(self, name: str, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The server's broadcast data ``name`` (FedBR's pseudo-data, FedMix's means, VHL's virtual data)
+        on this client's device; the version used is reported with the fit result."""
+        x, y, self.shared_versions[name] = receive_shared(self.state, name, config, self.pid)
+        return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
+
+    # ------------------------------------------------------------ what the node calls
+    def properties(self) -> dict[str, Any]:
+        _, phash = make_partition(self.cfg)
+        counts = torch.bincount(self.data.y_train, minlength=self.data.num_classes).tolist()
+        return {"partition-id": self.pid, "num-partitions": self.cfg["num-clients"], "partition-hash": phash,
+                "num-train": len(self.data.y_train), "num-test": len(self.data.y_test),
+                "class-counts": ",".join(map(str, counts))}
+
+    def weights(self) -> Named:
+        return {name: a for prefix, m in self.modules.items() for name, a in module_arrays(prefix, m).items()}
+
+    def receive(self, arrays: Named) -> None:
+        """Load the modules' arrays; keep what else the server sent in ``self.received``."""
+        for prefix, module in self.modules.items():
+            try:
+                load_module_arrays(module, prefix, arrays)
+            except ValueError as exc:
+                raise ValueError(f"client {self.pid} ({self.cfg['strategy']}): {exc}") from None
+        own = {f"{p}/{k}" for p, m in self.modules.items() for k in m.state_dict()}
+        self.received = {k: v for k, v in arrays.items() if k not in own}
+        accepted = self.accepts + tuple(p for c in self.components for p in c.accepts)
+        unexpected = [k for k in self.received if not k.startswith(accepted)]
+        if unexpected:
+            raise ValueError(f"client {self.pid} ({self.cfg['strategy']}) does not take arrays "
+                             f"{', '.join(unexpected[:5])}")
+
+    def fit(self, arrays: Named, config: dict) -> tuple[Named, int, dict]:
+        self.restore_state(config)
+        self.receive(arrays)
+        server_round = int(config["server-round"])
+        step = self.make_step(server_round, config)
+        sampler = BatchSampler(self.data, self.cfg["batch-size"],
+                               seeds.seed("batches", self.cfg["seed"], server_round, self.pid))
+        start = time.perf_counter()
+        stats = run_local_steps(step, sampler, self.cfg["local-steps"], self.cfg["precision"])
+        seconds = time.perf_counter() - start
+        returned, extra = self.after_fit(step)
+        metrics = {**stats, "partition-id": self.pid, "fit-seconds": seconds, **peak_memory_mb(self.device),
+                   **{f"{name}-version": v for name, v in self.shared_versions.items()}, **extra}
+        return {**self.weights(), **returned}, len(self.data.y_train), metrics
+
+    def evaluate(self, arrays: Named, config: dict) -> tuple[float, int, dict]:
+        self.restore_state(config)
+        self.receive(arrays)
+        loss, acc = evaluate(self.eval_module(), self.data.x_test, self.data.y_test)
+        self.after_evaluate()
+        return loss, len(self.data.y_test), {"accuracy": acc, "partition-id": self.pid}
+
+    def answer(self, config: dict) -> Named:
+        """The arrays asked for by a named request (``config["request"]``)."""
+        name = str(config.get("request", ""))
+        if name == "client-state":
+            return {"state": codec.to_uint8(self.export_state())}
+        handlers = self.requests()
+        if name not in handlers:
+            raise ValueError(f"client {self.pid} ({self.cfg['strategy']}) answers no request '{name}' "
+                             f"(it answers: {', '.join(['client-state', *handlers])})")
+        return handlers[name](config)
+
+    # ------------------------------------------------------------ its own state, for checkpoints
+    def export_state(self) -> bytes:
+        """Its ``state_keys`` records, as '<key>/<name>' arrays."""
+        arrays = {}
+        for key in self.state_keys:
+            for name, a in (self.state.arrays(key) or {}).items():
+                arrays[f"{key}/{name}"] = a
+        return codec.encode(arrays)
+
+    def restore_state(self, config: dict) -> None:
+        """After a resume the server hands back the state this client had at the checkpoint, until the
+        client answers; it is applied once, before anything reads the state."""
+        if "client-state" not in config or self.state.meta(RESTORED_KEY) is not None:
+            return
+        saved = codec.decode(config["client-state"])
+        for key in self.state_keys:
+            arrays = {name.split("/", 1)[1]: a for name, a in saved.items() if name.split("/", 1)[0] == key}
+            if arrays:
+                self.state.put_arrays(key, arrays)
+        self.state.put_meta(RESTORED_KEY, {"restored": True})

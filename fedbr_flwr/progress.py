@@ -1,0 +1,76 @@
+"""A run's progress as structured events: one JSON line per event in ``<run>/progress.jsonl``
+(``kind``, ``round`` where it applies, ``message`` for people, ``time``), also written to Flower's log.
+``fedbr-run``, ``fedbr-sweep`` and ``fedbr-deploy local`` print progress by following this file;
+scripts may follow it too (``read_events``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+PROGRESS_FILE = "progress.jsonl"
+LEVELS = {"warning": logging.WARNING, "error": logging.ERROR}  # every other kind is logged as INFO
+log = logging.getLogger("flwr")
+
+
+class Progress:
+    """The writing side, in the ServerApp. A resumed run appends to the file of the run it continues."""
+
+    def __init__(self, out_dir: Path, resumed: bool = False):
+        self.path = Path(out_dir) / PROGRESS_FILE
+        if not resumed:
+            self.path.write_text("")
+
+    def emit(self, kind: str, message: str, **fields: Any) -> None:
+        event = {"kind": kind, **fields, "message": message, "time": round(time.time(), 3)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+        log.log(LEVELS.get(kind, logging.INFO), "[fedbr] %s", message)
+
+
+def read_events(path: Path, start: int = 0) -> tuple[list[dict], int]:
+    """The complete events written after byte ``start``, and the offset to read on from."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read()
+    except FileNotFoundError:
+        return [], start
+    complete = data[:data.rfind(b"\n") + 1]
+    events = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+    return events, start + len(complete)
+
+
+class Follower:
+    """Prints each new event's message while a run goes on (``with Follower(path, print): ...``); only
+    events written after it started count, so a resumed run's older ones are not printed again."""
+
+    def __init__(self, path: Path, write: Callable[[str], None], poll_s: float = 0.1):
+        self.path, self.write, self.poll_s = Path(path), write, poll_s
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Follower":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._drain()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._drain()
+
+    def _drain(self) -> None:
+        if self.path.exists() and self.path.stat().st_size < self.offset:  # a new run started the file again
+            self.offset = 0
+        events, self.offset = read_events(self.path, self.offset)
+        for event in events:
+            self.write(f"[fedbr] {event['message']}")

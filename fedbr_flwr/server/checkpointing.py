@@ -1,0 +1,118 @@
+"""Checkpoint and resume on the server. A checkpoint holds everything a resumed run needs to go on as
+if never stopped: the global arrays, the strategy's state (its own, its components', the broadcast
+data), the server's RNG states, and each client's own state, collected from the clients at checkpoint
+time (Flower loses ``context.state`` when a run ends). After a resume each client gets its saved state
+back with its messages until it answers once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import numpy as np
+from flwr.server.strategy import Strategy
+
+from .. import codec
+from ..checkpoint import rng_state, save_checkpoint, set_rng_state
+from ..errors import ConfigError
+from ..run_io import RunRecorder, code_hash
+from .federation import Federation
+
+log = logging.getLogger("flwr")
+Named = dict[str, np.ndarray]
+
+
+class Checkpointer:
+    def __init__(self, cfg: dict[str, Any], recorder: RunRecorder, federation: Federation, has_client_state: bool):
+        self.cfg = cfg
+        self.recorder = recorder
+        self.federation = federation
+        self.has_client_state = has_client_state
+        self.client_states: dict[int, bytes] = {}  # each client's own state, as last collected
+        self.pending: dict[int, bytes] = {}  # after a resume: handed back until each client answers
+        self.resumed_round = 0  # the checkpoint's round when this run continues another
+        self._to_restore: dict[str, np.ndarray] | None = None  # strategy state, restored after discovery
+
+    def due(self, server_round: int) -> bool:
+        every = self.cfg["checkpoint-every"]
+        return bool(every) and (server_round % every == 0 or server_round == self.cfg["num-rounds"])
+
+    def save(self, server_round: int, global_arrays: Named, strategy_state: Named) -> None:
+        start = time.perf_counter()
+        if self.has_client_state:
+            self.collect_client_states()
+        arrays = {**{f"global/{k}": v for k, v in global_arrays.items()}, **strategy_state, **rng_state(),
+                  **{f"client-state/{pid}": codec.to_uint8(b) for pid, b in self.client_states.items()}}
+        header = {"round": server_round, "config": self.cfg, "elapsed": self.recorder.elapsed(),
+                  "git_commit": self.cfg.get("git-commit", ""), "code_hash": code_hash(),
+                  "utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        path = save_checkpoint(self.recorder.out_dir, arrays, header)
+        self.recorder.progress.emit("checkpoint", f"round {server_round}: checkpoint saved to {path} "
+                                                  f"({time.perf_counter() - start:.2f} s)", round=server_round)
+
+    def collect_client_states(self) -> None:
+        """Ask every client for its own state; a client that cannot answer keeps the state it last sent."""
+        answers = self.federation.request("client-state", {pid: {} for pid in self.federation.clients_by_pid}, 0,
+                                          "its state for the checkpoint", required=False)
+        for pid, arrays in answers.items():
+            self.client_states[pid] = arrays["state"].tobytes()
+
+    def resume_from(self, arrays: dict[str, np.ndarray], header: dict[str, Any], names: list[str]) -> Named:
+        """Continue after the checkpoint's round: returns its global arrays (in the order of ``names``);
+        the rest is restored after discovery."""
+        self.resumed_round = int(header["round"])
+        missing = [n for n in names if f"global/{n}" not in arrays]
+        if missing:
+            raise ConfigError(f"the checkpoint has no global array {missing[0]} ({len(missing)} missing): it was "
+                              "written by another algorithm or version")
+        self.client_states = {int(k.split("/")[1]): v.tobytes() for k, v in arrays.items()
+                              if k.startswith("client-state/")}
+        self.pending = dict(self.client_states)
+        self._to_restore = arrays
+        return {n: arrays[f"global/{n}"] for n in names}
+
+    def restore_after_discovery(self, restore_strategy: Callable[[Named], None]) -> None:
+        if self._to_restore is None:
+            return
+        arrays, self._to_restore = self._to_restore, None
+        restore_strategy(arrays)
+        set_rng_state(arrays)
+        self.recorder.progress.emit("info", f"resumed after round {self.resumed_round} from "
+                                            f"{self.recorder.out_dir / 'checkpoint.npz'}")
+
+    def config_for(self, pid: int) -> dict[str, Any]:
+        return {"client-state": self.pending[pid]} if pid in self.pending else {}
+
+    def answered(self, pid: int) -> None:
+        self.pending.pop(pid, None)
+
+
+class ResumedRun(Strategy):
+    """Flower numbers a resumed run's rounds from 1 again: this shifts them by the checkpoint's round,
+    so that the strategy sees (and records) the rounds of the run it continues."""
+
+    def __init__(self, strategy: Strategy, rounds_done: int):
+        self.strategy = strategy
+        self.offset = rounds_done
+
+    def initialize_parameters(self, client_manager):
+        return self.strategy.initialize_parameters(client_manager)
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        return self.strategy.configure_fit(server_round + self.offset, parameters, client_manager)
+
+    def aggregate_fit(self, server_round, results, failures):
+        return self.strategy.aggregate_fit(server_round + self.offset, results, failures)
+
+    def configure_evaluate(self, server_round, parameters, client_manager):
+        return self.strategy.configure_evaluate(server_round + self.offset, parameters, client_manager)
+
+    def aggregate_evaluate(self, server_round, results, failures):
+        return self.strategy.aggregate_evaluate(server_round + self.offset, results, failures)
+
+    def evaluate(self, server_round, parameters):
+        if server_round == 0:  # Flower's evaluation before its first round: the checkpoint's round, done already
+            return None
+        return self.strategy.evaluate(server_round + self.offset, parameters)

@@ -1,0 +1,178 @@
+"""The Flower adapter: Flower's legacy Strategy API in, plain Python out. It runs a round with the
+server's parts (``Federation``, ``Checkpointer``, the recorder) and calls the hooks that
+``strategies.base.FederatedStrategy`` defines with FedAvg's behaviour and algorithms override. Flower
+types (Parameters, FitRes, ClientProxy) stop here: the hooks see partition ids, named arrays and dicts."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flwr.common import EvaluateIns, FitIns, Parameters
+from flwr.server.client_manager import ClientManager
+from flwr.server.strategy import Strategy
+
+from .. import payload
+from ..dataset import save_partition
+from ..errors import ConfigError
+from ..training import evaluate, load_module_arrays
+from .checkpointing import Checkpointer
+from .federation import Federation
+from .recording import eval_record, round_record
+from .updates import ClientUpdate, update_problem
+
+
+class FlowerStrategy(Strategy):
+    def __init__(self, cfg: dict[str, Any], recorder, checkpointer_needs_clients: bool):
+        self.cfg = cfg
+        self.recorder = recorder
+        self.federation = Federation(cfg)
+        self.checkpointer = Checkpointer(cfg, recorder, self.federation, checkpointer_needs_clients)
+        self.latest: payload.Named | None = None  # the global arrays after the last finished round
+        self.update_spec: dict[str, tuple[int, ...]] | None = None  # names and shapes each update must hold
+        self.sampled: list[int] = []  # partition ids sent fit instructions this round
+        self.server_metrics: dict[str, float] = {}  # what aggregate() measured this round (recorded with it)
+        self._round: dict[str, Any] = {}  # the running round: its start, arrays sent, bytes sent
+        self._last_train: dict[str, float] = {}
+        self._global_result: dict[int, tuple[float, float]] = {}
+
+    # ------------------------------------------------------------ Flower's Strategy API
+    def initialize_parameters(self, client_manager: ClientManager) -> Parameters:
+        return payload.to_parameters(self.latest if self.latest is not None else self.initial_arrays())
+
+    def configure_fit(self, server_round: int, parameters: Parameters, client_manager: ClientManager):
+        if not self.federation.discovered:
+            self._discover(client_manager)
+        self.checkpointer.restore_after_discovery(self.restore_state)
+        sent = payload.from_parameters(parameters)
+        self._round = {"start": time.perf_counter(), "global": sent}
+        if self.update_spec is None:
+            self.update_spec = {**{n: tuple(a.shape) for n, a in sent.items()}, **self.returned_shapes()}
+        self.before_round(server_round)
+        self.sampled = self.federation.sample(server_round)
+        common = payload.Serialised.from_parameters(parameters) + \
+            payload.Serialised.of(self.round_arrays(server_round, sent))
+        instructions = [(self.federation.clients_by_pid[pid],
+                         FitIns((common + payload.Serialised.of(self.client_arrays(pid))).to_parameters(),
+                                self.fit_config(server_round, pid)))
+                        for pid in self.sampled]
+        self._round["bytes_down"] = sum(payload_bytes(ins.parameters, ins.config) for _, ins in instructions)
+        return instructions
+
+    def aggregate_fit(self, server_round: int, results: list, failures: list):
+        results = sorted(results, key=lambda r: int(r[1].metrics.get("partition-id", -1)))  # a fixed sum order
+        errors = [self._describe_failure(f) for f in failures]
+        for error in errors:
+            self.recorder.progress.emit("warning", f"round {server_round}: a client failed: {error}")
+        self.after_answers({self.federation.pid_of(p, r.metrics): r.metrics for p, r in results})
+        accepted, rejected = self._screen(server_round, results)
+        missing = sorted(set(self.sampled) - {self.federation.pid_of(p, r.metrics) for p, r in results})
+        self.server_metrics = {}
+        skipped = len(accepted) < self.cfg["min-fit-clients"]
+        if skipped:
+            self.recorder.progress.emit("error", f"round {server_round}: {len(accepted)} valid update(s), "
+                                                 f"min-fit-clients = {self.cfg['min-fit-clients']}: the global model "
+                                                 "is unchanged", round=server_round)
+            self.latest = self._round["global"]
+        else:
+            self.latest = self.aggregate(accepted, self.aggregation_weights(accepted))
+            self.after_aggregate(self.latest)
+        record = round_record(server_round, accepted, len(failures), missing, errors, rejected, skipped,
+                              time.perf_counter() - self._round["start"], self._round["bytes_down"],
+                              sum(payload.nbytes(r.parameters) for _, r in results), self.server_metrics)
+        self._last_train = record["train"]
+        self.recorder.log_round(record)
+        return (None if skipped else payload.to_parameters(self.latest)), self._last_train
+
+    def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: ClientManager):
+        if not self.is_eval_round(server_round):
+            self.end_round(server_round)  # Flower calls no aggregate_evaluate this round
+            return []
+        sent = payload.Serialised.from_parameters(parameters)
+        return [(self.federation.clients_by_pid[pid],
+                 EvaluateIns((sent + payload.Serialised.of(self.client_arrays(pid))).to_parameters(),
+                             {"server-round": server_round, **self.checkpointer.config_for(pid)}))
+                for pid in sorted(self.federation.clients_by_pid)]
+
+    def aggregate_evaluate(self, server_round: int, results: list, failures: list):
+        results = sorted(results, key=lambda r: int(r[1].metrics.get("partition-id", -1)))
+        answers = [(self.federation.pid_of(p, r.metrics), r.loss, r.num_examples, float(r.metrics["accuracy"]))
+                   for p, r in results]
+        for pid, *_ in answers:
+            self.checkpointer.answered(pid)
+        if not answers:
+            self.recorder.progress.emit("error", f"round {server_round}: no client returned an evaluation")
+            self.end_round(server_round)
+            return None, {}
+        record = eval_record(server_round, answers, len(failures), sorted(self.federation.clients_by_pid),
+                             self._last_train, self._global_result.get(server_round, (None, None)))
+        self.recorder.log_eval(record)
+        self.end_round(server_round)
+        if server_round == self.cfg["num-rounds"]:
+            self.recorder.finalize()
+        return record["loss"], {"mean_acc": record["mean_acc"], "worst_acc": record["worst_acc"]}
+
+    def evaluate(self, server_round: int, parameters: Parameters):
+        if self.global_test is None or server_round == 0 or not self.is_eval_round(server_round):
+            return None
+        load_module_arrays(self.model, "model", payload.from_parameters(parameters))
+        device = next(self.model.parameters()).device
+        x, y = self.global_test
+        loss, acc = evaluate(self.global_test_module(), x.to(device), y.to(device))
+        self._global_result[server_round] = (loss, acc)
+        return loss, {"global_acc": acc}
+
+    # ------------------------------------------------------------ the round's parts
+    def is_eval_round(self, server_round: int) -> bool:
+        return server_round % self.cfg["eval-every"] == 0 or server_round == self.cfg["num-rounds"]
+
+    def end_round(self, server_round: int) -> None:
+        if self.latest is not None and self.checkpointer.due(server_round):
+            self.checkpointer.save(server_round, self.latest, self.checkpoint_state())
+
+    def _screen(self, server_round: int, results: list) -> tuple[list[ClientUpdate], list[dict]]:
+        """Updates that may be averaged in, and the rejected ones with their reason."""
+        accepted, rejected = [], []
+        for proxy, res in results:
+            pid = self.federation.pid_of(proxy, res.metrics)
+            try:
+                arrays = payload.from_parameters(res.parameters)
+                problem = update_problem(arrays, self.update_spec, res.metrics)
+            except payload.PayloadError as exc:
+                arrays, problem = {}, f"not a named payload: {exc}"
+            if problem is None:
+                accepted.append(ClientUpdate(pid, arrays, res.num_examples, dict(res.metrics)))
+                self.checkpointer.answered(pid)
+            else:
+                rejected.append({"partition": pid, "reason": problem})
+                self.recorder.progress.emit("warning", f"round {server_round}: update of client {pid} rejected: "
+                                                       f"{problem}", round=server_round)
+        return accepted, rejected
+
+    def _describe_failure(self, failure: Any) -> str:
+        if isinstance(failure, BaseException):
+            return f"{type(failure).__name__}: {failure}"[:500]
+        proxy, res = failure
+        return f"client {self.federation.pid_by_cid.get(proxy.cid, proxy.cid)}: {res.status.message}"[:500]
+
+    def _discover(self, client_manager: ClientManager) -> None:
+        self.federation.discover(client_manager)
+        num = len(self.federation.clients_by_pid)
+        self.cfg["num-clients"] = self.recorder.cfg["num-clients"] = num
+        try:
+            server_hash = save_partition(self.cfg, self.recorder.out_dir / "partition.npz")
+        except ConfigError as exc:  # a deployed server may lack the dataset files: record what clients said
+            self.recorder.progress.emit("warning", f"partition not saved ({exc})")
+            server_hash = self.federation.partition_hash
+        if server_hash != self.federation.partition_hash:
+            raise ConfigError(f"the clients' partition (hash {self.federation.partition_hash}) differs from the "
+                              f"server's ({server_hash}): check that both use the same dataset files and config")
+        extra = self.after_discovery()
+        self.recorder.write_manifest(partition_hash=server_hash, num_partitions=num,
+                                     **self.federation.partition_stats(), **extra)
+        self.recorder.progress.emit("start", f"{num} clients found; writing run files to {self.recorder.out_dir}")
+
+
+def payload_bytes(parameters: Parameters, config: dict[str, Any] | None = None) -> int:
+    """Bytes of a message's arrays and of its config's byte and string values (e.g. FedBR's pseudo-data)."""
+    return payload.nbytes(parameters) + sum(len(v) for v in (config or {}).values() if isinstance(v, (bytes, str)))

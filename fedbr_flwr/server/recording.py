@@ -1,0 +1,57 @@
+"""The lines a round writes to rounds.jsonl and an evaluation to metrics.jsonl, from plain Python."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .updates import ClientUpdate, mean_metrics
+
+
+def peak_client_memory(metrics: list[dict]) -> dict[str, float]:
+    """The largest peak memory any client process reported this round (keys as in rounds.jsonl)."""
+    names = {"peak-rss-mb": "client_peak_rss_mb", "peak-gpu-mb": "client_peak_gpu_mb"}
+    return {name: max(m[key] for m in metrics if key in m)
+            for key, name in names.items() if any(key in m for m in metrics)}
+
+
+def round_record(server_round: int, accepted: list[ClientUpdate], failures: int, missing: list[int],
+                 errors: list[str], rejected: list[dict], skipped: bool, seconds: float, bytes_down: int,
+                 bytes_up: int, server_metrics: dict[str, float]) -> dict[str, Any]:
+    """One rounds.jsonl line: who was averaged in, what failed and why, the training means, time and
+    traffic, and what the strategy measured (``server``)."""
+    faults = {"failed_clients": missing, "errors": errors, "rejected": rejected} if missing or errors or rejected \
+        else {}
+    return {
+        "round": server_round, "clients": len(accepted), "failures": failures + len(rejected),
+        **faults, **({"skipped": True} if skipped else {}),
+        "train": mean_metrics([u.metrics for u in accepted]), "seconds": round(seconds, 4),
+        "client_fit_seconds": max((u.metrics.get("fit-seconds", 0.0) for u in accepted), default=0.0),
+        "bytes_down": bytes_down, "bytes_up": bytes_up,
+        **peak_client_memory([u.metrics for u in accepted]),
+        **({"server": server_metrics} if server_metrics else {}),
+    }
+
+
+def eval_record(server_round: int, results: list[tuple[int, float, int, float]], failures: int,
+                all_pids: list[int], train: dict[str, float], global_result: tuple[float | None, float | None]
+                ) -> dict[str, Any]:
+    """One metrics.jsonl line from (partition id, loss, test samples, accuracy) of each client that answered."""
+    per_client = {pid: acc for pid, _, _, acc in results}
+    n = sum(num for _, _, num, _ in results)
+    accs = list(per_client.values())
+    global_loss, global_acc = global_result
+    return {
+        "round": server_round,
+        "mean_acc": float(np.mean(accs)),
+        "worst_acc": float(np.min(accs)),
+        "pooled_acc": sum(acc * num for _, _, num, acc in results) / max(n, 1),
+        "loss": sum(loss * num for _, loss, num, _ in results) / max(n, 1),
+        "global_acc": global_acc,
+        "global_loss": global_loss,
+        "train": train,
+        "per_client_acc": {str(k): per_client[k] for k in sorted(per_client)},
+        "eval_failures": failures,
+        **({"eval_failed_clients": sorted(set(all_pids) - set(per_client))} if failures else {}),
+    }

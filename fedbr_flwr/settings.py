@@ -1,0 +1,86 @@
+"""Typed, documented settings. Every run has the common keys (``config.COMMON``); each algorithm and
+each combinable component declares its own next to its code, as a frozen ``Settings`` dataclass whose
+fields are made with ``setting(key, default, help, ...)``. The run schema is the common keys plus what
+the registry collects from these declarations (``config.schema()``).
+
+A key is kebab-case (the run-config key Flower passes, e.g. ``fedbr-lambda``); its default's type is
+the key's type (bool, int, float or str); ``choices`` or a ``Check`` restrict its values; a ``names``
+key holds a list of names, written ``a,b`` (YAML lists are joined), ``none`` for an empty list."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Mapping
+
+from .errors import ConfigError  # noqa: F401 (cross-key checks raise it)
+
+
+@dataclass(frozen=True)
+class Check:
+    test: Callable[[Any], bool]
+    message: str  # what a valid value is, e.g. "> 0"
+
+    def __call__(self, value: Any) -> bool:
+        return bool(self.test(value))
+
+
+POSITIVE = Check(lambda v: v > 0, "> 0")
+NON_NEGATIVE = Check(lambda v: v >= 0, ">= 0")
+FRACTION = Check(lambda v: 0 < v <= 1, "in (0, 1]")
+OPEN_FRACTION = Check(lambda v: 0 < v < 1, "in (0, 1)")
+UNIT_INTERVAL = Check(lambda v: 0 <= v <= 1, "in [0, 1]")
+BELOW_ONE = Check(lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+@dataclass(frozen=True)
+class Key:
+    default: Any
+    help: str
+    choices: tuple | None = None
+    check: Check | None = None
+    owner: str | None = None  # the algorithm or component it belongs to; None: a common key
+    names: bool = False  # a list of names, "a,b"; "none" is the empty list
+
+
+def names_list(value: str) -> tuple[str, ...]:
+    """A ``names`` key's value as a tuple (``none`` and the empty string are the empty tuple)."""
+    items = [v.strip() for v in str(value).split(",") if v.strip()]
+    return () if items in ([], ["none"]) else tuple(items)
+
+
+_KEY = "fedbr-setting"
+
+
+def setting(key: str, default: Any, help: str, *, choices: tuple | None = None, check: Check | None = None,
+            names: bool = False) -> Any:
+    """A field of a ``Settings`` dataclass, read from run-config key ``key``."""
+    return field(default=default, metadata={_KEY: (key, Key(default, help, choices, check, names=names))})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Base of an algorithm's (or a component's) settings. Subclasses are frozen dataclasses of
+    ``setting(...)`` fields, and may override ``check`` for checks across keys."""
+
+    @classmethod
+    def declared(cls) -> list[tuple[str, str, Key]]:
+        """(attribute, key, Key) of every field, in declaration order."""
+        return [(f.name, *f.metadata[_KEY]) for f in fields(cls)]
+
+    @classmethod
+    def keys(cls, owner: str) -> dict[str, Key]:
+        return {key: replace(spec, owner=owner) for _, key, spec in cls.declared()}
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]):
+        """The typed settings of a validated config (``names`` keys become tuples)."""
+        return cls(**{attr: names_list(cfg[key]) if spec.names else cfg[key] for attr, key, spec in cls.declared()})
+
+    @classmethod
+    def check(cls, cfg: Mapping[str, Any]) -> None:
+        """Checks that involve several keys (also common ones); raise ConfigError with the fix."""
+
+
+@dataclass(frozen=True)
+class NoSettings(Settings):
+    """An algorithm without keys of its own."""
