@@ -11,11 +11,13 @@ Every module of ``clients`` and ``strategies`` is imported the first time a name
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
+from .errors import ConfigError
 from .settings import Key, NoSettings, names_list
 
 T = TypeVar("T")
@@ -124,7 +126,14 @@ def components_of(cfg: Mapping[str, Any]) -> tuple[str, ...]:
     name = cfg["strategy"]
     built_in = VARIANTS[name].components if name in VARIANTS else ()
     key = getattr(client_class(name), "component_key", None)
-    return built_in + (names_list(cfg[key]) if key else ())
+    listed = names_list(cfg[key]) if key else ()
+    unknown = [c for c in listed if c not in COMPONENTS]
+    if unknown or len(set(listed)) != len(listed):
+        close = difflib.get_close_matches(unknown[0], COMPONENTS, n=1) if unknown else []
+        problem = f"names no component {', '.join(unknown)}" if unknown else "names a component twice"
+        raise ConfigError(f"config key '{key}' = {cfg[key]!r} {problem}."
+                          f"{f' Did you mean {close[0]!r}?' if close else ''} Components: {', '.join(sorted(COMPONENTS))}")
+    return built_in + listed
 
 
 def active_owners(cfg: Mapping[str, Any]) -> list[str]:

@@ -25,8 +25,8 @@ class OfflineProxy(ClientProxy):
 class InProcessProxy(ClientProxy):
     """Delivers Flower's messages to a NumPyClient object in this process, as a SuperNode would."""
 
-    def __init__(self, client):
-        super().__init__(f"node-{client.pid}")
+    def __init__(self, client, cid=None):
+        super().__init__(cid or f"node-{client.algorithm.pid}")
         self.client = client
 
     def get_properties(self, ins, timeout, group_id):
@@ -62,8 +62,9 @@ def run_rounds(strategy, proxies, rounds):
         parameters = new if new is not None else parameters
         strategy.evaluate(server_round, parameters)
         eval_ins = strategy.configure_evaluate(server_round, parameters, None)
-        eval_results = [(proxy, proxy.evaluate(ins, None, server_round)) for proxy, ins in eval_ins]
-        strategy.aggregate_evaluate(server_round, eval_results, [])
+        if eval_ins:  # Flower skips the evaluation round when no client is asked
+            eval_results = [(proxy, proxy.evaluate(ins, None, server_round)) for proxy, ins in eval_ins]
+            strategy.aggregate_evaluate(server_round, eval_results, [])
     return parameters
 
 
@@ -80,24 +81,34 @@ class FixedClientManager:
         return dict(self.proxies)
 
 
-def in_process_federation(cfg, tmp_path):
-    """The configured strategy and one client per partition of ``cfg`` (real data, CPU), connected in-process."""
+def flower_client(cfg, pid, state=None):
+    """The configured algorithm's NumPyClient for partition ``pid`` (real data, CPU), on a node state."""
     import torch
-
-    from fedbr_flwr.dataset import load_client_data
-    from fedbr_flwr.registry import client_class
-    from fedbr_flwr.run_io import RunRecorder
-    from fedbr_flwr.server_app import build_strategy
-
     from flwr.common import RecordDict
 
+    from fedbr_flwr.dataset import load_client_data
+    from fedbr_flwr.node import FlowerClient, RecordState
+    from fedbr_flwr.registry import client_class
+
+    data = load_client_data(cfg, pid, torch.device("cpu"))
+    state = RecordState(state if state is not None else RecordDict())
+    return FlowerClient(client_class(cfg["strategy"])(cfg, data, torch.device("cpu"), state))
+
+
+def in_process_federation(cfg, tmp_path):
+    """The configured strategy and one client per partition of ``cfg`` (real data, CPU), connected
+    in-process and discovered. Returns (strategy, the clients' ClientAlgorithm objects, proxies)."""
+    import torch
+
+    from fedbr_flwr.server_app import build_strategy
+
     strategy = build_strategy({**cfg, "output-dir": str(tmp_path)})
+    strategy.initialize_parameters(None)  # as Flower does first
     torch.manual_seed(123)
-    clients = [client_class(cfg["strategy"])(cfg, load_client_data(cfg, pid, torch.device("cpu")), torch.device("cpu"),
-                                             RecordDict()) for pid in range(cfg["num-clients"])]
+    clients = [flower_client(cfg, pid) for pid in range(cfg["num-clients"])]
     proxies = [InProcessProxy(c) for c in clients]
     strategy._discover(FixedClientManager(proxies))
-    return strategy, clients, proxies
+    return strategy, [c.algorithm for c in clients], proxies
 
 
 # measurements, not results: time, memory, and bytes (a resumed round also carries the clients' saved state)

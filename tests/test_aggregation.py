@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from clients.fedavg import FedAvg
+from clients.fedavg import SupervisedStep as FedAvg
 from fedbr_flwr.config import validate
 from fedbr_flwr.dataset import ClientData
 from fedbr_flwr.model import SplitModel
-from fedbr_flwr.training import BatchSampler, evaluate, get_weights, run_local_steps, set_weights, step_seed
-from strategies.base import weighted_mean
+from fedbr_flwr.seeds import hash_seed as step_seed
+from fedbr_flwr.server.updates import named_mean, weighted_mean
+from fedbr_flwr.training import BatchSampler, evaluate, get_weights, run_local_steps, set_weights
 
 
 def three_clients(dtype=np.float32):
@@ -78,6 +79,15 @@ def test_weighted_mean_does_not_modify_inputs():
 def test_weighted_mean_rejects_bad_weights(weights):
     with pytest.raises(ValueError):
         weighted_mean(three_clients(), weights)
+
+
+def test_named_mean_averages_by_name_whatever_the_order_of_the_dicts():
+    a = {"model/w": np.array([0.0, 2.0]), "model/b": np.array([1.0])}
+    b = {"model/b": np.array([3.0]), "model/w": np.array([4.0, 6.0])}  # same names, another order
+    out = named_mean([a, b], [1, 3], ["model/w", "model/b"])
+    assert list(out) == ["model/w", "model/b"]
+    np.testing.assert_allclose(out["model/w"], [3.0, 5.0])
+    np.testing.assert_allclose(out["model/b"], [2.5])
 
 
 def test_weighted_mean_rejects_empty():

@@ -10,31 +10,35 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.common import Code, FitRes, RecordDict, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitRes, Status
 from torch.nn import functional as F
 
 from fakes import in_process_federation, run_rounds
-from clients.dann import DANN, build_discriminator
-from clients.fedbr import FedBR, build_head
-from clients.fedcm import FedCM
-from clients.fedmix import FedMix, FedMixClient, mean_data
-from clients.fedntd import FedNTD
-from clients.fedavg import FedAvg
-from clients.fedprox import FedProx
-from clients.moon import Moon, MoonClient, moon_model
-from clients.scaffold import Scaffold, ScaffoldClient
-from clients.vhl import VHL, RealClasses, virtual_data, vhl_model
+from steps import named_like, started_components
+from clients.dann import DANNStep, build_discriminator, reverse_gradient
+from clients.fedavg import SupervisedStep
+from clients.fedbr import FedBRClient, FedBRStep
+from clients.feddecorr import decorrelation_loss
+from clients.fedmix import FedMixClient, fedmix_loss, mean_data
+from clients.fedntd import not_true_distillation_loss
+from clients.fedprox import proximal_term
+from clients.mixup import Mixup
+from clients.moon import MoonClient, MoonSettings, MoonStep, moon_contrastive_loss, moon_model
+from clients.scaffold import ScaffoldClient, ScaffoldStep
+from clients.vhl import RealClasses, VHLSettings, VHLStep, supervised_alignment_loss, vhl_model
+from fedbr_flwr import payload
+from fedbr_flwr.algorithm import MemoryState
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import ClientData
-from fedbr_flwr.losses import (decorrelation_loss, fedmix_loss, moon_contrastive_loss, not_true_distillation_loss,
-                               proximal_term, reverse_gradient, supervised_alignment_loss)
 from fedbr_flwr.model import build_model
-from fedbr_flwr.registry import strategy_names
+from fedbr_flwr.registry import algorithm_names, component_class, components_of
 from fedbr_flwr.run_io import RunRecorder
-from fedbr_flwr.training import get_weights, parameter_tensors, state_arrays
-from strategies.fedcm import FedCMStrategy, global_update_direction
+from fedbr_flwr.training import get_weights, module_arrays, parameter_tensors, state_arrays
+from strategies.fedavg import FedAvgStrategy
+from strategies.fedcm import GlobalDirection, global_update_direction
 from strategies.groupdro import ClientWeights, GroupDROStrategy
 from strategies.scaffold import ScaffoldStrategy, update_server_control
+from strategies.vhl import virtual_data
 
 B, C = 8, 10
 LR = 0.05
@@ -68,6 +72,15 @@ def close(a, b, **kw):
     return all(torch.allclose(x, y, **kw) for x, y in zip(a, b))
 
 
+def fedavg_step(model, cfg, received=None):
+    """FedAvg's step with the components ``cfg`` selects (strategy=fedprox: FedAvg + fedprox, ...)."""
+    return SupervisedStep(model, cfg, started_components(cfg, model, received))
+
+
+def fit_res(arrays, n, metrics):
+    return FitRes(Status(Code.OK, ""), payload.to_parameters(arrays), n, metrics)
+
+
 def toy_data(pid, n=40, size=8):
     g = torch.Generator().manual_seed(pid)
     x = torch.randn(n, 1, size, size, generator=g)
@@ -81,31 +94,32 @@ def toy_data(pid, n=40, size=8):
 def test_fedprox_gradient_adds_mu_times_the_drift_from_the_round_start():
     mu = 0.3
     model = small_model()
-    algo = FedProx(model, cfg_of("fedprox", **{"fedprox-mu": mu}))
+    algo = fedavg_step(model, cfg_of("fedprox", **{"fedprox-mu": mu}))
+    anchor = algo.components[0].anchor
     start = params_of(model)
     with torch.no_grad():  # move away from the round-start weights
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
     x, y = batch()
     ce_grads = grads_of(model, F.cross_entropy(model(x), y))
-    total = F.cross_entropy(model(x), y) + 0.5 * mu * proximal_term(list(model.parameters()), algo.anchor)
+    total = F.cross_entropy(model(x), y) + 0.5 * mu * proximal_term(list(model.parameters()), anchor)
     prox_grads = grads_of(model, total)
     expected = [g + mu * (p.detach() - s) for g, p, s in zip(ce_grads, model.parameters(), start)]
     assert close(prox_grads, expected, atol=1e-6)
-    assert all(torch.equal(a, s) for a, s in zip(algo.anchor, start))  # the anchor is the round start
+    assert all(torch.equal(a, s) for a, s in zip(anchor, start))  # the anchor is the round start
 
 
 def test_fedprox_step_is_sgd_on_ce_plus_the_proximal_gradient():
     mu = 0.5
     model = small_model()
-    algo = FedProx(model, cfg_of("fedprox", **{"fedprox-mu": mu}))
+    algo = fedavg_step(model, cfg_of("fedprox", **{"fedprox-mu": mu}))
     with torch.no_grad():
         model.classifier.bias.add_(1.0)  # away from the anchor
     x, y = batch()
     before = params_of(model)
     ce_grads = grads_of(model, F.cross_entropy(model(x), y))
     algo.update(x, y)
-    expected = [p - LR * (g + mu * (p - a)) for p, g, a in zip(before, ce_grads, algo.anchor)]
+    expected = [p - LR * (g + mu * (p - a)) for p, g, a in zip(before, ce_grads, algo.components[0].anchor)]
     assert close(params_of(model), expected, atol=1e-6)
 
 
@@ -119,8 +133,8 @@ def zeros_like_params(model):
 def test_scaffold_with_zero_control_variates_equals_fedavg_for_one_step():
     x, y = batch()
     a, b = small_model(), small_model()
-    Scaffold(a, cfg_of("scaffold"), zeros_like_params(a), zeros_like_params(a)).update(x, y)
-    FedAvg(b, cfg_of("fedavg")).update(x, y)
+    ScaffoldStep(a, cfg_of("scaffold"), zeros_like_params(a), zeros_like_params(a)).update(x, y)
+    fedavg_step(b, cfg_of("fedavg")).update(x, y)
     assert close(params_of(a), params_of(b), atol=0, rtol=0)
 
 
@@ -129,7 +143,7 @@ def test_scaffold_step_and_control_variate_follow_the_paper():
     g = torch.Generator().manual_seed(5)
     c_global = [0.1 * torch.randn(p.shape, generator=g) for p in model.parameters()]
     c_local = [0.1 * torch.randn(p.shape, generator=g) for p in model.parameters()]
-    algo = Scaffold(model, cfg_of("scaffold"), c_global, c_local)
+    algo = ScaffoldStep(model, cfg_of("scaffold"), c_global, c_local)
     start = params_of(model)
     x, y = batch()
     grads = grads_of(model, F.cross_entropy(model(x), y))
@@ -144,47 +158,50 @@ def test_scaffold_step_and_control_variate_follow_the_paper():
 
 
 def test_scaffold_server_control_moves_by_the_mean_change_over_all_clients():
-    control = [np.ones((2, 2), np.float32), np.zeros(3, np.float32)]
-    deltas = [[np.full((2, 2), 2.0, np.float32), np.arange(3, dtype=np.float32)],
-              [np.full((2, 2), 4.0, np.float32), np.ones(3, np.float32)]]
-    new = update_server_control(control, deltas, num_clients=4)  # 2 of 4 clients answered
-    np.testing.assert_allclose(new[0], 1 + (2 + 4) / 4)
-    np.testing.assert_allclose(new[1], (np.arange(3) + 1) / 4)
+    deltas = [np.full((2, 2), 2.0, np.float32), np.full((2, 2), 4.0, np.float32)]
+    new = update_server_control(np.ones((2, 2), np.float32), deltas, num_clients=4)  # 2 of 4 clients answered
+    np.testing.assert_allclose(new, 1 + (2 + 4) / 4)
+    new = update_server_control(np.zeros(3, np.float32), [np.arange(3, dtype=np.float32), np.ones(3, np.float32)], 4)
+    np.testing.assert_allclose(new, (np.arange(3) + 1) / 4)
 
 
 def test_scaffold_client_keeps_its_variate_across_rounds_and_returns_its_change():
     cfg = cfg_of("scaffold", **{"local-steps": 2})
-    state = RecordDict()
+    state = MemoryState()
     client = ScaffoldClient(cfg, toy_data(0), torch.device("cpu"), state)
-    weights = client.get_parameters({})
-    zero_c = [np.zeros_like(w) for w in weights]
-    out1, _, _ = client.fit(weights + zero_c, {"server-round": 1})
-    n = len(weights)
-    assert len(out1) == 2 * n
-    first_change = out1[n:]
-    # a fresh client object on the same node state (Flower rebuilds clients every round)
+    weights = client.weights()
+    zero_c = named_like(client.model, "control", 0.0)
+    out1, _, _ = client.fit({**weights, **zero_c}, {"server-round": 1})
+    assert sorted(out1) == sorted([*weights, *(k.replace("control/", "control-delta/") for k in zero_c)])
+    first_change = {k: v for k, v in out1.items() if k.startswith("control-delta/")}
+    # a fresh client object on the same node state (a node may rebuild its client)
     client2 = ScaffoldClient(cfg, toy_data(0), torch.device("cpu"), state)
-    kept = [c.numpy() for c in client2.local_control()]
-    np.testing.assert_allclose(state_arrays(client2.model, [torch.as_tensor(k) for k in kept])[0], first_change[0])
-    out2, _, _ = client2.fit(out1[:n] + zero_c, {"server-round": 2})
-    assert not np.allclose(out2[n], 0)
+    kept = state_arrays(client2.model, "control-delta", client2.local_control())  # c_i started at 0: c_i = its change
+    for name, change in first_change.items():
+        np.testing.assert_allclose(kept[name], change)
+    out2, _, _ = client2.fit({**{k: out1[k] for k in weights}, **zero_c}, {"server-round": 2})
+    assert not all(np.allclose(out2[k], 0) for k in first_change)
 
 
 def test_scaffold_strategy_averages_models_and_sends_its_control_variate(tmp_path):
     cfg = cfg_of("scaffold", **{"num-clients": 4, "output-dir": str(tmp_path), "global-test": False})
-    strategy = ScaffoldStrategy(cfg, RunRecorder(cfg, tmp_path), small_model(), None)
-    n = strategy.num_model_arrays
+    strategy = ScaffoldStrategy(cfg, RunRecorder(cfg, tmp_path), {"model": small_model()}, None)
     rng = np.random.default_rng(0)
-    shapes = [a.shape for a in strategy.control]
-    updates = [[rng.standard_normal(s).astype(np.float32) for s in shapes] * 2 for _ in range(2)]
-    results = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(u), 10, {"partition-id": i, "loss": 1.0}))
-               for i, u in enumerate(updates)]
+    initial = strategy.initial_arrays()
+    updates = [{**{k: rng.standard_normal(a.shape).astype(np.float32) for k, a in initial.items()},
+                **{k.replace("model/", "control-delta/"): rng.standard_normal(a.shape).astype(np.float32)
+                   for k, a in initial.items()}} for _ in range(2)]
+    results = [(None, fit_res(u, 10, {"partition-id": i, "loss": 1.0})) for i, u in enumerate(updates)]
     strategy.sampled = [0, 1]
     new, _ = strategy.aggregate_fit(1, results, [])
-    got = parameters_to_ndarrays(new)
-    assert len(got) == n
-    np.testing.assert_allclose(got[0], (updates[0][0] + updates[1][0]) / 2, rtol=1e-6)
-    np.testing.assert_allclose(strategy.fit_extras()[0], (updates[0][n] + updates[1][n]) / 4, rtol=1e-6)
+    got = payload.from_parameters(new)
+    assert list(got) == list(initial)  # the global arrays hold the model only
+    first = next(iter(initial))
+    np.testing.assert_allclose(got[first], (updates[0][first] + updates[1][first]) / 2, rtol=1e-6)
+    key = first.removeprefix("model/")
+    sent = strategy.round_arrays(2, got)[f"control/{key}"]
+    np.testing.assert_allclose(sent, (updates[0][f"control-delta/{key}"] + updates[1][f"control-delta/{key}"]) / 4,
+                               rtol=1e-6)
 
 
 # ---------------------------------------------------------------- MOON
@@ -201,36 +218,35 @@ def test_moon_loss_by_hand():
 
 def test_moon_projection_layers_are_part_of_the_model():
     cfg = cfg_of("moon")
-    model = moon_model(build_model("cnn", C, 1, 8), cfg)
+    model = moon_model(build_model("cnn", C, 1, 8), MoonSettings.from_config(cfg))
     assert model.feature_dim == 128 and model.classifier.in_features == 128
     assert model.features[1].out_features == 256
 
 
 def test_moon_negative_pair_is_the_clients_own_last_local_model():
     cfg = cfg_of("moon", **{"local-steps": 2})
-    state = RecordDict()
+    state = MemoryState()
     client = MoonClient(cfg, toy_data(0), torch.device("cpu"), state)
-    global_weights = client.get_parameters({})
-    first = client.make_algorithm(1, {})
+    global_weights = client.weights()
+    first = client.make_step(1, {})
     assert first.previous_features is first.global_features  # no last model yet: l_con = log 2, no gradient
     local_weights, _, _ = client.fit(global_weights, {"server-round": 1})
 
     # next round: a fresh client object on the same node; the server sends other (global) weights
     client2 = MoonClient(cfg, toy_data(0), torch.device("cpu"), state)
-    other_global = [w + 0.5 for w in global_weights]
+    other_global = {k: w + 0.5 for k, w in global_weights.items()}
     client2.receive(other_global)
-    algo = client2.make_algorithm(2, {})
-    previous = get_weights(algo.previous_features)
-    n_features = len(client2.model.features.state_dict())
-    for got, want in zip(previous, local_weights[:n_features]):  # its own round-1 result, not a global model
-        np.testing.assert_array_equal(got, want)
-    for got, want in zip(get_weights(algo.global_features), other_global[:n_features]):
-        np.testing.assert_array_equal(got, want)
+    algo = client2.make_step(2, {})
+    for key, got in algo.previous_features.state_dict().items():  # its own round-1 result, not a global model
+        np.testing.assert_array_equal(got.numpy(), local_weights[f"model/features.{key}"])
+    for key, got in algo.global_features.state_dict().items():
+        np.testing.assert_array_equal(got.numpy(), other_global[f"model/features.{key}"])
 
 
 def test_moon_first_round_contrastive_term_gives_no_gradient():
-    model = moon_model(build_model("cnn", C, 1, 8), cfg_of("moon"))
-    algo = Moon(model, cfg_of("moon"), None)
+    settings = MoonSettings.from_config(cfg_of("moon"))
+    model = moon_model(build_model("cnn", C, 1, 8), settings)
+    algo = MoonStep(model, cfg_of("moon"), settings, None)
     x, y = batch()
     z = model.features(x)
     con = moon_contrastive_loss(z, algo.global_features(x), algo.previous_features(x), 0.5)
@@ -282,7 +298,8 @@ def test_fedmix_mean_data_are_means_of_m_samples_with_mean_labels():
 def test_fedmix_client_answers_with_means_only():
     cfg = cfg_of("fedmix", **{"fedmix-m": 5})
     client = FedMixClient(cfg, toy_data(0), torch.device("cpu"))
-    x, y = client.get_parameters({"fedmix-request": 1, "version": 1})
+    answer = client.answer({"request": "fedmix-means", "version": 1})
+    x, y = answer["x"], answer["y"]
     assert x.shape == (8, 1, 8, 8) and y.shape == (8, C)
     assert not any(np.allclose(m, s) for m in x for s in client.data.x_train.numpy())
 
@@ -306,7 +323,7 @@ def test_vhl_labels_virtual_data_past_the_real_classes_and_predicts_real_ones():
     x, _ = batch()
     assert RealClasses(model, C)(x).shape == (B, C)
     vx, vy = virtual_data(C, 1, 8, 20, seed=0)
-    algo = VHL(model, cfg_of("vhl"), vx, vy, seed=0)
+    algo = VHLStep(model, cfg_of("vhl"), VHLSettings.from_config(cfg_of("vhl")), vx, vy, seed=0)
     x, y = batch()
     idx = torch.randint(0, 20, (B,), generator=torch.Generator().manual_seed(0))
     z = model.features(torch.cat([x, vx[idx]]))
@@ -360,10 +377,10 @@ def test_fedntd_value_by_hand_and_teacher_frozen_at_round_start():
     expected = float((q * (q / p).log()).sum())
     assert not_true_distillation_loss(logits, teacher, y, 1.0).item() == pytest.approx(expected, rel=1e-6)
     model = small_model()
-    algo = FedNTD(model, cfg_of("fedntd"))
+    algo = fedavg_step(model, cfg_of("fedntd"))
     start = get_weights(model)
     algo.update(*batch())
-    for a, b in zip(get_weights(algo.global_model), start):
+    for a, b in zip(get_weights(algo.components[0].teacher), start):
         np.testing.assert_array_equal(a, b)
 
 
@@ -374,7 +391,7 @@ def test_fedcm_step_moves_along_alpha_g_plus_one_minus_alpha_delta():
     alpha = 0.1
     model = small_model()
     delta = [torch.full_like(p, 0.5) for p in model.parameters()]
-    algo = FedCM(model, cfg_of("fedcm", **{"fedcm-alpha": alpha}), delta)
+    algo = fedavg_step(model, cfg_of("fedcm", **{"fedcm-alpha": alpha}), named_like(model, "fedcm-delta", 0.5))
     x, y = batch()
     before = params_of(model)
     g = grads_of(model, F.cross_entropy(model(x), y))
@@ -384,27 +401,28 @@ def test_fedcm_step_moves_along_alpha_g_plus_one_minus_alpha_delta():
 
 
 def test_fedcm_server_direction_is_the_mean_step_in_gradient_units(tmp_path):
-    start = [np.ones(3, np.float32)]
-    new = [np.full(3, 0.5, np.float32)]
-    np.testing.assert_allclose(global_update_direction(start, new, lr=0.1, steps=5)[0], 1.0)
+    start, new = np.ones(3, np.float32), np.full(3, 0.5, np.float32)
+    np.testing.assert_allclose(global_update_direction(start, new, lr=0.1, steps=5), 1.0)
     cfg = cfg_of("fedcm", **{"num-clients": 2, "output-dir": str(tmp_path), "global-test": False,
                              "local-steps": 4})
-    strategy = FedCMStrategy(cfg, RunRecorder(cfg, tmp_path), small_model(), None)
-    assert all(not d.any() for d in strategy.fit_extras())  # zero before the first round
-    initial = strategy.initialize_parameters(None)
-    strategy.round_start = parameters_to_ndarrays(initial)
-    moved = [a - 0.2 for a in strategy.round_start]
-    results = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(moved), 10, {"partition-id": i}))
-               for i in range(2)]
+    strategy = FedAvgStrategy(cfg, RunRecorder(cfg, tmp_path), {"model": small_model()}, None)
+    assert [type(c) for c in strategy.components] == [GlobalDirection]  # strategy=fedcm: FedAvg + its component
+    initial = strategy.initial_arrays()
+    sent = strategy.round_arrays(1, initial)
+    assert sorted(sent) == sorted(k.replace("model/", "fedcm-delta/") for k in initial)
+    assert all(not d.any() for d in sent.values())  # zero before the first round
+    moved = {k: a - 0.2 for k, a in initial.items()}
     strategy.sampled = [0, 1]
-    strategy.aggregate_fit(1, results, [])
-    np.testing.assert_allclose(strategy.fit_extras()[0], 0.2 / (LR * 4), rtol=1e-5)
+    strategy.aggregate_fit(1, [(None, fit_res(moved, 10, {"partition-id": i})) for i in range(2)], [])
+    for d in strategy.round_arrays(2, moved).values():
+        np.testing.assert_allclose(d, 0.2 / (LR * 4), rtol=1e-5)
 
 
 def test_parameter_tensors_and_state_arrays_are_inverse():
     model = small_model()
-    arrays = get_weights(model)
-    assert all(np.array_equal(a, b) for a, b in zip(state_arrays(model, parameter_tensors(model, arrays)), arrays))
+    arrays = module_arrays("c", model)
+    back = state_arrays(model, "c", parameter_tensors(model, "c", arrays))
+    assert list(back) == list(arrays) and all(np.array_equal(back[k], arrays[k]) for k in arrays)
 
 
 # ---------------------------------------------------------------- GroupDRO, DANN
@@ -421,14 +439,14 @@ def test_groupdro_weight_grows_for_the_client_with_the_highest_loss():
 def test_groupdro_strategy_averages_with_its_client_weights(tmp_path):
     cfg = cfg_of("groupdro", **{"num-clients": 2, "output-dir": str(tmp_path), "global-test": False,
                                 "groupdro-eta": 1.0})
-    strategy = GroupDROStrategy(cfg, RunRecorder(cfg, tmp_path), torch.nn.Linear(2, 1), None)
-    updates = [[np.zeros((1, 2), np.float32), np.zeros(1, np.float32)],
-               [np.ones((1, 2), np.float32), np.ones(1, np.float32)]]
-    results = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(u), 10, {"partition-id": i, "loss": loss}))
+    strategy = GroupDROStrategy(cfg, RunRecorder(cfg, tmp_path), {"model": torch.nn.Linear(2, 1)}, None)
+    updates = [{"model/weight": np.zeros((1, 2), np.float32), "model/bias": np.zeros(1, np.float32)},
+               {"model/weight": np.ones((1, 2), np.float32), "model/bias": np.ones(1, np.float32)}]
+    results = [(None, fit_res(u, 10, {"partition-id": i, "loss": loss}))
                for i, (u, loss) in enumerate(zip(updates, [0.0, math.log(3.0)]))]
     strategy.sampled = [0, 1]
     new, _ = strategy.aggregate_fit(1, results, [])
-    np.testing.assert_allclose(parameters_to_ndarrays(new)[1], 0.75, rtol=1e-6)  # weights 1 : 3
+    np.testing.assert_allclose(payload.from_parameters(new)["model/bias"], 0.75, rtol=1e-6)  # weights 1 : 3
 
 
 def test_gradient_reversal_flips_the_sign_for_the_features_only():
@@ -441,7 +459,7 @@ def test_dann_discriminator_learns_the_domain_while_features_unlearn_it():
     torch.manual_seed(0)
     model = build_model("cnn", C, 1, 8)
     disc = build_discriminator(model.feature_dim, 16, 3)
-    algo = DANN(model, cfg_of("dann", **{"dann-weight": 1.0, "dann-hidden": 16}), disc, domain=2)
+    algo = DANNStep(model, cfg_of("dann", **{"dann-weight": 1.0, "dann-hidden": 16}), 1.0, disc, domain=2)
     x, y = batch()
     z = model.features(x).detach()
     before = F.cross_entropy(disc(z), torch.full_like(y, 2)).item()
@@ -464,11 +482,12 @@ def fedbr_algo(**overrides):
     cfg = validate({"strategy": "fedbr", "batch-size": 4, "lr": LR, **overrides})
     torch.manual_seed(0)
     model = build_model("cnn", C, 1, 8)
-    head = build_head(cfg, model.feature_dim)
+    head = FedBRClient.extra_modules(model, cfg)["head"]
     g = torch.Generator().manual_seed(100)
     x_p = torch.randn(4, 1, 8, 8, generator=g)
-    momentum = [torch.full_like(p, 0.3) for p in model.parameters()] if cfg["fedbr-with"] == "fedcm" else None
-    return FedBR(model, cfg, head, x_p, torch.full((4, C), 1.0 / C), None, seed=0, global_momentum=momentum)
+    components = started_components(cfg, model, named_like(model, "fedcm-delta", 0.3))
+    return FedBRStep(model, cfg, FedBRClient.Settings.from_config(cfg), head, x_p, torch.full((4, C), 1.0 / C), None,
+                     seed=0, components=components)
 
 
 def fedbr_terms(algo):
@@ -487,7 +506,7 @@ def test_each_combination_adds_exactly_its_term(method, term, weight_key, weight
     algo = fedbr_algo(**{"fedbr-with": method, weight_key: weight})
     if method == "fedntd":  # a teacher different from the student, so the term is not zero
         with torch.no_grad():
-            for p in algo.global_model.parameters():
+            for p in algo.components[0].teacher.parameters():
                 p.add_(0.05)
     combined = fedbr_terms(algo)
     assert set(combined) == set(plain) | {term}
@@ -518,18 +537,40 @@ def test_fedbr_with_fedcm_changes_only_the_min_step_direction():
 
 def test_every_baseline_is_registered():
     assert {"fedavg", "fedprox", "scaffold", "moon", "fedmix", "vhl", "feddecorr", "fedntd", "fedcm", "mixup",
-            "groupdro", "dann", "fedbr", "distrans"} <= set(strategy_names())
+            "groupdro", "dann", "fedbr", "distrans"} <= set(algorithm_names())
+
+
+def test_strategy_mixup_and_fedbrs_mixup_are_one_component_selected_by_name():
+    alone = validate({"strategy": "mixup"})
+    with_fedbr = validate({"strategy": "fedbr", "fedbr-with": "mixup"})
+    assert components_of(alone) == components_of(with_fedbr) == ("mixup",)
+    assert component_class("mixup") is Mixup
+    with pytest.raises(ConfigError, match="'mixup' is gone: FedBR on the Mixup backbone is fedbr-with=mixup"):
+        validate({"strategy": "fedbr", "mixup": True})
+
+
+def test_components_are_listed_in_order_and_checked():
+    cfg = validate({"strategy": "fedbr", "fedbr-with": ["fedntd", "mixup", "fedcm"]})  # a YAML list
+    assert cfg["fedbr-with"] == "fedntd,mixup,fedcm" and components_of(cfg) == ("fedntd", "mixup", "fedcm")
+    assert components_of(validate({"strategy": "fedbr", "fedbr-with": "fedcm, fedntd"})) == ("fedcm", "fedntd")
+    assert components_of(validate({"strategy": "fedbr"})) == ()
+    with pytest.raises(ConfigError, match="names a component twice"):
+        validate({"strategy": "fedbr", "fedbr-with": "fedcm,fedcm"})
 
 
 @pytest.mark.parametrize("overrides, message", [
     ({"strategy": "fedprox2"}, "unknown strategy 'fedprox2'. Did you mean 'fedprox'? Valid: dann, distrans, fedavg"),
-    ({"strategy": "fedavg", "fedprox-mu": 0.1}, "belongs to strategy fedprox"),
+    ({"strategy": "fedavg", "fedprox-mu": 0.1},
+     "belongs to fedprox (strategy=fedprox, or strategy=fedbr fedbr-with=fedprox), not to 'fedavg'"),
     ({"strategy": "scaffold", "moon-mu": 0.1}, "Keys of 'scaffold': none beyond the common ones"),
-    ({"strategy": "moon", "fedprox-mu": 0.1}, "Keys of 'moon': moon-mu, moon-proj-hidden"),
-    ({"strategy": "fedbr", "feddecorr-weight": 0.2}, "belongs to strategy feddecorr, fedbr+feddecorr"),
-    ({"strategy": "fedbr", "fedbr-with": "fedcm", "fedntd-beta": 0.2}, "Keys of 'fedbr + fedbr+fedcm'"),
-    ({"strategy": "fedavg", "mixup-alpha": 0.4}, "belongs to strategy fedbr, mixup"),
-    ({"strategy": "fedbr", "fedbr-with": "moon"}, "is not one of: none, fedcm, feddecorr, fedntd"),
+    ({"strategy": "moon", "fedprox-mu": 0.1}, "Keys of 'moon': moon-mu, moon-tau, moon-proj-hidden"),
+    ({"strategy": "fedbr", "feddecorr-weight": 0.2}, "belongs to feddecorr (strategy=feddecorr, or strategy=fedbr "
+                                                     "fedbr-with=feddecorr), not to 'fedbr'"),
+    ({"strategy": "fedbr", "fedbr-with": "fedcm", "fedntd-beta": 0.2}, "Keys of 'fedbr + fedcm': fedbr-lambda"),
+    ({"strategy": "fedavg", "mixup-alpha": 0.4}, "belongs to mixup (strategy=mixup, or strategy=fedbr fedbr-with=mixup)"),
+    ({"strategy": "fedbr", "fedbr-with": "moon"}, "config key 'fedbr-with' = 'moon' names no component moon"),
+    ({"strategy": "fedbr", "fedbr-with": "fedntdd"}, "Did you mean 'fedntd'?"),
+    ({"strategy": "fedavg", "groupdro-eta": 0.5}, "belongs to groupdro (strategy=groupdro)"),
     ({"strategy": "fedmix", "fedmix-lambda": 1.0}, "must be in [0, 1)"),
     ({"strategy": "fedprox", "fedprox-mu": "a lot"}, "must be float"),
 ])
@@ -556,14 +597,15 @@ def test_combination_keys_belong_to_fedbr_only_with_that_combination():
     ("fedprox", {}), ("scaffold", {}), ("moon", {}), ("fedmix", {}), ("vhl", {"vhl-size": 50}),
     ("feddecorr", {}), ("fedntd", {}), ("fedcm", {}), ("mixup", {}), ("groupdro", {}), ("dann", {}),
     ("fedbr", {"fedbr-with": "fedcm"}), ("fedbr", {"fedbr-with": "feddecorr"}), ("fedbr", {"fedbr-with": "fedntd"}),
-    ("fedbr", {"mixup": True}),
+    ("fedbr", {"fedbr-with": "mixup"}), ("fedbr", {"fedbr-with": "fedprox"}),
+    ("fedbr", {"fedbr-with": "mixup,fedntd,fedcm"}),  # combinations compose: one batch transform, one term, FedCM
 ])
 def test_two_rounds_in_process(tmp_path, name, extra):
     cfg = validate({"strategy": name, "num-clients": 3, "local-steps": 2, "batch-size": 8, "num-rounds": 2,
                     "eval-every": 1, "global-test": False, **extra})
     strategy, clients, proxies = in_process_federation(cfg, tmp_path)
-    final = parameters_to_ndarrays(run_rounds(strategy, proxies, 2))
-    assert all(np.isfinite(a).all() for a in final)
+    final = payload.from_parameters(run_rounds(strategy, proxies, 2))
+    assert list(final) == strategy.global_names and all(np.isfinite(a).all() for a in final.values())
     rounds = [json.loads(x) for x in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [r["clients"] for r in rounds] == [3, 3] and all(np.isfinite(r["train"]["loss"]) for r in rounds)
     evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -6,14 +6,13 @@ import json
 
 import numpy as np
 import pytest
-from flwr.common import parameters_to_ndarrays
-
 from fakes import in_process_federation, records_without_timing, run_rounds
-from fedbr_flwr.checkpoint import CHECKPOINT_NAME, load_checkpoint, pack, save_checkpoint, unpack
+from fedbr_flwr import codec, payload
+from fedbr_flwr.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.run_io import keep_rounds_up_to
+from fedbr_flwr.server.checkpointing import ResumedRun
 from fedbr_flwr.server_app import check_resumable
-from strategies.base import ResumedRun
 
 def run_cfg(name, **extra):
     return validate({"strategy": name, "num-clients": 3, "local-steps": 2, "batch-size": 8, "num-rounds": 4,
@@ -31,7 +30,7 @@ def run_cfg(name, **extra):
 def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, name, extra):
     cfg = run_cfg(name, **extra)
     straight, _, proxies = in_process_federation(cfg, tmp_path / "straight")
-    expected = parameters_to_ndarrays(run_rounds(straight, proxies, 4))
+    expected = list(payload.from_parameters(run_rounds(straight, proxies, 4)).values())
 
     first, _, proxies = in_process_federation(cfg, tmp_path / "stopped")
     run_rounds(first, proxies, 3)  # "killed" after round 3: its lines are in the files, its checkpoint is not
@@ -39,7 +38,7 @@ def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, name, extr
 
     resumed, clients, proxies = in_process_federation({**cfg, "resume": True}, tmp_path / "stopped")
     assert resumed.resumed_round == 2
-    final = parameters_to_ndarrays(run_rounds(ResumedRun(resumed, 2), proxies, 2))
+    final = list(payload.from_parameters(run_rounds(ResumedRun(resumed, 2), proxies, 2)).values())
 
     assert len(final) == len(expected)
     for got, want in zip(final, expected):
@@ -55,23 +54,25 @@ def test_client_state_is_collected_at_checkpoints_and_handed_back_once(tmp_path)
     strategy, clients, proxies = in_process_federation(cfg, tmp_path)
     run_rounds(strategy, proxies, 2)
     arrays, _ = load_checkpoint(tmp_path)
-    saved = unpack(arrays["client-state/1"].tobytes())
-    live = clients[1].state["scaffold-control"].to_numpy_ndarrays()
-    assert len(saved) == len(live) and all(np.array_equal(saved[f"scaffold-control/{i}"], a) for i, a in enumerate(live))
+    saved = codec.decode(arrays["client-state/1"].tobytes())
+    live = clients[1].state.arrays("scaffold-control")
+    assert sorted(saved) == sorted(f"scaffold-control/{name}" for name in live)
+    assert all(np.array_equal(saved[f"scaffold-control/{name}"], a) for name, a in live.items())
 
     resumed, fresh, proxies = in_process_federation({**cfg, "resume": True}, tmp_path)
     ins = ResumedRun(resumed, 2).configure_fit(1, resumed.initialize_parameters(None), None)
     assert all("client-state" in fit_ins.config for _, fit_ins in ins)
-    assert "scaffold-control" not in fresh[1].state  # a new run: Flower's node state is empty
+    assert fresh[1].state.arrays("scaffold-control") is None  # a new run: Flower's node state is empty
     fresh[1].restore_state(ins[1][1].config)
-    restored = fresh[1].state["scaffold-control"].to_numpy_ndarrays()
-    assert all(np.array_equal(a, b) for a, b in zip(restored, live))
+    restored = fresh[1].state.arrays("scaffold-control")
+    assert sorted(restored) == sorted(live) and all(np.array_equal(restored[k], live[k]) for k in live)
     # applied once: a resend must not roll the client back
-    fresh[1].restore_state({"client-state": pack({"scaffold-control/0": np.zeros(1)})})
-    assert all(np.array_equal(a, b) for a, b in zip(fresh[1].state["scaffold-control"].to_numpy_ndarrays(), live))
+    name = next(iter(live))
+    fresh[1].restore_state({"client-state": codec.encode({f"scaffold-control/{name}": np.zeros(1)})})
+    assert all(np.array_equal(fresh[1].state.arrays("scaffold-control")[k], live[k]) for k in live)
     # once a client has answered, the server stops sending its state
     resumed.aggregate_fit(3, [(proxies[1], proxies[1].fit(ins[1][1], None, 3))], [])
-    assert 1 not in resumed.pending_client_states and 0 in resumed.pending_client_states
+    assert 1 not in resumed.checkpointer.pending and 0 in resumed.checkpointer.pending
 
 
 def test_checkpoint_replaces_atomically_and_reads_back(tmp_path):
@@ -80,6 +81,17 @@ def test_checkpoint_replaces_atomically_and_reads_back(tmp_path):
     arrays, header = load_checkpoint(tmp_path)
     assert header["round"] == 2 and arrays["a"].tolist() == [0, 1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME]  # no temporary left behind
+
+
+def test_a_checkpoint_of_another_algorithm_or_format_stops_with_a_clear_message(tmp_path):
+    cfg = run_cfg("fedavg")
+    save_checkpoint(tmp_path, {"global/model/other": np.zeros(2)}, {"round": 2, "config": cfg, "elapsed": 0.0})
+    with pytest.raises(ConfigError, match="has no global array model/"):
+        in_process_federation({**cfg, "resume": True}, tmp_path)
+    arrays, header = load_checkpoint(tmp_path)
+    codec.write(tmp_path / CHECKPOINT_NAME, {"__header__": np.frombuffer(b'{"format": 1}', np.uint8)})
+    with pytest.raises(ConfigError, match="has format 1, this code reads 2"):
+        load_checkpoint(tmp_path)
 
 
 def test_missing_or_corrupt_checkpoint_stops_with_a_clear_message(tmp_path):

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from fedbr_flwr.config import (DEFAULTS, SCHEMA, ConfigError, from_run_config, load_yaml, parse_override,
-                               resolved_model, to_toml, validate)
+from fedbr_flwr.config import (ConfigError, defaults, from_run_config, load_yaml, parse_override, resolved_model,
+                               schema, to_toml, validate)
+
+DEFAULTS = defaults()
+SCHEMA = schema()
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,7 +211,7 @@ def test_experiment_files_validate(path):
 def test_pyproject_config_equals_defaults():
     with open(ROOT / "pyproject.toml", "rb") as f:
         table = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
-    assert list(table) == list(DEFAULTS)
+    assert list(table) == list(DEFAULTS), "run `fedbr-run --write-pyproject` after adding or moving a key"
     for key, value in DEFAULTS.items():
         assert table[key] == value, key
         assert type(table[key]) is type(value), key

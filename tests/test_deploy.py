@@ -169,7 +169,7 @@ def test_node_config_quotes_strings_only():
 
 
 def test_supernode_data_dir_overrides_the_runs_and_gpu_pins_the_worker(tmp_path, monkeypatch):
-    from fedbr_flwr.client_app import build_client
+    from fedbr_flwr.node import build_client
     from flwr.common import RecordDict
 
     with pytest.raises(ConfigError, match="/node/own/data"):  # the node's folder is the one read

@@ -7,17 +7,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.common import Code, FitRes, RecordDict, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitRes, Status
 from torch.nn import functional as F
 
-from clients.distrans import DisTrans, DisTransClient, initial_offset
+from clients.distrans import (DisTransClient, DisTransSettings, DisTransStep, DoubleInputModel, Offset, WithOffset,
+                              initial_offset)
+from fedbr_flwr import payload
+from fedbr_flwr.algorithm import MemoryState
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import INFO, ClientData
-from fedbr_flwr.model import DoubleInputModel, Offset, OffsetGenerator, WithOffset, build_model
+from fedbr_flwr.model import build_model
 from fedbr_flwr.partition import heterogeneity_from_counts
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.training import evaluate
-from strategies.distrans import DisTransStrategy, OffsetAggregator, build_offset_network, class_shares, resolve_mode
+from strategies.distrans import (DisTransStrategy, OffsetAggregator, OffsetGenerator, build_offset_network,
+                                 class_shares, resolve_mode)
 
 C = 10
 
@@ -74,7 +78,7 @@ def make_algorithm(**overrides):
     model = small_model()
     offset = Offset((1, 8, 8))
     offset.t.data = torch.randn(1, 8, 8, generator=torch.Generator().manual_seed(3))
-    return DisTrans(model, offset, cfg)
+    return DisTransStep(model, offset, cfg, DisTransSettings.from_config(cfg))
 
 
 def test_simultaneous_step_moves_model_and_offset_by_one_gradient_each():
@@ -206,41 +210,48 @@ def make_client(pid, state, **overrides):
     return DisTransClient(cfg, client_data(pid), "cpu", state)
 
 
+def offset_used(client, arrays):
+    """The offset the client trains and evaluates with after receiving ``arrays``."""
+    client.receive(arrays)
+    return client.offset.t.detach().numpy().copy()
+
+
 def test_client_keeps_its_offset_across_rounds_in_its_state():
-    state = RecordDict()
+    state = MemoryState()
     client = make_client(1, state)
-    model_arrays = client.get_parameters({})[:-1]
-    drawn = client.with_offset(model_arrays)[-1]  # nothing stored yet: a freshly drawn offset
+    model_arrays = client.weights()
+    assert all(name.startswith("model/") for name in model_arrays)  # the offset is no global array
+    drawn = offset_used(client, model_arrays)  # nothing stored yet: a freshly drawn offset
     weights, _, metrics = client.fit(model_arrays, {"server-round": 1})
-    first = weights[-1]
+    first = weights["offset"]
     assert metrics["offset-rms-change"] > 0 and not np.array_equal(first, drawn)
     assert metrics["offset-fresh"] == 1.0
-    # round 2 runs in a fresh client object (Flower builds one per message) over the same state
+    # round 2 runs in a fresh client object (a node may rebuild its client) over the same state
     again = make_client(1, state)
-    np.testing.assert_array_equal(again.with_offset(model_arrays)[-1], first)
+    np.testing.assert_array_equal(offset_used(again, model_arrays), first)
     weights2, _, metrics2 = again.fit(model_arrays, {"server-round": 2})
-    assert not np.array_equal(weights2[-1], first) and metrics2["offset-fresh"] == 0.0
+    assert not np.array_equal(weights2["offset"], first) and metrics2["offset-fresh"] == 0.0
     # another client's state is its own
-    other = make_client(2, RecordDict())
-    assert not np.array_equal(other.with_offset(model_arrays)[-1], first)
+    other = make_client(2, MemoryState())
+    assert not np.array_equal(offset_used(other, model_arrays), first)
 
 
 def test_a_server_sent_offset_replaces_the_stored_one():
-    state = RecordDict()
+    state = MemoryState()
     client = make_client(0, state)
-    arrays = client.get_parameters({})[:-1]
+    arrays = client.weights()
     sent = np.full((1, 28, 28), 0.5, np.float32)
-    client.evaluate([*arrays, sent], {"server-round": 1})
-    np.testing.assert_array_equal(make_client(0, state).with_offset(arrays)[-1], sent)
+    client.evaluate({**arrays, "offset": sent}, {"server-round": 1})
+    np.testing.assert_array_equal(offset_used(make_client(0, state), arrays), sent)
 
 
 def test_evaluation_applies_each_clients_own_offset():
-    states = [RecordDict(), RecordDict()]
+    states = [MemoryState(), MemoryState()]
     clients = [make_client(0, states[0]), make_client(0, states[1])]  # same data, different offsets
-    arrays = clients[0].get_parameters({})[:-1]
+    arrays = clients[0].weights()
     offsets = [np.zeros((1, 28, 28), np.float32), np.full((1, 28, 28), 3.0, np.float32)]
     for client, t in zip(clients, offsets):
-        client.evaluate([*arrays, t], {"server-round": 1})  # stores t
+        client.evaluate({**arrays, "offset": t}, {"server-round": 1})  # stores t
     results = [make_client(0, s).evaluate(arrays, {"server-round": 2}) for s in states]  # no offset sent
     data = clients[0].data
     for (loss, n, metrics), t in zip(results, offsets):
@@ -256,9 +267,9 @@ def make_strategy(tmp_path, agg, counts, **overrides):
     cfg = validate({"strategy": "distrans", "output-dir": str(tmp_path), "global-test": False, "batch-size": 8,
                     "num-clients": len(counts), "local-steps": 2, "distrans-agg": agg, **overrides})
     torch.manual_seed(0)
-    strategy = DisTransStrategy(cfg, RunRecorder(cfg, tmp_path), build_model("cnn", C, 1, 28), None)
-    strategy.clients_by_pid = {pid: None for pid in range(len(counts))}
-    strategy.class_counts = {pid: np.asarray(c) for pid, c in enumerate(counts)}
+    strategy = DisTransStrategy(cfg, RunRecorder(cfg, tmp_path), DisTransClient.build_modules(cfg), None)
+    strategy.federation.clients_by_pid = {pid: None for pid in range(len(counts))}
+    strategy.federation.class_counts = {pid: np.asarray(c) for pid, c in enumerate(counts)}
     info = strategy.after_discovery()
     return strategy, info
 
@@ -268,10 +279,10 @@ def one_round(strategy, clients, server_round, sizes=None):
     params = strategy.initialize_parameters(None) if server_round == 1 else strategy.current
     results = []
     for pid, client in enumerate(clients):
-        arrays = parameters_to_ndarrays(strategy.client_parameters(params, pid))
+        arrays = {**payload.from_parameters(params), **strategy.client_arrays(pid)}
         weights, n, metrics = client.fit(arrays, {"server-round": server_round})
         n = sizes[pid] if sizes else n
-        results.append((None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(weights), n, metrics)))
+        results.append((None, FitRes(Status(Code.OK, ""), payload.to_parameters(weights), n, metrics)))
     strategy.sampled = list(range(len(clients)))
     strategy.current, _ = strategy.aggregate_fit(server_round, results, [])
     return results
@@ -290,57 +301,54 @@ def test_auto_resolves_from_the_reported_histograms(tmp_path):
 
 def test_none_sends_no_offset_and_each_client_continues_from_its_own(tmp_path):
     strategy, _ = make_strategy(tmp_path, "none", ONE_CLASS_COUNTS)
-    states = [RecordDict() for _ in range(3)]
+    states = [MemoryState() for _ in range(3)]
     clients = [make_client(pid, states[pid]) for pid in range(3)]
     results = one_round(strategy, clients, 1)
-    n = strategy.num_model_arrays
-    assert len(parameters_to_ndarrays(strategy.current)) == n  # the global parameters hold no offset
-    assert len(parameters_to_ndarrays(strategy.client_parameters(strategy.current, 0))) == n
+    current = payload.from_parameters(strategy.current)
+    assert list(current) == strategy.global_names and "offset" not in current  # the global arrays hold no offset
+    assert strategy.client_arrays(0) == {}
     for pid, (_, res) in enumerate(results):
-        own = parameters_to_ndarrays(res.parameters)[-1]
-        fresh = make_client(pid, states[pid])
-        np.testing.assert_array_equal(fresh.with_offset(parameters_to_ndarrays(strategy.current))[-1], own)
+        own = payload.from_parameters(res.parameters)["offset"]
+        np.testing.assert_array_equal(offset_used(make_client(pid, states[pid]), current), own)
 
 
 def test_avg_sends_every_client_the_mean_offset_and_the_model_is_the_weighted_mean(tmp_path):
     strategy, _ = make_strategy(tmp_path, "avg", IID_COUNTS, weighting="samples")
-    clients = [make_client(pid, RecordDict()) for pid in range(3)]
+    clients = [make_client(pid, MemoryState()) for pid in range(3)]
     sizes = [10, 30, 60]
     results = one_round(strategy, clients, 1, sizes)
-    returned = [parameters_to_ndarrays(res.parameters) for _, res in results]
-    n = strategy.num_model_arrays
-    got = parameters_to_ndarrays(strategy.current)
-    for layer in range(n):
-        expected = sum(s * r[layer].astype(np.float64) for s, r in zip(sizes, returned)) / 100
-        np.testing.assert_allclose(got[layer], expected, rtol=1e-5, atol=1e-7)
-    mean_offset = sum(s * r[n] for s, r in zip(sizes, returned)) / 100
+    returned = [payload.from_parameters(res.parameters) for _, res in results]
+    got = payload.from_parameters(strategy.current)
+    for name in strategy.global_names:
+        expected = sum(s * r[name].astype(np.float64) for s, r in zip(sizes, returned)) / 100
+        np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-7)
+    mean_offset = sum(s * r["offset"] for s, r in zip(sizes, returned)) / 100
     saved = np.load(tmp_path / "offsets.npz")
     for pid in range(3):
-        sent = parameters_to_ndarrays(strategy.client_parameters(strategy.current, pid))
-        assert len(sent) == n + 1
-        np.testing.assert_allclose(sent[-1], mean_offset, rtol=1e-5)
-        np.testing.assert_array_equal(saved[f"next_{pid}"], sent[-1])
-        np.testing.assert_array_equal(saved[f"returned_{pid}"], returned[pid][n])
+        sent = strategy.client_arrays(pid)
+        assert list(sent) == ["offset"]
+        np.testing.assert_allclose(sent["offset"], mean_offset, rtol=1e-5)
+        np.testing.assert_array_equal(saved[f"next_{pid}"], sent["offset"])
+        np.testing.assert_array_equal(saved[f"returned_{pid}"], returned[pid]["offset"])
 
 
 def test_nn_sends_each_client_the_networks_output_and_records_its_loss(tmp_path):
     strategy, _ = make_strategy(tmp_path, "nn", [[10, 0, 5] + [0] * 7, [0, 10, 5] + [0] * 7, [5] * 10])
-    clients = [make_client(pid, RecordDict()) for pid in range(3)]
+    clients = [make_client(pid, MemoryState()) for pid in range(3)]
     one_round(strategy, clients, 1)
     assert set(strategy.server_metrics) == {"offset-nn-loss-before", "offset-nn-loss-after"}
     predicted = strategy.aggregator.predict()
     for pid in range(3):
-        sent = parameters_to_ndarrays(strategy.client_parameters(strategy.current, pid))[-1]
-        np.testing.assert_array_equal(sent, predicted[pid])
+        np.testing.assert_array_equal(strategy.client_arrays(pid)["offset"], predicted[pid])
     assert not np.allclose(predicted[0], predicted[2])
 
 
 def test_global_test_sees_the_mean_of_the_returned_offsets(tmp_path):
     strategy, _ = make_strategy(tmp_path, "none", ONE_CLASS_COUNTS)
     assert float(strategy.global_test_module().t.abs().sum()) == 0.0  # before any round: zero offset
-    clients = [make_client(pid, RecordDict()) for pid in range(3)]
+    clients = [make_client(pid, MemoryState()) for pid in range(3)]
     results = one_round(strategy, clients, 1)
-    mean = np.mean([parameters_to_ndarrays(res.parameters)[-1] for _, res in results], axis=0)
+    mean = np.mean([payload.from_parameters(res.parameters)["offset"] for _, res in results], axis=0)
     np.testing.assert_allclose(strategy.global_test_module().t.cpu().numpy(), mean, rtol=1e-6)
 
 
@@ -348,11 +356,11 @@ def test_global_test_sees_the_mean_of_the_returned_offsets(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"strategy": "fedavg", "distrans-agg": "nn"}, "belongs to strategy distrans"),
+    ({"strategy": "fedavg", "distrans-agg": "nn"}, "belongs to distrans"),
     ({"strategy": "distrans", "distrans-agg": "mean"}, "not one of: auto, none, avg, nn"),
     ({"strategy": "distrans", "distrans-alpha": 1.0}, r"in \(0, 1\)"),
     ({"strategy": "distrans", "distrans-update": "joint"}, "simultaneous, alternating"),
-    ({"strategy": "fedbr", "distrans-offset-lr": 0.1}, "belongs to strategy distrans"),
+    ({"strategy": "fedbr", "distrans-offset-lr": 0.1}, "belongs to distrans"),
 ])
 def test_bad_distrans_settings_stop_with_a_clear_message(overrides, message):
     with pytest.raises(ConfigError, match=message):

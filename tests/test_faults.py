@@ -6,36 +6,36 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
 from fakes import OfflineProxy
-from fedbr_flwr import cli
+from fedbr_flwr import cli, payload
 from fedbr_flwr.config import validate
 from fedbr_flwr.run_io import RunRecorder
-from strategies.base import update_problem
+from fedbr_flwr.server.updates import update_problem
 from strategies.fedavg import FedAvgStrategy
 from strategies.scaffold import ScaffoldStrategy
 
-SHAPES = [(2, 2), (2,)]
+SHAPES = {"model/weight": (2, 2), "model/bias": (2,)}
 
 
 def arrays_of(value, shapes=SHAPES):
-    return [np.full(s, value, np.float32) for s in shapes]
+    return {name: np.full(s, value, np.float32) for name, s in shapes.items()}
 
 
 def fit_res(arrays, pid, loss=1.0):
-    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 10, {"loss": loss, "partition-id": pid})
+    return FitRes(Status(Code.OK, ""), payload.to_parameters(arrays), 10, {"loss": loss, "partition-id": pid})
 
 
 def strategy_with_round_started(tmp_path, cls=FedAvgStrategy, model=None, **overrides):
     cfg = validate({"output-dir": str(tmp_path), "global-test": False, "num-clients": 4, **overrides})
     model = model or torch.nn.Linear(2, 2)
-    strategy = cls(cfg, RunRecorder(cfg, tmp_path), model, None)
+    strategy = cls(cfg, RunRecorder(cfg, tmp_path), {"model": model}, None)
     proxies = [OfflineProxy(f"node-{i}") for i in range(4)]
-    strategy.clients_by_pid = {i: p for i, p in enumerate(proxies)}
-    strategy.pid_by_cid = {p.cid: i for i, p in enumerate(proxies)}
-    global_arrays = [a.detach().numpy().copy() for a in model.state_dict().values()]
-    strategy.configure_fit(1, ndarrays_to_parameters(global_arrays), None)
+    strategy.federation.clients_by_pid = {i: p for i, p in enumerate(proxies)}
+    strategy.federation.pid_by_cid = {p.cid: i for i, p in enumerate(proxies)}
+    global_arrays = strategy.initial_arrays()
+    strategy.configure_fit(1, payload.to_parameters(global_arrays), None)
     return strategy, proxies, global_arrays
 
 
@@ -44,21 +44,29 @@ def last_round(tmp_path):
 
 
 @pytest.mark.parametrize("arrays, reason", [
-    ([np.full((2, 2), np.nan, np.float32), np.zeros(2, np.float32)], "array 0 holds NaN or Inf"),
-    ([np.zeros((2, 2), np.float32), np.array([0.0, np.inf], np.float32)], "array 1 holds NaN or Inf"),
-    ([np.zeros((2, 3), np.float32), np.zeros(2, np.float32)], "array 0 has shape (2, 3), expected (2, 2)"),
-    ([np.zeros((2, 2), np.float32)], "1 arrays, expected 2"),
+    ({"model/weight": np.full((2, 2), np.nan, np.float32), "model/bias": np.zeros(2, np.float32)},
+     "array 'model/weight' holds NaN or Inf"),
+    ({"model/weight": np.zeros((2, 2), np.float32), "model/bias": np.array([0.0, np.inf], np.float32)},
+     "array 'model/bias' holds NaN or Inf"),
+    ({"model/weight": np.zeros((2, 3), np.float32), "model/bias": np.zeros(2, np.float32)},
+     "array 'model/weight' has shape (2, 3), expected (2, 2)"),
+    ({"model/weight": np.zeros((2, 2), np.float32)}, "missing arrays model/bias (1 of 2)"),
+    ({**arrays_of(0.0), "head/weight": np.zeros(2, np.float32)}, "unexpected arrays head/weight"),
+    ([np.zeros((2, 2), np.float32), np.zeros(2, np.float32)], "not a named payload: the first array does not name"),
 ])
 def test_a_bad_update_is_rejected_logged_and_never_averaged_in(tmp_path, arrays, reason):
     strategy, proxies, _ = strategy_with_round_started(tmp_path)
-    results = [(proxies[0], fit_res(arrays_of(1.0), 0)), (proxies[1], fit_res(arrays, 1)),
+    bad = fit_res(arrays, 1) if isinstance(arrays, dict) else \
+        FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 10, {"loss": 1.0, "partition-id": 1})
+    results = [(proxies[0], fit_res(arrays_of(1.0), 0)), (proxies[1], bad),
                (proxies[2], fit_res(arrays_of(3.0), 2)), (proxies[3], fit_res(arrays_of(5.0), 3))]
     params, _ = strategy.aggregate_fit(1, results, [])
-    for layer in parameters_to_ndarrays(params):
+    for layer in payload.from_parameters(params).values():
         np.testing.assert_allclose(layer, 3.0)  # the mean of 1, 3 and 5: the bad update is not in it
     record = last_round(tmp_path)
     assert record["clients"] == 3 and record["failures"] == 1
-    assert record["rejected"] == [{"partition": 1, "reason": reason}]
+    assert len(record["rejected"]) == 1 and record["rejected"][0]["partition"] == 1
+    assert record["rejected"][0]["reason"].startswith(reason)
 
 
 def test_non_finite_metrics_reject_the_update():
@@ -71,7 +79,7 @@ def test_failed_and_missing_clients_are_recorded_and_the_round_goes_on(tmp_path)
     results = [(proxies[0], fit_res(arrays_of(2.0), 0)), (proxies[2], fit_res(arrays_of(4.0), 2))]
     crashed = (proxies[3], FitRes(Status(Code.FIT_NOT_IMPLEMENTED, "worker died"), ndarrays_to_parameters([]), 0, {}))
     params, _ = strategy.aggregate_fit(1, results, [ValueError("Node Unavailable"), crashed])
-    for layer in parameters_to_ndarrays(params):
+    for layer in payload.from_parameters(params).values():
         np.testing.assert_allclose(layer, 3.0)
     record = last_round(tmp_path)
     assert record["clients"] == 2 and record["failures"] == 2 and record["failed_clients"] == [1, 3]
@@ -86,20 +94,23 @@ def test_fewer_valid_updates_than_min_fit_clients_keep_the_global_model(tmp_path
     assert params is None
     record = last_round(tmp_path)
     assert record["skipped"] is True and record["clients"] == 2 and record["failures"] == 2
-    for kept, sent in zip(strategy.latest, global_arrays):  # what a checkpoint now would hold
-        np.testing.assert_array_equal(kept, sent)
+    assert list(strategy.latest) == list(global_arrays)  # what a checkpoint now would hold
+    for name, sent in global_arrays.items():
+        np.testing.assert_array_equal(strategy.latest[name], sent)
 
 
 def test_scaffold_update_without_its_control_variate_change_is_rejected(tmp_path):
     model = torch.nn.Linear(2, 2)
     strategy, proxies, global_arrays = strategy_with_round_started(tmp_path, ScaffoldStrategy, model,
                                                                    strategy="scaffold")
-    good = [a + 1 for a in global_arrays] + [np.ones_like(a) for a in global_arrays]
-    results = [(proxies[0], fit_res(good, 0)), (proxies[1], fit_res([a + 1 for a in global_arrays], 1))]
+    moved = {name: a + 1 for name, a in global_arrays.items()}
+    good = {**moved, **{name.replace("model/", "control-delta/"): np.ones_like(a) for name, a in global_arrays.items()}}
+    results = [(proxies[0], fit_res(good, 0)), (proxies[1], fit_res(moved, 1))]
     strategy.aggregate_fit(1, results, [])
-    assert last_round(tmp_path)["rejected"] == [{"partition": 1, "reason": "2 arrays, expected 4"}]
+    assert last_round(tmp_path)["rejected"] == [
+        {"partition": 1, "reason": "missing arrays control-delta/weight, control-delta/bias (2 of 4)"}]
     # c moved by client 0's change only: 1/N with N = 4 clients
-    for c in strategy.control:
+    for c in strategy.control.values():
         np.testing.assert_allclose(c, 0.25)
 
 
@@ -116,7 +127,8 @@ def test_scaffold_update_without_its_control_variate_change_is_rejected(tmp_path
      "min-fit-clients = 4 but only 3 of the 10 clients are sampled per round"),
     ("", ["min-fit-clients=11"], "min-fit-clients = 11 but only 10 of the 10 clients"),
     ("", ["strategy=fedbr", "pseudo-size=16", "batch-size=32"], "pseudo-size = 16 but batch-size = 32"),
-    ("", ["strategy=fedbr", "moon-mu=2"], "config key 'moon-mu' belongs to strategy moon"),
+    ("", ["strategy=fedbr", "moon-mu=2"], "config key 'moon-mu' belongs to moon (strategy=moon), not to 'fedbr'"),
+    ("", ["strategy=fedbr", "mixup=true"], "config key 'mixup' is gone: FedBR on the Mixup backbone is fedbr-with=mixup"),
     ("", ["checkpoint-every=-1"], "config key 'checkpoint-every' = -1 must be >= 0"),
     ("", ["num-clients=20000"], "num-clients = 20000 but mnist5k has 4500 training samples"),
 ])

@@ -8,20 +8,25 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.common import Code, FitRes, GetParametersRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitRes, GetParametersRes, Status, ndarrays_to_parameters
 
 from fakes import OfflineProxy
-from clients.fedbr import FedBR, FedBRClient, build_head
+from steps import started_components
+from clients.fedbr import (FedBRClient, FedBRStep, ProjectionHead, fedbr_contrastive_loss,
+                           mean_output_cross_entropy)
+from fedbr_flwr import codec, payload
+from fedbr_flwr.broadcast import SharedData
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import ClientData
-from fedbr_flwr.losses import fedbr_contrastive_loss, mean_output_cross_entropy, soft_cross_entropy
-from fedbr_flwr.model import ProjectionHead, build_model, count_parameters
+from fedbr_flwr.losses import soft_cross_entropy
+from fedbr_flwr.model import build_model, count_parameters
+from fedbr_flwr.node import FlowerClient
 from fedbr_flwr.run_io import RunRecorder
-from fedbr_flwr.training import get_weights, set_weights
-from pseudodata import decode, encode, uniform_labels
+from fedbr_flwr.server.updates import weighted_mean
+from fedbr_flwr.training import get_weights, load_module_arrays
+from pseudodata import uniform_labels
 from pseudodata.mixture import load_proxy, mix
 from pseudodata.rsm import allot, assemble, sample_means
-from strategies.base import weighted_mean
 from strategies.fedbr import FedBRStrategy
 
 B, C = 4, 10
@@ -35,11 +40,16 @@ def make_algorithm(seed=0, **overrides):
     cfg = fedbr_cfg(**overrides)
     torch.manual_seed(seed)
     model = build_model("cnn", C, 1, 8)
-    head = build_head(cfg, model.feature_dim)
+    head = FedBRClient.extra_modules(model, cfg).get("head")
     g = torch.Generator().manual_seed(seed + 100)  # the same pseudo-data whether or not a head was built
     x_p = torch.randn(B, 1, 8, 8, generator=g)
     pool = (torch.randn(20, 1, 8, 8, generator=g), torch.randint(0, C, (20,), generator=g))
-    return FedBR(model, cfg, head, x_p, torch.full((B, C), 1.0 / C), pool, seed=seed)
+    return FedBRStep(model, cfg, FedBRClient.Settings.from_config(cfg), head, x_p, torch.full((B, C), 1.0 / C), pool,
+                     seed=seed, components=started_components(cfg, model, seed=seed + 1))
+
+
+def build_head(cfg, feature_dim):
+    return FedBRClient.extra_modules(build_model("cnn", C, 1, 8), cfg).get("head") if feature_dim == 128 else None
 
 
 def local_batch(seed=1):
@@ -207,18 +217,19 @@ def test_without_max_step_theta_keeps_its_value_and_the_terms_are_unchanged():
 
 def test_mixup_mixes_the_local_batch_and_its_labels():
     x, y = local_batch()
-    algo = make_algorithm(mixup=True)
+    algo = make_algorithm(**{"fedbr-with": "mixup"})
     batch = algo.make_batch(x, y)
-    assert 0 <= batch.lam <= 1 and batch.lam != 1.0
-    candidates = batch.lam * x[:, None] + (1 - batch.lam) * x[None, :]  # [i, j]: x_i mixed with x_j
-    error = (candidates - batch.x[:, None]).abs().flatten(2).amax(dim=2)
+    local = batch.local
+    assert 0 <= local.lam <= 1 and local.lam != 1.0
+    candidates = local.lam * x[:, None] + (1 - local.lam) * x[None, :]  # [i, j]: x_i mixed with x_j
+    error = (candidates - local.x[:, None]).abs().flatten(2).amax(dim=2)
     assert bool((error.amin(dim=1) < 1e-5).all())
     perm = error.argmin(dim=1)
-    assert torch.equal(batch.y_b, y[perm]) and torch.equal(batch.y_a, y)
+    assert torch.equal(local.y_b, y[perm]) and torch.equal(local.y, y)
     terms = algo.objective(batch, *algo.features(batch))
-    logits = algo.model(batch.x)
-    ce = batch.lam * torch.nn.functional.cross_entropy(logits, y) + \
-        (1 - batch.lam) * torch.nn.functional.cross_entropy(logits, batch.y_b)
+    logits = algo.model(local.x)
+    ce = local.lam * torch.nn.functional.cross_entropy(logits, y) + \
+        (1 - local.lam) * torch.nn.functional.cross_entropy(logits, local.y_b)
     assert terms["ce"].item() == pytest.approx(ce.item(), rel=1e-5)
     plain = terms_of(make_algorithm(), x, y)
     assert terms["balance"].item() == pytest.approx(plain["balance"], rel=1e-5)  # pseudo-data untouched
@@ -292,7 +303,10 @@ def test_proxy_dataset_is_converted_to_the_runs_image_shape(tmp_path):
 
 def test_pseudo_payload_round_trips():
     x, y = np.random.rand(3, 1, 2, 2).astype(np.float32), uniform_labels(3, 4)
-    x2, y2 = decode(encode(x, y))
+    shared = SharedData("pseudo")
+    shared.publish(x, y, 1)
+    arrays = codec.decode(shared.fit_config(0)["pseudo-payload"])
+    x2, y2 = arrays["x"], arrays["y"]
     np.testing.assert_array_equal(x, x2)
     np.testing.assert_array_equal(y, y2)
     assert np.allclose(y2.sum(1), 1.0)
@@ -302,7 +316,7 @@ def test_pseudo_payload_round_trips():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"strategy": "fedavg", "fedbr-mu": 1.0}, "belongs to strategy fedbr"),
+    ({"strategy": "fedavg", "fedbr-mu": 1.0}, r"belongs to fedbr \(strategy=fedbr\), not to .fedavg."),
     ({"strategy": "fedbr", "fedbr-balance": False, "fedbr-contrastive": False}, "use strategy=fedavg"),
     ({"strategy": "fedbr", "fedbr-contrastive": False, "fedbr-max-step": False}, "only applies"),
     ({"strategy": "fedbr", "pseudo-size": 16, "batch-size": 32}, "must be equal"),
@@ -339,7 +353,7 @@ class ClientProxyOf(OfflineProxy):
 
     def get_parameters(self, ins, timeout, group_id):
         self.requests.append(dict(ins.config))
-        arrays = self.client.get_parameters(ins.config)
+        arrays = FlowerClient(self.client).get_parameters(ins.config)
         return GetParametersRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays))
 
 
@@ -347,9 +361,9 @@ def make_fedbr_strategy(tmp_path, num_clients=3, **overrides):
     cfg = validate({"strategy": "fedbr", "output-dir": str(tmp_path), "global-test": False, "batch-size": 8,
                     "num-clients": num_clients, "local-steps": 2, **overrides})
     torch.manual_seed(0)
-    strategy = FedBRStrategy(cfg, RunRecorder(cfg, tmp_path), build_model("cnn", C, 1, 28), None)
+    strategy = FedBRStrategy(cfg, RunRecorder(cfg, tmp_path), FedBRClient.build_modules(cfg), None)
     clients = [FedBRClient(cfg, client_data(pid, offset=10.0 * pid), "cpu") for pid in range(num_clients)]
-    strategy.clients_by_pid = {c.pid: ClientProxyOf(c) for c in clients}
+    strategy.federation.clients_by_pid = {c.pid: ClientProxyOf(c) for c in clients}
     return strategy, clients
 
 
@@ -361,7 +375,8 @@ def test_server_assembles_rsm_from_each_clients_means_in_partition_order(tmp_pat
     owner = np.round(x.mean(axis=(1, 2, 3)) / 10.0).astype(int)  # each mean sits at its client's offset
     counts = allot(8, [0, 1, 2], 0, 1)
     assert owner.tolist() == [pid for pid in range(3) for _ in range(counts[pid])]
-    assert all(req[0]["pseudo-m"] == 10 for req in (p.requests for p in strategy.clients_by_pid.values()))
+    requests = [p.requests for p in strategy.federation.clients_by_pid.values()]
+    assert all(req[0]["pseudo-m"] == 10 and req[0]["request"] == "rsm-means" for req in requests)
     saved = np.load(tmp_path / "pseudo_data.npz")
     np.testing.assert_array_equal(saved["x"], x)
 
@@ -369,13 +384,13 @@ def test_server_assembles_rsm_from_each_clients_means_in_partition_order(tmp_pat
 def test_payload_goes_once_to_each_client_and_again_after_a_failure(tmp_path):
     strategy, clients = make_fedbr_strategy(tmp_path)
     strategy.refresh_shared_data(1)
-    params = parameters_to_ndarrays(strategy.initialize_parameters(None))
+    params = payload.from_parameters(strategy.initialize_parameters(None))
     first = strategy.fit_config(1, 0)
     assert "pseudo-payload" in first and first["pseudo-version"] == 1
     weights, n, metrics = clients[0].fit(params, first)
     assert metrics["pseudo-version"] == 1
     strategy.sampled = [0, 1]
-    fit_res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(weights), n, metrics)
+    fit_res = FitRes(Status(Code.OK, ""), payload.to_parameters(weights), n, metrics)
     strategy.aggregate_fit(1, [(None, fit_res)], [])
     assert "pseudo-payload" not in strategy.fit_config(2, 0)  # client 0 holds it in its state
     assert "pseudo-payload" in strategy.fit_config(2, 1)  # client 1 was sampled but did not answer
@@ -387,28 +402,31 @@ def test_payload_goes_once_to_each_client_and_again_after_a_failure(tmp_path):
 def test_strategy_averages_phi_omega_and_theta(tmp_path):
     strategy, clients = make_fedbr_strategy(tmp_path, weighting="samples")
     model_arrays = len(strategy.model.state_dict())
-    head_arrays = len(strategy.head.state_dict())
-    initial = parameters_to_ndarrays(strategy.initialize_parameters(None))
-    assert len(initial) == model_arrays + head_arrays == len(clients[0].get_parameters({}))
+    head_arrays = len(strategy.modules["head"].state_dict())
+    initial = payload.from_parameters(strategy.initialize_parameters(None))
+    assert len(initial) == model_arrays + head_arrays and list(initial) == list(clients[0].weights())
     rng = np.random.default_rng(0)
-    updates = [[rng.standard_normal(a.shape).astype(a.dtype) for a in initial] for _ in range(3)]
+    updates = [{k: rng.standard_normal(a.shape).astype(a.dtype) for k, a in initial.items()} for _ in range(3)]
     sizes = [10, 20, 70]
-    results = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(u), s,
+    results = [(None, FitRes(Status(Code.OK, ""), payload.to_parameters(u), s,
                              {"partition-id": i, "pseudo-version": 1})) for i, (u, s) in enumerate(zip(updates, sizes))]
     strategy.sampled = [0, 1, 2]
     new, _ = strategy.aggregate_fit(1, results[::-1], [])
-    got = parameters_to_ndarrays(new)
-    for layer in range(len(initial)):  # phi and omega (model arrays), then theta (head arrays)
-        expected = sum(s * u[layer].astype(np.float64) for s, u in zip(sizes, updates)) / sum(sizes)
-        np.testing.assert_allclose(got[layer], expected, rtol=1e-6)
+    got = payload.from_parameters(new)
+    assert list(got) == list(initial)  # phi and omega ('model/...'), then theta ('head/...')
+    for name in initial:
+        expected = sum(s * u[name].astype(np.float64) for s, u in zip(sizes, updates)) / sum(sizes)
+        np.testing.assert_allclose(got[name], expected, rtol=1e-6)
     head = build_head(strategy.cfg, 128)
-    set_weights([strategy.model, head], got)
-    np.testing.assert_allclose(get_weights(head)[0], weighted_mean([u[model_arrays:] for u in updates], sizes)[0])
+    load_module_arrays(head, "head", got)
+    head_names = [n for n in initial if n.startswith("head/")]
+    np.testing.assert_allclose(get_weights(head)[0],
+                               weighted_mean([[u[n] for n in head_names] for u in updates], sizes)[0])
 
 
 def test_mixture_pseudo_data_comes_from_the_proxy_dataset(tmp_path):
     strategy, _ = make_fedbr_strategy(tmp_path, **{"pseudo-data": "mixture"})
     strategy.refresh_shared_data(1)
-    assert all(not p.requests for p in strategy.clients_by_pid.values())  # no client was asked
+    assert all(not p.requests for p in strategy.federation.clients_by_pid.values())  # no client was asked
     x, _ = strategy.shared.arrays
     assert x.shape == (8, 1, 28, 28) and abs(float(x.mean())) < 1.0  # digit means, not client offsets

@@ -12,12 +12,12 @@ import torch
 from flwr.common import RecordDict, ndarrays_to_parameters
 
 from fakes import in_process_federation, run_rounds
-from fedbr_flwr import bench
+from fedbr_flwr import bench, payload
 from fedbr_flwr.cli import config_from_settings
-from fedbr_flwr.client_app import ClientCache, build_client
 from fedbr_flwr.config import ConfigError
 from fedbr_flwr.dataset import SYNTHETIC_SIZES, load_raw
 from fedbr_flwr.metrics import read_jsonl
+from fedbr_flwr.node import ClientCache, build_client
 from fedbr_flwr.training import frozen_copy, round_sgd
 
 NODE = {"partition-id": 1, "num-partitions": 2}
@@ -32,13 +32,13 @@ def fit_rounds(cfg: dict, get_client, rounds: int = 2) -> list[list[np.ndarray]]
     from the first client's seeded initial weights."""
     torch.manual_seed(0)
     first = get_client()
-    weights = first.get_parameters({})
-    fit_config = bench.bare_fit_config(cfg, {1: first})  # FedBR: the pseudo-data, sent at round 1
+    weights = payload.from_list(first.get_parameters({}))
+    fit_config = bench.bare_fit_config(cfg, {1: first.algorithm})  # FedBR: the pseudo-data, sent at round 1
     returned = []
     for server_round in range(1, rounds + 1):
-        arrays, _, _ = get_client().fit(weights, fit_config(server_round))
+        arrays, _, _ = get_client().fit(payload.to_list(weights), fit_config(server_round))
         returned.append(arrays)
-        weights = arrays[:len(weights)]
+        weights = {k: v for k, v in payload.from_list(arrays).items() if k in weights}
     return returned
 
 
@@ -68,7 +68,7 @@ def test_the_cache_keeps_a_client_per_run_and_config_and_drops_old_runs():
     state = RecordDict()
     first = cache.get(1, run_config(), NODE, state)
     assert cache.get(1, run_config(), NODE, RecordDict()) is first
-    assert first.state is not state  # each message's own copy of Flower's state
+    assert first.algorithm.state.records is not state  # each message's own copy of Flower's state
     assert cache.get(1, run_config(lr=0.1), NODE, state) is not first  # another config: another client
     cache.get(2, run_config(), NODE, state)
     assert {run for run, _, _ in cache.clients} == {2}
@@ -99,13 +99,13 @@ def local_losses(precision: str, compiled: bool = False, strategy: str = "fedbr"
     torch.manual_seed(0)
     client = build_client(config, NODE, RecordDict())
     weights = client.get_parameters({})
-    fit_config = bench.bare_fit_config(cfg, {1: client})
+    fit_config = bench.bare_fit_config(cfg, {1: client.algorithm})
     losses = []
     for server_round in range(1, 6):
         _, _, metrics = client.fit(weights, fit_config(server_round))  # the same start, other batches
         losses.append(metrics["loss"])
     if compiled:
-        assert client.model.features._compiled_call_impl is not None
+        assert client.algorithm.model.features._compiled_call_impl is not None
     return losses
 
 
@@ -126,11 +126,11 @@ def test_a_round_records_the_bytes_of_its_messages_and_the_clients_peak_memory(t
     strategy, clients, proxies = in_process_federation(cfg, tmp_path)
     run_rounds(strategy, proxies, 2)
     first, second = read_jsonl(tmp_path / "rounds.jsonl")
-    weights = clients[0].get_parameters({})
+    weights = payload.to_list(clients[0].weights())  # the names, then the arrays
     serialised = sum(len(t) for t in ndarrays_to_parameters(weights).tensors)
     assert second["bytes_down"] == second["bytes_up"] == 3 * serialised
-    payload = len(strategy.shared.payload)  # the pseudo-data goes out in round 1 only
-    assert first["bytes_down"] - second["bytes_down"] == 3 * payload > 0
+    pseudo = len(strategy.shared.payload)  # the pseudo-data goes out in round 1 only
+    assert first["bytes_down"] - second["bytes_down"] == 3 * pseudo > 0
     assert second["client_peak_rss_mb"] > 50 and "client_peak_gpu_mb" not in second
 
 
@@ -178,10 +178,10 @@ def test_local_steps_on_cuda_wait_for_the_device_only_once_per_round(strategy):
     config = run_config(strategy=strategy, device="cuda", **{"local-steps": 5})
     cfg = config_from_settings(config)
     client = build_client(config, NODE, RecordDict())
-    fit_config = bench.bare_fit_config(cfg, {1: client})
+    fit_config = bench.bare_fit_config(cfg, {1: client.algorithm})
     client.fit(client.get_parameters({}), fit_config(1))  # round 1: FedBR's pseudo-data arrives
-    algorithm = client.make_algorithm(2, fit_config(2))
-    sampler = BatchSampler(client.data, cfg["batch-size"], seed=1)
+    algorithm = client.algorithm.make_step(2, fit_config(2))
+    sampler = BatchSampler(client.algorithm.data, cfg["batch-size"], seed=1)
     sampler()  # warm-up: the generator's and the kernels' first use
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -6,12 +6,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from flwr.common import (Code, EvaluateRes, FitRes, GetPropertiesRes, Status, ndarrays_to_parameters,
-                         parameters_to_ndarrays)
+from flwr.common import Code, EvaluateRes, FitRes, GetPropertiesRes, Status
 from flwr.server.client_manager import SimpleClientManager
 
-import strategies.base as base
+import fedbr_flwr.server.federation as federation
 from fakes import OfflineProxy
+from fedbr_flwr import payload
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import client_indices, make_partition
 from fedbr_flwr.run_io import RunRecorder
@@ -30,9 +30,9 @@ class FakeProxy(OfflineProxy):
         return GetPropertiesRes(Status(Code.OK, ""), props)
 
 
-def make_strategy(tmp_path, proxies, **overrides):
+def make_strategy(tmp_path, proxies, model=None, **overrides):
     cfg = validate({"output-dir": str(tmp_path), "global-test": False, **overrides})
-    strategy = FedAvgStrategy(cfg, RunRecorder(cfg, tmp_path), torch.nn.Linear(2, 2), None)
+    strategy = FedAvgStrategy(cfg, RunRecorder(cfg, tmp_path), {"model": model or torch.nn.Linear(2, 2)}, None)
     manager = SimpleClientManager()
     real_hash = make_partition({**cfg, "num-clients": len(proxies)})[1] if proxies else None
     for p in proxies:
@@ -44,46 +44,46 @@ def make_strategy(tmp_path, proxies, **overrides):
 def test_sampling_is_seeded_by_round_and_independent_of_node_ids(tmp_path):
     proxies = [FakeProxy(f"node{i * 7919 % 1000}", i) for i in range(100)]
     strategy, manager = make_strategy(tmp_path, proxies, **{"fraction-fit": 0.1, "num-clients": 100})
-    picks = [strategy.configure_fit(r, ndarrays_to_parameters([]), manager) for r in (1, 2)]
-    pids = [[strategy.pid_by_cid[proxy.cid] for proxy, _ in p] for p in picks]
+    picks = [strategy.configure_fit(r, payload.to_parameters({}), manager) for r in (1, 2)]
+    pids = [[strategy.federation.pid_by_cid[proxy.cid] for proxy, _ in p] for p in picks]
     assert all(len(set(p)) == 10 for p in pids) and pids[0] != pids[1]
     # another run whose nodes got other ids samples the same partitions
     other, manager2 = make_strategy(tmp_path / "b", [FakeProxy(f"x{i}", i) for i in reversed(range(100))],
                                     **{"fraction-fit": 0.1, "num-clients": 100})
-    again = other.configure_fit(1, ndarrays_to_parameters([]), manager2)
-    assert [other.pid_by_cid[p.cid] for p, _ in again] == pids[0]
+    again = other.configure_fit(1, payload.to_parameters({}), manager2)
+    assert [other.federation.pid_by_cid[p.cid] for p, _ in again] == pids[0]
     assert picks[0][0][1].config["server-round"] == 1
 
 
 def test_discovery_rejects_a_wrong_federation(tmp_path, monkeypatch):
-    monkeypatch.setattr(base, "DISCOVERY_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(federation, "DISCOVERY_TIMEOUT_S", 0.1)
     strategy, manager = make_strategy(tmp_path, [FakeProxy("a", 0), FakeProxy("b", 0)])
     with pytest.raises(ConfigError, match="two SuperNodes claim partition-id 0"):
-        strategy.configure_fit(1, ndarrays_to_parameters([]), manager)
+        strategy.configure_fit(1, payload.to_parameters({}), manager)
     strategy, manager = make_strategy(tmp_path, [FakeProxy("a", 0), FakeProxy("b", 1)], **{"num-clients": 3})
     with pytest.raises(ConfigError, match="only 2 SuperNodes connected"):
-        strategy.configure_fit(1, ndarrays_to_parameters([]), manager)
+        strategy.configure_fit(1, payload.to_parameters({}), manager)
 
 
 def test_discovery_fails_at_once_when_nodes_were_told_another_size(tmp_path, monkeypatch):
-    monkeypatch.setattr(base, "DISCOVERY_TIMEOUT_S", 60)  # must not be waited for
+    monkeypatch.setattr(federation, "DISCOVERY_TIMEOUT_S", 60)  # must not be waited for
     proxies = [FakeProxy("a", 0, num_partitions=2), FakeProxy("b", 1, num_partitions=2)]
     strategy, manager = make_strategy(tmp_path, proxies, **{"num-clients": 3})
     start = time.monotonic()
     with pytest.raises(ConfigError, match="num-partitions = 2"):
-        strategy.configure_fit(1, ndarrays_to_parameters([]), manager)
+        strategy.configure_fit(1, payload.to_parameters({}), manager)
     assert time.monotonic() - start < 5
     strategy, manager = make_strategy(tmp_path, [FakeProxy("a", 0, "h1"), FakeProxy("b", 1, "h2")])
     with pytest.raises(ConfigError, match="different partitions"):
-        strategy.configure_fit(1, ndarrays_to_parameters([]), manager)
+        strategy.configure_fit(1, payload.to_parameters({}), manager)
     strategy, manager = make_strategy(tmp_path, [FakeProxy("a", 0, "h1"), FakeProxy("b", 1, "h1")])
     with pytest.raises(ConfigError, match="differs from the server's"):
-        strategy.configure_fit(1, ndarrays_to_parameters([]), manager)
+        strategy.configure_fit(1, payload.to_parameters({}), manager)
 
 
 def test_discovery_saves_the_partition_and_its_hash(tmp_path):
     strategy, manager = make_strategy(tmp_path, [FakeProxy("a", 1), FakeProxy("b", 0), FakeProxy("c", 2)])
-    strategy.configure_fit(1, ndarrays_to_parameters([]), manager)
+    strategy.configure_fit(1, payload.to_parameters({}), manager)
     saved = np.load(tmp_path / "partition.npz")
     cfg = {**strategy.cfg}
     assert cfg["num-clients"] == 3
@@ -96,22 +96,22 @@ def test_discovery_saves_the_partition_and_its_hash(tmp_path):
 
 
 def fit_res(value, n, pid=0):
-    arrays = [np.full((2, 2), value, np.float32), np.full(2, value, np.float32)]
-    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n, {"loss": value, "partition-id": pid})
+    arrays = {"model/weight": np.full((2, 2), value, np.float32), "model/bias": np.full(2, value, np.float32)}
+    return FitRes(Status(Code.OK, ""), payload.to_parameters(arrays), n, {"loss": value, "partition-id": pid})
 
 
 def test_aggregate_fit_does_not_depend_on_arrival_order(tmp_path):
-    strategy, _ = make_strategy(tmp_path, [], weighting="samples")
+    strategy, _ = make_strategy(tmp_path, [], model=torch.nn.Linear(200_000, 1, bias=False), weighting="samples")
     rng = np.random.default_rng(0)
     results = []
     for pid in range(7):
-        arrays = [rng.normal(size=200_000).astype(np.float32)]
-        res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 3 + pid, {"partition-id": pid})
+        arrays = {"model/weight": rng.normal(size=(1, 200_000)).astype(np.float32)}
+        res = FitRes(Status(Code.OK, ""), payload.to_parameters(arrays), 3 + pid, {"partition-id": pid})
         results.append((None, res))
     bits = set()
     for order in (results, results[::-1], results[3:] + results[:3], results[1::2] + results[::2]):
         params, _ = strategy.aggregate_fit(1, order, [])
-        bits.add(parameters_to_ndarrays(params)[0].tobytes())
+        bits.add(payload.from_parameters(params)["model/weight"].tobytes())
     assert len(bits) == 1
 
 
@@ -119,7 +119,7 @@ def test_aggregate_fit_does_not_depend_on_arrival_order(tmp_path):
 def test_aggregate_fit_is_the_weighted_mean_and_records_the_round(tmp_path, weighting, expected):
     strategy, _ = make_strategy(tmp_path, [], weighting=weighting)
     params, metrics = strategy.aggregate_fit(3, [(None, fit_res(1.0, 10)), (None, fit_res(4.0, 30))], [])
-    for layer in parameters_to_ndarrays(params):
+    for layer in payload.from_parameters(params).values():
         np.testing.assert_allclose(layer, expected)
     assert metrics["loss"] == pytest.approx(2.5)
     rounds = [json.loads(x) for x in (tmp_path / "rounds.jsonl").read_text().splitlines()]

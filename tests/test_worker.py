@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flwr.common import Context, RecordDict
 
+from fedbr_flwr import payload
 from fedbr_flwr.run_io import code_hash
 from fedbr_flwr.worker import RUNS_KEPT, Worker, WorkerClient
 
@@ -46,10 +47,10 @@ def test_client_app_forwards_to_the_worker_and_gets_flowers_state_back(tmp_path)
                       run_config=RUN_CONFIG)
     client = WorkerClient(address, context)
     assert client.get_properties({})["partition-id"] == 1
-    weights = client.get_parameters({})
-    control = [np.zeros_like(w) for w in weights]
-    returned, n, metrics = client.fit(weights + control, {"server-round": 1})
-    assert n > 0 and metrics["partition-id"] == 1 and len(returned) == 2 * len(weights)
+    weights = payload.from_list(client.get_parameters({}))
+    control = {k.replace("model/", "control/"): np.zeros_like(w) for k, w in weights.items()}
+    returned, n, metrics = client.fit(payload.to_list({**weights, **control}), {"server-round": 1})
+    assert n > 0 and metrics["partition-id"] == 1 and len(payload.from_list(returned)) == 2 * len(weights)
     assert "scaffold-control" in context.state  # SCAFFOLD's c_i came back into Flower's node state
 
 

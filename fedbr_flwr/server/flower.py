@@ -32,7 +32,7 @@ class FlowerStrategy(Strategy):
         self.update_spec: dict[str, tuple[int, ...]] | None = None  # names and shapes each update must hold
         self.sampled: list[int] = []  # partition ids sent fit instructions this round
         self.server_metrics: dict[str, float] = {}  # what aggregate() measured this round (recorded with it)
-        self._round: dict[str, Any] = {}  # the running round: its start, arrays sent, bytes sent
+        self._round: dict[str, Any] = {"start": time.perf_counter(), "global": None, "bytes_down": 0}  # this round's
         self._last_train: dict[str, float] = {}
         self._global_result: dict[int, tuple[float, float]] = {}
 
@@ -73,7 +73,7 @@ class FlowerStrategy(Strategy):
             self.recorder.progress.emit("error", f"round {server_round}: {len(accepted)} valid update(s), "
                                                  f"min-fit-clients = {self.cfg['min-fit-clients']}: the global model "
                                                  "is unchanged", round=server_round)
-            self.latest = self._round["global"]
+            self.latest = self._round["global"] if self._round["global"] is not None else self.latest
         else:
             self.latest = self.aggregate(accepted, self.aggregation_weights(accepted))
             self.after_aggregate(self.latest)
