@@ -45,7 +45,7 @@ def test_plan_orders_settings_file_then_command_line_then_run_then_seed(tmp_path
     ("sweep:\n  seeds: 3\n  runs: {A: {}}\n", "must be a list"),
     ("sweep:\n  runs: {A: {}}\n  seed: [1]\n", "unknown key"),
     ("sweep:\n  runs: {'a b': {}, 'a/b': {}}\n", "must differ"),
-    ("sweep:\n  runs: {A: {strategy: fedavg, fedbr-mu: 2.0}}\n", "belongs to strategy fedbr"),
+    ("sweep:\n  runs: {A: {strategy: fedavg, fedbr-mu: 2.0}}\n", r"belongs to fedbr \(strategy=fedbr\)"),
 ])
 def test_bad_sweep_files_stop_before_any_run(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
