@@ -20,7 +20,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from .config import ConfigError, check_sampling, load_yaml, parse_override, pyproject_table, schema, validate
+from .config import (ConfigError, check_sampling, defaults, load_yaml, parse_override, pyproject_table, schema,
+                     validate)
 from .launcher import PROJECT_DIR, RunFailed, run_flower
 from .run_io import git_commit
 
@@ -109,6 +110,7 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
     if cfg["data-dir"]:  # Flower runs the app from a copy elsewhere: hand it absolute paths only
         cfg["data-dir"] = str(Path(cfg["data-dir"]).expanduser().resolve())
     cfg["git-commit"] = cfg["git-commit"] or git_commit(PROJECT_DIR) or "unknown"
+    check_pyproject()
     if cfg["num-clients"]:  # 0 (a deployment: one client per SuperNode) is checked when the nodes are known
         make_partition(cfg)  # fails here, before Flower starts, on a missing dataset or an impossible split
     return cfg
@@ -129,6 +131,22 @@ def list_keys() -> str:
         choices = f" [{'|'.join(spec.choices)}]" if spec.choices else ""
         lines.append(f"  {key} ({spec.default!r}){choices} - {spec.help}")
     return "\n".join(lines)
+
+
+def check_pyproject(path: Path = PROJECT_DIR / "pyproject.toml") -> None:
+    """Flower accepts only the run-config keys pyproject.toml declares: after a key was added (a new
+    algorithm), say how to declare it instead of letting Flower refuse the run."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    if not path.is_file():
+        return
+    table = tomllib.loads(path.read_text()).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
+    if table != defaults():
+        raise ConfigError(f"{path}'s run-config table differs from the config schema (a key was added or "
+                          "changed): run `fedbr-run --write-pyproject`, then run again")
 
 
 def write_pyproject(path: Path = PROJECT_DIR / "pyproject.toml") -> bool:

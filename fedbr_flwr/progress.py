@@ -33,7 +33,8 @@ class Progress:
 
 
 def read_events(path: Path, start: int = 0) -> tuple[list[dict], int]:
-    """The complete events written after byte ``start``, and the offset to read on from."""
+    """The complete events written after byte ``start`` (a line a crash cut short is skipped), and the
+    offset to read on from."""
     try:
         with open(path, "rb") as f:
             f.seek(start)
@@ -41,8 +42,13 @@ def read_events(path: Path, start: int = 0) -> tuple[list[dict], int]:
     except FileNotFoundError:
         return [], start
     complete = data[:data.rfind(b"\n") + 1]
-    events = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
-    return events, start + len(complete)
+    events = []
+    for line in complete.decode(errors="replace").splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [e for e in events if isinstance(e, dict) and "message" in e], start + len(complete)
 
 
 class Follower:

@@ -7,7 +7,7 @@ import contextlib
 import copy
 import resource
 import weakref
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -117,28 +117,6 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
         correct += (logits.argmax(1) == target).sum()
     n = max(len(y), 1)
     return float(loss) / n, float(correct) / n
-
-
-def get_weights(*modules: nn.Module) -> list[np.ndarray]:
-    """The modules' state arrays, concatenated in order. Copies, never views: on CPU ``.numpy()``
-    shares memory with the live parameters."""
-    return [t.detach().cpu().numpy().copy() for m in modules for t in m.state_dict().values()]
-
-
-def set_weights(modules: nn.Module | Sequence[nn.Module], weights: list[np.ndarray]) -> None:
-    """Load arrays laid out as ``get_weights(*modules)`` wrote them."""
-    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
-    states = [m.state_dict() for m in modules]
-    expected = sum(len(state) for state in states)
-    if len(weights) != expected:
-        names = "+".join(type(m).__name__ for m in modules)
-        raise ValueError(f"expected {expected} arrays for {names}, got {len(weights)}")
-    arrays = iter(weights)
-    for state in states:
-        for (name, current), new in zip(state.items(), arrays):
-            if tuple(current.shape) != tuple(new.shape):
-                raise ValueError(f"shape mismatch for '{name}': expected {tuple(current.shape)}, got {new.shape}")
-            current.copy_(torch.as_tensor(new))
 
 
 def module_arrays(prefix: str, module: nn.Module) -> dict[str, np.ndarray]:

@@ -51,17 +51,20 @@ class InProcessProxy(ClientProxy):
         raise NotImplementedError
 
 
-def run_rounds(strategy, proxies, rounds):
-    """Drive ``strategy`` over in-process clients the way Flower's server loop does (fit, then evaluate);
-    returns the global parameters after the last round."""
-    parameters = strategy.initialize_parameters(None)
+def run_rounds(strategy, proxies, rounds, client_manager=None, parameters=None):
+    """Drive ``strategy`` over in-process clients the way Flower's server loop does: its evaluation before
+    round 1, then per round configure_fit (which discovers the clients through ``client_manager`` when
+    they are not yet known), fit, aggregate_fit, the centralised evaluation, configure_evaluate, evaluate,
+    aggregate_evaluate. Returns the global parameters after the last round."""
+    parameters = parameters if parameters is not None else strategy.initialize_parameters(None)
+    strategy.evaluate(0, parameters)
     for server_round in range(1, rounds + 1):
-        fit_ins = strategy.configure_fit(server_round, parameters, None)
+        fit_ins = strategy.configure_fit(server_round, parameters, client_manager)
         results = [(proxy, proxy.fit(ins, None, server_round)) for proxy, ins in fit_ins]
         new, _ = strategy.aggregate_fit(server_round, results, [])
         parameters = new if new is not None else parameters
         strategy.evaluate(server_round, parameters)
-        eval_ins = strategy.configure_evaluate(server_round, parameters, None)
+        eval_ins = strategy.configure_evaluate(server_round, parameters, client_manager)
         if eval_ins:  # Flower skips the evaluation round when no client is asked
             eval_results = [(proxy, proxy.evaluate(ins, None, server_round)) for proxy, ins in eval_ins]
             strategy.aggregate_evaluate(server_round, eval_results, [])

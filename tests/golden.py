@@ -22,9 +22,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from flwr.common import (Code, EvaluateRes, FitRes, GetParametersRes, GetPropertiesRes, Status, ndarrays_to_parameters,
-                         parameters_to_ndarrays)
-from flwr.server.client_proxy import ClientProxy
+
+from fakes import FixedClientManager, InProcessProxy, run_rounds
 
 HERE = Path(__file__).resolve().parent
 GOLDEN_DIR = HERE / "golden"
@@ -126,61 +125,13 @@ def build_clients(cfg: dict) -> list:
 # ---------------------------------------------------------------- Flower's server loop, in process
 
 
-class InProcessProxy(ClientProxy):
-    """Delivers Flower's legacy messages to a NumPyClient in this process, as a SuperNode would."""
-
-    def __init__(self, client, pid: int):
-        super().__init__(f"node-{1000 + 7 * pid}")
-        self.client = client
-
-    def get_properties(self, ins, timeout, group_id):
-        return GetPropertiesRes(Status(Code.OK, ""), self.client.get_properties(ins.config))
-
-    def get_parameters(self, ins, timeout, group_id):
-        return GetParametersRes(Status(Code.OK, ""), ndarrays_to_parameters(self.client.get_parameters(ins.config)))
-
-    def fit(self, ins, timeout, group_id):
-        arrays, n, metrics = self.client.fit(parameters_to_ndarrays(ins.parameters), ins.config)
-        return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n, metrics)
-
-    def evaluate(self, ins, timeout, group_id):
-        loss, n, metrics = self.client.evaluate(parameters_to_ndarrays(ins.parameters), ins.config)
-        return EvaluateRes(Status(Code.OK, ""), loss, n, metrics)
-
-    def reconnect(self, ins, timeout, group_id):
-        raise NotImplementedError
-
-
-class _Manager:
-    def __init__(self, proxies):
-        self.proxies = {p.cid: p for p in proxies}
-
-    def wait_for(self, num_clients, timeout):
-        return len(self.proxies) >= num_clients
-
-    def all(self):
-        return dict(self.proxies)
-
-
 def federate(cfg: dict, out: Path, rounds: int):
-    """Flower's order: strategy, initial parameters, (clients start), then per round: configure_fit
-    (discovery in round 1), fit, aggregate_fit, centralised evaluate, configure_evaluate, evaluate,
-    aggregate_evaluate. Returns the last global Parameters."""
+    """Flower's order: strategy, initial parameters, (clients start), then Flower's rounds (``run_rounds``),
+    with discovery in round 1. Returns the last global Parameters."""
     strategy, _ = build_server(cfg, out)
     parameters = strategy.initialize_parameters(None)
-    strategy.evaluate(0, parameters)
-    manager = _Manager([InProcessProxy(c, pid) for pid, c in enumerate(build_clients(cfg))])
-    for server_round in range(1, rounds + 1):
-        fit_ins = strategy.configure_fit(server_round, parameters, manager)
-        results = [(proxy, proxy.fit(ins, None, server_round)) for proxy, ins in fit_ins]
-        new, _ = strategy.aggregate_fit(server_round, results, [])
-        parameters = new if new is not None else parameters
-        strategy.evaluate(server_round, parameters)
-        eval_ins = strategy.configure_evaluate(server_round, parameters, manager)
-        if eval_ins:  # Flower skips the evaluation round when no client is asked
-            eval_results = [(proxy, proxy.evaluate(ins, None, server_round)) for proxy, ins in eval_ins]
-            strategy.aggregate_evaluate(server_round, eval_results, [])
-    return parameters
+    proxies = [InProcessProxy(c, f"node-{1000 + 7 * pid}") for pid, c in enumerate(build_clients(cfg))]
+    return run_rounds(strategy, proxies, rounds, FixedClientManager(proxies), parameters)
 
 
 # ---------------------------------------------------------------- what is recorded

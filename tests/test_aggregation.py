@@ -15,7 +15,7 @@ from fedbr_flwr.dataset import ClientData
 from fedbr_flwr.model import SplitModel
 from fedbr_flwr.seeds import hash_seed as step_seed
 from fedbr_flwr.server.updates import named_mean, weighted_mean
-from fedbr_flwr.training import BatchSampler, evaluate, get_weights, run_local_steps, set_weights
+from fedbr_flwr.training import BatchSampler, evaluate, load_module_arrays, module_arrays, run_local_steps
 
 
 def three_clients(dtype=np.float32):
@@ -155,33 +155,35 @@ def test_run_local_steps_reduces_loss_and_averages_diagnostics():
 # ---------------------------------------------------------------- get/set weights
 
 
-def test_get_set_weights_round_trip():
+def test_module_arrays_round_trip_by_name():
     a, b = tiny_model(0), tiny_model(1)
-    wa = get_weights(a)
-    assert all(isinstance(w, np.ndarray) for w in wa)
-    assert not all(np.array_equal(x, y) for x, y in zip(wa, get_weights(b)))
-    set_weights(b, wa)
-    for x, y in zip(get_weights(b), wa):
-        np.testing.assert_array_equal(x, y)
+    wa = module_arrays("model", a)
+    assert list(wa) == [f"model/{k}" for k in a.state_dict()] and all(isinstance(w, np.ndarray) for w in wa.values())
+    assert not all(np.array_equal(wa[k], w) for k, w in module_arrays("model", b).items())
+    load_module_arrays(b, "model", {k: wa[k] for k in reversed(list(wa))})  # by name: the order does not matter
+    for k, w in module_arrays("model", b).items():
+        np.testing.assert_array_equal(w, wa[k])
     x = torch.randn(2, 3, 2, 2)
     assert torch.equal(a(x), b(x))
 
 
-def test_set_weights_rejects_wrong_count_and_shape():
+def test_load_module_arrays_rejects_a_missing_name_and_a_wrong_shape():
     model = tiny_model()
-    w = get_weights(model)
-    with pytest.raises(ValueError, match="expected"):
-        set_weights(model, w[:-1])
-    with pytest.raises(ValueError, match="expected"):
-        set_weights(model, w + [np.zeros(1, np.float32)])
-    bad = list(w)
-    bad[0] = np.zeros((w[0].shape[0] + 1,) + w[0].shape[1:], np.float32)
+    w = module_arrays("model", model)
+    first = next(iter(w))
+    with pytest.raises(ValueError, match=f"no array for {first}"):
+        load_module_arrays(model, "model", {k: v for k, v in w.items() if k != first})
+    with pytest.raises(ValueError, match="no array for model/"):
+        load_module_arrays(model, "model", module_arrays("head", model))
+    bad = dict(w)
+    bad[first] = np.zeros((w[first].shape[0] + 1,) + w[first].shape[1:], np.float32)
     with pytest.raises(ValueError, match="shape mismatch"):
-        set_weights(model, bad)
-    bad = list(w)
-    bad[1] = bad[1].reshape(1, -1)  # same size, different shape
+        load_module_arrays(model, "model", bad)
+    second = list(w)[1]
+    bad = dict(w)
+    bad[second] = bad[second].reshape(1, -1)  # same size, different shape
     with pytest.raises(ValueError, match="shape mismatch"):
-        set_weights(model, bad)
+        load_module_arrays(model, "model", bad)
 
 
 # ---------------------------------------------------------------- batch sampling
@@ -262,11 +264,11 @@ def test_weighted_mean_rejects_mismatched_or_nan_weights():
         weighted_mean(arrays, [1.0, float("nan")])
 
 
-def test_get_weights_returns_copies_not_views_of_the_parameters():
+def test_module_arrays_are_copies_not_views_of_the_parameters():
     model = nn.Linear(3, 2)
-    snapshot = get_weights(model)
-    before = [w.copy() for w in snapshot]
+    snapshot = module_arrays("model", model)
+    before = {k: w.copy() for k, w in snapshot.items()}
     with torch.no_grad():
         model.weight.add_(1.0)
-    for w, b in zip(snapshot, before):
-        np.testing.assert_array_equal(w, b)
+    for k, w in snapshot.items():
+        np.testing.assert_array_equal(w, before[k])

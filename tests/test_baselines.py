@@ -33,7 +33,7 @@ from fedbr_flwr.dataset import ClientData
 from fedbr_flwr.model import build_model
 from fedbr_flwr.registry import algorithm_names, component_class, components_of
 from fedbr_flwr.run_io import RunRecorder
-from fedbr_flwr.training import get_weights, module_arrays, parameter_tensors, state_arrays
+from fedbr_flwr.training import module_arrays, parameter_tensors, state_arrays
 from strategies.fedavg import FedAvgStrategy
 from strategies.fedcm import GlobalDirection, global_update_direction
 from strategies.groupdro import ClientWeights, GroupDROStrategy
@@ -378,9 +378,9 @@ def test_fedntd_value_by_hand_and_teacher_frozen_at_round_start():
     assert not_true_distillation_loss(logits, teacher, y, 1.0).item() == pytest.approx(expected, rel=1e-6)
     model = small_model()
     algo = fedavg_step(model, cfg_of("fedntd"))
-    start = get_weights(model)
+    start = module_arrays("m", model)
     algo.update(*batch())
-    for a, b in zip(get_weights(algo.components[0].teacher), start):
+    for a, b in zip(module_arrays("m", algo.components[0].teacher).values(), start.values()):
         np.testing.assert_array_equal(a, b)
 
 

@@ -97,7 +97,7 @@ def test_sigterm_during_a_run_stops_every_flower_process(tmp_path):
     # RSM sent once, to each client the first time it is sampled; with seed 0 client 1 is sampled in
     # rounds 1 and 2, so round 2 trains from the copy it kept in its context.state
     ["fraction-fit=0.5", "num-rounds=3"],
-    ["pseudo-data=mixture", "pseudo-refresh=every-round", "mixup=true", "num-rounds=2"],
+    ["pseudo-data=mixture", "pseudo-refresh=every-round", "fedbr-with=mixup", "num-rounds=2"],
 ])
 def test_fedbr_run_completes_and_records_its_terms(tmp_path, extra):
     before = flower_processes()

@@ -23,7 +23,7 @@ from fedbr_flwr.model import build_model, count_parameters
 from fedbr_flwr.node import FlowerClient
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.updates import weighted_mean
-from fedbr_flwr.training import get_weights, load_module_arrays
+from fedbr_flwr.training import load_module_arrays, module_arrays
 from pseudodata import uniform_labels
 from pseudodata.mixture import load_proxy, mix
 from pseudodata.rsm import allot, assemble, sample_means
@@ -420,7 +420,7 @@ def test_strategy_averages_phi_omega_and_theta(tmp_path):
     head = build_head(strategy.cfg, 128)
     load_module_arrays(head, "head", got)
     head_names = [n for n in initial if n.startswith("head/")]
-    np.testing.assert_allclose(get_weights(head)[0],
+    np.testing.assert_allclose(module_arrays("head", head)[head_names[0]],
                                weighted_mean([[u[n] for n in head_names] for u in updates], sizes)[0])
 
 

@@ -29,10 +29,11 @@ class FlowerStrategy(Strategy):
         self.federation = Federation(cfg)
         self.checkpointer = Checkpointer(cfg, recorder, self.federation, checkpointer_needs_clients)
         self.latest: payload.Named | None = None  # the global arrays after the last finished round
+        self.round_global: payload.Named | None = None  # the global arrays sent this round
         self.update_spec: dict[str, tuple[int, ...]] | None = None  # names and shapes each update must hold
         self.sampled: list[int] = []  # partition ids sent fit instructions this round
         self.server_metrics: dict[str, float] = {}  # what aggregate() measured this round (recorded with it)
-        self._round: dict[str, Any] = {"start": time.perf_counter(), "global": None, "bytes_down": 0}  # this round's
+        self._round: dict[str, Any] = {"start": time.perf_counter(), "bytes_down": 0}  # the round's start and bytes
         self._last_train: dict[str, float] = {}
         self._global_result: dict[int, tuple[float, float]] = {}
 
@@ -44,8 +45,8 @@ class FlowerStrategy(Strategy):
         if not self.federation.discovered:
             self._discover(client_manager)
         self.checkpointer.restore_after_discovery(self.restore_state)
-        sent = payload.from_parameters(parameters)
-        self._round = {"start": time.perf_counter(), "global": sent}
+        sent = self.round_global = payload.from_parameters(parameters)
+        self._round = {"start": time.perf_counter(), "bytes_down": 0}
         if self.update_spec is None:
             self.update_spec = {**{n: tuple(a.shape) for n, a in sent.items()}, **self.returned_shapes()}
         self.before_round(server_round)
@@ -73,7 +74,7 @@ class FlowerStrategy(Strategy):
             self.recorder.progress.emit("error", f"round {server_round}: {len(accepted)} valid update(s), "
                                                  f"min-fit-clients = {self.cfg['min-fit-clients']}: the global model "
                                                  "is unchanged", round=server_round)
-            self.latest = self._round["global"] if self._round["global"] is not None else self.latest
+            self.latest = self.round_global if self.round_global is not None else self.latest
         else:
             self.latest = self.aggregate(accepted, self.aggregation_weights(accepted))
             self.after_aggregate(self.latest)

@@ -1,0 +1,151 @@
+"""Adding an algorithm touches its client file, its strategy file and an experiment file, nothing else:
+the README's worked example (FedDyn) is written into ``clients/`` and ``strategies/`` as a contributor
+would and found by the registry alone. Its rule is checked by hand, and it runs and resumes."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+import clients
+import strategies
+from fakes import in_process_federation, records_without_timing, run_rounds
+from fedbr_flwr import payload, registry
+from fedbr_flwr.algorithm import MemoryState
+from fedbr_flwr.cli import check_pyproject, list_keys, write_pyproject
+from fedbr_flwr.config import ConfigError, load_yaml, pyproject_table, validate
+from fedbr_flwr.dataset import ClientData
+from fedbr_flwr.run_io import RunRecorder
+from fedbr_flwr.server.checkpointing import ResumedRun
+from fedbr_flwr.server.updates import ClientUpdate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_files() -> dict[str, str]:
+    """The files the README's worked example shows: '`path`:' then a fenced block."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Worked example"):]
+    section = section[:section.index("\n## ")]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^`([\w/.]+)`:\n\n```\w+\n(.*?)^```", section, re.M | re.S)}
+
+
+@pytest.fixture
+def feddyn(tmp_path):
+    """The example's files in a contributor's checkout (here: beside ours), found by the registry; the
+    registry is restored afterwards, also when the test fails."""
+    files = readme_files()
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    registry.load_all()  # what is there before the example
+    tables = [registry.CLIENTS, registry.STRATEGIES, registry.VARIANTS, registry.COMPONENTS,
+              registry.SERVER_COMPONENTS]
+    saved = [dict(t) for t in tables]
+    clients.__path__.append(str(tmp_path / "clients"))
+    strategies.__path__.append(str(tmp_path / "strategies"))
+    registry._loaded = False
+    try:
+        registry.load_all()
+        yield files, tmp_path
+    finally:
+        clients.__path__.remove(str(tmp_path / "clients"))
+        strategies.__path__.remove(str(tmp_path / "strategies"))
+        for table, before in zip(tables, saved):
+            table.clear()
+            table.update(before)
+        for module in ("clients.feddyn", "strategies.feddyn"):
+            sys.modules.pop(module, None)
+        registry._loaded = True
+
+
+def test_the_example_is_three_files_and_the_registry_finds_everything_else(feddyn):
+    files, folder = feddyn
+    assert sorted(files) == ["clients/feddyn.py", "experiments/feddyn_rotmnist5k.yaml", "strategies/feddyn.py"]
+    assert sum(len(t.splitlines()) for p, t in files.items() if p.endswith(".py")) < 100
+    assert "feddyn" in registry.algorithm_names()
+    cfg = validate(load_yaml(folder / "experiments/feddyn_rotmnist5k.yaml"))
+    assert cfg["strategy"] == "feddyn" and cfg["feddyn-alpha"] == 0.01
+    with pytest.raises(ConfigError, match=r"'feddyn-alpha' belongs to feddyn \(strategy=feddyn\), not to 'fedavg'"):
+        validate({"strategy": "fedavg", "feddyn-alpha": 0.1})
+    with pytest.raises(ConfigError, match="must be > 0"):
+        validate({"strategy": "feddyn", "feddyn-alpha": 0.0})
+    with pytest.raises(ConfigError, match="Did you mean 'feddyn-alpha'"):
+        validate({"strategy": "feddyn", "feddyn-alfa": 0.1})
+    listed = list_keys()
+    assert "feddyn keys (strategy=feddyn):" in listed and "feddyn-alpha (0.01)" in listed
+    assert "# feddyn\nfeddyn-alpha = 0.01\n" in pyproject_table()  # what --write-pyproject would write
+    with pytest.raises(ConfigError, match="run `fedbr-run --write-pyproject`"):  # Flower would refuse the key
+        check_pyproject()
+    copy = folder / "pyproject.toml"
+    copy.write_text((ROOT / "pyproject.toml").read_text())
+    assert write_pyproject(copy) and not write_pyproject(copy)
+    check_pyproject(copy)
+    assert "feddyn-alpha = 0.01" in copy.read_text()
+
+
+def toy_data(n=16):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+    return ClientData(0, x, y, x[:4], y[:4], 10, False)
+
+
+def test_the_example_follows_feddyns_rule_by_hand(feddyn, tmp_path):
+    alpha, lr = 0.5, 0.1
+    cfg = validate({"strategy": "feddyn", "feddyn-alpha": alpha, "lr": lr, "local-steps": 1, "batch-size": 16,
+                    "num-clients": 4, "output-dir": str(tmp_path / "run"), "global-test": False})
+    client = registry.client_class("feddyn")(cfg, toy_data(), "cpu", MemoryState())
+    names = [name for name, _ in client.model.named_parameters()]
+    g = {name: np.full(p.shape, 0.3, np.float32) for name, p in client.model.named_parameters()}
+    client.state.put_arrays("feddyn-g", g)
+    w_round = {name: p.detach().clone() for name, p in client.model.named_parameters()}
+    step = client.make_step(1, {})
+    with torch.no_grad():  # away from the round's weights, so the proximal gradient is not zero
+        for p in client.model.parameters():
+            p.add_(0.01)
+    x, y = client.data.x_train, client.data.y_train
+    before = {name: p.detach().clone() for name, p in client.model.named_parameters()}
+    ce_grads = torch.autograd.grad(F.cross_entropy(client.model(x), y), list(client.model.parameters()))
+    step.update(x, y)
+    for (name, p), ce_grad in zip(client.model.named_parameters(), ce_grads):
+        expected = before[name] - lr * (ce_grad - torch.as_tensor(g[name]) + alpha * (before[name] - w_round[name]))
+        torch.testing.assert_close(p.detach(), expected, atol=1e-6, rtol=1e-5)
+    client.after_fit(step)  # g <- g - alpha (w - w_round)
+    kept = client.state.arrays("feddyn-g")
+    for name, p in client.model.named_parameters():
+        np.testing.assert_allclose(kept[name], g[name] - alpha * (p.detach() - w_round[name]).numpy(), atol=1e-6)
+    assert sorted(kept) == sorted(names)
+
+    modules = registry.client_class("feddyn").build_modules(cfg)
+    strategy = registry.strategy_class("feddyn")(cfg, RunRecorder(cfg, tmp_path / "run"), modules, None)
+    start = strategy.initial_arrays()
+    strategy.round_global = start
+    updates = [ClientUpdate(pid, {k: a + pid + 1.0 for k, a in start.items()}, 10) for pid in range(2)]
+    new = strategy.aggregate(updates, [1.0, 1.0])
+    for name, a in start.items():
+        h = -alpha / 4 * (1.0 + 2.0)  # the drifts of the 2 clients that answered, over all m = 4 clients
+        np.testing.assert_allclose(strategy.h[name], h, rtol=1e-6)
+        np.testing.assert_allclose(new[name], a + 1.5 - h / alpha, rtol=1e-5)
+
+
+def test_the_example_runs_and_resumes_like_an_uninterrupted_run(feddyn, tmp_path):
+    cfg = validate({"strategy": "feddyn", "num-clients": 3, "local-steps": 2, "batch-size": 8, "num-rounds": 4,
+                    "eval-every": 2, "checkpoint-every": 2, "global-test": False})
+    straight, _, proxies = in_process_federation(cfg, tmp_path / "straight")
+    expected = payload.from_parameters(run_rounds(straight, proxies, 4))
+    assert all(np.isfinite(a).all() for a in expected.values()) and any(h.any() for h in straight.h.values())
+
+    first, _, proxies = in_process_federation(cfg, tmp_path / "stopped")
+    run_rounds(first, proxies, 3)
+    resumed, _, proxies = in_process_federation({**cfg, "resume": True}, tmp_path / "stopped")
+    final = payload.from_parameters(run_rounds(ResumedRun(resumed, 2), proxies, 2))
+    for name, want in expected.items():
+        np.testing.assert_array_equal(final[name], want)
+    for file in ("metrics.jsonl", "rounds.jsonl"):
+        assert records_without_timing(tmp_path / "stopped" / file) == records_without_timing(tmp_path / "straight" / file)

@@ -1,0 +1,112 @@
+"""The shared pieces the algorithm layer stands on: named seed streams, the one npz codec, named
+payloads in Flower's lists, the structured progress channel, and the one client cache with its one
+eviction rule."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+
+import numpy as np
+import pytest
+from flwr.common import RecordDict
+
+from fedbr_flwr import codec, payload, seeds
+from fedbr_flwr.node import ClientCache
+from fedbr_flwr.progress import Follower, Progress, read_events
+
+
+# ---------------------------------------------------------------- seed streams
+
+
+def test_every_stream_has_its_own_salt_and_the_derivations_are_pinned():
+    salts = [s for s in (*seeds.NUMPY_STREAMS.values(), *seeds.TORCH_STREAMS.values()) if s is not None]
+    assert len(set(seeds.NUMPY_STREAMS.values())) == len(seeds.NUMPY_STREAMS)
+    assert len(set(seeds.TORCH_STREAMS.values())) == len(seeds.TORCH_STREAMS)
+    assert not set(seeds.NUMPY_STREAMS.values()) & set(s for s in seeds.TORCH_STREAMS.values() if s), salts
+    # the derivations recorded runs depend on (the golden files hold whole runs; these pin single draws)
+    assert seeds.seed("batches", 7, 3, 1) == seeds.hash_seed(7, 3, 1)
+    assert seeds.seed("fedbr-steps", 7, 3, 1) == seeds.hash_seed(7, 3, 1, 102)
+    assert seeds.seed("fedbr-mixup", 7, 3, 1) == seeds.hash_seed(7, 3, 1, 102) + 1
+    assert seeds.rng("client-sampling", 7, 3).integers(1 << 30) == np.random.default_rng([7, 6, 3]).integers(1 << 30)
+    assert seeds.seed("mixup", 7, 3, 1) != seeds.seed("fedbr-mixup", 7, 3, 1)
+    with pytest.raises(KeyError):
+        seeds.seed("no-such-stream", 0)
+
+
+# ---------------------------------------------------------------- the codec
+
+
+def test_the_codec_round_trips_named_arrays_without_pickle(tmp_path):
+    arrays = {"model/w": np.arange(6, dtype=np.float32).reshape(2, 3), "version": np.array(3)}
+    back = codec.decode(codec.encode(arrays))
+    assert list(back) == list(arrays) and all(np.array_equal(back[k], arrays[k]) for k in arrays)
+    path = codec.write(tmp_path / "x.npz", arrays, compressed=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["x.npz"]  # nothing half-written left beside it
+    assert np.array_equal(codec.read(path)["model/w"], arrays["model/w"])
+    with pytest.raises(ValueError):  # object arrays would need pickle: refused on reading
+        codec.decode(codec.encode({"o": np.array([{"a": 1}], dtype=object)}))
+
+
+# ---------------------------------------------------------------- named payloads
+
+
+def test_named_arrays_ride_in_flowers_lists_and_bad_lists_are_refused():
+    arrays = {"model/w": np.ones((2, 2), np.float32), "offset": np.zeros(3, np.float32)}
+    wire = payload.to_list(arrays)
+    assert wire[0].dtype == np.uint8 and len(wire) == 3
+    assert list(payload.from_list(wire)) == list(arrays)
+    assert list(payload.from_parameters(payload.to_parameters(arrays))) == list(arrays)
+    parts = payload.Serialised.of({"model/w": arrays["model/w"]}) + payload.Serialised.of({"offset": arrays["offset"]})
+    assert list(payload.from_parameters(parts.to_parameters())) == ["model/w", "offset"]
+    with pytest.raises(payload.PayloadError, match="named twice"):
+        parts + payload.Serialised.of({"offset": arrays["offset"]})
+    with pytest.raises(payload.PayloadError, match="does not name"):
+        payload.from_list([np.ones(3, np.float32), np.ones(2)])
+    with pytest.raises(payload.PayloadError, match="1 names for 2 arrays"):
+        payload.from_list([np.frombuffer(json.dumps(["a"]).encode(), np.uint8), *wire[1:]])
+
+
+# ---------------------------------------------------------------- the progress channel
+
+
+def test_progress_events_are_json_lines_and_the_follower_prints_only_new_complete_ones(tmp_path):
+    progress = Progress(tmp_path)
+    progress.emit("round", "round 1/2 | loss 2.3000", round=1)
+    printed = []
+    with Follower(progress.path, printed.append, poll_s=0.01) as follower:  # started after the first event
+        progress.emit("eval", "eval round 2 | mean acc 12.00%", round=2)
+        with open(progress.path, "a") as f:
+            f.write('{"kind": "info", "mess')  # a line being written
+        follower._drain()
+        assert printed == ["[fedbr] eval round 2 | mean acc 12.00%"]  # not the half line
+        with open(progress.path, "a") as f:
+            f.write('age": "its end came"}\n{"not json\n')  # its end; then a line nobody can read
+    assert printed == ["[fedbr] eval round 2 | mean acc 12.00%", "[fedbr] its end came"]
+    events, offset = read_events(progress.path)
+    assert [(e["kind"], e.get("round")) for e in events] == [("round", 1), ("eval", 2), ("info", None)]
+    assert offset == progress.path.stat().st_size
+    Progress(tmp_path, resumed=True).emit("info", "resumed")  # a resumed run appends
+    assert [e["message"] for e in read_events(progress.path)[0]][-1] == "resumed"
+    restarted = []
+    with Follower(progress.path, restarted.append, poll_s=0.01):
+        Progress(tmp_path).emit("start", "3 clients found")  # a new run in the folder starts the file again
+    assert restarted == ["[fedbr] 3 clients found"]
+
+
+# ---------------------------------------------------------------- the client cache
+
+
+def test_the_one_client_cache_drops_an_old_runs_clients_with_their_data_and_models():
+    cache = ClientCache(runs_kept=1)
+    node = {"partition-id": 0, "num-partitions": 2}
+    config = {"num-clients": 2, "local-steps": 1, "batch-size": 4, "device": "cpu"}
+    old = cache.get(1, config, node, RecordDict())
+    data, model = weakref.ref(old.algorithm.data.x_train), weakref.ref(old.algorithm.model)
+    assert cache.get(1, config, node, RecordDict()) is old
+    del old
+    cache.get(2, config, node, RecordDict())  # a new run: the old run's client goes, and all it held
+    gc.collect()
+    assert data() is None and model() is None
+    assert {run for run, _, _ in cache.clients} == {2}

@@ -1,0 +1,82 @@
+"""The seams of the code base, checked: one algorithm in its client and strategy files, the server
+never importing client code, client files free of Flower, one npz codec, named seed streams, a thin
+strategy base, and no import circle between the ClientApp and the worker."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = [p for folder in ("fedbr_flwr", "clients", "strategies", "pseudodata") for p in (ROOT / folder).rglob("*.py")]
+
+
+def imports(path: Path) -> set[str]:
+    """Every module a file imports (absolute names; relative ones resolved against its package)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def calls(path: Path) -> set[str]:
+    """Dotted names of everything a file calls (``np.savez``, ``seeds.rng``, ...)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            names.add(ast.unparse(node.func))
+    return names
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "strategies").glob("*.py")), ids=lambda p: p.name)
+def test_no_strategy_imports_client_code(path):
+    assert not [m for m in imports(path) if m == "clients" or m.startswith("clients.")]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "clients").glob("*.py")), ids=lambda p: p.name)
+def test_client_files_know_nothing_of_flower(path):
+    assert not [m for m in imports(path) if m == "flwr" or m.startswith("flwr.")]
+
+
+@pytest.mark.parametrize("path", sorted([*(ROOT / "clients").glob("*.py"), *(ROOT / "strategies").glob("*.py")]),
+                         ids=lambda p: p.name)
+def test_algorithms_see_named_arrays_never_flower_lists(path):
+    assert not calls(path) & {"parameters_to_ndarrays", "ndarrays_to_parameters", "flatten", "unflatten"}
+
+
+def test_one_npz_codec_and_named_seed_streams():
+    for path in PRODUCT:
+        used = calls(path)
+        if path.name != "codec.py":
+            assert not used & {"np.savez", "np.savez_compressed", "np.load"}, path
+        if path.name != "seeds.py":
+            assert not used & {"hash_seed", "seeds.hash_seed"}, path
+            text = path.read_text()
+            assert "default_rng([" not in text and "step_seed" not in text, path
+
+
+def test_no_class_of_the_strategy_base_is_over_150_lines():
+    for path in [ROOT / "strategies" / "base.py", *(ROOT / "fedbr_flwr" / "server").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno - node.lineno + 1 <= 150, f"{path.name}: {node.name}"
+
+
+def run_python(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def test_the_worker_and_the_client_app_import_no_circle_and_the_client_app_no_torch():
+    assert run_python("import sys, fedbr_flwr.worker; print('fedbr_flwr.client_app' in sys.modules)").strip() == "False"
+    assert run_python("import sys, fedbr_flwr.client_app; print('torch' in sys.modules)").strip() == "False"
