@@ -110,8 +110,8 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     y_p = torch.full((cfg["batch-size"], info.num_classes), 1.0 / info.num_classes, device=device)
     distrans_model = DisTransClient.build_model(copy.deepcopy(model), cfg).to(device)
     algorithms = {"fedavg": SupervisedStep(model, cfg),
-                  "fedbr": FedBRStep(model, fedbr_cfg, FedBRClient.Settings.from_config(fedbr_cfg), head, x_p, y_p, (x, y),
-                                     seed=cfg["seed"]),
+                  "fedbr": FedBRStep(model, fedbr_cfg, FedBRClient.Settings.from_config(fedbr_cfg), head, x_p, y_p,
+                                     (x, y), seed=cfg["seed"]),
                   "distrans": DisTransStep(distrans_model, Offset(offset_shape(info)).to(device), cfg,
                                            DisTransClient.Settings.from_config(cfg))}
     model.train()

@@ -167,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
     parser.add_argument("--list", action="store_true", help="list strategies, components and config keys, then exit")
     parser.add_argument("--write-pyproject", action="store_true",
-                        help="rewrite pyproject.toml's run-config table from the schema (after adding a key), then exit")
+                        help="rewrite pyproject.toml's run-config table from the schema (after adding a key), "
+                             "then exit")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then exit")
     parser.add_argument("--overwrite", action="store_true", help="reuse an output-dir that holds a run")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")

@@ -80,7 +80,8 @@ class Serialised:
     def to_parameters(self):
         from flwr.common import Parameters, ndarray_to_bytes
 
-        return Parameters(tensors=[ndarray_to_bytes(_names_array(self.names)), *self.tensors], tensor_type="numpy.ndarray")
+        return Parameters(tensors=[ndarray_to_bytes(_names_array(self.names)), *self.tensors],
+                          tensor_type="numpy.ndarray")
 
 
 def to_parameters(arrays: Mapping[str, np.ndarray]):

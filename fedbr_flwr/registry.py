@@ -131,8 +131,9 @@ def components_of(cfg: Mapping[str, Any]) -> tuple[str, ...]:
     if unknown or len(set(listed)) != len(listed):
         close = difflib.get_close_matches(unknown[0], COMPONENTS, n=1) if unknown else []
         problem = f"names no component {', '.join(unknown)}" if unknown else "names a component twice"
-        raise ConfigError(f"config key '{key}' = {cfg[key]!r} {problem}."
-                          f"{f' Did you mean {close[0]!r}?' if close else ''} Components: {', '.join(sorted(COMPONENTS))}")
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"config key '{key}' = {cfg[key]!r} {problem}.{hint} "
+                          f"Components: {', '.join(sorted(COMPONENTS))}")
     return built_in + listed
 
 

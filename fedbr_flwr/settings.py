@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
-from .errors import ConfigError  # noqa: F401 (cross-key checks raise it)
-
 
 @dataclass(frozen=True)
 class Check:

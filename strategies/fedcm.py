@@ -22,7 +22,8 @@ def global_update_direction(start: np.ndarray, new: np.ndarray, lr: float, steps
 class GlobalDirection(ServerComponent):
     def __init__(self, cfg, global_arrays):
         super().__init__(cfg, global_arrays)
-        self.delta = {name[len(MODEL):]: np.zeros_like(a) for name, a in global_arrays.items() if name.startswith(MODEL)}
+        self.delta = {name[len(MODEL):]: np.zeros_like(a) for name, a in global_arrays.items()
+                      if name.startswith(MODEL)}
         self.round_start: dict[str, np.ndarray] = {}
 
     def round_arrays(self, server_round, global_arrays):

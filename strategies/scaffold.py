@@ -33,7 +33,8 @@ class ScaffoldStrategy(FederatedStrategy):
     def aggregate(self, updates, weights):
         self.control = {key: update_server_control(c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in updates],
                                                    self.cfg["num-clients"]) for key, c in self.control.items()}
-        self.server_metrics = {"control-norm": float(np.sqrt(sum(float((c ** 2).sum()) for c in self.control.values())))}
+        norm = np.sqrt(sum(float((c ** 2).sum()) for c in self.control.values()))
+        self.server_metrics = {"control-norm": float(norm)}
         return super().aggregate(updates, weights)
 
     def checkpoint_state(self):

@@ -197,8 +197,8 @@ def environment() -> dict:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"torch": torch.__version__, "numpy": np.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "machine": platform.machine(), "cpu": cpu}
+    return {"torch": torch.__version__, "numpy": np.__version__, "machine": platform.machine(), "cpu": cpu,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def record(name: str, tmp: Path) -> dict:

@@ -3,7 +3,6 @@ targets a classic way the method goes wrong."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 

@@ -25,11 +25,11 @@ Named = dict[str, np.ndarray]
 
 
 class Checkpointer:
-    def __init__(self, cfg: dict[str, Any], recorder: RunRecorder, federation: Federation, has_client_state: bool):
+    def __init__(self, cfg: dict[str, Any], recorder: RunRecorder, federation: Federation, clients_have_state: bool):
         self.cfg = cfg
         self.recorder = recorder
         self.federation = federation
-        self.has_client_state = has_client_state
+        self.clients_have_state = clients_have_state
         self.client_states: dict[int, bytes] = {}  # each client's own state, as last collected
         self.pending: dict[int, bytes] = {}  # after a resume: handed back until each client answers
         self.resumed_round = 0  # the checkpoint's round when this run continues another
@@ -41,7 +41,7 @@ class Checkpointer:
 
     def save(self, server_round: int, global_arrays: Named, strategy_state: Named) -> None:
         start = time.perf_counter()
-        if self.has_client_state:
+        if self.clients_have_state:
             self.collect_client_states()
         arrays = {**{f"global/{k}": v for k, v in global_arrays.items()}, **strategy_state, **rng_state(),
                   **{f"client-state/{pid}": codec.to_uint8(b) for pid, b in self.client_states.items()}}

@@ -23,11 +23,11 @@ from .updates import ClientUpdate, update_problem
 
 
 class FlowerStrategy(Strategy):
-    def __init__(self, cfg: dict[str, Any], recorder, checkpointer_needs_clients: bool):
+    def __init__(self, cfg: dict[str, Any], recorder, clients_have_state: bool):
         self.cfg = cfg
         self.recorder = recorder
         self.federation = Federation(cfg)
-        self.checkpointer = Checkpointer(cfg, recorder, self.federation, checkpointer_needs_clients)
+        self.checkpointer = Checkpointer(cfg, recorder, self.federation, clients_have_state)
         self.latest: payload.Named | None = None  # the global arrays after the last finished round
         self.round_global: payload.Named | None = None  # the global arrays sent this round
         self.update_spec: dict[str, tuple[int, ...]] | None = None  # names and shapes each update must hold
