@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -21,6 +22,7 @@ from .progress import Progress
 
 PACKAGES = ("flwr", "torch", "torchvision", "numpy", "ray", "mlxtend", "pyyaml", "matplotlib")
 CODE_PACKAGES = ("fedbr_flwr", "clients", "strategies", "pseudodata")
+log = logging.getLogger("flwr")
 
 
 def resolve_output_dir(cfg: Mapping[str, Any]) -> Path:
@@ -165,7 +167,8 @@ class RunRecorder:
         (self.out_dir / "summary.md").write_text(summary_table(summary, self.title))
         if history:
             plot_history(history, self.out_dir / "convergence.png", self.title)
-        self.progress.emit("summary", f"run files in {self.out_dir}\n{summary_table(summary, self.title)}")
+        self.progress.emit("summary", f"run files in {self.out_dir}")
+        log.info("%s", summary_table(summary, self.title))  # for flower.log; fedbr-run prints summary.md itself
         return summary
 
     def _append(self, path: Path, record: dict) -> None:

@@ -110,3 +110,18 @@ def test_the_one_client_cache_drops_an_old_runs_clients_with_their_data_and_mode
     gc.collect()
     assert data() is None and model() is None
     assert {run for run, _, _ in cache.clients} == {2}
+
+
+def test_a_run_reports_its_rounds_and_end_as_events_and_the_table_once(tmp_path):
+    from fedbr_flwr.config import validate
+    from fedbr_flwr.run_io import RunRecorder
+
+    recorder = RunRecorder(validate({"num-rounds": 1}), tmp_path)
+    recorder.log_round({"round": 1, "train": {"loss": 2.5}, "seconds": 0.5})
+    recorder.log_eval({"round": 1, "mean_acc": 0.25, "worst_acc": 0.0, "loss": 2.0, "global_acc": None})
+    recorder.finalize()
+    events, _ = read_events(tmp_path / "progress.jsonl")
+    assert [(e["kind"], e.get("round")) for e in events] == [("round", 1), ("eval", 1), ("summary", None)]
+    assert events[0]["message"] == "round 1/1 | loss 2.5000 | 0.50 s/round"
+    assert events[-1]["message"] == f"run files in {tmp_path}"  # the table is printed once, from summary.md
+    assert "mean local-test acc" in (tmp_path / "summary.md").read_text()
