@@ -118,9 +118,11 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
 
 def list_keys() -> str:
     """Every strategy and component, then every key by owner: its default, choices and meaning."""
-    from .registry import COMPONENTS, algorithm_names, how_to_enable
+    from .registry import COMPONENTS, VARIANTS, algorithm_names, how_to_enable
 
     lines = [f"strategies: {', '.join(algorithm_names())}",
+             *(f"  {name} = {v.base} + {' + '.join(v.components)}: {v.summary}"
+               for name, v in sorted(VARIANTS.items())),
              f"components (strategy=fedbr fedbr-with=a,b): {', '.join(sorted(COMPONENTS))}"]
     owner = object()
     for key, spec in schema().items():

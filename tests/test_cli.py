@@ -89,3 +89,5 @@ def test_existing_run_is_not_overwritten(capsys, tmp_path):
 def test_list_shows_strategies_and_keys(capsys):
     code, out, _ = run_cli(capsys, "--list")
     assert code == 0 and "fedavg" in out and "local-steps" in out
+    assert "  fedcm = fedavg + fedcm: FedCM: FedAvg + client-level momentum" in out
+    assert "fedbr keys (strategy=fedbr):\n  fedbr-lambda (1.0)" in out and "mixup-alpha (0.2)" in out
