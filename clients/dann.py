@@ -1,7 +1,9 @@
 """DANN (Ganin et al. 2015) in FL: a domain discriminator (3-layer MLP, width dann-hidden) predicts the
 client id from the features through a gradient-reversal layer, so one SGD step trains it to tell
 clients apart and the feature extractor to hide which client a sample comes from. Loss:
-CE + dann-weight * CE(D(reverse(phi(x))), client id). The discriminator travels beside the model as
+CE + CE(D(R(phi(x))), client id), where R is the identity forward and multiplies the gradient by
+-dann-weight backward: as in DANN and DomainBed, the weight scales only the reversed gradient that reaches
+the features, and the discriminator trains at full weight. The discriminator travels beside the model as
 'discriminator/<key>' and is averaged like it. A client holds one domain only: the signal to separate
 clients comes from the averaged discriminator."""
 
@@ -23,8 +25,9 @@ from fedbr_flwr.training import round_sgd
 
 @dataclass(frozen=True)
 class DANNSettings(Settings):
-    weight: float = setting("dann-weight", 0.1, "DANN: weight of the domain (client id) discriminator loss, reversed "
-                                                "for the features (paper grid 0.01 / 0.1 / 1)", check=NON_NEGATIVE)
+    weight: float = setting("dann-weight", 0.1, "DANN: scale of the reversed domain (client id) gradient reaching the "
+                                                "features; the discriminator trains at full weight (paper grid 0.01 / "
+                                                "0.1 / 1)", check=NON_NEGATIVE)
     hidden: int = setting("dann-hidden", 256, "DANN: width of the 3-layer discriminator", check=POSITIVE)
 
 
@@ -49,6 +52,16 @@ def reverse_gradient(x: torch.Tensor, coeff: float = 1.0) -> torch.Tensor:
     return _ReverseGradient.apply(x, coeff)
 
 
+def dann_loss(model: SplitModel, discriminator: nn.Module, x: torch.Tensor, y: torch.Tensor, domain: int,
+              weight: float) -> dict[str, torch.Tensor]:
+    """CE + the discriminator's domain CE on reversed features: its gradient trains the discriminator at
+    full weight and reaches the features times -weight."""
+    z = model.features(x)
+    ce = F.cross_entropy(model.classifier(z), y)
+    domain_ce = F.cross_entropy(discriminator(reverse_gradient(z, weight)), torch.full_like(y, domain))
+    return {"loss": ce + domain_ce, "ce": ce, "domain-ce": domain_ce}
+
+
 class DANNStep(LocalStep):
     def __init__(self, model: SplitModel, cfg: dict, weight: float, discriminator: nn.Module, domain: int):
         super().__init__(model, cfg)
@@ -59,14 +72,9 @@ class DANNStep(LocalStep):
         self.domain = domain
 
     def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        z = self.model.features(x)
-        ce = F.cross_entropy(self.model.classifier(z), y)
-        domain_logits = self.discriminator(reverse_gradient(z))
-        domain = torch.full_like(y, self.domain)
-        domain_ce = F.cross_entropy(domain_logits, domain)
-        loss = ce + self.weight * domain_ce
-        self.step(loss)
-        return {"loss": loss.detach(), "ce": ce.detach(), "domain-ce": domain_ce.detach()}
+        terms = dann_loss(self.model, self.discriminator, x, y, self.domain, self.weight)
+        self.step(terms["loss"])
+        return {k: v.detach() for k, v in terms.items()}
 
 
 @register_client("dann")

@@ -123,9 +123,16 @@ def fedbr_contrastive_loss(p_local_pseudo: torch.Tensor, p_global_pseudo: torch.
     mean_i -log(e^{s1_i} / (e^{s1_i} + e^{s2_i})) with s1 = tau1 * cos(local pseudo, global pseudo) and
     s2 = tau2 * cos(local pseudo, local real). Written as softplus(s2 - s1), which is the same value
     without overflow."""
-    s1 = tau1_scale * F.cosine_similarity(p_local_pseudo, p_global_pseudo, dim=1)
-    s2 = tau2_scale * F.cosine_similarity(p_local_pseudo, p_local_real, dim=1)
-    return F.softplus(s2 - s1).mean()
+    positive, negative = pair_cosines(p_local_pseudo, p_global_pseudo, p_local_real)
+    return F.softplus(tau2_scale * negative - tau1_scale * positive).mean()
+
+
+def pair_cosines(p_local_pseudo: torch.Tensor, p_global_pseudo: torch.Tensor, p_local_real: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample: cos(local pseudo, global pseudo), the positive pair, and cos(local pseudo, local real),
+    the negative pair."""
+    return (F.cosine_similarity(p_local_pseudo, p_global_pseudo, dim=1),
+            F.cosine_similarity(p_local_pseudo, p_local_real, dim=1))
 
 
 # ---------------------------------------------------------------- the local step
@@ -162,6 +169,7 @@ class FedBRStep(LocalStep):
             if head is None:
                 raise ValueError("component 2 needs the projection head")
             self.head_optimizer = round_sgd(head, head.parameters(), cfg)
+            self.head_start = [p.detach().clone() for p in head.parameters()]
             self.global_features = frozen_copy(model.features)
             if self.mix_k == 0:  # the pseudo-batch is the same at every step: its global features too
                 self.z_g_fixed = self.global_feature(self.x_p)
@@ -189,9 +197,11 @@ class FedBRStep(LocalStep):
         z = self.model.features(torch.cat([batch.local.x, batch.x_p]))
         return z[:n], z[n:]
 
+    def projections(self, z_p: torch.Tensor, z_g: torch.Tensor, z_l: torch.Tensor) -> list[torch.Tensor]:
+        return list(self.head(torch.cat([z_p, z_g, z_l])).split([len(z_p), len(z_g), len(z_l)]))  # one call
+
     def contrastive_loss(self, z_p: torch.Tensor, z_g: torch.Tensor, z_l: torch.Tensor) -> torch.Tensor:
-        p_p, p_g, p_l = self.head(torch.cat([z_p, z_g, z_l])).split([len(z_p), len(z_g), len(z_l)])  # one call
-        return fedbr_contrastive_loss(p_p, p_g, p_l, self.s.tau1, self.s.tau2)
+        return fedbr_contrastive_loss(*self.projections(z_p, z_g, z_l), self.s.tau1, self.s.tau2)
 
     def max_step(self, z_p: torch.Tensor, z_g: torch.Tensor, z_l: torch.Tensor) -> torch.Tensor:
         """Gradient ASCENT on L_con w.r.t. theta only (features are detached); returns L_con before it."""
@@ -212,8 +222,12 @@ class FedBRStep(LocalStep):
             terms["balance"] = self.balance_loss(logits[len(z_l):], batch.y_p)
             total = total + self.s.lam * terms["balance"]
         if self.s.contrastive:
-            terms["con"] = self.contrastive_loss(z_p, batch.z_g, z_l)
+            p_p, p_g, p_l = self.projections(z_p, batch.z_g, z_l)
+            terms["con"] = fedbr_contrastive_loss(p_p, p_g, p_l, self.s.tau1, self.s.tau2)
             total = total + self.s.mu * terms["con"]
+            with torch.no_grad():  # is component 2 doing anything? (reported, not trained on)
+                positive, negative = pair_cosines(p_p, p_g, p_l)
+                terms["con-cos-pos"], terms["con-cos-neg"] = positive.mean(), negative.mean()
         terms["loss"] = self.add_terms(total, terms, StepView(batch.local, z_l, logits_l, self.params))
         return terms
 
@@ -267,6 +281,14 @@ class FedBRClient(ClientAlgorithm):
         if (len(x), y.shape[1]) != expected:
             raise RuntimeError(f"pseudo-data has {len(x)} samples of {y.shape[1]} classes, expected {expected}")
         return x, y
+
+    def after_fit(self, step: FedBRStep) -> tuple[dict, dict[str, float]]:
+        """Beside the step's terms: how far theta moved this round (||theta_end - theta_start||)."""
+        returned, metrics = super().after_fit(step)
+        if self.settings.contrastive:
+            moved = sum(((p.detach() - p0) ** 2).sum() for p, p0 in zip(step.head.parameters(), step.head_start))
+            metrics = {**metrics, "head-update-norm": float(torch.sqrt(moved))}
+        return returned, metrics
 
     def make_step(self, server_round: int, config: dict) -> FedBRStep:
         x_p, y_p = self.pseudo_data(config)

@@ -1,5 +1,5 @@
-"""FedDecorr (Shi et al. 2023): cross-entropy plus w ||K||_F^2 / d^2, K the correlation matrix of the
-batch's z-scored features. A component: ``strategy=feddecorr`` is FedAvg + it, ``fedbr-with=feddecorr``
+"""FedDecorr (Shi et al. 2023): cross-entropy plus w times the decorrelation loss of the batch's features,
+in the official code's form (its published w = 0.1 was tuned on that scale). A component: ``strategy=feddecorr`` is FedAvg + it, ``fedbr-with=feddecorr``
 adds it to FedBR's min step (on the local features). The server is FedAvg's."""
 
 from __future__ import annotations
@@ -18,13 +18,18 @@ class FedDecorrSettings(Settings):
     weight: float = setting("feddecorr-weight", 0.1, "FedDecorr: weight of the decorrelation loss", check=NON_NEGATIVE)
 
 
-def decorrelation_loss(z: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """||K||_F^2 / d^2 with K the d x d correlation matrix of the batch's features, each dimension
-    z-scored over the batch."""
+def decorrelation_loss(z: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """FedDecorr's official form: each feature z-scored over the batch (unbiased variance), then the
+    off-diagonal entries of z^T z (not divided by N) squared and averaged, and that mean divided by N.
+    It grows with the batch size N (the published weight assumes a batch of 32 or 64); the diagonal,
+    N - 1 for every feature, does not count. 0 when there is nothing to decorrelate (N or d below 2)."""
     n, d = z.shape
-    z = (z - z.mean(dim=0)) / torch.sqrt(z.var(dim=0, unbiased=False) + eps)
-    corr = z.T @ z / n
-    return corr.pow(2).sum() / (d * d)
+    if n < 2 or d < 2:
+        return z.sum() * 0.0
+    z = (z - z.mean(dim=0)) / torch.sqrt(z.var(dim=0) + eps)
+    gram = z.T @ z
+    off_diagonal = gram[~torch.eye(d, dtype=torch.bool, device=z.device)]
+    return off_diagonal.pow(2).mean() / n
 
 
 @register_component("feddecorr")

@@ -45,16 +45,18 @@ def fedmix_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, x_mean
     global mean sample (x_mean_j, y_mean_j), around (1 - lam) x_i:
 
         (1 - lam) CE(f((1 - lam) x_i), y_i) + lam CE_soft(f((1 - lam) x_i), y_mean_j)
-        + lam <d CE(f((1 - lam) x_i), y_i) / dx, x_mean_j>.
+        + lam <d [(1 - lam) CE(f(u), y_i)] / du at u = (1 - lam) x_i, x_mean_j>.
 
-    The input gradient is per sample (our backbones have no batch-coupled layers), kept in the graph
-    so that the last term trains the model. At lam = 0 this is plain cross-entropy."""
+    The last term's gradient is that of the (1 - lam)-weighted loss, as the reference implementations
+    take it (the scale FedMix's published lambda was tuned with). It is per sample (our backbones have
+    no batch-coupled layers), kept in the graph so that the term trains the model; ``taylor`` reports
+    the inner product. At lam = 0 this is plain cross-entropy."""
     x_in = ((1.0 - lam) * x).requires_grad_(True)
     logits = model(x_in)
     ce_each = F.cross_entropy(logits, y, reduction="none")
     ce = ce_each.mean()
     mean_label = soft_cross_entropy(logits, y_mean)
-    (grad_x,) = torch.autograd.grad(ce_each.sum(), x_in, create_graph=True)
+    (grad_x,) = torch.autograd.grad((1.0 - lam) * ce_each.sum(), x_in, create_graph=True)
     taylor = (grad_x * x_mean).flatten(1).sum(dim=1).mean()
     loss = (1.0 - lam) * ce + lam * mean_label + lam * taylor
     return {"loss": loss, "ce": ce, "mean-label": mean_label, "taylor": taylor}

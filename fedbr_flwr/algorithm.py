@@ -217,16 +217,19 @@ class ClientAlgorithm:
 
     def __init__(self, cfg: dict, data: ClientData, device: torch.device | str, state: NodeState | None = None):
         self.cfg = cfg
-        self.data = data
-        self.pid = data.partition_id
+        self.bind(data, state if state is not None else MemoryState())
         self.device = torch.device(device)
-        self.state = state if state is not None else MemoryState()
         self.settings = self.Settings.from_config(cfg)
         self.modules = {k: m.to(self.device) for k, m in self.build_modules(cfg, cfg["compile"]).items()}
         self.model = self.modules["model"]
         self.components = [component_class(name)(cfg) for name in components_of(cfg)]
         self.received: Named = {}  # what the server sent beside the modules' arrays this message
         self.shared_versions: dict[str, int] = {}  # broadcast data used this round (reported back)
+
+    def bind(self, data: ClientData, state: NodeState) -> None:
+        """Serve the client of ``data`` with its node state (a cohort's node serves its members in turn:
+        everything of a client between messages lives in its data and its node state, not in the model)."""
+        self.data, self.pid, self.state = data, data.partition_id, state
 
     # ------------------------------------------------------------ hooks for algorithms
     def make_step(self, server_round: int, config: dict) -> LocalStep:

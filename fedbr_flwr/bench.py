@@ -1,7 +1,9 @@
 """``fedbr-bench``: seconds per round of the Flower simulation against a bare PyTorch loop that does
-the same local steps (same algorithm class, data, seeds) and the same averaging in one process.
+the same local steps (same algorithm class, data, seeds) and the same averaging in one process, for
+both engines (``engine=clients``: a Flower node per client; ``engine=cohort``: a node per cohort).
 
-    fedbr-bench --suite                          # FedAvg and FedBR on the three shapes below
+    fedbr-bench --suite                          # FedAvg, FedBR, DisTrans on the three shapes below
+    fedbr-bench --scale                          # 100 clients at 10%, 1000 at 1%, engine=cohort
     fedbr-bench --suite num-clients=10 local-steps=50 precision=bf16   # the paper's round, on a GPU
     fedbr-bench experiments/fedavg_rotmnist5k.yaml --rounds 3          # one config
     fedbr-bench --step batch-size=64                # one FedBR / DisTrans local step / one FedAvg step
@@ -10,7 +12,9 @@ the same local steps (same algorithm class, data, seeds) and the same averaging 
 Round 1 is a warm-up on both sides (Flower: Ray and actor start, data loading, compilation) and is
 not timed. Evaluation and checkpoints are off on both sides except Flower's final evaluation, which
 is not timed either. Besides seconds, it reports each client process's peak memory (GPU memory
-reserved by torch on CUDA, host RSS on CPU) and the bytes of Flower's fit messages per round.
+reserved by torch on CUDA, host RSS on CPU), the bytes of Flower's fit messages per round, and the
+achieved TFLOP/s: the FLOPs of a round (one client's fit counted by torch's FlopCounterMode, times the
+clients a round samples) over its seconds, beside the device's peak where it is known.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from .broadcast import SharedData
-from .cli import build_config, size_resources
+from .cli import build_config, size_resources, supernodes
 from .config import ConfigError, resolved_model
 from .dataset import INFO, load_client_data
 from .launcher import RunFailed, run_flower
@@ -178,27 +183,35 @@ def flower_round_seconds(cfg: dict, rounds: int, out_dir: Path) -> tuple[list[di
     cfg = {**cfg, "num-rounds": rounds + 1, "eval-every": rounds + 1, "global-test": False,
            "checkpoint-every": 0, "output-dir": str(out_dir)}
     start = time.perf_counter()
-    run_flower(cfg, cfg["num-clients"], out_dir, echo="none")
+    run_flower(cfg, supernodes(cfg), out_dir, echo="none")
     total = time.perf_counter() - start
     return [r for r in read_jsonl(out_dir / "rounds.jsonl") if r["round"] > 1], total
 
 
 def compare(cfg: dict, rounds: int) -> dict:
-    """Bare loop and Flower simulation on one config: seconds per round (medians), their ratio, the
-    clients' peak memory and the bytes Flower's fit messages carry per round."""
+    """Bare loop and both Flower engines on one config: seconds per round (medians), their ratios, the
+    achieved TFLOP/s, the clients' peak memory and the bytes Flower's fit messages carry per round."""
     bare, bare_memory = bare_loop_round_seconds(cfg, rounds)
     with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
         records, flower_total = flower_round_seconds(cfg, rounds, Path(tmp))
+    with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
+        cohort_records, _ = flower_round_seconds(cohort_config(cfg), rounds, Path(tmp))
     bare_s = statistics.median(bare)
     flower_s = statistics.median(r["seconds"] for r in records)
+    cohort_s = statistics.median(r["seconds"] for r in cohort_records)
+    flops = fit_flops(cfg) * statistics.median(r["clients"] for r in records)
     memory_key = "client_peak_gpu_mb" if any("client_peak_gpu_mb" in r for r in records) else "client_peak_rss_mb"
     return {
         "strategy": cfg["strategy"], "dataset": cfg["dataset"], "model": resolved_model(cfg),
         "clients": cfg["num-clients"], "local_steps": cfg["local-steps"], "batch_size": cfg["batch-size"],
         "precision": cfg["precision"], "compile": cfg["compile"],
         "bare_s_per_round": bare_s, "flower_s_per_round": flower_s, "ratio": flower_s / bare_s,
+        "cohort_s_per_round": cohort_s, "cohort_ratio": cohort_s / bare_s,
+        "flops_per_round": flops, "tflops": {"bare": flops / bare_s / 1e12, "clients": flops / flower_s / 1e12,
+                                             "cohort": flops / cohort_s / 1e12},
         "flower_total_s_incl_startup": flower_total,
         "bare_peak_mb": bare_memory, "client_peak_mb": max(r.get(memory_key, 0.0) for r in records),
+        "cohort_peak_mb": max(r.get(memory_key, 0.0) for r in cohort_records),
         "memory": "GPU (torch reserved)" if memory_key == "client_peak_gpu_mb" else "host RSS",
         "bytes_per_round": statistics.median(r["bytes_down"] + r["bytes_up"] for r in records),
         "flower_setup": f"{cfg['num-clients']} simulated clients, {cfg['client-cpus']} CPU / "
@@ -206,34 +219,66 @@ def compare(cfg: dict, rounds: int) -> dict:
     }
 
 
+def cohort_config(cfg: dict) -> dict:
+    """The same run on the cohort engine, sized as ``fedbr-run engine=cohort`` sizes it on this machine."""
+    plain = {**cfg, "engine": "cohort", "cohorts": 0, "client-cpus": 1, "client-gpus": 0.0}
+    return size_resources(plain, torch.cuda.is_available(), os.cpu_count() or 1, torch.cuda.device_count())
+
+
+def fit_flops(cfg: dict) -> float:
+    """FLOPs of one client's fit (all its local steps, forward and backward), counted by torch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    device = pick_device(cfg["device"])
+    client = client_class(cfg["strategy"])(cfg, load_client_data(cfg, 0, device), device)
+    with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
+        global_arrays = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
+    config = bare_fit_config(cfg, [client])(1)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        client.fit(global_arrays, config)
+    return float(counter.get_total_flops())
+
+
+# dense peak TFLOP/s of the cards we measure on (vendor figures; SXM parts), by precision
+PEAK_TFLOPS = {"H100": {"fp32": 67.0, "bf16": 989.0}, "H200": {"fp32": 67.0, "bf16": 989.0},
+               "A100": {"fp32": 19.5, "bf16": 312.0}}
+
+
+def peak_tflops(device: str, precision: str) -> float | None:
+    return next((p[precision] for name, p in PEAK_TFLOPS.items() if name in device), None)
+
+
 # The issue's shapes: RotatedMNIST's CNN at batch 64, and CIFAR-size VGG11 and CCT at batch 32 on
-# synthetic data (no CIFAR files needed). Each runs FedAvg and FedBR.
+# synthetic data (no CIFAR files needed). Each runs FedAvg, FedBR and DisTrans.
 SUITE = {
     "rotmnist-cnn": {"dataset": "mnist5k", "model": "cnn", "batch-size": 64},
     "cifar-vgg11": {"dataset": "synthetic", "model": "vgg11", "batch-size": 32},
     "cifar-cct": {"dataset": "synthetic", "model": "cct", "batch-size": 32},
 }
-SUITE_STRATEGIES = ("fedavg", "fedbr")
+SUITE_STRATEGIES = ("fedavg", "fedbr", "distrans")
 
 
-def suite_configs(items: list[str], shapes: list[str]) -> list[tuple[str, dict]]:
+def suite_configs(items: list[str], shapes: list[str], strategies: Sequence[str] = SUITE_STRATEGIES
+                  ) -> list[tuple[str, dict]]:
     """(shape, config) for every shape and strategy; the user's items come after the shape's settings."""
-    unknown = sorted(set(shapes) - set(SUITE))
+    unknown = sorted(set(shapes) - set(SUITE)) + sorted(set(strategies) - set(SUITE_STRATEGIES))
     if unknown:
-        raise ConfigError(f"unknown shape(s) {', '.join(unknown)}; valid: {', '.join(SUITE)}")
+        raise ConfigError(f"unknown shape(s) or strategies {', '.join(unknown)}; valid: {', '.join(SUITE)}; "
+                          f"{', '.join(SUITE_STRATEGIES)}")
     out = []
     for shape in shapes:
-        for strategy in SUITE_STRATEGIES:
+        for strategy in strategies:
             preset = [f"{k}={v}" for k, v in {**SUITE[shape], "strategy": strategy}.items()]
             out.append((shape, build_config(preset + items)))
     return out
 
 
-def suite_main(items: list[str], shapes: list[str], rounds: int, steps: int, threads: int, json_path: Path | None
-               ) -> int:
+def suite_main(items: list[str], shapes: list[str], strategies: list[str], rounds: int, steps: int, threads: int,
+               json_path: Path | None) -> int:
     try:
         configs = [(shape, size_resources(cfg, torch.cuda.is_available(), threads))
-                   for shape, cfg in suite_configs(items, shapes)]
+                   for shape, cfg in suite_configs(items, shapes, strategies)]
     except ConfigError as exc:
         print(f"fedbr-bench: error: {exc}", file=sys.stderr)
         return 2
@@ -250,7 +295,7 @@ def suite_main(items: list[str], shapes: list[str], rounds: int, steps: int, thr
         except RunFailed as exc:
             print(f"fedbr-bench: error: {shape} {cfg['strategy']}: {exc}", file=sys.stderr)
             return 1
-        if cfg["strategy"] == "fedbr":  # once per shape: FedAvg, FedBR and DisTrans steps on it
+        if cfg["strategy"] == strategies[0]:  # once per shape: FedAvg, FedBR and DisTrans steps on it
             row["step_s"] = step_seconds(cfg, steps=steps)
         rows.append({"shape": shape, **row})
     print_suite_table(rows, device)
@@ -261,27 +306,73 @@ def suite_main(items: list[str], shapes: list[str], rounds: int, steps: int, thr
 
 def print_suite_table(rows: list[dict], device: str) -> None:
     memory = rows[0]["memory"]
-    print(f"\n| shape | strategy | batch | bare s/round | Flower s/round | Flower / bare | peak {memory} MB "
-          f"per client process (bare loop: whole process) | MB moved per round |\n|---|---|---|---|---|---|---|---|")
+    peak = peak_tflops(device, rows[0]["precision"])
+    print(f"\n| shape | strategy | batch | bare s/round | engine=clients s/round (/ bare) | engine=cohort s/round "
+          f"(/ bare) | TFLOP/s bare / clients / cohort | peak {memory} MB per client process, cohort process "
+          f"(bare loop: whole process) | MB moved per round |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        t = r["tflops"]
         print(f"| {r['shape']} | {r['strategy']} | {r['batch_size']} | {r['bare_s_per_round']:.3f} | "
-              f"{r['flower_s_per_round']:.3f} | {r['ratio']:.2f} | {r['client_peak_mb']:.0f} ({r['bare_peak_mb']:.0f}) | "
+              f"{r['flower_s_per_round']:.3f} ({r['ratio']:.2f}) | {r['cohort_s_per_round']:.3f} "
+              f"({r['cohort_ratio']:.2f}) | {t['bare']:.3g} / {t['clients']:.3g} / {t['cohort']:.3g} | "
+              f"{r['client_peak_mb']:.0f}, {r['cohort_peak_mb']:.0f} ({r['bare_peak_mb']:.0f}) | "
               f"{r['bytes_per_round'] / 1e6:.1f} |")
-    print("\n| shape | FedAvg s/step | FedBR s/step | FedBR / FedAvg step | FedBR / FedAvg round (bare) |\n"
-          "|---|---|---|---|---|")
+    peak_text = f"{peak:g} TFLOP/s ({rows[0]['precision']}, dense)" if peak else "unknown (not in PEAK_TFLOPS)"
+    print(f"\ndevice peak: {peak_text}")
+    print("\n| shape | FedAvg s/step | FedBR s/step | DisTrans s/step | FedBR / FedAvg step | FedBR / FedAvg round "
+          "(bare) |\n|---|---|---|---|---|---|")
     by_shape: dict[str, dict[str, dict]] = {}
     for r in rows:
         by_shape.setdefault(r["shape"], {})[r["strategy"]] = r
     for shape, pair in by_shape.items():
-        t = pair["fedbr"]["step_s"]
-        rounds = pair["fedbr"]["bare_s_per_round"] / pair["fedavg"]["bare_s_per_round"]
-        print(f"| {shape} | {t['fedavg']:.4f} | {t['fedbr']:.4f} | {t['fedbr'] / t['fedavg']:.2f} | {rounds:.2f} |")
+        t = next(r["step_s"] for r in pair.values() if "step_s" in r)
+        rounds = (f"{pair['fedbr']['bare_s_per_round'] / pair['fedavg']['bare_s_per_round']:.2f}"
+                  if {"fedbr", "fedavg"} <= set(pair) else "-")
+        print(f"| {shape} | {t['fedavg']:.4f} | {t['fedbr']:.4f} | {t['distrans']:.4f} | {t['fedbr'] / t['fedavg']:.2f} "
+              f"| {rounds} |")
     for r in rows:
         if r["strategy"] == "fedbr" and r["shape"] == "rotmnist-cnn":
+            best = min(r["flower_s_per_round"], r["cohort_s_per_round"])
             print(f"\nFedBR RotatedMNIST, {r['clients']} clients x {r['local_steps']} steps: 1000 rounds at the "
-                  f"measured Flower s/round = {1000 * r['flower_s_per_round'] / 60:.1f} min (training rounds only, "
-                  f"without evaluation; the issue's target is 10 clients x 50 steps in 15 min on one GPU)")
+                  f"faster engine's s/round = {1000 * best / 60:.1f} min (training rounds only, without evaluation)")
     print(f"device: {device}")
+
+
+SCALE = (("100 clients, 10% a round", ["num-clients=100", "fraction-fit=0.1"]),
+         ("1000 clients, 1% a round", ["num-clients=1000", "fraction-fit=0.01"]))
+
+
+def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | None) -> int:
+    """Many clients on one machine with engine=cohort: seconds per round and the cohort's peak memory."""
+    rows = []
+    for label, preset in SCALE:
+        try:
+            cfg = cohort_config(build_config(preset + items))
+        except ConfigError as exc:
+            print(f"fedbr-bench: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"  {label}: {cfg['strategy']}, {cfg['cohorts']} cohort(s) ...", flush=True)
+        with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
+            try:
+                records, total = flower_round_seconds(cfg, rounds, Path(tmp))
+            except RunFailed as exc:
+                print(f"fedbr-bench: error: {label}: {exc}", file=sys.stderr)
+                return 1
+        key = "client_peak_gpu_mb" if any("client_peak_gpu_mb" in r for r in records) else "client_peak_rss_mb"
+        rows.append({"case": label, "strategy": cfg["strategy"], "cohorts": cfg["cohorts"],
+                     "s_per_round": statistics.median(r["seconds"] for r in records),
+                     "peak_mb": max(r.get(key, 0.0) for r in records), "memory": key,
+                     "total_s_incl_startup": total})
+    device = _device_name(cfg, threads)
+    print(f"\n| case | strategy | cohorts | s/round (median) | peak MB ({rows[0]['memory']}) | run incl. start-up s |"
+          "\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['strategy']} | {r['cohorts']} | {r['s_per_round']:.3f} | {r['peak_mb']:.0f} | "
+              f"{r['total_s_incl_startup']:.1f} |")
+    print(f"device: {device}")
+    if json_path:
+        json_path.write_text(json.dumps({"device": device, "rows": rows}, indent=2) + "\n")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -296,14 +387,22 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps per timing repeat (--step, and --suite's "
                                                                "step table)")
     parser.add_argument("--suite", action="store_true",
-                        help=f"bare loop against Flower for FedAvg and FedBR on each shape ({', '.join(SUITE)}); "
+                        help=f"bare loop against both Flower engines for FedAvg, FedBR and DisTrans on each shape ({', '.join(SUITE)}); "
                              "the items apply to every case")
     parser.add_argument("--shapes", default=",".join(SUITE), help="comma-separated shapes for --suite")
+    parser.add_argument("--strategies", default=",".join(SUITE_STRATEGIES),
+                        help="comma-separated strategies for --suite")
+    parser.add_argument("--scale", action="store_true",
+                        help="engine=cohort with 100 clients at fraction-fit 0.1 and 1000 at 0.01: s/round and "
+                             "peak memory")
     args = parser.parse_intermixed_args(argv)
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     if args.suite:
-        return suite_main(args.items, args.shapes.split(","), args.rounds, args.steps, threads, args.json)
+        return suite_main(args.items, args.shapes.split(","), args.strategies.split(","), args.rounds, args.steps,
+                          threads, args.json)
+    if args.scale:
+        return scale_main(args.items, args.rounds, threads, args.json)
     items = (["data-dir=unused-synthetic-inputs"] if args.step else []) + args.items  # --step reads no files
     try:
         cfg = size_resources(build_config(items), torch.cuda.is_available(), threads)

@@ -82,8 +82,12 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
     return cfg
 
 
-def size_resources(cfg: dict[str, Any], cuda_available: bool, cpu_count: int) -> dict[str, Any]:
-    """Client resources for Ray: CPU cores per client, and a GPU share when CUDA is present."""
+def size_resources(cfg: dict[str, Any], cuda_available: bool, cpu_count: int, gpu_count: int | None = None
+                   ) -> dict[str, Any]:
+    """Resources for Ray: CPU cores per client, and a GPU share when CUDA is present. With
+    ``engine=cohort``: the cohorts (unless ``cohorts`` says: one per GPU; on a CPU, one per
+    ``client-cpus`` cores, so that they train side by side with each client's thread count as under
+    engine=clients), each with its share of the cores and the GPUs."""
     cfg = dict(cfg)
     if cfg["client-cpus"] > cpu_count:
         raise ConfigError(f"client-cpus = {cfg['client-cpus']} but this machine has {cpu_count} cores")
@@ -91,9 +95,20 @@ def size_resources(cfg: dict[str, Any], cuda_available: bool, cpu_count: int) ->
         raise ConfigError("client-gpus > 0 but torch sees no CUDA device (Ray would find no actor to place)")
     if cfg["device"] == "cuda" and not cuda_available:
         raise ConfigError("device = cuda but torch sees no CUDA device")
-    if cuda_available and cfg["device"] != "cpu" and cfg["client-gpus"] == 0:
+    gpus = (gpu_count if gpu_count is not None else 1) if cuda_available and cfg["device"] != "cpu" else 0
+    if cfg["engine"] == "cohort":
+        cfg["cohorts"] = min(cfg["cohorts"] or gpus or max(1, cpu_count // cfg["client-cpus"]), cfg["num-clients"])
+        cfg["client-cpus"] = max(cfg["client-cpus"], cpu_count // cfg["cohorts"])
+        if gpus and cfg["client-gpus"] == 0:
+            cfg["client-gpus"] = min(1.0, gpus / cfg["cohorts"])
+    elif gpus and cfg["client-gpus"] == 0:
         cfg["client-gpus"] = 1.0 / min(cfg["num-clients"], MAX_CLIENTS_PER_GPU)
     return cfg
+
+
+def supernodes(cfg: dict[str, Any]) -> int:
+    """The simulated SuperNodes: one per client, or one per cohort (engine=cohort)."""
+    return cfg["cohorts"] if cfg["engine"] == "cohort" else cfg["num-clients"]
 
 
 def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
@@ -206,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         echo = "none" if args.quiet else "all" if args.verbose else "progress"
-        run_flower(cfg, cfg["num-clients"], out, echo=echo)
+        run_flower(cfg, supernodes(cfg), out, echo=echo)
     except (RunFailed, ConfigError) as exc:
         print(f"fedbr-run: error: {exc}", file=sys.stderr)
         return 1

@@ -39,7 +39,7 @@ COMMON: dict[str, Key] = {
     "rotate": Key(True, "domain shift: RotatedMNIST (client i at 15*i deg) / RotatedCIFAR10 angle prior"),
     "test-fraction": Key(0.2, "share of each client's data held out as its local test set", check=OPEN_FRACTION),
     # model and local training
-    "model": Key("auto", "backbone", choices=("auto", "cnn", "vgg11", "cct", "resnet18")),
+    "model": Key("auto", "backbone", choices=("auto", "cnn", "cnn-small", "vgg11", "cct", "resnet18")),
     "local-steps": Key(10, "local SGD steps per round (batches drawn with replacement)", check=POSITIVE),
     "batch-size": Key(32, "local batch size", check=POSITIVE),
     "lr": Key(0.05, "client SGD learning rate", check=POSITIVE),
@@ -56,6 +56,10 @@ COMMON: dict[str, Key] = {
     "eval-every": Key(2, "evaluate the global model every E rounds (and at the last)", check=POSITIVE),
     "global-test": Key(True, "also evaluate the global model on the dataset's test split (server side)"),
     "target-acc": Key(0.5, "threshold for 'rounds to reach' in the summary", check=FRACTION),
+    "engine": Key("clients", "simulation engine: one Flower node per client (clients), or per cohort of clients "
+                             "that one process trains (cohort; simulation only)", choices=("clients", "cohort")),
+    "cohorts": Key(0, "engine=cohort: the number of cohorts (Flower nodes); 0 = one per GPU, or on a CPU one "
+                      "per client-cpus cores", check=NON_NEGATIVE),
     # simulation resources (used by the CLI; recorded in the manifest)
     "client-cpus": Key(1, "CPU cores per simulated client (also its torch threads)", check=POSITIVE),
     "client-gpus": Key(0.0, "GPU share per simulated client; the CLI picks one when CUDA is present",

@@ -7,11 +7,11 @@ On separate machines (every command prints the Flower command it runs):
     fedbr-deploy register --superlink 10.0.0.1:8000 --certs deploy-keys   # allow the node keys (--auth)
     fedbr-deploy supernode --superlink 10.0.0.1:8000 --certs deploy-keys \\
         --partition-id 0 --num-partitions 4 --data-dir /data --gpu 0 --auth-key deploy-keys/supernode-0
-    fedbr-deploy run --superlink 10.0.0.1:8000 --certs deploy-keys experiments/quickstart.yaml num-clients=4
+    fedbr-deploy run --superlink 10.0.0.1:8000 --certs deploy-keys experiments/fedavg_rotmnist5k.yaml num-clients=4 num-rounds=20
 
 All of it on this machine (127.0.0.1), started, run and stopped in one command:
 
-    fedbr-deploy local --supernodes 2 --tls --auth experiments/quickstart.yaml num-rounds=4
+    fedbr-deploy local --supernodes 2 --tls --auth experiments/fedavg_rotmnist5k.yaml num-rounds=4
 
 Each SuperNode is paired with a ``fedbr-worker`` (``fedbr_flwr/worker.py``) that keeps the client's
 data, model and CUDA context alive between rounds: Flower 1.41 starts a new ClientApp process for
@@ -279,15 +279,19 @@ def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -
     from .cli import prepare, resume_config, settings_from
     from .config import normalise_key, validate
 
-    if resume:
-        return resume_config(Path(resume), items)
-    settings = {normalise_key(k): v for k, v in settings_from(items).items()}
-    if num_clients is not None:
-        if settings.get("num-clients", 0) not in (0, num_clients):
-            raise ConfigError(f"num-clients = {settings['num-clients']} but --supernodes {num_clients}: drop "
-                              "num-clients or make them equal")
-        settings["num-clients"] = num_clients
-    return prepare(validate(settings), overwrite=False)
+    cfg = resume_config(Path(resume), items) if resume else None
+    if cfg is None:
+        settings = {normalise_key(k): v for k, v in settings_from(items).items()}
+        if num_clients is not None:
+            if settings.get("num-clients", 0) not in (0, num_clients):
+                raise ConfigError(f"num-clients = {settings['num-clients']} but --supernodes {num_clients}: drop "
+                                  "num-clients or make them equal")
+            settings["num-clients"] = num_clients
+        cfg = prepare(validate(settings), overwrite=False)
+    if cfg["engine"] == "cohort":
+        raise ConfigError("engine=cohort runs in simulation only (fedbr-run): a deployment has one client per "
+                          "SuperNode; drop engine=cohort (engine=clients)")
+    return cfg
 
 
 def _print_result(out: Path) -> None:

@@ -107,8 +107,10 @@ def plot_history(history: list[dict], path: str | Path, title: str = "") -> None
 def save_accuracy_plot(fig, ax, path: str | Path, title: str, ylabel: str) -> None:
     """The shared look of our accuracy-per-round plots, then save and close."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     ax.set_xlabel("communication round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.set_ylim(0, 100)

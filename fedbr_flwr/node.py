@@ -15,30 +15,34 @@ import numpy as np
 from flwr.client import NumPyClient
 from flwr.common import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from . import payload
+from . import cohort, payload
 from .algorithm import ClientAlgorithm, NodeState
 
 
 class RecordState(NodeState):
     """A client's node state kept in Flower's ``context.state`` (a RecordDict): named arrays as an
-    ArrayRecord, metadata as a ConfigRecord, one record per key."""
+    ArrayRecord, metadata as a ConfigRecord, one record per key (after ``prefix``: a cohort's node keeps
+    each member's records under ``member/<pid>/``)."""
 
-    def __init__(self, records: RecordDict):
+    def __init__(self, records: RecordDict, prefix: str = ""):
         self.records = records
+        self.prefix = prefix
 
     def arrays(self, key):
+        key = self.prefix + key
         if key not in self.records:
             return None
         return {name: array.numpy() for name, array in self.records[key].items()}
 
     def put_arrays(self, key, arrays):
-        self.records[key] = ArrayRecord(OrderedDict((k, Array(np.array(v, copy=True))) for k, v in arrays.items()))
+        self.records[self.prefix + key] = ArrayRecord(OrderedDict((k, Array(np.array(v, copy=True)))
+                                                                  for k, v in arrays.items()))
 
     def meta(self, key):
-        return dict(self.records[key]) if key in self.records else None
+        return dict(self.records[self.prefix + key]) if self.prefix + key in self.records else None
 
     def put_meta(self, key, values):
-        self.records[key] = ConfigRecord(dict(values))
+        self.records[self.prefix + key] = ConfigRecord(dict(values))
 
 
 class FlowerClient(NumPyClient):
@@ -66,8 +70,70 @@ class FlowerClient(NumPyClient):
         return self.algorithm.evaluate(payload.from_list(parameters), config)
 
 
-def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: RecordDict) -> FlowerClient:
-    """The algorithm's client for the partition named in the node config, its data on the device."""
+class CohortClient(NumPyClient):
+    """``engine=cohort``: one node's NumPyClient over the clients of a cohort, trained one after another
+    in this process (a CPU's way of batching clients). One ``ClientAlgorithm`` (one model) serves every
+    member in turn, bound to that member's data and node state: the model holds nothing of a client
+    between messages (it is loaded from the server's arrays), so a cohort of 1000 clients holds one
+    model. Every message names the members it is about (``fedbr_flwr.cohort``); each member answers
+    exactly as it would on a node of its own."""
+
+    def __init__(self, algorithm: ClientAlgorithm, members: dict[int, Any]):
+        self.algorithm = algorithm
+        self.members = members  # partition id -> its ClientData
+        self.records = RecordDict()
+
+    def use_state(self, records: RecordDict) -> None:
+        self.records = records
+
+    def member(self, pid: int) -> ClientAlgorithm:
+        self.algorithm.bind(self.members[pid], RecordState(self.records, prefix=cohort.member_key(pid, "")))
+        return self.algorithm
+
+    def get_properties(self, config: dict) -> dict:
+        props = {cohort.MEMBERS: cohort.join_members(list(self.members))}
+        for pid in self.members:
+            for key, value in self.member(pid).properties().items():
+                props.update({key: value} if key in COHORT_WIDE else {cohort.member_key(pid, key): value})
+        return props
+
+    def get_parameters(self, config: dict) -> list[np.ndarray]:
+        if "request" not in config:
+            return payload.to_list(self.algorithm.weights())
+        answers = {pid: self.member(pid).answer(cohort.member_view(config, pid)) for pid in cohort.members_of(config)}
+        return payload.to_list(cohort.join_arrays(answers))
+
+    def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
+        arrays, returned, metrics, total = payload.from_list(parameters), {}, {cohort.MEMBERS: config[cohort.MEMBERS]}, 0
+        for pid in cohort.members_of(config):
+            named, n, own = self.member(pid).fit(cohort.member_view(arrays, pid), cohort.member_view(config, pid))
+            returned.update(cohort.join_arrays({pid: named}))
+            metrics.update({cohort.member_key(pid, k): v for k, v in {**own, "num-examples": n}.items()})
+            total += n
+        return payload.to_list(returned), total, metrics
+
+    def evaluate(self, parameters: list[np.ndarray], config: dict) -> tuple[float, int, dict]:
+        arrays, metrics, results = payload.from_list(parameters), {cohort.MEMBERS: config[cohort.MEMBERS]}, []
+        for pid in cohort.members_of(config):
+            loss, n, own = self.member(pid).evaluate(cohort.member_view(arrays, pid), cohort.member_view(config, pid))
+            metrics.update({cohort.member_key(pid, k): v for k, v in {**own, "loss": loss, "num-examples": n}.items()})
+            results.append((loss, n))
+        total = sum(n for _, n in results)
+        return sum(loss * n for loss, n in results) / max(total, 1), total, metrics
+
+
+COHORT_WIDE = ("partition-hash", "num-partitions")  # properties every member of a cohort has alike
+
+
+def cohort_members(cfg: Mapping[str, Any], cohort_id: int, num_cohorts: int) -> list[int]:
+    """The partitions cohort ``cohort_id`` of ``num_cohorts`` hosts: every num_cohorts-th, from its own id."""
+    return list(range(cohort_id, cfg["num-clients"], num_cohorts))
+
+
+def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: RecordDict
+                 ) -> FlowerClient | CohortClient:
+    """The algorithm's client for the partition named in the node config (with ``engine=cohort``: the
+    clients of the cohort it names), its data on the device."""
     import torch
 
     from .config import from_run_config
@@ -82,6 +148,18 @@ def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: 
                           "--node-config \"partition-id=<i> num-partitions=<n>\"")
     pid = int(node["partition-id"])
     num_partitions = int(node.get("num-partitions", cfg["num-clients"] or 0))
+    if cfg["engine"] == "cohort":
+        if not cfg["num-clients"]:
+            raise ConfigError("engine=cohort needs num-clients: the cohorts share them out")
+        if not 0 <= pid < num_partitions <= cfg["num-clients"] or cfg["cohorts"] not in (0, num_partitions):
+            raise ConfigError(f"engine=cohort with {cfg['num-clients']} clients and cohorts = {cfg['cohorts']}, but "
+                              f"this SuperNode is {pid} of {num_partitions}: start the simulation with "
+                              "num-supernodes = cohorts, at most num-clients (fedbr-run does this)")
+        torch.set_num_threads(cfg["client-cpus"])
+        device = pick_device(cfg["device"])
+        members = {p: load_client_data(cfg, p, device) for p in cohort_members(cfg, pid, num_partitions)}
+        first = next(iter(members.values()))
+        return CohortClient(client_class(cfg["strategy"])(cfg, first, device), members)
     if cfg["num-clients"] and num_partitions and cfg["num-clients"] != num_partitions:
         raise ConfigError(f"num-clients = {cfg['num-clients']} but this SuperNode was told num-partitions = "
                           f"{num_partitions}: start the federation with num-supernodes={cfg['num-clients']}")
@@ -104,10 +182,10 @@ class ClientCache:
 
     def __init__(self, runs_kept: int = 2):
         self.runs_kept = runs_kept
-        self.clients: dict[tuple[int, int, str], FlowerClient] = {}  # in insertion order: oldest runs first
+        self.clients: dict[tuple[int, int, str], FlowerClient | CohortClient] = {}  # oldest runs first
 
     def get(self, run_id: int, run_config: Mapping[str, Any], node: Mapping[str, Any],
-            state: RecordDict) -> FlowerClient:
+            state: RecordDict) -> FlowerClient | CohortClient:
         """The client for this message, holding ``state`` (Flower's node state, a new copy per message)."""
         settings = json.dumps({"run": dict(run_config), "node": dict(node)}, sort_keys=True, default=str)
         key = (int(run_id), int(node.get("partition-id", -1)), settings)

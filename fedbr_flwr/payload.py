@@ -71,6 +71,10 @@ class Serialised:
             raise PayloadError(f"{len(names)} names for {len(parameters.tensors) - 1} arrays")
         return cls(names, list(parameters.tensors[1:]))
 
+    def prefixed(self, prefix: str) -> "Serialised":
+        """The same arrays, each name after ``prefix`` (a cohort member's: 'member/<pid>/')."""
+        return Serialised([prefix + n for n in self.names], list(self.tensors))
+
     def __add__(self, other: "Serialised") -> "Serialised":
         repeated = sorted(set(self.names) & set(other.names))
         if repeated:

@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .cli import config_from_settings, prepare, size_resources
+from .cli import config_from_settings, prepare, size_resources, supernodes
 from .config import ConfigError, load_yaml, parse_override
 from .launcher import RunFailed, run_flower
 from .metrics import read_jsonl, save_accuracy_plot
@@ -121,7 +121,7 @@ def run_all(jobs: list[tuple[str, int, dict[str, Any]]], quiet: bool) -> dict[tu
             continue
         print(f"fedbr-sweep: {label}: {cfg['strategy']} -> {cfg['output-dir']}", flush=True)
         try:
-            run_flower(cfg, cfg["num-clients"], Path(cfg["output-dir"]), echo="none" if quiet else "progress")
+            run_flower(cfg, supernodes(cfg), Path(cfg["output-dir"]), echo="none" if quiet else "progress")
             ok = (Path(cfg["output-dir"]) / "summary.json").exists()
             status[(name, seed)] = "ok" if ok else "failed: no final evaluation"
         except (RunFailed, ConfigError) as exc:
@@ -137,6 +137,7 @@ COLUMNS = [  # (csv column, summary key, markdown header, kind)
     ("worst_acc_best5", "worst_acc_best5", "worst client, best 5 (%)", "pct"),
     ("pooled_acc_best5", "pooled_acc_best5", "pooled acc, best 5 (%)", "pct"),
     ("final_mean_acc", "final_mean_acc", "final mean acc (%)", "pct"),
+    ("final_worst_acc", "final_worst_acc", "final worst client (%)", "pct"),
     ("global_acc_best5", "global_acc_best5", "global test, best 5 (%)", "pct"),
     ("rounds_to_target", "rounds_to_target", "rounds to target", "rounds"),
     ("wall_time_s", "wall_time_s", "wall time (s)", "seconds"),
@@ -203,7 +204,8 @@ def write_comparison(out: Path, names: list[str], seeds: list[int], title: str) 
 
 
 def plot_comparison(out: Path, names: list[str], seeds: list[int], path: Path, title: str) -> None:
-    """Mean client accuracy per evaluated round: one curve per run (mean over seeds, band = min..max)."""
+    """Mean client accuracy (solid, band = min..max over seeds) and worst client accuracy (dashed, same
+    colour) per evaluated round: one pair of curves per run, each the mean over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,17 +214,20 @@ def plot_comparison(out: Path, names: list[str], seeds: list[int], path: Path, t
 
     fig, ax = plt.subplots(figsize=(7.0, 4.2))
     for name in names:
-        curves = {}
+        mean_curves, worst_curves = {}, {}
         for seed in seeds:
             for rec in read_jsonl(run_folder(out, name, seed) / "metrics.jsonl"):
-                curves.setdefault(rec["round"], []).append(100 * rec["mean_acc"])
-        if not curves:
+                mean_curves.setdefault(rec["round"], []).append(100 * rec["mean_acc"])
+                worst_curves.setdefault(rec["round"], []).append(100 * rec["worst_acc"])
+        if not mean_curves:
             continue
-        rounds = sorted(curves)
-        mean = np.array([np.mean(curves[r]) for r in rounds])
-        ax.plot(rounds, mean, label=name)
-        ax.fill_between(rounds, [min(curves[r]) for r in rounds], [max(curves[r]) for r in rounds], alpha=0.15)
-    save_accuracy_plot(fig, ax, path, title, "mean client accuracy (%)")
+        rounds = sorted(mean_curves)
+        (line,) = ax.plot(rounds, [np.mean(mean_curves[r]) for r in rounds], label=f"{name}: mean client")
+        ax.fill_between(rounds, [min(mean_curves[r]) for r in rounds], [max(mean_curves[r]) for r in rounds],
+                        color=line.get_color(), alpha=0.15)
+        ax.plot(rounds, [np.mean(worst_curves[r]) for r in rounds], ls="--", color=line.get_color(),
+                label=f"{name}: worst client")
+    save_accuracy_plot(fig, ax, path, title, "local-test accuracy (%)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

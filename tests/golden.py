@@ -114,11 +114,12 @@ def build_server(cfg: dict, out: Path):
 
 
 def build_clients(cfg: dict) -> list:
+    """One NumPyClient per node: per client, or per cohort with engine=cohort (added after recording)."""
     from flwr.common import RecordDict
 
     from fedbr_flwr.node import build_client
 
-    n = cfg["num-clients"]
+    n = cfg["cohorts"] if cfg.get("engine") == "cohort" else cfg["num-clients"]
     return [build_client(cfg, {"partition-id": pid, "num-partitions": n}, RecordDict()) for pid in range(n)]
 
 
@@ -201,13 +202,14 @@ def environment() -> dict:
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def record(name: str, tmp: Path) -> dict:
+def record(name: str, tmp: Path, **overrides) -> dict:
+    """A case's record; ``overrides`` change settings that must not change it (engine=cohort)."""
     import torch
 
     torch.set_num_threads(1)  # what build_client sets for a client with client-cpus = 1
     if name in CASES:
-        return straight_record(CASES[name], tmp)
-    return resumed_record(RESUME_CASES[name], tmp)
+        return straight_record({**CASES[name], **overrides}, tmp)
+    return resumed_record({**RESUME_CASES[name], **overrides}, tmp)
 
 
 def main() -> int:

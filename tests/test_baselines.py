@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from fakes import in_process_federation, run_rounds
 from steps import named_like, started_components
-from clients.dann import DANNStep, build_discriminator, reverse_gradient
+from clients.dann import DANNStep, build_discriminator, dann_loss, reverse_gradient
 from clients.fedavg import SupervisedStep
 from clients.fedbr import FedBRClient, FedBRStep
 from clients.feddecorr import decorrelation_loss
@@ -267,6 +267,8 @@ def test_fedmix_extra_terms_vanish_at_lambda_zero():
 
 
 def test_fedmix_loss_by_hand_on_a_linear_model():
+    """Logits W u + c at u = (1 - lam) x: the input gradient of CE is W^T (softmax - onehot), and the
+    Taylor term takes it of the (1 - lam)-weighted loss (the reference implementations' scale)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 4)
     x = torch.randn(2, 3)
@@ -274,15 +276,20 @@ def test_fedmix_loss_by_hand_on_a_linear_model():
     x_mean, y_mean = torch.randn(2, 3), torch.softmax(torch.randn(2, 4), 1)
     lam = 0.2
     terms = fedmix_loss(model, x, y, x_mean, y_mean, lam)
-    total = 0.0
-    for i in range(2):  # per sample: the input gradient of its own loss, dotted with its mean sample
-        xi = ((1 - lam) * x[i:i + 1]).requires_grad_(True)
-        logits = model(xi)
-        li = F.cross_entropy(logits, y[i:i + 1])
-        (gx,) = torch.autograd.grad(li, xi)
-        soft = -(y_mean[i] * F.log_softmax(logits, 1)[0]).sum()
-        total += (1 - lam) * li.item() + lam * soft.item() + lam * float((gx[0] * x_mean[i]).sum())
-    assert terms["loss"].item() == pytest.approx(total / 2, rel=1e-5)
+    w, c = model.weight.detach().double(), model.bias.detach().double()
+    total = taylor = 0.0
+    for i in range(2):
+        u = (1 - lam) * x[i].double()
+        logits = w @ u + c
+        p = torch.softmax(logits, 0)
+        ce = -torch.log(p[y[i]])
+        soft = -(y_mean[i].double() * torch.log(p)).sum()
+        grad_u = (1 - lam) * (w.T @ (p - F.one_hot(y[i], 4).double()))
+        inner = float(grad_u @ x_mean[i].double())
+        taylor += inner / 2
+        total += ((1 - lam) * ce + lam * soft + lam * inner).item() / 2
+    assert terms["taylor"].item() == pytest.approx(taylor, rel=1e-5)
+    assert terms["loss"].item() == pytest.approx(total, rel=1e-5)
 
 
 def test_fedmix_mean_data_are_means_of_m_samples_with_mean_labels():
@@ -345,11 +352,17 @@ def test_alignment_loss_by_hand():
 # ---------------------------------------------------------------- FedDecorr, FedNTD
 
 
-def test_decorrelation_loss_by_hand():
+def test_decorrelation_loss_by_hand_in_the_official_form():
     a = torch.tensor([1.0, -1.0, 1.0, -1.0])
     b = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    assert decorrelation_loss(torch.stack([a, b], 1)).item() == pytest.approx(0.5, rel=1e-4)  # K = I: 2 / 4
-    assert decorrelation_loss(torch.stack([a, 3 * a], 1)).item() == pytest.approx(1.0, rel=1e-4)  # K = all ones
+    # z-scored with the unbiased variance 4/3: z = a / sqrt(4/3); z^T z has 3 on its diagonal
+    assert decorrelation_loss(torch.stack([a, b], 1)).item() == pytest.approx(0.0, abs=1e-6)  # the diagonal does not count
+    # columns a and 3a: the off-diagonal entries are 4 / (4/3) = 3; mean of their squares 9, divided by N = 4
+    assert decorrelation_loss(torch.stack([a, 3 * a], 1)).item() == pytest.approx(9 / 4, rel=1e-5)
+    # the same pattern twice (N = 8, variance 8/7): entries 8 / (8/7) = 7, so 49 / 8: the loss grows with N
+    aa = torch.cat([a, a])
+    assert decorrelation_loss(torch.stack([aa, 3 * aa], 1)).item() == pytest.approx(49 / 8, rel=1e-5)
+    assert decorrelation_loss(torch.randn(1, 4)).item() == 0.0
 
 
 def test_fedntd_ignores_the_true_class_logit():
@@ -472,6 +485,24 @@ def test_dann_discriminator_learns_the_domain_while_features_unlearn_it():
     zz2 = model.features(x)
     (g_fwd,) = torch.autograd.grad(F.cross_entropy(disc(zz2), torch.full_like(y, 2)), zz2)
     assert torch.allclose(g_rev, -g_fwd)
+
+
+def test_dann_weight_scales_only_the_reversed_gradient_reaching_the_features():
+    x, y = batch()
+
+    def grads(weight):
+        torch.manual_seed(0)
+        model = build_model("cnn", C, 1, 8)
+        disc = build_discriminator(model.feature_dim, 16, 3)
+        domain_ce = dann_loss(model, disc, x, y, 2, weight)["domain-ce"]
+        return (torch.autograd.grad(domain_ce, list(disc.parameters()), retain_graph=True),
+                torch.autograd.grad(domain_ce, list(model.features.parameters())))
+
+    disc_small, feat_small = grads(0.1)
+    disc_large, feat_large = grads(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(disc_small, disc_large))  # the discriminator: full weight
+    assert all(torch.allclose(10 * a, b, atol=1e-7) for a, b in zip(feat_small, feat_large))
+    assert any(a.abs().sum() > 0 for a in feat_small)
 
 
 # ---------------------------------------------------------------- FedBR combined (paper Table 3)
@@ -609,3 +640,36 @@ def test_two_rounds_in_process(tmp_path, name, extra):
     assert [r["clients"] for r in rounds] == [3, 3] and all(np.isfinite(r["train"]["loss"]) for r in rounds)
     evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(evals) == 2 and all(0 <= e["mean_acc"] <= 1 for e in evals)
+
+
+def central_accuracy(model: torch.nn.Module, steps: int, lr: float, batch: int = 32, seed: int = 0) -> float:
+    """``steps`` of plain SGD on all of mnist5k's training digits (no federation), then accuracy on its
+    global test set."""
+    from fedbr_flwr.dataset import INFO, load_raw, normalise
+
+    train, test = load_raw("mnist5k", "")
+    x = normalise(torch.from_numpy(train.x).float() / 255.0, INFO["mnist5k"])
+    x_test = normalise(torch.from_numpy(test.x).float() / 255.0, INFO["mnist5k"])
+    y, y_test = torch.from_numpy(train.y), torch.from_numpy(test.y)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(0, len(y), (batch,), generator=g)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        optimizer.step()
+    with torch.no_grad():
+        return (model(x_test).argmax(1) == y_test).float().mean().item()
+
+
+def test_moon_diagnostic_its_projection_head_slows_central_training_at_the_cpu_budget():
+    """Why MOON stays near chance in the CPU runs: trained centrally for the steps a client takes in the
+    CPU table's runs, the CNN with MOON's projection layers between features and classifier (MOON's
+    architecture, default initialisation) learns much less than the CNN alone. Run with -s to see both."""
+    torch.manual_seed(0)
+    backbone = build_model("cnn", 10, 1, 28)
+    torch.manual_seed(0)
+    with_head = moon_model(build_model("cnn", 10, 1, 28), MoonSettings.from_config(validate({"strategy": "moon"})))
+    alone, moon = central_accuracy(backbone, 200, 0.05), central_accuracy(with_head, 200, 0.05)
+    print(f"\ncentral, 200 SGD steps of 32 at lr 0.05: CNN {alone:.3f}, CNN + MOON's projection layers {moon:.3f}")
+    assert alone > moon + 0.1

@@ -173,3 +173,93 @@ def test_every_baseline_completes_a_flower_run(tmp_path, strategy, extra):
         assert (out / f"{strategy}_data.npz").exists()
     assert json.loads((out / "manifest.json").read_text())["config"]["strategy"] == strategy
     assert flower_processes() <= before
+
+
+DIVERGING_CLIENT = '''"""Test only: FedAvg whose client 1 diverges (every model array it returns is NaN)."""
+import numpy as np
+
+from clients.fedavg import FedAvgClient
+from fedbr_flwr.registry import register_client
+
+
+@register_client("diverging-client-1")
+class DivergingClient(FedAvgClient):
+    def fit(self, arrays, config):
+        named, n, metrics = super().fit(arrays, config)
+        if self.pid == 1:
+            named = {k: np.full_like(v, np.nan) if k.startswith("model/") else v for k, v in named.items()}
+        return named, n, metrics
+'''
+
+
+@pytest.fixture
+def diverging_client(tmp_path, monkeypatch):
+    """An algorithm with a diverging client, found by the registry in this process and in every process
+    Flower starts (a ``sitecustomize`` on their PYTHONPATH adds it to ``clients``); removed afterwards."""
+    import os
+
+    import clients
+    from fedbr_flwr import registry
+
+    plugins = tmp_path / "plugins"  # its folder must not be named clients (that would shadow our package)
+    (plugins / "more-clients").mkdir(parents=True)
+    (plugins / "more-clients" / "diverging.py").write_text(DIVERGING_CLIENT)
+    (plugins / "sitecustomize.py").write_text(f"import clients\nclients.__path__.append({str(plugins / 'more-clients')!r})\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")])))
+    registry.load_all()
+    saved = dict(registry.CLIENTS)
+    clients.__path__.append(str(plugins / "more-clients"))
+    registry._loaded = False
+    try:
+        registry.load_all()
+        yield
+    finally:
+        clients.__path__.remove(str(plugins / "more-clients"))
+        registry.CLIENTS.clear()
+        registry.CLIENTS.update(saved)
+        sys.modules.pop("clients.diverging", None)
+        registry._loaded = True
+
+
+def test_a_killed_cohort_run_resumes_rejects_a_nan_member_and_equals_the_client_engine(tmp_path, diverging_client):
+    """engine=cohort through `flwr run`: two cohorts (clients 0, 2 and client 1), client 1 answers NaN every
+    round. The run is stopped (SIGTERM) after its round-2 checkpoint and resumed; its lines must equal those
+    of the same federation with one client per node, driven in-process."""
+    from fakes import in_process_federation, records_without_timing, run_rounds
+    from test_golden import close_json
+
+    before = flower_processes()
+    out = tmp_path / "run"
+    settings = ["strategy=diverging-client-1", "num-clients=3", "num-rounds=4", "local-steps=2", "batch-size=8",
+                "eval-every=1", "checkpoint-every=2", "global-test=false"]
+    proc = subprocess.Popen([sys.executable, "-m", "fedbr_flwr.cli", *settings, "engine=cohort", "cohorts=2",
+                             "client-cpus=1", f"output-dir={out}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        printed = []
+        for line in proc.stdout:
+            printed.append(line)
+            if "round 2: checkpoint saved" in line:
+                break
+        assert "round 2: checkpoint saved" in printed[-1], "".join(printed[-30:])
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and flower_processes() <= before
+    assert cli.main(["--resume", str(out), "--quiet"]) == 0
+    assert flower_processes() <= before
+
+    rounds = records_without_timing(out / "rounds.jsonl")
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4]
+    assert all(r["clients"] == 2 and [x["partition"] for x in r["rejected"]] == [1] for r in rounds)  # 2 averaged
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["engine"] == "cohort" and [r["after_round"] for r in manifest["resumed"]] == [2]
+
+    cfg = cli.build_config(settings)
+    strategy, _, proxies = in_process_federation(cfg, tmp_path / "clients")
+    run_rounds(strategy, proxies, 4)
+    for name in ("rounds.jsonl", "metrics.jsonl"):
+        want = records_without_timing(tmp_path / "clients" / name)
+        close_json(records_without_timing(out / name), want, name, exact=False)

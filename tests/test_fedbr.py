@@ -157,7 +157,7 @@ def test_update_runs_max_then_min_step():
     ref = make_algorithm()  # same seed: same weights and pseudo-data
     x, y = local_batch()
     stats = algo.update(x, y)
-    assert set(stats) == {"con-max", "ce", "balance", "con", "loss"}
+    assert set(stats) == {"con-max", "ce", "balance", "con", "con-cos-pos", "con-cos-neg", "loss"}
     batch = ref.make_batch(x, y)
     z_l, z_p = ref.features(batch)
     ref.max_step(z_p, batch.z_g, z_l)
@@ -181,7 +181,7 @@ def test_each_switch_removes_exactly_its_term():
     assert full["loss"] == pytest.approx(full["ce"] + lam * full["balance"] + mu * full["con"], rel=1e-6)
 
     no_balance = terms_of(make_algorithm(**{"fedbr-lambda": lam, "fedbr-mu": mu, "fedbr-balance": False}), x, y)
-    assert set(no_balance) == {"ce", "con", "loss"}
+    assert set(no_balance) == {"ce", "con", "con-cos-pos", "con-cos-neg", "loss"}
     assert no_balance["ce"] == pytest.approx(full["ce"], rel=1e-5)
     assert no_balance["con"] == pytest.approx(full["con"], rel=1e-5)
     assert no_balance["loss"] == pytest.approx(full["loss"] - lam * full["balance"], rel=1e-5)
@@ -190,6 +190,37 @@ def test_each_switch_removes_exactly_its_term():
     assert set(no_con) == {"ce", "balance", "loss"}
     assert no_con["balance"] == pytest.approx(full["balance"], rel=1e-5)
     assert no_con["loss"] == pytest.approx(full["loss"] - mu * full["con"], rel=1e-5)
+
+
+def test_the_contrastive_diagnostics_are_the_pairs_mean_cosines_and_change_no_gradient():
+    x, y = local_batch()
+    algo = make_algorithm()
+    batch = algo.make_batch(x, y)
+    z_l, z_p = algo.features(batch)
+    terms = algo.objective(batch, z_l, z_p)
+    p_p, p_g, p_l = (t.detach() for t in algo.head(torch.cat([z_p, batch.z_g, z_l])).split(B))
+    cos = torch.nn.functional.cosine_similarity
+    assert terms["con-cos-pos"].item() == pytest.approx(cos(p_p, p_g, dim=1).mean().item(), rel=1e-5)
+    assert terms["con-cos-neg"].item() == pytest.approx(cos(p_p, p_l, dim=1).mean().item(), rel=1e-5)
+    per_pair = torch.nn.functional.softplus(algo.s.tau2 * cos(p_p, p_l, dim=1) - algo.s.tau1 * cos(p_p, p_g, dim=1))
+    assert terms["con"].item() == pytest.approx(per_pair.mean().item(), rel=1e-5)  # the same pairs as L_con
+    assert not terms["con-cos-pos"].requires_grad and not terms["con-cos-neg"].requires_grad
+
+
+def test_fedbr_reports_how_far_theta_moved_in_a_round():
+    cfg = fedbr_cfg(**{"local-steps": 3})
+    client = FedBRClient(cfg, client_data(0, 0.0), torch.device("cpu"))
+    x_p = torch.randn(B, 1, 8, 8)
+    step = FedBRStep(client.model, cfg, client.settings, client.modules["head"], x_p, torch.full((B, C), 1.0 / C),
+                     (client.data.x_train, client.data.y_train))
+    start = clone_params(client.modules["head"])
+    for _ in range(3):
+        step.update(*local_batch())
+    moved = torch.sqrt(sum(((p - p0) ** 2).sum() for p, p0 in zip(clone_params(client.modules["head"]), start)))
+    _, metrics = client.after_fit(step)
+    assert metrics["head-update-norm"] == pytest.approx(moved.item(), rel=1e-6) and moved > 0
+    off = FedBRClient(fedbr_cfg(**{"fedbr-contrastive": False}), client_data(0, 0.0), torch.device("cpu"))
+    assert "head-update-norm" not in off.after_fit(None)[1]
 
 
 def test_mean_output_switch_changes_only_the_balance_term():

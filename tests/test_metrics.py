@@ -87,12 +87,18 @@ def test_summary_table_percentages():
     assert "not reached" in never
 
 
-def test_plot_history_writes_png(tmp_path):
+def test_plot_history_writes_png_with_whole_rounds_on_its_axis(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    ticks = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (ticks.extend(fig.axes[0].get_xticks()), close(fig)))
     path = tmp_path / "convergence.png"
-    plot_history(history(), path, title="t")
+    plot_history([{"round": r, "mean_acc": 0.04 * r, "worst_acc": 0.02 * r} for r in range(2, 21, 2)], path, title="t")
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG")
     assert len(data) > 1000
+    assert ticks and all(float(t).is_integer() for t in ticks)
 
 
 def test_read_jsonl(tmp_path):

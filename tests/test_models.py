@@ -11,6 +11,7 @@ from fedbr_flwr.model import FEATURE_DIMS, build_model, count_parameters
 # name, num_classes, in_channels, image_size, (low, high) parameter count, feature dim
 CASES = [
     ("cnn", 10, 1, 28, (371850, 371850), 128),
+    ("cnn-small", 10, 1, 28, (14538, 14538), 32),
     ("vgg11", 10, 3, 32, (9.2e6, 9.25e6), 512),
     ("cct", 100, 3, 32, (3.7e6, 3.9e6), 256),
     ("resnet18", 10, 3, 32, (11.1e6, 11.25e6), 512),
@@ -74,3 +75,15 @@ def test_seeded_init_is_reproducible():
 def test_unknown_model_raises():
     with pytest.raises(ValueError, match="unknown model"):
         build_model("mlp", 10, 1, 28)
+
+
+def test_the_small_cnn_costs_about_a_fiftieth_of_the_papers():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def forward_flops(name):
+        counter = FlopCounterMode(display=False)
+        with counter:
+            build_model(name, 10, 1, 28)(torch.zeros(4, 1, 28, 28))
+        return counter.get_total_flops()
+
+    assert 45 < forward_flops("cnn") / forward_flops("cnn-small") < 55

@@ -145,27 +145,59 @@ def test_synthetic_data_is_cifar_shaped_balanced_and_the_same_everywhere():
     assert bench.resolved_model(cfg) == "vgg11" and cfg["data-dir"] == ""
 
 
-def test_the_suite_covers_each_shape_for_fedavg_and_fedbr_with_the_users_overrides():
+def test_the_suite_covers_each_shape_for_fedavg_fedbr_and_distrans_with_the_users_overrides():
     configs = bench.suite_configs(["num-clients=3", "local-steps=7"], list(bench.SUITE))
     got = [(shape, c["strategy"], c["dataset"], bench.resolved_model(c), c["batch-size"]) for shape, c in configs]
-    assert got == [("rotmnist-cnn", "fedavg", "mnist5k", "cnn", 64), ("rotmnist-cnn", "fedbr", "mnist5k", "cnn", 64),
-                   ("cifar-vgg11", "fedavg", "synthetic", "vgg11", 32), ("cifar-vgg11", "fedbr", "synthetic", "vgg11", 32),
-                   ("cifar-cct", "fedavg", "synthetic", "cct", 32), ("cifar-cct", "fedbr", "synthetic", "cct", 32)]
+    assert got == [(shape, strategy, dataset, model, batch)
+                   for shape, dataset, model, batch in [("rotmnist-cnn", "mnist5k", "cnn", 64),
+                                                        ("cifar-vgg11", "synthetic", "vgg11", 32),
+                                                        ("cifar-cct", "synthetic", "cct", 32)]
+                   for strategy in ("fedavg", "fedbr", "distrans")]
     assert all(c["num-clients"] == 3 and c["local-steps"] == 7 for _, c in configs)
     with pytest.raises(ConfigError, match="unknown shape"):
         bench.suite_configs([], ["cifar-vgg16"])
+    with pytest.raises(ConfigError, match="moon"):
+        bench.suite_configs([], ["rotmnist-cnn"], ["moon"])
+    assert [c["strategy"] for _, c in bench.suite_configs([], ["rotmnist-cnn"], ["fedbr"])] == ["fedbr"]
 
 
-def test_the_suite_table_prints_the_ratios_of_what_was_measured(capsys):
-    def row(strategy, bare, flower, step):
+def test_the_scale_cases_are_cohort_runs_of_many_clients_sampling_ten_each_round():
+    from fedbr_flwr.config import sampled_per_round
+
+    for _, preset in bench.SCALE:
+        cfg = bench.cohort_config(config_from_settings(dict(item.split("=") for item in preset)))
+        assert cfg["engine"] == "cohort" and cfg["cohorts"] >= 1 and cfg["num-clients"] in (100, 1000)
+        assert sampled_per_round(cfg["fraction-fit"], cfg["num-clients"]) == 10
+
+
+def test_the_suite_table_prints_the_ratios_and_rates_of_what_was_measured(capsys):
+    def row(strategy, bare, flower, cohort, step):
         return {"shape": "s", "strategy": strategy, "batch_size": 4, "bare_s_per_round": bare,
-                "flower_s_per_round": flower, "ratio": flower / bare, "client_peak_mb": 100.0, "bare_peak_mb": 300.0,
+                "flower_s_per_round": flower, "ratio": flower / bare, "cohort_s_per_round": cohort,
+                "cohort_ratio": cohort / bare, "tflops": {"bare": 2.0 / bare, "clients": 2.0 / flower,
+                                                          "cohort": 2.0 / cohort},
+                "client_peak_mb": 100.0, "cohort_peak_mb": 400.0, "bare_peak_mb": 300.0, "precision": "bf16",
                 "memory": "host RSS", "bytes_per_round": 2e6, "clients": 2, "local_steps": 3,
                 "step_s": {"fedavg": 0.1, "fedbr": step, "distrans": 0.2}}
-    bench.print_suite_table([row("fedavg", 1.0, 1.5, 0.15), row("fedbr", 3.0, 3.3, 0.15)], "CPU x2")
+    bench.print_suite_table([row("fedavg", 1.0, 1.5, 1.25, 0.15), row("fedbr", 3.0, 3.3, 3.0, 0.15)], "NVIDIA H100 80GB")
     out = capsys.readouterr().out
-    assert "| s | fedavg | 4 | 1.000 | 1.500 | 1.50 | 100 (300) | 2.0 |" in out
-    assert "| s | 0.1000 | 0.1500 | 1.50 | 3.00 |" in out  # FedBR / FedAvg: step 1.5x, bare round 3x
+    assert "| s | fedavg | 4 | 1.000 | 1.500 (1.50) | 1.250 (1.25) | 2 / 1.33 / 1.6 | 100, 400 (300) | 2.0 |" in out
+    assert "| s | 0.1000 | 0.1500 | 0.2000 | 1.50 | 3.00 |" in out  # FedBR / FedAvg: step 1.5x, bare round 3x
+    assert "device peak: 989 TFLOP/s (bf16, dense)" in out
+
+
+def test_a_fits_counted_flops_grow_with_its_steps_and_batch_and_match_the_cnns_hand_count():
+    def flops(**settings):
+        return bench.fit_flops(config_from_settings({"num-clients": 2, "device": "cpu", **settings}))
+
+    one = flops(**{"local-steps": 1, "batch-size": 8})
+    assert flops(**{"local-steps": 2, "batch-size": 8}) == 2 * one and flops(**{"local-steps": 1, "batch-size": 16}) == 2 * one
+    # the CNN: 3x3 convs 1->64 (28x28), 64->128 (stride 2: 14x14), 128->128 twice (14x14), fc 128->10; a step
+    # is the forward (2 FLOPs a multiply-add) and a backward of twice that, less the first layer's input gradient
+    macs = [28 * 28 * 64 * 9, 14 * 14 * 128 * 64 * 9, 14 * 14 * 128 * 128 * 9, 14 * 14 * 128 * 128 * 9, 128 * 10]
+    forward = 2 * sum(macs)
+    assert one / 8 == pytest.approx(3 * forward - 2 * macs[0], rel=0.01)
+    assert flops(strategy="fedbr", **{"local-steps": 1, "batch-size": 8}) > 1.5 * one  # pseudo-data and two steps
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -196,11 +228,15 @@ def test_local_steps_on_cuda_wait_for_the_device_only_once_per_round(strategy):
 @pytest.mark.e2e
 def test_the_suite_runs_flower_and_the_bare_loop_and_prints_the_table(tmp_path, capsys):
     json_path = tmp_path / "suite.json"
-    assert bench.main(["--suite", "--shapes", "rotmnist-cnn", "num-clients=2", "local-steps=1", "--rounds", "1",
-                       "--steps", "1", "--json", str(json_path)]) == 0
+    assert bench.main(["--suite", "--shapes", "rotmnist-cnn", "--strategies", "fedavg,fedbr", "num-clients=2",
+                       "local-steps=1", "--rounds", "1", "--steps", "1", "--json", str(json_path)]) == 0
     out = capsys.readouterr().out
     assert "| rotmnist-cnn | fedavg | 64 |" in out and "| rotmnist-cnn | fedbr | 64 |" in out
     rows = json.loads(json_path.read_text())["rows"]
     fedavg, fedbr = rows
     assert fedbr["bytes_per_round"] > fedavg["bytes_per_round"] > 0  # FedBR also sends its projection head
-    assert all(r["client_peak_mb"] > 0 and r["flower_s_per_round"] > 0 and r["bare_s_per_round"] > 0 for r in rows)
+    assert all(r["client_peak_mb"] > 0 and r["flower_s_per_round"] > 0 and r["bare_s_per_round"] > 0
+               and r["cohort_s_per_round"] > 0 and r["cohort_peak_mb"] > 0 for r in rows)
+    assert fedbr["flops_per_round"] > 2 * fedavg["flops_per_round"] > 0  # FedBR: twice the images, two steps
+    assert "| rotmnist-cnn | fedavg | 64 |" in out and "step_s" in fedavg
+    assert fedavg["tflops"]["bare"] == pytest.approx(fedavg["flops_per_round"] / fedavg["bare_s_per_round"] / 1e12)

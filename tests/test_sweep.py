@@ -69,6 +69,23 @@ def fake_run(folder, cfg, accs, target=0.5, last_round=None):
         "last_round": last_round or history[-1]["round"]}))
 
 
+def test_the_comparison_plot_holds_mean_and_worst_client_curves_of_each_run(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    out = tmp_path / "out"
+    fake_run(out / "FedAvg" / "seed0", {}, [0.2, 0.6])
+    fake_run(out / "FedBR" / "seed0", {}, [0.3, 0.7])
+    drawn = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (drawn.extend(fig.axes[0].get_lines()), close(fig)))
+    sweep.plot_comparison(out, ["FedAvg", "FedBR"], [0], out / "c.png", "t")
+    curves = {line.get_label(): (list(line.get_ydata()), line.get_linestyle()) for line in drawn}
+    want = {"FedAvg: mean client": ([20.0, 60.0], "-"), "FedAvg: worst client": ([10.0, 30.0], "--"),
+            "FedBR: mean client": ([30.0, 70.0], "-"), "FedBR: worst client": ([15.0, 35.0], "--")}
+    assert sorted(curves) == sorted(want)
+    assert all(curves[k][0] == pytest.approx(v[0]) and curves[k][1] == v[1] for k, v in want.items())
+
+
 def test_finished_runs_are_kept_and_a_different_one_is_refused(tmp_path):
     (name, seed, cfg), *_ = sweep.plan(write(tmp_path), [], tmp_path / "out", None)
     folder = tmp_path / "out" / "FedAvg" / "seed0"
@@ -118,3 +135,13 @@ def test_table_only_titles_the_comparison_with_the_command_line_overrides(tmp_pa
         fake_run(out / name / "seed0", {}, [0.3, 0.5])
     assert sweep.main([path, "lr=0.1", "--seeds", "0", "--out", str(out), "--table-only"]) == 0
     assert (out / "comparison.md").read_text().startswith("### s lr=0.1\n")
+
+
+@pytest.mark.parametrize("path", ["experiments/table2_cifar10.yaml", "experiments/table3_cifar10.yaml"])
+def test_fedbr_on_cifar10_uses_the_papers_lambda(path, tmp_path):
+    """FedBR paper, Appendix A: lambda = 0.1 on CIFAR10 (1.0 on MNIST and CIFAR100)."""
+    from pathlib import Path
+
+    jobs = sweep.plan(str(Path(__file__).resolve().parents[1] / path), [], tmp_path, None, seeds=[0])
+    fedbr = [cfg for _, _, cfg in jobs if cfg["strategy"] == "fedbr"]
+    assert fedbr and all(cfg["dataset"] == "cifar10" and cfg["fedbr-lambda"] == 0.1 for cfg in fedbr)

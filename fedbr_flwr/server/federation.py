@@ -14,7 +14,7 @@ from flwr.common import GetParametersIns, GetPropertiesIns
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 
-from .. import payload, seeds
+from .. import cohort, payload, seeds
 from ..config import sampled_per_round
 from ..errors import ConfigError
 from ..partition import heterogeneity_from_counts
@@ -26,8 +26,9 @@ DISCOVERY_TIMEOUT_S = 600
 class Federation:
     def __init__(self, cfg: dict[str, Any]):
         self.cfg = cfg
-        self.clients_by_pid: dict[int, ClientProxy] = {}
-        self.pid_by_cid: dict[str, int] = {}
+        self.clients_by_pid: dict[int, ClientProxy] = {}  # the node that hosts each client
+        self.pid_by_cid: dict[str, int] = {}  # a node of one client: that client
+        self.members_by_cid: dict[str, list[int]] = {}  # a cohort's node (engine=cohort): its clients
         self.class_counts: dict[int, np.ndarray] = {}  # each client's training samples per class
         self.partition_hash = ""
 
@@ -68,18 +69,37 @@ class Federation:
         self.partition_hash = hashes.pop()
 
     def _add(self, proxy: ClientProxy, props: dict, expected: int) -> str:
-        pid = int(props["partition-id"])
         if expected and int(props.get("num-partitions", expected)) != expected:
             raise ConfigError(f"num-clients = {expected} but SuperNode {proxy.cid} was started with "
                               f"num-partitions = {props['num-partitions']}: start the federation with "
                               f"num-supernodes={expected} (fedbr-run does this)")
+        if cohort.MEMBERS in props:  # a cohort's node: each member reports as a client of its own would
+            self.members_by_cid[proxy.cid] = cohort.members_of(props)
+            _, own = cohort.by_member(props)
+            for pid in self.members_by_cid[proxy.cid]:
+                self._add_client(proxy, pid, own[pid].get("class-counts"))
+        else:
+            self.pid_by_cid[proxy.cid] = int(props["partition-id"])
+            self._add_client(proxy, int(props["partition-id"]), props.get("class-counts"))
+        return props["partition-hash"]
+
+    def _add_client(self, proxy: ClientProxy, pid: int, class_counts: str | None) -> None:
         if pid in self.clients_by_pid:
             raise ConfigError(f"two SuperNodes claim partition-id {pid}: give each a distinct one")
         self.clients_by_pid[pid] = proxy
-        self.pid_by_cid[proxy.cid] = pid
-        if "class-counts" in props:
-            self.class_counts[pid] = np.array(str(props["class-counts"]).split(","), dtype=np.int64)
-        return props["partition-hash"]
+        if class_counts is not None:
+            self.class_counts[pid] = np.array(str(class_counts).split(","), dtype=np.int64)
+
+    def is_cohort(self, proxy: ClientProxy | None) -> bool:
+        return proxy is not None and proxy.cid in self.members_by_cid
+
+    def group(self, pids: list[int]) -> list[tuple[ClientProxy, list[int]]]:
+        """The nodes that host ``pids``, each with the ones it hosts (in partition order)."""
+        groups: dict[str, tuple[ClientProxy, list[int]]] = {}
+        for pid in sorted(pids):
+            proxy = self.clients_by_pid[pid]
+            groups.setdefault(proxy.cid, (proxy, []))[1].append(pid)
+        return list(groups.values())
 
     def pid_of(self, proxy: ClientProxy | None, metrics: dict) -> int:
         """The partition a result comes from: the node's, as learnt at discovery (a broken client's
@@ -117,22 +137,26 @@ class Federation:
         is logged and left out instead of raising."""
         timeout = self.cfg["round-timeout"] or None
 
-        def ask(pid: int) -> tuple[int, payload.Named | None]:
+        def ask(node: tuple[ClientProxy, list[int]]) -> dict[int, payload.Named]:
+            proxy, pids = node
+            configs = {pid: {**args[pid], "request": name} for pid in pids}
             try:
-                config = {**args[pid], "request": name}
-                res = self.clients_by_pid[pid].get_parameters(GetParametersIns(config), timeout, group)
+                config = cohort.join_configs(configs) if self.is_cohort(proxy) else configs[pids[0]]
+                res = proxy.get_parameters(GetParametersIns(config), timeout, group)
                 if res.status.code.value != 0:
                     raise RuntimeError(res.status.message)
-                return pid, payload.from_parameters(res.parameters)
+                arrays = payload.from_parameters(res.parameters)
+                return cohort.by_member(arrays)[1] if self.is_cohort(proxy) else {pids[0]: arrays}
             except Exception as exc:  # the node's ClientApp raised, or sent no named arrays: its message says why
-                error = RuntimeError(f"client {pid} could not send {what}: {exc}")
+                error = RuntimeError(f"client {cohort.join_members(pids)} could not send {what}: {exc}")
                 if required:
                     raise error from None
                 log.warning("[fedbr] %s", error)
-                return pid, None
+                return {}
 
-        with ThreadPoolExecutor(max_workers=min(32, max(1, len(args)))) as pool:
-            return {pid: arrays for pid, arrays in pool.map(ask, list(args)) if arrays is not None}
+        nodes = self.group(list(args))
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(nodes)))) as pool:
+            return {pid: arrays for answered in pool.map(ask, nodes) for pid, arrays in answered.items()}
 
 
 def _ask_partitions(proxies: list[ClientProxy]) -> list[tuple[ClientProxy, dict]]:
@@ -141,7 +165,7 @@ def _ask_partitions(proxies: list[ClientProxy]) -> list[tuple[ClientProxy, dict]
             res = proxy.get_properties(GetPropertiesIns({}), None, None)
         except Exception as exc:  # the node's ClientApp raised: its message says why
             raise ConfigError(f"SuperNode {proxy.cid} could not report its partition: {exc}") from None
-        if res.status.code.value != 0 or "partition-id" not in res.properties:
+        if res.status.code.value != 0 or not {"partition-id", cohort.MEMBERS} & set(res.properties):
             raise ConfigError(f"SuperNode {proxy.cid} could not report its partition: {res.status.message}")
         return proxy, res.properties
 

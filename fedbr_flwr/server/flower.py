@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from ..training import evaluate, load_module_arrays
 from .checkpointing import Checkpointer
 from .federation import Federation
+from . import routing
 from .recording import eval_record, round_record
 from .updates import ClientUpdate, update_problem
 
@@ -53,21 +54,21 @@ class FlowerStrategy(Strategy):
         self.sampled = self.federation.sample(server_round)
         common = payload.Serialised.from_parameters(parameters) + \
             payload.Serialised.of(self.round_arrays(server_round, sent))
-        instructions = [(self.federation.clients_by_pid[pid],
-                         FitIns((common + payload.Serialised.of(self.client_arrays(pid))).to_parameters(),
-                                self.fit_config(server_round, pid)))
-                        for pid in self.sampled]
+        parts = {pid: (payload.Serialised.of(self.client_arrays(pid)), self.fit_config(server_round, pid))
+                 for pid in self.sampled}
+        instructions = [(proxy, FitIns(params, config))
+                        for proxy, params, config in routing.messages(self.federation, common, parts)]
         self._round["bytes_down"] = sum(payload_bytes(ins.parameters, ins.config) for _, ins in instructions)
         return instructions
 
     def aggregate_fit(self, server_round: int, results: list, failures: list):
-        results = sorted(results, key=lambda r: int(r[1].metrics.get("partition-id", -1)))  # a fixed sum order
-        errors = [self._describe_failure(f) for f in failures]
+        answers = routing.fit_answers(self.federation, results)
+        errors = [routing.describe_failure(self.federation, f) for f in failures]
         for error in errors:
             self.recorder.progress.emit("warning", f"round {server_round}: a client failed: {error}")
-        self.after_answers({self.federation.pid_of(p, r.metrics): r.metrics for p, r in results})
-        accepted, rejected = self._screen(server_round, results)
-        missing = sorted(set(self.sampled) - {self.federation.pid_of(p, r.metrics) for p, r in results})
+        self.after_answers({a.pid: a.metrics for a in answers})
+        accepted, rejected = self._screen(server_round, answers)
+        missing = sorted(set(self.sampled) - {a.pid for a in answers})
         self.server_metrics = {}
         skipped = len(accepted) < self.cfg["min-fit-clients"]
         if skipped:
@@ -89,16 +90,14 @@ class FlowerStrategy(Strategy):
         if not self.is_eval_round(server_round):
             self.end_round(server_round)  # Flower calls no aggregate_evaluate this round
             return []
-        sent = payload.Serialised.from_parameters(parameters)
-        return [(self.federation.clients_by_pid[pid],
-                 EvaluateIns((sent + payload.Serialised.of(self.client_arrays(pid))).to_parameters(),
-                             {"server-round": server_round, **self.checkpointer.config_for(pid)}))
-                for pid in sorted(self.federation.clients_by_pid)]
+        parts = {pid: (payload.Serialised.of(self.client_arrays(pid)),
+                       {"server-round": server_round, **self.checkpointer.config_for(pid)})
+                 for pid in self.federation.clients_by_pid}
+        return [(proxy, EvaluateIns(params, config)) for proxy, params, config
+                in routing.messages(self.federation, payload.Serialised.from_parameters(parameters), parts)]
 
     def aggregate_evaluate(self, server_round: int, results: list, failures: list):
-        results = sorted(results, key=lambda r: int(r[1].metrics.get("partition-id", -1)))
-        answers = [(self.federation.pid_of(p, r.metrics), r.loss, r.num_examples, float(r.metrics["accuracy"]))
-                   for p, r in results]
+        answers = routing.evaluate_answers(self.federation, results)
         for pid, *_ in answers:
             self.checkpointer.answered(pid)
         if not answers:
@@ -131,30 +130,19 @@ class FlowerStrategy(Strategy):
         if self.latest is not None and self.checkpointer.due(server_round):
             self.checkpointer.save(server_round, self.latest, self.checkpoint_state())
 
-    def _screen(self, server_round: int, results: list) -> tuple[list[ClientUpdate], list[dict]]:
+    def _screen(self, server_round: int, answers: list[routing.Answer]) -> tuple[list[ClientUpdate], list[dict]]:
         """Updates that may be averaged in, and the rejected ones with their reason."""
         accepted, rejected = [], []
-        for proxy, res in results:
-            pid = self.federation.pid_of(proxy, res.metrics)
-            try:
-                arrays = payload.from_parameters(res.parameters)
-                problem = update_problem(arrays, self.update_spec, res.metrics)
-            except payload.PayloadError as exc:
-                arrays, problem = {}, f"not a named payload: {exc}"
+        for a in answers:
+            problem = a.problem or update_problem(a.arrays, self.update_spec, a.metrics)
             if problem is None:
-                accepted.append(ClientUpdate(pid, arrays, res.num_examples, dict(res.metrics)))
-                self.checkpointer.answered(pid)
+                accepted.append(ClientUpdate(a.pid, a.arrays, a.num_examples, a.metrics))
+                self.checkpointer.answered(a.pid)
             else:
-                rejected.append({"partition": pid, "reason": problem})
-                self.recorder.progress.emit("warning", f"round {server_round}: update of client {pid} rejected: "
+                rejected.append({"partition": a.pid, "reason": problem})
+                self.recorder.progress.emit("warning", f"round {server_round}: update of client {a.pid} rejected: "
                                                        f"{problem}", round=server_round)
         return accepted, rejected
-
-    def _describe_failure(self, failure: Any) -> str:
-        if isinstance(failure, BaseException):
-            return f"{type(failure).__name__}: {failure}"[:500]
-        proxy, res = failure
-        return f"client {self.federation.pid_by_cid.get(proxy.cid, proxy.cid)}: {res.status.message}"[:500]
 
     def _discover(self, client_manager: ClientManager) -> None:
         self.federation.discover(client_manager)
