@@ -43,10 +43,10 @@ def by_member(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, dict
     return shared, own
 
 
-def member_view(values: Mapping[str, Any], pid: int) -> dict[str, Any]:
-    """One member's whole arrays or config: the shared part, then its own."""
+def member_views(values: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+    """Each listed member's whole arrays or config (the shared part, then its own), split in one pass."""
     shared, own = by_member(values)
-    return {**shared, **own.get(pid, {})}
+    return {pid: {**shared, **own.get(pid, {})} for pid in members_of(values)}
 
 
 def join_configs(configs: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:

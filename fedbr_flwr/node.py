@@ -100,22 +100,24 @@ class CohortClient(NumPyClient):
     def get_parameters(self, config: dict) -> list[np.ndarray]:
         if "request" not in config:
             return payload.to_list(self.algorithm.weights())
-        answers = {pid: self.member(pid).answer(cohort.member_view(config, pid)) for pid in cohort.members_of(config)}
+        answers = {pid: self.member(pid).answer(view) for pid, view in cohort.member_views(config).items()}
         return payload.to_list(cohort.join_arrays(answers))
 
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
-        arrays, returned, metrics, total = payload.from_list(parameters), {}, {cohort.MEMBERS: config[cohort.MEMBERS]}, 0
-        for pid in cohort.members_of(config):
-            named, n, own = self.member(pid).fit(cohort.member_view(arrays, pid), cohort.member_view(config, pid))
+        arrays = cohort.member_views({**payload.from_list(parameters), cohort.MEMBERS: config[cohort.MEMBERS]})
+        returned, metrics, total = {}, {cohort.MEMBERS: config[cohort.MEMBERS]}, 0
+        for pid, own_config in cohort.member_views(config).items():
+            named, n, own = self.member(pid).fit(arrays[pid], own_config)
             returned.update(cohort.join_arrays({pid: named}))
             metrics.update({cohort.member_key(pid, k): v for k, v in {**own, "num-examples": n}.items()})
             total += n
         return payload.to_list(returned), total, metrics
 
     def evaluate(self, parameters: list[np.ndarray], config: dict) -> tuple[float, int, dict]:
-        arrays, metrics, results = payload.from_list(parameters), {cohort.MEMBERS: config[cohort.MEMBERS]}, []
-        for pid in cohort.members_of(config):
-            loss, n, own = self.member(pid).evaluate(cohort.member_view(arrays, pid), cohort.member_view(config, pid))
+        arrays = cohort.member_views({**payload.from_list(parameters), cohort.MEMBERS: config[cohort.MEMBERS]})
+        metrics, results = {cohort.MEMBERS: config[cohort.MEMBERS]}, []
+        for pid, own_config in cohort.member_views(config).items():
+            loss, n, own = self.member(pid).evaluate(arrays[pid], own_config)
             metrics.update({cohort.member_key(pid, k): v for k, v in {**own, "loss": loss, "num-examples": n}.items()})
             results.append((loss, n))
         total = sum(n for _, n in results)
