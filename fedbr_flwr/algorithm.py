@@ -223,13 +223,13 @@ class ClientAlgorithm:
         self.modules = {k: m.to(self.device) for k, m in self.build_modules(cfg, cfg["compile"]).items()}
         self.model = self.modules["model"]
         self.components = [component_class(name)(cfg) for name in components_of(cfg)]
-        self.received: Named = {}  # what the server sent beside the modules' arrays this message
-        self.shared_versions: dict[str, int] = {}  # broadcast data used this round (reported back)
 
     def bind(self, data: ClientData, state: NodeState) -> None:
         """Serve the client of ``data`` with its node state (a cohort's node serves its members in turn:
         everything of a client between messages lives in its data and its node state, not in the model)."""
         self.data, self.pid, self.state = data, data.partition_id, state
+        self.received: Named = {}  # what the server sent beside the modules' arrays this message
+        self.shared_versions: dict[str, int] = {}  # broadcast data this client used this round (reported back)
 
     # ------------------------------------------------------------ hooks for algorithms
     def make_step(self, server_round: int, config: dict) -> LocalStep:

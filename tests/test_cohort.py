@@ -158,3 +158,14 @@ def test_a_cohort_node_outside_the_configured_cohorts_stops_with_a_clear_message
     cfg = validate({"num-clients": 4, "engine": "cohort", "cohorts": 2, "device": "cpu"})
     with pytest.raises(ConfigError, match=message):
         build_client(cfg, node, RecordDict())
+
+
+def test_binding_a_member_forgets_what_the_previous_member_received():
+    """A member reports only the broadcast versions it used itself (the server sends the data to the
+    clients that have not confirmed holding it)."""
+    cfg = validate({"strategy": "fedbr", "num-clients": 4, "engine": "cohort", "cohorts": 2, "device": "cpu"})
+    node = build_client(cfg, {"partition-id": 0, "num-partitions": 2}, RecordDict())
+    first = node.member(0)
+    first.shared_versions["pseudo"], first.received["extra"] = 3, np.zeros(1)
+    second = node.member(2)
+    assert second.pid == 2 and second.shared_versions == {} and second.received == {}
