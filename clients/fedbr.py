@@ -123,7 +123,12 @@ def fedbr_contrastive_loss(p_local_pseudo: torch.Tensor, p_global_pseudo: torch.
     mean_i -log(e^{s1_i} / (e^{s1_i} + e^{s2_i})) with s1 = tau1 * cos(local pseudo, global pseudo) and
     s2 = tau2 * cos(local pseudo, local real). Written as softplus(s2 - s1), which is the same value
     without overflow."""
-    positive, negative = pair_cosines(p_local_pseudo, p_global_pseudo, p_local_real)
+    return contrastive_from_cosines(*pair_cosines(p_local_pseudo, p_global_pseudo, p_local_real), tau1_scale,
+                                    tau2_scale)
+
+
+def contrastive_from_cosines(positive: torch.Tensor, negative: torch.Tensor, tau1_scale: float,
+                             tau2_scale: float) -> torch.Tensor:
     return F.softplus(tau2_scale * negative - tau1_scale * positive).mean()
 
 
@@ -222,12 +227,11 @@ class FedBRStep(LocalStep):
             terms["balance"] = self.balance_loss(logits[len(z_l):], batch.y_p)
             total = total + self.s.lam * terms["balance"]
         if self.s.contrastive:
-            p_p, p_g, p_l = self.projections(z_p, batch.z_g, z_l)
-            terms["con"] = fedbr_contrastive_loss(p_p, p_g, p_l, self.s.tau1, self.s.tau2)
+            positive, negative = pair_cosines(*self.projections(z_p, batch.z_g, z_l))
+            terms["con"] = contrastive_from_cosines(positive, negative, self.s.tau1, self.s.tau2)
             total = total + self.s.mu * terms["con"]
-            with torch.no_grad():  # is component 2 doing anything? (reported, not trained on)
-                positive, negative = pair_cosines(p_p, p_g, p_l)
-                terms["con-cos-pos"], terms["con-cos-neg"] = positive.mean(), negative.mean()
+            # is component 2 doing anything? (reported, not trained on)
+            terms["con-cos-pos"], terms["con-cos-neg"] = positive.detach().mean(), negative.detach().mean()
         terms["loss"] = self.add_terms(total, terms, StepView(batch.local, z_l, logits_l, self.params))
         return terms
 
