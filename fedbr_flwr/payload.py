@@ -75,11 +75,17 @@ class Serialised:
         """The same arrays, each name after ``prefix`` (a cohort member's: 'member/<pid>/')."""
         return Serialised([prefix + n for n in self.names], list(self.tensors))
 
-    def __add__(self, other: "Serialised") -> "Serialised":
-        repeated = sorted(set(self.names) & set(other.names))
-        if repeated:
+    @classmethod
+    def joined(cls, parts: list["Serialised"]) -> "Serialised":
+        """One message of several parts, in one pass (a cohort's message joins hundreds)."""
+        names = [n for part in parts for n in part.names]
+        if len(set(names)) != len(names):
+            repeated = sorted({n for n in names if names.count(n) > 1})
             raise PayloadError(f"arrays named twice in one message: {', '.join(repeated)}")
-        return Serialised(self.names + other.names, self.tensors + other.tensors)
+        return cls(names, [t for part in parts for t in part.tensors])
+
+    def __add__(self, other: "Serialised") -> "Serialised":
+        return Serialised.joined([self, other])
 
     def to_parameters(self):
         from flwr.common import Parameters, ndarray_to_bytes

@@ -30,10 +30,9 @@ def messages(federation: Federation, common: payload.Serialised,
     out = []
     for proxy, pids in federation.group(sorted(parts)):
         if federation.is_cohort(proxy):
-            own = payload.Serialised()
-            for pid in pids:
-                own = own + parts[pid][0].prefixed(cohort.member_key(pid, ""))
-            out.append((proxy, (common + own).to_parameters(), cohort.join_configs({p: parts[p][1] for p in pids})))
+            own = [parts[pid][0].prefixed(cohort.member_key(pid, "")) for pid in pids]
+            out.append((proxy, payload.Serialised.joined([common, *own]).to_parameters(),
+                        cohort.join_configs({p: parts[p][1] for p in pids})))
         else:
             (pid,) = pids
             out.append((proxy, (common + parts[pid][0]).to_parameters(), parts[pid][1]))
