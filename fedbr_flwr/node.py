@@ -39,7 +39,8 @@ class RecordState(NodeState):
                                                                   for k, v in arrays.items()))
 
     def meta(self, key):
-        return dict(self.records[self.prefix + key]) if self.prefix + key in self.records else None
+        key = self.prefix + key
+        return dict(self.records[key]) if key in self.records else None
 
     def put_meta(self, key, values):
         self.records[self.prefix + key] = ConfigRecord(dict(values))
@@ -103,21 +104,25 @@ class CohortClient(NumPyClient):
         answers = {pid: self.member(pid).answer(view) for pid, view in cohort.member_views(config).items()}
         return payload.to_list(cohort.join_arrays(answers))
 
-    def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
+    @staticmethod
+    def split(parameters: list[np.ndarray], config: dict) -> list[tuple[int, dict, dict]]:
+        """(pid, its arrays, its config) of each member a message is about."""
         arrays = cohort.member_views({**payload.from_list(parameters), cohort.MEMBERS: config[cohort.MEMBERS]})
+        return [(pid, arrays[pid], own_config) for pid, own_config in cohort.member_views(config).items()]
+
+    def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
         returned, metrics, total = {}, {cohort.MEMBERS: config[cohort.MEMBERS]}, 0
-        for pid, own_config in cohort.member_views(config).items():
-            named, n, own = self.member(pid).fit(arrays[pid], own_config)
+        for pid, arrays, own_config in self.split(parameters, config):
+            named, n, own = self.member(pid).fit(arrays, own_config)
             returned.update(cohort.join_arrays({pid: named}))
             metrics.update({cohort.member_key(pid, k): v for k, v in {**own, "num-examples": n}.items()})
             total += n
         return payload.to_list(returned), total, metrics
 
     def evaluate(self, parameters: list[np.ndarray], config: dict) -> tuple[float, int, dict]:
-        arrays = cohort.member_views({**payload.from_list(parameters), cohort.MEMBERS: config[cohort.MEMBERS]})
         metrics, results = {cohort.MEMBERS: config[cohort.MEMBERS]}, []
-        for pid, own_config in cohort.member_views(config).items():
-            loss, n, own = self.member(pid).evaluate(arrays[pid], own_config)
+        for pid, arrays, own_config in self.split(parameters, config):
+            loss, n, own = self.member(pid).evaluate(arrays, own_config)
             metrics.update({cohort.member_key(pid, k): v for k, v in {**own, "loss": loss, "num-examples": n}.items()})
             results.append((loss, n))
         total = sum(n for _, n in results)
