@@ -31,7 +31,7 @@ from fedbr_flwr.model import SplitModel
 from fedbr_flwr.registry import register_client
 from fedbr_flwr.settings import NON_NEGATIVE, POSITIVE, Settings, setting
 from fedbr_flwr.training import frozen_copy, round_sgd
-from pseudodata import proxy_dataset, pseudo_size
+from pseudodata import pseudo_size
 from pseudodata.mixture import mix
 from pseudodata.rsm import sample_means
 
@@ -70,7 +70,7 @@ class FedBRSettings(Settings):
     mixture_k: int = setting("mixture-k", 1, "local samples mixed into each pseudo-sample per step (mixture)",
                              check=NON_NEGATIVE)
     proxy_dataset: str = setting("proxy-dataset", "auto", "public dataset for mixture pseudo-data, read from "
-                                 "data-dir; auto: cifar100 for cifar10, cifar10 for cifar100, mnist5k for MNIST",
+                                 "the data folder; auto: cifar100 for cifar10, cifar10 for cifar100, mnist5k for MNIST",
                                  choices=("auto", "mnist5k", "mnist", "cifar10", "cifar100", "synthetic"))
     pseudo_refresh: str = setting("pseudo-refresh", "once", "send the pseudo-data once (at round 1) or rebuild it "
                                   "every round", choices=("once", "every-round"))
@@ -86,10 +86,6 @@ class FedBRSettings(Settings):
             raise ConfigError(f"pseudo-size = {cfg['pseudo-size']} but batch-size = {cfg['batch-size']}: component 2 "
                               "pairs pseudo-samples with local samples one to one, so they must be equal "
                               "(pseudo-size = 0 follows batch-size)")
-        if cfg["pseudo-data"] == "mixture" and proxy_dataset(cfg) in ("mnist", "cifar10", "cifar100") \
-                and not cfg["data-dir"]:
-            raise ConfigError(f"pseudo-data = mixture reads the proxy dataset '{proxy_dataset(cfg)}' from data-dir, "
-                              "which is empty: set data-dir or proxy-dataset=mnist5k")
 
 
 # ---------------------------------------------------------------- model pieces and losses

@@ -403,9 +403,8 @@ def main(argv=None) -> int:
                           threads, args.json)
     if args.scale:
         return scale_main(args.items, args.rounds, threads, args.json)
-    items = (["data-dir=unused-synthetic-inputs"] if args.step else []) + args.items  # --step reads no files
-    try:
-        cfg = size_resources(build_config(items), torch.cuda.is_available(), threads)
+    try:  # --step reads no files (synthetic inputs of the dataset's shapes)
+        cfg = size_resources(build_config(args.items), torch.cuda.is_available(), threads)
     except ConfigError as exc:
         print(f"fedbr-bench: error: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,8 @@ pickle.
 from __future__ import annotations
 
 import json
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -19,6 +21,9 @@ from . import codec
 from .errors import ConfigError
 
 CHECKPOINT_NAME = "checkpoint.npz"
+ZIP_MAGIC = b"PK\x03\x04"  # how every .npz file starts
+# what reading a cut-short or overwritten file raises (JSON and Unicode errors are ValueErrors)
+DAMAGED = (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error)
 HEADER_KEY = "__header__"
 FORMAT_VERSION = 2  # 2: arrays by name ("global/model/<key>"); 1 (before): by position
 
@@ -37,15 +42,35 @@ def load_checkpoint(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, Any
         raise ConfigError(f"no checkpoint to resume from: {path} does not exist (checkpoints are written every "
                           "checkpoint-every rounds; a run stopped before its first one must start again)")
     try:
-        arrays = codec.read(path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"checkpoint {path} is unreadable: {exc}") from None
-    if HEADER_KEY not in arrays:
-        raise ConfigError(f"{path} is not a checkpoint of this project (no header)")
-    header = json.loads(arrays.pop(HEADER_KEY).tobytes().decode())
+        arrays, header = _read(path)
+    except PermissionError as exc:
+        raise ConfigError(f"checkpoint {path} cannot be read: {exc.strerror}") from None
+    except ConfigError:
+        raise
+    except DAMAGED as exc:
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"checkpoint {path} is damaged or truncated ({detail}), so the run cannot be resumed "
+                          f"from it; start the run again with --overwrite (its config is in "
+                          f"{Path(out_dir) / 'manifest.json'}), or put back an intact copy of {CHECKPOINT_NAME} "
+                          "if you kept one") from None
     if header.get("format") != FORMAT_VERSION:
         raise ConfigError(f"checkpoint {path} has format {header.get('format')}, this code reads {FORMAT_VERSION}")
     return arrays, header
+
+
+def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The checkpoint's arrays and header; one of DAMAGED when the file is not whole. Bytes that are no
+    zip are refused before NumPy reads them (it would guess they were pickled)."""
+    with open(path, "rb") as f:
+        head = f.read(len(ZIP_MAGIC))
+    if not head:
+        raise EOFError("the file is empty")
+    if head != ZIP_MAGIC:
+        raise ValueError("it is not an .npz (zip) file")
+    arrays = codec.read(path)
+    if HEADER_KEY not in arrays:
+        raise ConfigError(f"{path} is not a checkpoint of this project (no header)")
+    return arrays, json.loads(arrays.pop(HEADER_KEY).tobytes().decode())
 
 
 def _json_bytes(obj: Any) -> np.ndarray:

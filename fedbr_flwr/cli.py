@@ -7,7 +7,8 @@
     fedbr-run --resume runs/fedbr-mnist5k-... num-rounds=200   # or train it further
 
 Later files and ``key=value`` overrides win over earlier ones. Exit codes: 0 completed, 1 the run
-failed, 2 bad configuration or input.
+failed (also when it ran to its end but no round trained: every update failed or was rejected), 2 bad
+configuration or input (also a damaged checkpoint or an output-dir that cannot be written).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any, Sequence
 from .config import (ConfigError, check_sampling, defaults, load_yaml, parse_override, pyproject_table, schema,
                      validate)
 from .launcher import PROJECT_DIR, RunFailed, run_flower
-from .run_io import git_commit
+from .run_io import check_output_dir, git_commit
+from .runlock import check_free
 
 PYPROJECT_MARK = "# Generated from the schema by `fedbr-run --write-pyproject` (a test keeps it equal):\n"
 DEFAULT_SIMULATED_CLIENTS = 10
@@ -66,7 +68,9 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
     from .server_app import RESUMABLE_KEYS, check_resumable
 
     out_dir = out_dir.expanduser().resolve()
+    check_free(out_dir)  # a live run (or one left running) is writing there
     _, header = load_checkpoint(out_dir)
+    check_output_dir(out_dir)
     overrides: dict[str, Any] = {}
     for item in items:
         if "=" not in item or item.endswith((".yaml", ".yml")):
@@ -118,9 +122,9 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg["output-dir"] = str(Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}")
     out = Path(cfg["output-dir"]).expanduser().resolve()
-    if (out / "metrics.jsonl").exists() and not overwrite:
-        raise ConfigError(f"{out} already holds a run; pick another output-dir, pass --overwrite, or continue it "
-                          f"with `fedbr-run --resume {out}`")
+    check_free(out)  # also with --overwrite: a live run (or one left running) is writing there
+    if not overwrite:
+        check_no_run(out)
     cfg["output-dir"] = str(out)
     if cfg["data-dir"]:  # Flower runs the app from a copy elsewhere: hand it absolute paths only
         cfg["data-dir"] = str(Path(cfg["data-dir"]).expanduser().resolve())
@@ -128,7 +132,24 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
     check_pyproject()
     if cfg["num-clients"]:  # 0 (a deployment: one client per SuperNode) is checked when the nodes are known
         make_partition(cfg)  # fails here, before Flower starts, on a missing dataset or an impossible split
+    check_output_dir(out)  # a file in its place, no permission: a message now, not a traceback from Flower
     return cfg
+
+
+def check_no_run(out: Path) -> None:
+    """ConfigError when ``out`` holds a run's files; --resume is offered only with a checkpoint to resume."""
+    from .checkpoint import CHECKPOINT_NAME
+
+    found = [name for name in ("metrics.jsonl", "rounds.jsonl", CHECKPOINT_NAME) if (out / name).exists()]
+    if CHECKPOINT_NAME in found:
+        raise ConfigError(f"{out} already holds a run; pick another output-dir, pass --overwrite, or continue it "
+                          f"with `fedbr-run --resume {out}`")
+    if any((out / name).stat().st_size for name in found):
+        raise ConfigError(f"{out} already holds a run (without a checkpoint, so it cannot be resumed); pick "
+                          "another output-dir or pass --overwrite")
+    if found:
+        raise ConfigError(f"{out} holds the empty files of a run that stopped before its first round (no "
+                          "checkpoint to resume from); pick another output-dir or pass --overwrite")
 
 
 def list_keys() -> str:
@@ -236,7 +257,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print("\n" + summary_md.read_text())
     print(f"run files: {out} (metrics.jsonl, rounds.jsonl, manifest.json, summary.json, convergence.png)")
+    problem = finished_run_problem(out)
+    if problem:
+        print(f"fedbr-run: error: {problem}", file=sys.stderr)
+        return 1
     return 0
+
+
+def finished_run_problem(out: Path) -> str | None:
+    """Why a run that ran to its end gave no result (fedbr-run exits 1), from its summary.json: no round
+    changed the global model. None when it is a result (or there is no summary to judge by)."""
+    import json
+
+    from .metrics import run_problem
+
+    try:
+        summary = json.loads((Path(out) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return run_problem(summary) if isinstance(summary, dict) else None
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ repeats every key with its default (Flower rejects run-config keys it does not k
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -30,7 +31,10 @@ COMMON: dict[str, Key] = {
     # data
     "dataset": Key("mnist5k", "dataset; synthetic: random CIFAR-size images and labels, for benchmarks",
                    choices=("mnist5k", "mnist", "cifar10", "cifar100", "synthetic")),
-    "data-dir": Key("", "folder holding torchvision's MNIST/ or CIFAR files (not needed for mnist5k)"),
+    "data-dir": Key("", "folder holding torchvision's MNIST/ or CIFAR files (not read for mnist5k); empty: "
+                        "$FEDBR_DATA_DIR, else ${XDG_CACHE_HOME:-~/.cache}/fedbr-flwr/datasets"),
+    "download": Key("auto", "a missing MNIST/CIFAR dataset: download it into the data folder (auto), or stop "
+                            "with a message (never)", choices=("auto", "never")),
     "num-clients": Key(0, "number of clients; 0 = one per SuperNode (Flower's simulation default is 2, "
                           "fedbr-run then starts 10)", check=NON_NEGATIVE),
     "partition": Key("fedbr", "label split", choices=("fedbr", "dirichlet", "iid", "classes")),
@@ -106,6 +110,8 @@ def _coerce(key: str, spec: Key, value: Any) -> Any:
             return value
     elif isinstance(default, float):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # YAML's .inf / .nan, or 1e999
+                raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
             return float(value)
     elif isinstance(default, int):
         if isinstance(value, int) and not isinstance(value, bool):
@@ -183,11 +189,6 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
         close = difflib.get_close_matches(cfg["strategy"], names, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"unknown strategy '{cfg['strategy']}'.{hint} Valid: {', '.join(names)}")
-    if cfg["dataset"] in ("mnist", "cifar10", "cifar100") and not cfg["data-dir"]:
-        raise ConfigError(
-            f"dataset '{cfg['dataset']}' needs 'data-dir' (a folder holding torchvision's files); "
-            "the embedded 'mnist5k' needs none"
-        )
     num_classes = 100 if cfg["dataset"] == "cifar100" else 10
     if cfg["partition"] == "classes" and cfg["classes-per-client"] > num_classes:
         raise ConfigError(

@@ -1,18 +1,23 @@
 """Datasets, domain shifts and per-client data.
 
-Raw files are parsed directly (MNIST idx files, gzipped or not; CIFAR python pickles) so that a
-missing or partial download gives one clear message instead of a loader traceback. Each client
-process builds only its own partition, once, as normalised float tensors on its training device.
+MNIST, CIFAR-10 and CIFAR-100 are read through ``torchvision.datasets`` from the data folder
+(``data_folder``), in torchvision's layout, after checking every file against torchvision's md5 sums,
+so that a missing, partial or corrupt download stops with one clear message naming the file instead
+of a loader traceback or a silently short dataset. Each client process builds only its own partition,
+once, as normalised float tensors on its training device.
 """
 
 from __future__ import annotations
 
-import gzip
+import os
 import pickle
+import socket
+import sys
+import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -43,6 +48,7 @@ INFO = {
     "synthetic": DatasetInfo(10, 3, 32, (0.5, 0.5, 0.5), (0.2887, 0.2887, 0.2887)),  # uniform bytes
 }
 SYNTHETIC_SIZES = (5000, 1000)  # train, test
+FILE_DATASETS = ("mnist", "cifar10", "cifar100")  # read from the data folder; the others are built in
 
 
 @dataclass
@@ -51,41 +57,154 @@ class Split:
     y: np.ndarray  # int64, (N,)
 
 
+# ---------------------------------------------------------------- the data folder
+
+DATA_DIR_ENV = "FEDBR_DATA_DIR"
+DOWNLOAD_TIMEOUT = 60.0  # seconds a download may wait on the network before it counts as offline
+# md5 sums of the uncompressed MNIST files (torchvision's MNIST.resources lists those of the .gz files)
+MNIST_RAW_MD5 = {
+    "train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
+    "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
+    "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
+    "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637",
+}
+TORCHVISION_CLASS = {"mnist": "MNIST", "cifar10": "CIFAR10", "cifar100": "CIFAR100"}
+
+
+def default_data_folder() -> Path:
+    """``$FEDBR_DATA_DIR`` if set, else ``${XDG_CACHE_HOME:-~/.cache}/fedbr-flwr/datasets``."""
+    env = os.environ.get(DATA_DIR_ENV, "").strip()
+    if env:
+        return Path(env).expanduser().resolve()
+    cache = os.environ.get("XDG_CACHE_HOME", "").strip()
+    base = Path(cache) if cache and Path(cache).is_absolute() else Path.home() / ".cache"  # XDG: ignore relative
+    return (base / "fedbr-flwr" / "datasets").resolve()
+
+
+def data_folder(data_dir: str = "") -> Path:
+    """The folder the file datasets are read from (and downloaded into) on this machine: the config's
+    ``data-dir`` when set, else ``default_data_folder()``."""
+    return Path(data_dir).expanduser().resolve() if str(data_dir).strip() else default_data_folder()
+
+
+def _fetch_command(name: str, folder: Path) -> str:
+    return f"python -c \"import torchvision; torchvision.datasets.{TORCHVISION_CLASS[name]}('{folder}', download=True)\""
+
+
+def _where(name: str, folder: Path) -> str:
+    return (f"Point data-dir= (or, when data-dir is empty, ${DATA_DIR_ENV}; default "
+            f"${{XDG_CACHE_HOME:-~/.cache}}/fedbr-flwr/datasets) at a folder that holds it, or fetch it into this "
+            f"one on a machine with internet access: {_fetch_command(name, folder)} (download=auto does that "
+            "itself when the machine is online)")
+
+
+def _missing(name: str, folder: Path, path: Path, reason: str) -> ConfigError:
+    return ConfigError(f"dataset '{name}' not found in data folder {folder}: no {path.relative_to(folder)} "
+                       f"({reason}). {_where(name, folder)}")
+
+
+def _corrupt(name: str, folder: Path, path: Path, problem: str) -> ConfigError:
+    return ConfigError(f"dataset '{name}': {path} is corrupt or incomplete ({problem}): delete it, then run "
+                       f"again with download=auto, or fetch it with: {_fetch_command(name, folder)}")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def _check_md5(name: str, folder: Path, path: Path, md5: str | None) -> None:
+    from torchvision.datasets.utils import calculate_md5
+
+    if md5 is None:
+        return
+    try:
+        got = calculate_md5(path)
+    except OSError as exc:
+        raise _corrupt(name, folder, path, _one_line(exc)) from None
+    if got != md5:
+        raise _corrupt(name, folder, path, f"md5 {got}, expected {md5}")
+
+
+def _download(name: str, folder: Path, path: Path, fetch: Callable[[], Any]) -> None:
+    """Run torchvision's download (progress bar from torchvision); any failure stops with one line."""
+    print(f"fedbr-flwr: downloading {name} into {folder} (download=auto)", file=sys.stderr, flush=True)
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT)
+    try:
+        fetch()
+    except Exception as exc:  # URLError/OSError offline or read-only, RuntimeError on a bad md5, ...
+        raise _missing(name, folder, path, f"download=auto failed: {_one_line(exc)}") from None
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
 # ---------------------------------------------------------------- raw loading
 
 
-def _missing(name: str, path: Path, fix: str) -> ConfigError:
-    return ConfigError(f"dataset '{name}' not found: looked for {path}. {fix}")
+def _mnist_sources(folder: Path) -> dict[str, Path | None]:
+    """Each MNIST file, uncompressed or .gz (torchvision keeps both), checked against its md5."""
+    from torchvision.datasets import MNIST
+
+    raw = folder / "MNIST" / "raw"
+    sources: dict[str, Path | None] = {}
+    for gz_name, gz_md5 in MNIST.resources:
+        stem = gz_name.removesuffix(".gz")
+        plain, gz = raw / stem, raw / gz_name
+        if plain.is_file():
+            _check_md5("mnist", folder, plain, MNIST_RAW_MD5.get(stem))
+            sources[stem] = plain
+        elif gz.is_file():
+            _check_md5("mnist", folder, gz, gz_md5)
+            sources[stem] = gz
+        else:
+            sources[stem] = None
+    return sources
 
 
-def _read_idx(path: Path) -> np.ndarray:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    ndim = data[3]
-    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+def _read_mnist_file(folder: Path, path: Path, tmp: Path, images: bool) -> np.ndarray:
+    """An idx file through torchvision's reader; a .gz is first decompressed into ``tmp`` (the data
+    folder may be read-only, and other processes may be reading it)."""
+    from torchvision.datasets.mnist import read_image_file, read_label_file
+    from torchvision.datasets.utils import extract_archive
+
+    try:
+        plain = Path(extract_archive(str(path), str(tmp))) if path.suffix == ".gz" else path
+        data = (read_image_file if images else read_label_file)(str(plain)).numpy()
+    except Exception as exc:  # EOFError (truncated gz), BadGzipFile, torchvision's assertions, bad shapes
+        raise _corrupt("mnist", folder, path, f"not a readable idx file: {_one_line(exc)}") from None
+    if images and data.shape[1:] != (28, 28):
+        raise _corrupt("mnist", folder, path, f"images of {data.shape[1:]} pixels, expected 28x28")
+    if not images and len(data) and data.max() > 9:
+        raise _corrupt("mnist", folder, path, f"label {int(data.max())} outside 0..9")
+    return data
 
 
-def _find_idx(raw: Path, stem: str) -> Path | None:
-    for candidate in (raw / stem, raw / f"{stem}.gz"):
-        if candidate.is_file():
-            return candidate
-    return None
+def load_mnist(data_dir: str = "", download: str = "auto") -> tuple[Split, Split]:
+    from torchvision.datasets import MNIST
 
-
-def load_mnist(data_dir: str) -> tuple[Split, Split]:
-    raw = Path(data_dir).expanduser().resolve() / "MNIST" / "raw"
+    folder = data_folder(data_dir)
+    sources = _mnist_sources(folder)
+    absent = [stem for stem, p in sources.items() if p is None]
+    if absent:
+        first = folder / "MNIST" / "raw" / f"{absent[0]}.gz"
+        if download != "auto":
+            raise _missing("mnist", folder, first, f"download={download}")
+        _download("mnist", folder, first, lambda: MNIST(str(folder), train=False, download=True))
+        sources = _mnist_sources(folder)
+        absent = [stem for stem, p in sources.items() if p is None]
+        if absent:
+            raise _missing("mnist", folder, folder / "MNIST" / "raw" / f"{absent[0]}.gz", "not there after download")
     splits = []
-    for prefix in ("train", "t10k"):
-        images = _find_idx(raw, f"{prefix}-images-idx3-ubyte")
-        labels = _find_idx(raw, f"{prefix}-labels-idx1-ubyte")
-        if images is None or labels is None:
-            raise _missing("mnist", raw / f"{prefix}-images-idx3-ubyte[.gz]",
-                           "Set data-dir to the folder that holds MNIST/raw/ (torchvision's layout), e.g. "
-                           "data-dir=/path/to/datasets; torchvision.datasets.MNIST(root, download=True) "
-                           "creates it on an online machine.")
-        splits.append(Split(_read_idx(images)[:, None].copy(), _read_idx(labels).astype(np.int64)))
+    with tempfile.TemporaryDirectory(prefix="fedbr-mnist-") as tmp:
+        for prefix in ("train", "t10k"):
+            images_path = sources[f"{prefix}-images-idx3-ubyte"]
+            labels_path = sources[f"{prefix}-labels-idx1-ubyte"]
+            x = _read_mnist_file(folder, images_path, Path(tmp), images=True)
+            y = _read_mnist_file(folder, labels_path, Path(tmp), images=False)
+            if len(x) != len(y):
+                raise _corrupt("mnist", folder, labels_path,
+                               f"{len(y)} labels but {images_path.name} holds {len(x)} images")
+            splits.append(Split(x[:, None].copy(), y.astype(np.int64)))
     return splits[0], splits[1]
 
 
@@ -103,32 +222,60 @@ def load_mnist5k(seed: int = 0) -> tuple[Split, Split]:
     return Split(x[train], y[train]), Split(x[np.sort(test)], y[np.sort(test)])
 
 
-def _unpickle(path: Path) -> dict:
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
+def _cifar_files(cls: Any) -> list[tuple[str, str]]:
+    return [(f, md5) for f, md5 in cls.train_list + cls.test_list] + [(cls.meta["filename"], cls.meta["md5"])]
 
 
-def load_cifar(name: str, data_dir: str) -> tuple[Split, Split]:
-    root = Path(data_dir).expanduser().resolve()
-    if name == "cifar10":
-        folder, train_files, test_files, key = root / "cifar-10-batches-py", \
-            [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], b"labels"
-    else:
-        folder, train_files, test_files, key = root / "cifar-100-python", ["train"], ["test"], b"fine_labels"
-    missing = [f for f in train_files + test_files if not (folder / f).is_file()]
-    if missing:
-        cls = "CIFAR10" if name == "cifar10" else "CIFAR100"
-        raise _missing(name, folder / missing[0],
-                       f"Set data-dir to the folder that holds {folder.name}/; "
-                       f"torchvision.datasets.{cls}(root, download=True) creates it on an online machine.")
+def _check_cifar(name: str, folder: Path, cls: Any) -> Path | None:
+    """The first missing file of torchvision's list, after checking the md5 of those present."""
+    base = folder / cls.base_folder
+    first_missing = None
+    for filename, md5 in _cifar_files(cls):
+        path = base / filename
+        if not path.is_file():
+            first_missing = first_missing or path
+        else:
+            _check_md5(name, folder, path, md5)
+    return first_missing
 
-    def read(files: list[str]) -> Split:
-        batches = [_unpickle(folder / f) for f in files]
-        x = np.concatenate([b[b"data"] for b in batches]).reshape(-1, 3, 32, 32).astype(np.uint8)
-        y = np.concatenate([np.asarray(b[key]) for b in batches]).astype(np.int64)
-        return Split(x, y)
 
-    return read(train_files), read(test_files)
+def load_cifar(name: str, data_dir: str = "", download: str = "auto") -> tuple[Split, Split]:
+    import torchvision.datasets
+
+    cls = getattr(torchvision.datasets, TORCHVISION_CLASS[name])
+    folder = data_folder(data_dir)
+    missing = _check_cifar(name, folder, cls)
+    if missing is not None:
+        if download != "auto":
+            raise _missing(name, folder, missing, f"download={download}")
+        _download(name, folder, missing, lambda: cls(str(folder), train=False, download=True))
+        missing = _check_cifar(name, folder, cls)
+        if missing is not None:
+            raise _missing(name, folder, missing, "not there after download")
+    splits = []
+    for train in (True, False):
+        try:
+            ds = cls(str(folder), train=train, download=False)
+            x = np.ascontiguousarray(np.asarray(ds.data, dtype=np.uint8).transpose(0, 3, 1, 2))  # HWC -> CHW
+            y = np.asarray(ds.targets, dtype=np.int64)
+        except Exception as exc:  # an unreadable pickle whose md5 matched (only with edited md5 tables)
+            bad = folder / cls.base_folder
+            for filename, _ in _cifar_files(cls):
+                try:
+                    with open(bad / filename, "rb") as f:
+                        pickle.load(f, encoding="latin1")
+                except Exception:
+                    bad = bad / filename
+                    break
+            raise _corrupt(name, folder, bad, f"torchvision cannot read it: {_one_line(exc)}") from None
+        files = ", ".join(f for f, _ in (cls.train_list if train else cls.test_list))
+        if len(x) != len(y):
+            raise _corrupt(name, folder, folder / cls.base_folder, f"{files}: {len(y)} labels for {len(x)} images")
+        if len(y) and (y.min() < 0 or y.max() >= INFO[name].num_classes):
+            raise _corrupt(name, folder, folder / cls.base_folder,
+                           f"{files}: labels outside 0..{INFO[name].num_classes - 1}")
+        splits.append(Split(x, y))
+    return splits[0], splits[1]
 
 
 def load_synthetic() -> tuple[Split, Split]:
@@ -142,17 +289,25 @@ def load_synthetic() -> tuple[Split, Split]:
     return splits[0], splits[1]
 
 
+def load_raw(name: str, data_dir: str = "", download: str = "auto") -> tuple[Split, Split]:
+    """A dataset's train and test splits; the file datasets come from ``data_folder(data_dir)``."""
+    if name not in INFO:
+        raise ConfigError(f"unknown dataset '{name}'. Valid: {', '.join(INFO)}")
+    return _load_raw(name, str(data_folder(data_dir)) if name in FILE_DATASETS else "", download)
+
+
 @lru_cache(maxsize=2)
-def load_raw(name: str, data_dir: str) -> tuple[Split, Split]:
+def _load_raw(name: str, folder: str, download: str) -> tuple[Split, Split]:
     if name == "mnist5k":
         return load_mnist5k()
     if name == "mnist":
-        return load_mnist(data_dir)
+        return load_mnist(folder, download)
     if name in ("cifar10", "cifar100"):
-        return load_cifar(name, data_dir)
-    if name == "synthetic":
-        return load_synthetic()
-    raise ConfigError(f"unknown dataset '{name}'. Valid: {', '.join(INFO)}")
+        return load_cifar(name, folder, download)
+    return load_synthetic()
+
+
+load_raw.cache_clear = _load_raw.cache_clear  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- domain shift and normalisation
@@ -215,19 +370,25 @@ class ClientData:
     y_test: torch.Tensor
     num_classes: int
     augment: bool  # CIFAR100: random crop (pad 4) + horizontal flip on every training batch
+    border: tuple[float, ...] = ()  # a black pixel after normalisation: what the crop's padding holds
 
 
-PARTITION_KEYS = ("dataset", "data-dir", "num-clients", "partition", "alpha", "classes-per-client", "seed")
+PARTITION_KEYS = ("num-clients", "partition", "alpha", "classes-per-client", "seed")
 
 
 def make_partition(cfg: Mapping[str, Any]) -> tuple[list[np.ndarray], str]:
-    parts = _cached_partition(*(cfg[k] for k in PARTITION_KEYS))
+    folder = str(data_folder(cfg["data-dir"])) if cfg["dataset"] in FILE_DATASETS else ""
+    parts = _cached_partition(cfg["dataset"], folder, download_mode(cfg), *(cfg[k] for k in PARTITION_KEYS))
     return parts, partition_hash(parts)
 
 
+def download_mode(cfg: Mapping[str, Any]) -> str:
+    return cfg.get("download", "auto")
+
+
 @lru_cache(maxsize=4)
-def _cached_partition(dataset, data_dir, num_clients, method, alpha, classes_each, seed):
-    train, _ = load_raw(dataset, data_dir)
+def _cached_partition(dataset, folder, download, num_clients, method, alpha, classes_each, seed):
+    train, _ = load_raw(dataset, folder, download)
     if 2 * num_clients > len(train.y):
         raise ConfigError(f"num-clients = {num_clients} but {dataset} has {len(train.y)} training samples: every "
                           "client needs at least 2 (one to train on, one to test on)")
@@ -264,7 +425,7 @@ def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.de
         raise ConfigError(f"partition-id {partition_id} outside 0..{cfg['num-clients'] - 1}")
     device = torch.device(device)
     info = INFO[cfg["dataset"]]
-    train, _ = load_raw(cfg["dataset"], cfg["data-dir"])
+    train, _ = load_raw(cfg["dataset"], cfg["data-dir"], download_mode(cfg))
     train_idx, test_idx = client_indices(cfg, partition_id)
     own = np.concatenate([train_idx, test_idx])
     x = normalise(rotate(to_float(train.x[own]), image_angles(cfg, partition_id, len(own))), info)
@@ -276,6 +437,7 @@ def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.de
         x_test=x[n:].to(device), y_test=y[n:].to(device),
         num_classes=info.num_classes,
         augment=cfg["dataset"] == "cifar100",
+        border=normalised_black(info),
     )
 
 
@@ -284,7 +446,7 @@ def load_global_test(cfg: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor
     the rotation of domain (i mod 10) (MNIST) or a uniformly drawn angle (CIFAR10). It does not
     depend on the number of clients, which the server learns only when the clients answer."""
     info = INFO[cfg["dataset"]]
-    _, test = load_raw(cfg["dataset"], cfg["data-dir"])
+    _, test = load_raw(cfg["dataset"], cfg["data-dir"], download_mode(cfg))
     n = len(test.y)
     angles = np.zeros(n)
     if cfg["rotate"] and cfg["dataset"] in ("mnist5k", "mnist"):
@@ -295,10 +457,20 @@ def load_global_test(cfg: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor
     return x, torch.from_numpy(test.y)
 
 
-def random_crop_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4) -> torch.Tensor:
-    """Batched RandomCrop(size, padding=pad) + RandomHorizontalFlip, without a per-image loop."""
+def normalised_black(info: DatasetInfo) -> tuple[float, ...]:
+    return tuple(normalise(torch.zeros(1, len(info.mean), 1, 1), info).flatten().tolist())
+
+
+def random_crop_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4,
+                     border: tuple[float, ...] = ()) -> torch.Tensor:
+    """Batched RandomCrop(size, padding=pad) + RandomHorizontalFlip, without a per-image loop. The
+    batch is already normalised, so the padding holds ``border`` (per channel; default 0): the
+    normalised black pixel that torchvision's crop-then-normalise order pads with."""
     b, c, h, w = x.shape
-    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+    padded = x.new_zeros(b, c, h + 2 * pad, w + 2 * pad)
+    if border:
+        padded[:] = torch.tensor(border, dtype=x.dtype, device=x.device).view(1, c, 1, 1)
+    padded[:, :, pad:pad + h, pad:pad + w] = x
     dev = x.device
     oy = torch.randint(0, 2 * pad + 1, (b,), device=dev, generator=generator)
     ox = torch.randint(0, 2 * pad + 1, (b,), device=dev, generator=generator)

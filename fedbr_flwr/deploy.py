@@ -25,16 +25,17 @@ import datetime
 import ipaddress
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from . import runlock, watchdog
 from .errors import ConfigError
 from .launcher import RunFailed, flower_env, free_port, stop_tree, submit_run, wait_healthy
 from .worker import write_private
@@ -191,8 +192,9 @@ class Deployment:
         print(f"fedbr-deploy: {name}: {' '.join(command)}", flush=True)
         self.commands[name] = command
         log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen(command, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        # killed with all it starts if fedbr-deploy dies, also by SIGKILL (see watchdog.py)
+        proc = watchdog.spawn(command, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
         log.close()
         self.procs[name] = proc
         return proc
@@ -223,7 +225,7 @@ def local_deployment(out_dir: Path, num_supernodes: int, tls: bool = False, auth
     also on failure. Logs and keys go to ``out_dir/deploy``."""
     log_dir = out_dir / "deploy"
     log_dir.mkdir(parents=True, exist_ok=True)
-    home = Path(tempfile.mkdtemp(prefix="fedbr-deploy-"))
+    home = watchdog.temp_dir("fedbr-deploy-")  # removed also if this process is killed
     certs = None
     keys: list[Path] = []
     if tls or auth:
@@ -252,6 +254,7 @@ def local_deployment(out_dir: Path, num_supernodes: int, tls: bool = False, auth
     finally:
         deployment.stop()
         shutil.rmtree(home, ignore_errors=True)
+        watchdog.unwatch_path(home)
 
 
 # ---------------------------------------------------------------- measurements
@@ -294,38 +297,51 @@ def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -
     return cfg
 
 
-def _print_result(out: Path) -> None:
+def _print_result(out: Path) -> int:
+    """Print the run's summary; the exit code: 1 when the run trained no round (fedbr-run's rule)."""
+    from .cli import finished_run_problem
+
     summary = out / "summary.md"
-    if summary.exists():
-        print("\n" + summary.read_text())
-        print(f"run files: {out}")
-    else:
+    if not summary.exists():
         print(f"fedbr-deploy: the run's files are on the SuperLink's machine, in {out}")
+        return 0
+    print("\n" + summary.read_text())
+    print(f"run files: {out}")
+    problem = finished_run_problem(out)
+    if problem:
+        print(f"fedbr-deploy: error: {problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _check_supernodes(n: int) -> None:
+    if n < 1:
+        raise ConfigError(f"--supernodes {n}: a run needs at least one SuperNode (one client each)")
 
 
 def cmd_local(args) -> int:
+    _check_supernodes(args.supernodes)
     cfg = _config(args.items, args.resume, args.supernodes)
     out = Path(cfg["output-dir"])
     print(f"fedbr-deploy: {cfg['strategy']} on {cfg['dataset']}, {args.supernodes} SuperNodes on 127.0.0.1"
           f"{' with TLS' if args.tls or args.auth else ''}{' and SuperNode auth' if args.auth else ''} -> {out}",
           flush=True)
-    with local_deployment(out, args.supernodes, args.tls, args.auth, not args.no_worker) as dep:
+    with runlock.hold(out), local_deployment(out, args.supernodes, args.tls, args.auth, not args.no_worker) as dep:
         submit_run(cfg, dep.env, CONNECTION, out, echo="progress")
-    _print_result(out)
-    return 0
+    return _print_result(out)
 
 
 def cmd_run(args) -> int:
     certs = _certs_arg(args)
     cfg = _config(args.items, args.resume, None)
-    home = Path(tempfile.mkdtemp(prefix="fedbr-deploy-"))
+    home = watchdog.temp_dir("fedbr-deploy-")
     try:
         env = deploy_env(home, args.superlink, certs)
         submit_run(cfg, env, CONNECTION, Path(cfg["output-dir"]), echo=args.echo)
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    _print_result(Path(cfg["output-dir"]))
-    return 0
+        watchdog.unwatch_path(home)
+    return _print_result(Path(cfg["output-dir"]))
 
 
 def cmd_register(args) -> int:
@@ -333,11 +349,12 @@ def cmd_register(args) -> int:
     keys = [Path(k) for k in args.keys] or sorted(certs.glob("supernode-*.pub"))
     if not keys:
         raise ConfigError(f"no public keys given and none in {certs}")
-    home = Path(tempfile.mkdtemp(prefix="fedbr-deploy-"))
+    home = watchdog.temp_dir("fedbr-deploy-")
     try:
         register_supernodes(deploy_env(home, args.superlink, certs), keys)
     finally:
         shutil.rmtree(home, ignore_errors=True)
+        watchdog.unwatch_path(home)
     print(f"fedbr-deploy: registered {len(keys)} SuperNode key(s)")
     return 0
 
@@ -352,11 +369,93 @@ def _certs_arg(args, server: bool = False) -> Path | None:
     return certs
 
 
-def _foreground(deployment: Deployment) -> int:
-    """Wait until any process ends or a signal arrives; then stop them all."""
+# ---------------------------------------------------------------- a SuperNode that cannot connect
+
+CONNECTION_FAILED = "Connection attempt failed"  # Flower's SuperNode log line, one per failed attempt
+FAILURES_BEFORE_HINT = 3
+
+
+def speaks_tls(address: str, timeout_s: float = 3.0) -> bool | None:
+    """Whether the server at HOST:PORT completes a TLS handshake (its certificate is not checked): True,
+    False (it answers, but not TLS), or None (nothing answers)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except (OSError, ValueError):
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with context.wrap_socket(sock, server_hostname=host or None):
+            return True
+    except ssl.SSLError:
+        return False
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def tls_mismatch(superlink: str, tls: bool) -> str | None:
+    """What to fix when this SuperNode's security does not match the SuperLink's, as far as a probe tells."""
+    answer = speaks_tls(superlink)
+    if answer is True and not tls:
+        return (f"the SuperLink at {superlink} speaks TLS, but this SuperNode was started with --insecure: give "
+                "--certs DIR (the folder from `fedbr-deploy certs` holding its ca.crt, passed to Flower as "
+                "--root-certificates)")
+    if answer is False and tls:
+        return (f"the SuperLink at {superlink} does not answer TLS (started with --insecure?): start both with "
+                "--certs, or both with --insecure")
+    return None
+
+
+class ConnectionWatch:
+    """Reads on in a SuperNode's log; after FAILURES_BEFORE_HINT more failed connection attempts, says why it
+    may fail to connect (a TLS mismatch, probed on the SuperLink's address, or where else to look), each
+    message once. Called again and again: the SuperLink may start later, with other security."""
+
+    def __init__(self, log_path: Path, superlink: str, tls: bool):
+        self.log_path, self.superlink, self.tls = log_path, superlink, tls
+        self.failures, self.shown = 0, set()
+        try:  # the log is appended to: lines of an earlier SuperNode in this state-dir do not count
+            self.offset = log_path.stat().st_size
+        except OSError:
+            self.offset = 0
+
+    def __call__(self) -> str | None:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.offset)
+                new = f.read()
+        except OSError:
+            return None
+        self.offset += len(new)
+        self.failures += new.decode(errors="replace").count(CONNECTION_FAILED)
+        if self.failures < FAILURES_BEFORE_HINT:
+            return None
+        self.failures = 0
+        message = tls_mismatch(self.superlink, self.tls) or (
+            f"the SuperNode keeps failing to connect to the SuperLink at {self.superlink}: is it running, are the "
+            "host and port right (--superlink HOST:PORT, the SuperLink's --port), does a firewall let it through?")
+        if message in self.shown:
+            return None
+        self.shown.add(message)
+        return message
+
+
+def _foreground(deployment: Deployment, hint=None) -> int:
+    """Wait until any process ends or a signal arrives; then stop them all. ``hint()``, checked every few
+    seconds: a warning to print, or None."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        next_hint = time.time() + 5
         while all(p.poll() is None for p in deployment.procs.values()):
+            if hint is not None and time.time() > next_hint:
+                message, next_hint = hint(), time.time() + 5
+                if message:
+                    print(f"fedbr-deploy: warning: {message}", file=sys.stderr, flush=True)
             time.sleep(0.5)
         ended = [k for k, p in deployment.procs.items() if p.poll() is not None]
         print(f"fedbr-deploy: {', '.join(ended)} exited; see {deployment.log_dir}", file=sys.stderr)
@@ -377,7 +476,15 @@ def cmd_superlink(args) -> int:
 
 
 def cmd_supernode(args) -> int:
+    if args.num_partitions < 1 or not 0 <= args.partition_id < args.num_partitions:
+        raise ConfigError(f"--partition-id {args.partition_id} --num-partitions {args.num_partitions}: need "
+                          "num-partitions >= 1 and 0 <= partition-id < num-partitions")
     certs = _certs_arg(args)
+    mismatch = tls_mismatch(args.superlink, certs is not None)
+    if mismatch and certs is None:  # plaintext to a TLS SuperLink never connects
+        raise ConfigError(mismatch)
+    if mismatch:
+        print(f"fedbr-deploy: warning: {mismatch}", file=sys.stderr, flush=True)
     state = Path(args.state_dir).resolve()
     state.mkdir(parents=True, exist_ok=True)
     dep = Deployment(process_env(state / "flwr-home"), state)
@@ -398,10 +505,12 @@ def cmd_supernode(args) -> int:
     except BaseException:
         dep.stop()
         raise
-    return _foreground(dep)
+    return _foreground(dep, ConnectionWatch(state / f"{name}.log", args.superlink, certs is not None))
 
 
 def cmd_certs(args) -> int:
+    if args.supernodes < 0:
+        raise ConfigError(f"--supernodes {args.supernodes}: give the number of SuperNode key pairs to make (0 or more)")
     keys = make_certificates(Path(args.out), args.host or ["127.0.0.1", "localhost"], args.supernodes)
     print(f"fedbr-deploy: wrote {args.out}/{{{CA},{SERVER_CERT},{SERVER_KEY}}} and {len(keys)} SuperNode key pair(s) "
           f"(supernode-<i>, supernode-<i>.pub); keep the .key and private node keys secret")
@@ -412,6 +521,7 @@ def cmd_compare(args) -> int:
     """The same config in simulation and in a local deployment (with and without workers): s/round."""
     from .cli import main as fedbr_run
 
+    _check_supernodes(args.supernodes)
     base = Path(args.out).resolve()
     rows = []
     runs = [("simulation", None), ("deployment + worker", True), ("deployment, no worker", False)]

@@ -13,12 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from . import runlock, watchdog
 from .config import to_toml
 from .errors import ConfigError
 from .progress import PROGRESS_FILE, Follower
@@ -84,6 +84,7 @@ def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+    watchdog.unwatch(proc.pid)
 
 
 def _alive(pid: int) -> bool:
@@ -118,7 +119,7 @@ def flower_env(flwr_home: Path, http_port: int | None = None, control_port: int 
 def local_superlink(log_dir: Path) -> Iterator[dict[str, str]]:
     """A simulation SuperLink on free ports with its own FLWR_HOME; yields the environment in which
     ``flwr`` commands talk to it, and stops it with all its children on exit."""
-    flwr_home = Path(tempfile.mkdtemp(prefix="fedbr-flwr-home-"))
+    flwr_home = watchdog.temp_dir("fedbr-flwr-home-")  # removed also if this process is killed
     http_port, control_port = free_port(), free_port()
     env = flower_env(flwr_home, http_port, control_port)
     log_file = log_dir / "superlink.log"
@@ -132,14 +133,17 @@ def local_superlink(log_dir: Path) -> Iterator[dict[str, str]]:
         "--disable-runtime-dependency-installation",
         "--log-file", str(log_file),
     ]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
     try:
-        wait_healthy(proc, f"http://127.0.0.1:{http_port}/health", log_file)
-        yield env
+        proc = watchdog.spawn(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+        try:
+            wait_healthy(proc, f"http://127.0.0.1:{http_port}/health", log_file)
+            yield env
+        finally:
+            stop_tree(proc)
     finally:
-        stop_tree(proc)
         shutil.rmtree(flwr_home, ignore_errors=True)
+        watchdog.unwatch_path(flwr_home)
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, log_file: Path, verify=True) -> None:
@@ -169,7 +173,7 @@ def run_flower(cfg: dict, num_supernodes: int, out_dir: Path, project_dir: Path 
     """``flwr run`` the app with ``cfg`` on a fresh local simulation SuperLink; see ``submit_run``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     fed = federation_config(num_supernodes, cfg["client-cpus"], cfg["client-gpus"])
-    with local_superlink(out_dir) as env:
+    with runlock.hold(out_dir), local_superlink(out_dir) as env:
         return submit_run(cfg, env, "local", out_dir, project_dir, echo, ["--federation-config", fed])
 
 
@@ -184,6 +188,12 @@ def submit_run(cfg: dict, env: dict[str, str], connection: str, out_dir: Path, p
     if not (project_dir / "pyproject.toml").is_file():
         raise ConfigError(f"no pyproject.toml in {project_dir}: fedbr-run needs the project checkout "
                           "installed with `pip install -e .`")
+    with runlock.hold(out_dir):  # this process writes run_config.toml and flower.log
+        return _submit_run(cfg, env, connection, out_dir, project_dir, echo, extra_args)
+
+
+def _submit_run(cfg: dict, env: dict[str, str], connection: str, out_dir: Path, project_dir: Path, echo: str,
+                extra_args: list[str] | None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     run_config = out_dir / "run_config.toml"
     run_config.write_text(to_toml(cfg))
@@ -192,8 +202,8 @@ def submit_run(cfg: dict, env: dict[str, str], connection: str, out_dir: Path, p
         flwr = shutil.which("flwr", path=env["PATH"]) or "flwr"
         command = [flwr, "run", str(project_dir), connection, "--run-config", str(run_config), *(extra_args or []),
                    "--stream"]
-        proc = subprocess.Popen(command, env=env, cwd=out_dir, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = watchdog.spawn(command, env=env, cwd=out_dir, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, bufsize=1)
         run_id = None
         follow = Follower(out_dir / PROGRESS_FILE, _print) if echo == "progress" else contextlib.nullcontext()
         try:
@@ -210,6 +220,7 @@ def submit_run(cfg: dict, env: dict[str, str], connection: str, out_dir: Path, p
         finally:
             if proc.poll() is None:
                 stop_tree(proc)
+            watchdog.unwatch(proc.pid)
     if run_id is None:
         raise RunFailed(f"`flwr run` did not start a run (exit code {proc.returncode}); see {log_path}")
     status = run_status(run_id, env, connection)

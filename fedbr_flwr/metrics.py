@@ -1,7 +1,9 @@
 """Summaries of an evaluation history (the paper's reported metrics) and the convergence plot.
 
 A history is the list of ``metrics.jsonl`` records: dicts with at least ``round``, ``mean_acc`` and
-``worst_acc`` (fractions in [0, 1]) and optionally ``global_acc``.
+``worst_acc`` (fractions in [0, 1]) and optionally ``global_acc``; a value written as ``null`` (a NaN or
+infinite one, e.g. the loss of a diverged model) counts as missing. ``clients_evaluated`` of
+``clients_expected`` says whether an evaluation is complete; summary figures count complete ones only.
 """
 
 from __future__ import annotations
@@ -24,26 +26,55 @@ def rounds_to_reach(history: list[dict], threshold: float, key: str = "mean_acc"
     return None
 
 
-def summarize(history: list[dict], threshold: float) -> dict[str, Any]:
+def is_partial(record: dict) -> bool:
+    """An evaluation some client did not answer: scored over the clients that did only, so not
+    comparable with a complete one (lines written before ``clients_evaluated`` existed: ``eval_failures``)."""
+    if record.get("clients_evaluated") is not None and record.get("clients_expected") is not None:
+        return record["clients_evaluated"] < record["clients_expected"]
+    return bool(record.get("eval_failures"))
+
+
+def rounds_without_update(rounds: list[dict]) -> list[int]:
+    """The rounds (rounds.jsonl records) that left the global model unchanged: fewer valid updates than
+    min-fit-clients, because every client failed or every update was rejected (NaN, wrong arrays)."""
+    return sorted(int(r["round"]) for r in rounds if r.get("skipped"))
+
+
+def summarize(history: list[dict], threshold: float, rounds: list[dict] | None = None) -> dict[str, Any]:
+    """The run's figures from its evaluations (metrics.jsonl records). Best-of, final and rounds-to-target
+    figures count complete evaluations only (every client answered); the global test accuracy is the
+    server's own and counts every evaluation. ``rounds`` (rounds.jsonl records): also which rounds left
+    the model unchanged."""
+    trained = {}
+    if rounds:
+        without = rounds_without_update(rounds)
+        trained = {"rounds_trained": len({int(r["round"]) for r in rounds}) - len(without),
+                   "rounds_without_update": without}
     evals = [r for r in history if r.get("mean_acc") is not None]
     if not evals:
-        return {"evaluations": 0}
+        return {"evaluations": 0, **trained}
     last = max(evals, key=lambda r: r["round"])
+    complete = [r for r in evals if not is_partial(r)]
+    final = max(complete, key=lambda r: r["round"]) if complete else {}
     summary = {
         "evaluations": len(evals),
+        "complete_evaluations": len(complete),
+        "partial_evaluations": sorted(int(r["round"]) for r in evals if is_partial(r)),
         "last_round": int(last["round"]),
-        "mean_acc_best5": mean_of_best(r["mean_acc"] for r in evals),
-        "worst_acc_best5": mean_of_best(r["worst_acc"] for r in evals),
-        "final_mean_acc": last["mean_acc"],
-        "final_worst_acc": last["worst_acc"],
-        "best_mean_acc": max(r["mean_acc"] for r in evals),
+        "mean_acc_best5": mean_of_best(r["mean_acc"] for r in complete),
+        "worst_acc_best5": mean_of_best(r.get("worst_acc") for r in complete),
+        "final_round": int(final["round"]) if final else None,
+        "final_mean_acc": final.get("mean_acc"),
+        "final_worst_acc": final.get("worst_acc"),
+        "best_mean_acc": max((r["mean_acc"] for r in complete), default=None),
         "target_acc": threshold,
-        "rounds_to_target": rounds_to_reach(evals, threshold),
+        "rounds_to_target": rounds_to_reach(complete, threshold),
+        **trained,
     }
-    pooled = [r["pooled_acc"] for r in evals if r.get("pooled_acc") is not None]
+    pooled = [r["pooled_acc"] for r in complete if r.get("pooled_acc") is not None]
     if pooled:  # every client's local test samples counted together (DisTrans' metric)
         summary["pooled_acc_best5"] = mean_of_best(pooled)
-        summary["final_pooled_acc"] = last.get("pooled_acc")
+        summary["final_pooled_acc"] = final.get("pooled_acc")
     globals_ = [r["global_acc"] for r in evals if r.get("global_acc") is not None]
     if globals_:
         summary["global_acc_best5"] = mean_of_best(globals_)
@@ -53,30 +84,73 @@ def summarize(history: list[dict], threshold: float) -> dict[str, Any]:
     return summary
 
 
+def run_problem(summary: dict[str, Any]) -> str | None:
+    """Why a finished run's result is not a result, or None: no round changed the global model (every
+    update failed or was rejected), so its accuracy is the initial model's."""
+    if "rounds_trained" in summary and summary["rounds_trained"] == 0:
+        without = summary.get("rounds_without_update", [])
+        return (f"no round trained: in all {len(without)} round(s) every client failed or its update was rejected "
+                "(e.g. NaN after a too large lr), so the global model is the initial one and its accuracy is no "
+                "result; rounds.jsonl says why each update was rejected")
+    return None
+
+
 def _pct(v: Any) -> str:
     return "-" if v is None else f"{100 * v:.2f}"
 
 
 def summary_table(summary: dict[str, Any], title: str = "") -> str:
-    """The summary as a small markdown table (what the CLI prints and summary.md holds)."""
+    """The summary as a small markdown table (what the CLI prints and summary.md holds), with a line
+    below it for rounds that left the model unchanged and for evaluations some client missed."""
+    notes = _notes(summary)
     if not summary.get("evaluations"):
-        return f"{title}\n(no evaluation recorded)\n" if title else "(no evaluation recorded)\n"
+        text = f"{title}\n(no evaluation recorded)\n" if title else "(no evaluation recorded)\n"
+        return text + "".join(f"\n{note}\n" for note in notes)
     reached = summary["rounds_to_target"]
+    final = summary.get("final_round")
+    final_name = "final mean / worst acc (%)" if final in (None, summary["last_round"]) else \
+        f"final mean / worst acc, round {final} (%)"
     rows = [
         ("mean local-test acc, best 5 evals (%)", _pct(summary["mean_acc_best5"])),
         ("worst client acc, best 5 evals (%)", _pct(summary["worst_acc_best5"])),
         ("pooled local-test acc, best 5 evals (%)", _pct(summary.get("pooled_acc_best5"))),
-        ("final mean / worst acc (%)", f"{_pct(summary['final_mean_acc'])} / {_pct(summary['final_worst_acc'])}"),
+        (final_name, f"{_pct(summary['final_mean_acc'])} / {_pct(summary['final_worst_acc'])}"),
         ("global test acc, best 5 evals (%)", _pct(summary.get("global_acc_best5"))),
         (f"rounds to {_pct(summary['target_acc'])}% mean acc", "not reached" if reached is None else str(reached)),
         ("rounds run", str(summary["last_round"])),
         ("wall time (s)", "-" if summary.get("wall_time_s") is None else f"{summary['wall_time_s']:.1f}"),
     ]
+    if summary.get("partial_evaluations"):
+        rows.append(("evaluations missing a client (not counted)", _rounds(summary["partial_evaluations"])))
+    if summary.get("rounds_without_update"):
+        rows.append(("rounds without update (model unchanged)", _rounds(summary["rounds_without_update"])))
     width = max(len(r[0]) for r in rows)
     lines = [f"### {title}", ""] if title else []
     lines += [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + "".join(f"\n{note}\n" for note in notes)
+
+
+def _rounds(rounds: list[int]) -> str:
+    shown = ", ".join(str(r) for r in rounds[:10])
+    return f"{len(rounds)}: round {shown}{', ...' if len(rounds) > 10 else ''}"
+
+
+def _notes(summary: dict[str, Any]) -> list[str]:
+    notes = []
+    problem = run_problem(summary)
+    if problem:
+        notes.append(f"**Warning: {problem}.**")
+    elif summary.get("rounds_without_update"):
+        notes.append(f"Warning: {len(summary['rounds_without_update'])} round(s) left the global model unchanged "
+                     "(every client failed or its update was rejected; see rounds.jsonl).")
+    if summary.get("evaluations") and not summary.get("complete_evaluations", summary["evaluations"]):
+        notes.append("Warning: no complete evaluation: in every evaluation some client did not answer, so no "
+                     "accuracy figure is reported (metrics.jsonl holds the partial ones).")
+    elif summary.get("partial_evaluations"):
+        notes.append(f"Note: {len(summary['partial_evaluations'])} evaluation(s) missed a client and are not "
+                     "counted in the figures above.")
+    return notes
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -97,7 +171,9 @@ def plot_history(history: list[dict], path: str | Path, title: str = "") -> None
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     rounds = [r["round"] for r in evals]
     ax.plot(rounds, [100 * r["mean_acc"] for r in evals], marker="o", ms=3, label="mean client (local test)")
-    ax.plot(rounds, [100 * r["worst_acc"] for r in evals], marker="v", ms=3, ls="--", label="worst client")
+    w = [(r["round"], 100 * r["worst_acc"]) for r in evals if r.get("worst_acc") is not None]
+    if w:
+        ax.plot(*zip(*w), marker="v", ms=3, ls="--", label="worst client")
     g = [(r["round"], 100 * r["global_acc"]) for r in evals if r.get("global_acc") is not None]
     if g:
         ax.plot(*zip(*g), ls=":", label="global test set")

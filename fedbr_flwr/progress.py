@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from . import jsonsafe
+
 PROGRESS_FILE = "progress.jsonl"
 LEVELS = {"warning": logging.WARNING, "error": logging.ERROR}  # every other kind is logged as INFO
 log = logging.getLogger("flwr")
@@ -28,7 +30,7 @@ class Progress:
     def emit(self, kind: str, message: str, **fields: Any) -> None:
         event = {"kind": kind, **fields, "message": message, "time": round(time.time(), 3)}
         with open(self.path, "a") as f:
-            f.write(json.dumps(event) + "\n")
+            f.write(jsonsafe.dumps(event) + "\n")
         log.log(LEVELS.get(kind, logging.INFO), "[fedbr] %s", message)
 
 

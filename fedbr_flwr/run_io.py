@@ -1,6 +1,6 @@
 """Run files: manifest.json, metrics.jsonl (one line per evaluation), rounds.jsonl (one line per
 round), progress.jsonl (events), summary.json / summary.md and convergence.png, all in the run's output
-directory."""
+directory. Every JSON value that is NaN or infinite is written as ``null`` (``jsonsafe``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
-from .metrics import plot_history, read_jsonl, summarize, summary_table
+from . import jsonsafe
+from .errors import ConfigError
+from .metrics import is_partial, plot_history, read_jsonl, run_problem, summarize, summary_table
 from .progress import Progress
 
 PACKAGES = ("flwr", "torch", "torchvision", "numpy", "ray", "mlxtend", "pyyaml", "matplotlib")
@@ -30,6 +32,35 @@ def resolve_output_dir(cfg: Mapping[str, Any]) -> Path:
         return Path(cfg["output-dir"]).expanduser().resolve()
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return (Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}").resolve()
+
+
+def check_output_dir(out: Path) -> None:
+    """ConfigError, before anything starts, when the run folder cannot be made or written to (a file in
+    its place or in its path, no permission, a read-only disk). The check leaves no trace: folders it
+    made for the probe are removed again."""
+    out = Path(out)
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    probe = out / ".fedbr-write-probe"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except FileExistsError:
+        raise ConfigError(f"output-dir {out} cannot be used: it is a file, not a folder; pick another output-dir "
+                          "or move the file") from None
+    except NotADirectoryError as exc:
+        blocker = next((p for p in out.parents if p.is_file()), exc.filename)
+        raise ConfigError(f"output-dir {out} cannot be made: {blocker} in its path is a file, not a folder; "
+                          "pick another output-dir") from None
+    except OSError as exc:
+        raise ConfigError(f"output-dir {out} is not writable ({exc.strerror}: {exc.filename}); pick another "
+                          "output-dir or make it writable") from None
+    finally:
+        for p in made:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                pass
 
 
 def package_versions() -> dict[str, str]:
@@ -152,13 +183,15 @@ class RunRecorder:
         record = {**record, "wall_time": round(self.elapsed(), 3)}
         self._append(self.metrics_path, record)
         glob = "" if record.get("global_acc") is None else f" | global {100 * record['global_acc']:.2f}%"
+        partial = "" if "clients_expected" not in record or not is_partial(record) else \
+            f" | PARTIAL: {record['clients_evaluated']} of {record['clients_expected']} clients, not in the summary"
         self.progress.emit("eval", f"eval round {record['round']} | mean acc {100 * record['mean_acc']:.2f}% | worst "
-                                   f"{100 * record['worst_acc']:.2f}%{glob} | loss {record['loss']:.4f}",
+                                   f"{100 * record['worst_acc']:.2f}%{glob} | loss {record['loss']:.4f}{partial}",
                            round=record["round"])
         self._write_json("summary.json", self.summary())
 
     def summary(self) -> dict[str, Any]:
-        return summarize(read_jsonl(self.metrics_path), self.cfg["target-acc"])
+        return summarize(read_jsonl(self.metrics_path), self.cfg["target-acc"], read_jsonl(self.rounds_path))
 
     def finalize(self) -> dict[str, Any]:
         history = read_jsonl(self.metrics_path)
@@ -167,13 +200,16 @@ class RunRecorder:
         (self.out_dir / "summary.md").write_text(summary_table(summary, self.title))
         if history:
             plot_history(history, self.out_dir / "convergence.png", self.title)
+        problem = run_problem(summary)
+        if problem:
+            self.progress.emit("error", problem)
         self.progress.emit("summary", f"run files in {self.out_dir}")
         log.info("%s", summary_table(summary, self.title))  # for flower.log; fedbr-run prints summary.md itself
         return summary
 
     def _append(self, path: Path, record: dict) -> None:
         with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(jsonsafe.dumps(record) + "\n")
 
     def _write_json(self, name: str, obj: Any) -> None:
-        write_text_atomically(self.out_dir / name, json.dumps(obj, indent=2, default=str) + "\n")
+        write_text_atomically(self.out_dir / name, jsonsafe.dumps(obj, indent=2, default=str) + "\n")

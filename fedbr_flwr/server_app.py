@@ -10,6 +10,7 @@ from flwr.common import Context
 from flwr.server import Grid, ServerApp, ServerAppComponents, ServerConfig
 from flwr.server.compat import start_grid
 
+from . import runlock
 from .checkpoint import load_checkpoint
 from .config import from_run_config
 from .dataset import load_global_test
@@ -26,7 +27,7 @@ SIMULATION_PULL_INTERVAL_S = 0.02
 # keys a resumed run may change (the run folder and dataset may have moved; resources differ); any other
 # must equal the checkpoint's
 RESUMABLE_KEYS = ("num-rounds", "checkpoint-every", "round-timeout", "min-fit-clients", "eval-every", "output-dir",
-                  "data-dir", "client-cpus", "client-gpus", "engine", "cohorts", "resume", "git-commit")
+                  "data-dir", "download", "client-cpus", "client-gpus", "engine", "cohorts", "resume", "git-commit")
 
 
 def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], rounds_done: int) -> None:
@@ -77,5 +78,7 @@ def main(grid: Grid, context: Context) -> None:
     simulation (a deployment's grid has no such setting and is left as it is)."""
     if hasattr(grid, "pull_interval"):
         grid.pull_interval = SIMULATION_PULL_INTERVAL_S
-    components = server_fn(context)
-    start_grid(grid=grid, config=components.config, strategy=components.strategy)
+    # the writer's lock on the run folder, for the whole run: no second run writes there meanwhile
+    with runlock.hold(resolve_output_dir(from_run_config(context.run_config)), role="writer"):
+        components = server_fn(context)
+        start_grid(grid=grid, config=components.config, strategy=components.strategy)

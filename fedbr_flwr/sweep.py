@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .cli import config_from_settings, prepare, size_resources, supernodes
+from .cli import config_from_settings, finished_run_problem, prepare, size_resources, supernodes
 from .config import ConfigError, load_yaml, parse_override
 from .launcher import RunFailed, run_flower
 from .metrics import read_jsonl, save_accuracy_plot
@@ -123,7 +123,8 @@ def run_all(jobs: list[tuple[str, int, dict[str, Any]]], quiet: bool) -> dict[tu
         try:
             run_flower(cfg, supernodes(cfg), Path(cfg["output-dir"]), echo="none" if quiet else "progress")
             ok = (Path(cfg["output-dir"]) / "summary.json").exists()
-            status[(name, seed)] = "ok" if ok else "failed: no final evaluation"
+            problem = finished_run_problem(Path(cfg["output-dir"])) if ok else "no final evaluation"
+            status[(name, seed)] = f"failed: {problem}" if problem else "ok"
         except (RunFailed, ConfigError) as exc:
             status[(name, seed)] = f"failed: {exc}"
         print(f"fedbr-sweep: {label}: {status[(name, seed)]}", flush=True)
@@ -217,6 +218,8 @@ def plot_comparison(out: Path, names: list[str], seeds: list[int], path: Path, t
         mean_curves, worst_curves = {}, {}
         for seed in seeds:
             for rec in read_jsonl(run_folder(out, name, seed) / "metrics.jsonl"):
+                if rec.get("mean_acc") is None or rec.get("worst_acc") is None:  # null: missing
+                    continue
                 mean_curves.setdefault(rec["round"], []).append(100 * rec["mean_acc"])
                 worst_curves.setdefault(rec["round"], []).append(100 * rec["worst_acc"])
         if not mean_curves:

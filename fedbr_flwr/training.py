@@ -23,7 +23,7 @@ class BatchSampler:
     def __init__(self, data: ClientData, batch_size: int, seed: int):
         self.x, self.y = data.x_train, data.y_train
         self.batch_size = batch_size
-        self.augment = data.augment
+        self.augment, self.border = data.augment, data.border
         self.generator = torch.Generator(device=self.x.device)
         self.generator.manual_seed(seed)
 
@@ -31,7 +31,7 @@ class BatchSampler:
         idx = torch.randint(0, len(self.y), (self.batch_size,), device=self.x.device, generator=self.generator)
         x = self.x[idx]
         if self.augment:
-            x = random_crop_flip(x, self.generator)
+            x = random_crop_flip(x, self.generator, border=self.border)
         return x, self.y[idx]
 
 

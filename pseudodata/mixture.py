@@ -17,7 +17,7 @@ def load_proxy(cfg: Mapping[str, Any]) -> torch.Tensor:
     """The proxy dataset's training images, converted to the run's image shape (channels averaged or
     repeated, resized bilinearly) and normalised with the run's statistics."""
     name = proxy_dataset(cfg)
-    train = load_mnist5k(cfg["seed"])[0] if name == "mnist5k" else load_raw(name, cfg["data-dir"])[0]
+    train = load_mnist5k(cfg["seed"])[0] if name == "mnist5k" else load_raw(name, cfg["data-dir"], cfg["download"])[0]
     x = to_float(train.x)  # (N, C, H, W) in [0, 1]
     target = INFO[cfg["dataset"]]
     if x.shape[1] != target.in_channels:

@@ -224,6 +224,13 @@ def test_batch_sampler_augments_when_asked():
     assert torch.equal(plain_y, y)  # labels drawn the same way
 
 
+def test_batch_sampler_pads_crops_with_the_clients_border_value():
+    data = client_data(n=4, augment=True, channels=3, size=8)
+    data.border = (9.0, 9.0, 9.0)
+    x, _ = BatchSampler(data, 64, seed=0)()
+    assert (x == 9.0).any() and not (x == 0.0).any()
+
+
 def test_step_seed_stable_and_distinct():
     assert step_seed(0, 1, 2) == step_seed(0, 1, 2)
     assert len({step_seed(0, r, c) for r in range(5) for c in range(5)}) == 25

@@ -98,7 +98,7 @@ def test_missing_or_corrupt_checkpoint_stops_with_a_clear_message(tmp_path):
     with pytest.raises(ConfigError, match="no checkpoint to resume from"):
         load_checkpoint(tmp_path)
     (tmp_path / CHECKPOINT_NAME).write_bytes(b"not a zip file")
-    with pytest.raises(ConfigError, match="unreadable"):
+    with pytest.raises(ConfigError, match="damaged or truncated"):
         load_checkpoint(tmp_path)
 
 

@@ -94,9 +94,8 @@ def test_unknown_strategy_lists_valid_names():
 
 
 @pytest.mark.parametrize("dataset", ["mnist", "cifar10", "cifar100"])
-def test_file_datasets_need_data_dir(dataset):
-    with pytest.raises(ConfigError, match="data-dir"):
-        validate({"dataset": dataset})
+def test_file_datasets_default_to_the_data_folder(dataset):
+    assert validate({"dataset": dataset})["data-dir"] == ""  # FEDBR_DATA_DIR or the cache folder, when read
     assert validate({"dataset": dataset, "data-dir": "/somewhere"})["data-dir"] == "/somewhere"
 
 

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import gzip
-import pickle
-import struct
-
 import numpy as np
 import pytest
 import torch
 
+from datafiles import mnist_arrays, trust_cifar, trust_mnist, write_cifar, write_mnist
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import (INFO, cifar_angle_prior, client_angle, client_indices, image_angles, load_cifar,
                                 load_client_data, load_global_test, load_mnist, load_raw, make_partition,
-                                normalise, random_crop_flip, rotate, to_float)
+                                normalise, normalised_black, random_crop_flip, rotate, to_float)
 
 
 # ---------------------------------------------------------------- rotation domains and client data
@@ -110,109 +107,75 @@ def test_global_test_rotated_when_num_clients_unresolved():
 # ---------------------------------------------------------------- raw loaders: missing files
 
 
-def test_load_mnist_missing_mentions_path_and_data_dir():
+def test_load_mnist_missing_mentions_path_and_data_dir(tmp_path):
     with pytest.raises(ConfigError) as err:
-        load_mnist("/nonexistent")
+        load_mnist(str(tmp_path / "nonexistent"), download="never")
     msg = str(err.value)
-    assert "/nonexistent/MNIST/raw" in msg
+    assert f"{tmp_path / 'nonexistent'}" in msg and "MNIST/raw" in msg
     assert "data-dir" in msg
 
 
 def test_load_cifar_missing_mentions_folder(tmp_path):
     with pytest.raises(ConfigError) as err:
-        load_cifar("cifar10", str(tmp_path))
+        load_cifar("cifar10", str(tmp_path), download="never")
     assert "cifar-10-batches-py" in str(err.value)
     assert "data-dir" in str(err.value)
     with pytest.raises(ConfigError, match="cifar-100-python"):
-        load_cifar("cifar100", str(tmp_path))
+        load_cifar("cifar100", str(tmp_path), download="never")
 
 
-def test_load_cifar_partial_download_names_missing_file(tmp_path):
-    folder = tmp_path / "cifar-10-batches-py"
-    folder.mkdir()
-    _write_cifar_batch(folder / "data_batch_1", np.random.default_rng(0), 5, b"labels", 10)
+def test_load_cifar_partial_download_names_missing_file(tmp_path, monkeypatch):
+    write_cifar(tmp_path, "cifar10")
+    trust_cifar(monkeypatch, tmp_path, "cifar10")
+    for i in range(2, 6):
+        (tmp_path / "cifar-10-batches-py" / f"data_batch_{i}").unlink()
     with pytest.raises(ConfigError, match="data_batch_2"):
-        load_cifar("cifar10", str(tmp_path))
+        load_cifar("cifar10", str(tmp_path), download="never")
 
 
-# ---------------------------------------------------------------- raw loaders: synthetic files
+# ---------------------------------------------------------------- raw loaders: synthetic files (tests/datafiles.py)
 
 
-def _write_cifar_batch(path, rng, n, key, num_classes):
-    data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
-    labels = rng.integers(0, num_classes, size=n).tolist()
-    with open(path, "wb") as f:
-        pickle.dump({b"data": data, key: labels}, f)
-    return data, labels
-
-
-def test_load_cifar10_synthetic(tmp_path):
-    rng = np.random.default_rng(0)
-    folder = tmp_path / "cifar-10-batches-py"
-    folder.mkdir()
-    datas, labels = [], []
-    for i in range(1, 6):
-        d, l = _write_cifar_batch(folder / f"data_batch_{i}", rng, 20, b"labels", 10)
-        datas.append(d)
-        labels += l
-    td, tl = _write_cifar_batch(folder / "test_batch", rng, 20, b"labels", 10)
-    train, test = load_cifar("cifar10", str(tmp_path))
+def test_load_cifar10_synthetic(tmp_path, monkeypatch):
+    (rows, labels), (test_rows, test_labels) = write_cifar(tmp_path, "cifar10", per_file=20)
+    trust_cifar(monkeypatch, tmp_path, "cifar10")
+    train, test = load_cifar("cifar10", str(tmp_path), download="never")
     assert train.x.shape == (100, 3, 32, 32) and train.x.dtype == np.uint8
     assert test.x.shape == (20, 3, 32, 32)
     assert train.y.dtype == np.int64
     np.testing.assert_array_equal(train.y, labels)
-    np.testing.assert_array_equal(test.y, tl)
-    rows = np.concatenate(datas)
+    np.testing.assert_array_equal(test.y, test_labels)
     for i in (0, 37, 99):
         np.testing.assert_array_equal(rows[i].reshape(3, 32, 32), train.x[i])
     # channel-major layout: first 1024 bytes are the red plane
     np.testing.assert_array_equal(train.x[5, 0].ravel(), rows[5, :1024])
-    np.testing.assert_array_equal(test.x[3], td[3].reshape(3, 32, 32))
+    np.testing.assert_array_equal(test.x[3], test_rows[3].reshape(3, 32, 32))
+    assert train.x.flags.c_contiguous
 
 
-def test_load_cifar100_synthetic(tmp_path):
-    rng = np.random.default_rng(1)
-    folder = tmp_path / "cifar-100-python"
-    folder.mkdir()
-    d, l = _write_cifar_batch(folder / "train", rng, 30, b"fine_labels", 100)
-    td, tl = _write_cifar_batch(folder / "test", rng, 10, b"fine_labels", 100)
-    train, test = load_cifar("cifar100", str(tmp_path))
-    assert train.x.shape == (30, 3, 32, 32) and test.x.shape == (10, 3, 32, 32)
-    np.testing.assert_array_equal(train.y, l)
-    np.testing.assert_array_equal(test.y, tl)
-    np.testing.assert_array_equal(train.x[7], d[7].reshape(3, 32, 32))
-
-
-def _idx_bytes(arr: np.ndarray, magic: int) -> bytes:
-    header = struct.pack(">I", magic) + b"".join(struct.pack(">I", s) for s in arr.shape)
-    return header + arr.astype(np.uint8).tobytes()
+def test_load_cifar100_synthetic(tmp_path, monkeypatch):
+    (rows, labels), (_, test_labels) = write_cifar(tmp_path, "cifar100", per_file=30, seed=1)
+    trust_cifar(monkeypatch, tmp_path, "cifar100")
+    train, test = load_cifar("cifar100", str(tmp_path), download="never")
+    assert train.x.shape == (30, 3, 32, 32) and test.x.shape == (30, 3, 32, 32)
+    np.testing.assert_array_equal(train.y, labels)
+    np.testing.assert_array_equal(test.y, test_labels)
+    np.testing.assert_array_equal(train.x[7], rows[7].reshape(3, 32, 32))
 
 
 @pytest.mark.parametrize("gz", [True, False], ids=["gzipped", "plain"])
-def test_load_mnist_idx_files(tmp_path, gz):
-    rng = np.random.default_rng(0)
+def test_load_mnist_idx_files(tmp_path, monkeypatch, gz):
     raw = tmp_path / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    arrays = {
-        "train-images-idx3-ubyte": (rng.integers(0, 256, (12, 28, 28), dtype=np.uint8), 0x00000803),
-        "train-labels-idx1-ubyte": (rng.integers(0, 10, 12).astype(np.uint8), 0x00000801),
-        "t10k-images-idx3-ubyte": (rng.integers(0, 256, (5, 28, 28), dtype=np.uint8), 0x00000803),
-        "t10k-labels-idx1-ubyte": (rng.integers(0, 10, 5).astype(np.uint8), 0x00000801),
-    }
-    for name, (arr, magic) in arrays.items():
-        payload = _idx_bytes(arr, magic)
-        if gz:
-            with gzip.open(raw / f"{name}.gz", "wb") as f:
-                f.write(payload)
-        else:
-            (raw / name).write_bytes(payload)
-    train, test = load_mnist(str(tmp_path))
+    arrays = mnist_arrays(n_train=12, n_test=5)
+    write_mnist(raw, arrays, gz=gz)
+    trust_mnist(monkeypatch, raw)
+    train, test = load_mnist(str(tmp_path), download="never")
     assert train.x.shape == (12, 1, 28, 28) and test.x.shape == (5, 1, 28, 28)
     assert train.x.dtype == np.uint8 and train.y.dtype == np.int64
-    np.testing.assert_array_equal(train.x[:, 0], arrays["train-images-idx3-ubyte"][0])
-    np.testing.assert_array_equal(train.y, arrays["train-labels-idx1-ubyte"][0])
-    np.testing.assert_array_equal(test.x[:, 0], arrays["t10k-images-idx3-ubyte"][0])
-    np.testing.assert_array_equal(test.y, arrays["t10k-labels-idx1-ubyte"][0])
+    np.testing.assert_array_equal(train.x[:, 0], arrays["train-images-idx3-ubyte"])
+    np.testing.assert_array_equal(train.y, arrays["train-labels-idx1-ubyte"])
+    np.testing.assert_array_equal(test.x[:, 0], arrays["t10k-images-idx3-ubyte"])
+    np.testing.assert_array_equal(test.y, arrays["t10k-labels-idx1-ubyte"])
     assert train.x.flags.writeable
 
 
@@ -244,6 +207,19 @@ def test_random_crop_flip_is_a_crop_of_the_padded_input():
     assert torch.equal(out, again)
     other = random_crop_flip(x, torch.Generator().manual_seed(43), pad=4)
     assert not torch.equal(out, other)
+
+
+def test_random_crop_pads_with_the_normalised_black_pixel():
+    # torchvision's order is crop, flip, then normalise: the padding is black before normalisation
+    info = INFO["cifar100"]
+    border = normalised_black(info)
+    assert border == pytest.approx([-m / s for m, s in zip(info.mean, info.std)], rel=1e-6)
+    x = torch.full((200, 3, 8, 8), 5.0)
+    out = random_crop_flip(x, torch.Generator().manual_seed(0), pad=4, border=border)
+    padding = out != 5.0
+    assert padding.any()
+    for c in range(3):
+        assert torch.all(out[:, c][padding[:, c]] == torch.tensor(border[c]))
 
 
 def test_random_crop_flip_covers_offsets_and_flips():

@@ -191,3 +191,166 @@ def test_supernode_data_dir_overrides_the_runs_and_gpu_pins_the_worker(tmp_path,
     monkeypatch.setattr(dep, "start", start)
     deploy.start_worker(dep, "worker-0", tmp_path / "w.sock", "3")
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+@pytest.mark.e2e
+def test_sigkill_of_fedbr_deploy_local_stops_every_process_and_removes_its_temporary_home(tmp_path):
+    """SIGKILL of `fedbr-deploy local`'s process group after round 1: the SuperLink, SuperNodes, workers and
+    all they started die within seconds, no port listens, the run folder stops growing, and the temporary
+    folder with the Flower home, certificates and worker sockets is removed."""
+    import re
+
+    import procs
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fedbr_flwr.deploy", "local", "--supernodes", "2",
+                             "num-rounds=200", "local-steps=2", "batch-size=8", f"output-dir={out}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    snapshot: dict[int, int] = {}
+    try:
+        printed = []
+        for line in proc.stdout:
+            printed.append(line)
+            if "[fedbr] round 1/" in line:
+                break
+        assert "[fedbr] round 1/" in printed[-1], "".join(printed[-30:])
+        home = Path(re.search(r"--address (\S+)/worker-0\.sock", "".join(printed)).group(1))
+        snapshot = procs.tree(proc.pid)
+        ports = procs.listening(snapshot)
+        assert home.is_dir() and len(ports) >= 3 and len(snapshot) > 8
+
+        procs.kill_group(proc)
+        left, still_open = procs.wait_gone(snapshot, ports, timeout_s=10)
+        assert not left and not still_open, (left, still_open)
+        sizes = procs.file_sizes(out)
+        time.sleep(2)
+        assert procs.file_sizes(out) == sizes
+        assert not home.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        procs.stop_all(snapshot)
+
+
+@pytest.fixture
+def no_process(monkeypatch):
+    """Starting a process (a worker, a SuperNode, a local deployment) fails the test: the command must stop
+    before that."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(deploy.Deployment, "start", refuse)
+    monkeypatch.setattr(deploy, "local_deployment", refuse)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["local", "--supernodes", "0"], "--supernodes 0: a run needs at least one SuperNode"),
+    (["local", "--supernodes", "-2"], "--supernodes -2: a run needs at least one SuperNode"),
+    (["supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "5", "--num-partitions", "2"],
+     "--partition-id 5 --num-partitions 2: need num-partitions >= 1 and 0 <= partition-id < num-partitions"),
+    (["supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "-1", "--num-partitions", "2"],
+     "0 <= partition-id < num-partitions"),
+    (["supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "0", "--num-partitions", "0"],
+     "need num-partitions >= 1"),
+])
+def test_impossible_node_counts_stop_before_any_process_starts(tmp_path, capsys, no_process, args, message):
+    args = [*args, f"output-dir={tmp_path / 'run'}"] if args[0] == "local" else [*args, "--state-dir", str(tmp_path)]
+    assert deploy.main(args) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_certs_for_a_negative_number_of_supernodes_is_refused_and_writes_nothing(tmp_path, capsys):
+    assert deploy.main(["certs", str(tmp_path / "keys"), "--supernodes", "-1"]) == 2
+    assert "--supernodes -1" in capsys.readouterr().err
+    assert not (tmp_path / "keys").exists()
+
+
+@pytest.fixture
+def tls_server(tmp_path):
+    """A TLS server on 127.0.0.1 with a certificate from `fedbr-deploy certs`; yields its HOST:PORT."""
+    import socket
+    import ssl
+
+    certs = tmp_path / "server-certs"
+    deploy.make_certificates(certs, ["127.0.0.1"], 0)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs / deploy.SERVER_CERT, certs / deploy.SERVER_KEY)
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            try:
+                with context.wrap_socket(conn, server_side=True) as tls:
+                    tls.recv(1)
+            except OSError:
+                pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def plain_server():
+    """A plaintext server on 127.0.0.1 that answers anything with an HTTP error; yields its HOST:PORT."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.recv(1024)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+                except OSError:
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+
+
+def test_an_insecure_supernode_for_a_tls_superlink_says_to_give_the_certificates(tmp_path, capsys, no_process,
+                                                                               tls_server):
+    code = deploy.main(["supernode", "--insecure", "--superlink", tls_server, "--partition-id", "0",
+                        "--num-partitions", "1", "--state-dir", str(tmp_path / "node")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"the SuperLink at {tls_server} speaks TLS, but this SuperNode was started with --insecure" in err
+    assert "--certs DIR" in err and "--root-certificates" in err
+
+
+def test_repeated_connection_failures_in_a_supernode_log_give_a_hint(tmp_path, tls_server, plain_server):
+    def fail(times):
+        with open(log, "a") as f:
+            f.write("WARNING : Connection attempt failed, retrying in 1.2 seconds\n" * times)
+
+    log = tmp_path / "supernode-0.log"
+    log.write_text("WARNING : Connection attempt failed, retrying in 1.2 seconds\n" * 5)  # an earlier SuperNode's
+    watch = deploy.ConnectionWatch(log, tls_server, tls=False)
+    fail(2)
+    assert watch() is None  # two failures: too early to tell
+    fail(1)
+    assert "speaks TLS, but this SuperNode was started with --insecure" in watch()
+    fail(3)
+    assert watch() is None  # said once
+    for superlink, tls, says in [(plain_server, True, "does not answer TLS (started with --insecure?)"),
+                                 ("127.0.0.1:9", False, "keeps failing to connect to the SuperLink at 127.0.0.1:9")]:
+        watch = deploy.ConnectionWatch(log, superlink, tls)
+        fail(3)
+        assert says in watch()
+    assert deploy.speaks_tls(tls_server) is True and deploy.speaks_tls(plain_server) is False

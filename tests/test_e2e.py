@@ -263,3 +263,57 @@ def test_a_killed_cohort_run_resumes_rejects_a_nan_member_and_equals_the_client_
     for name in ("rounds.jsonl", "metrics.jsonl"):
         want = records_without_timing(tmp_path / "clients" / name)
         close_json(records_without_timing(out / name), want, name, exact=False)
+
+
+def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_folder(tmp_path, capsys):
+    """SIGKILL (no cleanup code runs) of fedbr-run's process group after round 1: within seconds no process it
+    started is left, no port listens, the run folder stops growing and its temporary FLWR_HOME is gone. While
+    it ran, a second fedbr-run on its folder (--overwrite, --resume) was refused naming the folder and pid."""
+    import procs
+
+    before = flower_processes()
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fedbr_flwr.cli", "num-clients=2", "num-rounds=200",
+                             "local-steps=2", "batch-size=8", f"output-dir={out}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    snapshot: dict[int, int] = {}
+    try:
+        printed = []
+        for line in proc.stdout:
+            printed.append(line)
+            if "[fedbr] round 1/" in line:
+                break
+        assert "[fedbr] round 1/" in printed[-1], "".join(printed[-30:])
+        snapshot = procs.tree(proc.pid)
+        ports = procs.listening(snapshot)
+        homes = {Path(a).parent for p in snapshot for a in _cmdline(p) if "fedbr-flwr-home-" in a}
+        assert ports and homes and len(snapshot) > 5
+        # the ServerApp, which writes the run files, holds the writer's lock
+        assert int((out / ".fedbr-writer.lock").read_text()) in snapshot
+
+        for args in (["--overwrite", f"output-dir={out}", "num-clients=2", "--dry-run"], ["--resume", str(out)]):
+            assert cli.main(args) == 2, args
+            err = capsys.readouterr().err
+            assert f"{out} is in use by a live run: pid {proc.pid}" in err, err
+
+        procs.kill_group(proc)
+        left, still_open = procs.wait_gone(snapshot, ports, timeout_s=10)
+        assert not left and not still_open, (left, still_open)
+        sizes = procs.file_sizes(out)
+        time.sleep(2)
+        assert procs.file_sizes(out) == sizes  # nothing trains on into the folder
+        assert not [h for h in homes if h.exists()]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        procs.stop_all(snapshot)
+    assert flower_processes() <= before
+    # the dead run's locks do not block: the folder may be overwritten now
+    assert cli.main(["--overwrite", f"output-dir={out}", "num-clients=2", "--dry-run"]) == 0
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []

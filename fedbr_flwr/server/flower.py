@@ -13,7 +13,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.strategy import Strategy
 
 from .. import payload
-from ..dataset import save_partition
+from ..dataset import FILE_DATASETS, data_folder, save_partition
 from ..errors import ConfigError
 from ..training import evaluate, load_module_arrays
 from .checkpointing import Checkpointer
@@ -157,6 +157,8 @@ class FlowerStrategy(Strategy):
             raise ConfigError(f"the clients' partition (hash {self.federation.partition_hash}) differs from the "
                               f"server's ({server_hash}): check that both use the same dataset files and config")
         extra = self.after_discovery()
+        if self.cfg["dataset"] in FILE_DATASETS:  # where this machine read it (clients resolve their own)
+            extra = {"data_folder": str(data_folder(self.cfg["data-dir"])), **extra}
         self.recorder.write_manifest(partition_hash=server_hash, num_partitions=num,
                                      **self.federation.partition_stats(), **extra)
         self.recorder.progress.emit("start", f"{num} clients found; writing run files to {self.recorder.out_dir}")

@@ -37,10 +37,13 @@ def round_record(server_round: int, accepted: list[ClientUpdate], failures: int,
 def eval_record(server_round: int, results: list[tuple[int, float, int, float]], failures: int,
                 all_pids: list[int], train: dict[str, float], global_result: tuple[float | None, float | None]
                 ) -> dict[str, Any]:
-    """One metrics.jsonl line from (partition id, loss, test samples, accuracy) of each client that answered."""
+    """One metrics.jsonl line from (partition id, loss, test samples, accuracy) of each client that answered.
+    ``clients_evaluated`` of ``clients_expected`` says whether it is complete: the accuracies of an
+    evaluation some client missed are over the others only (the summary does not count it)."""
     per_client = {pid: acc for pid, _, _, acc in results}
     n = sum(num for _, _, num, _ in results)
     accs = list(per_client.values())
+    missing = sorted(set(all_pids) - set(per_client))
     global_loss, global_acc = global_result
     return {
         "round": server_round,
@@ -53,5 +56,7 @@ def eval_record(server_round: int, results: list[tuple[int, float, int, float]],
         "train": train,
         "per_client_acc": {str(k): per_client[k] for k in sorted(per_client)},
         "eval_failures": failures,
-        **({"eval_failed_clients": sorted(set(all_pids) - set(per_client))} if failures else {}),
+        "clients_evaluated": len(per_client),
+        "clients_expected": len(set(all_pids) | set(per_client)),
+        **({"eval_failed_clients": missing} if failures or missing else {}),
     }

@@ -1,0 +1,28 @@
+"""Strict JSON for every file a run writes (metrics.jsonl, rounds.jsonl, progress.jsonl, summary.json,
+manifest.json): NaN and +-Infinity, which Python's ``json`` would write as bare ``NaN``/``Infinity``
+tokens that strict readers (``jq``, JavaScript, pandas with a strict parser) reject, are written as
+``null``. Readers treat ``null`` as a missing value."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+
+def finite_or_none(obj: Any) -> Any:
+    """``obj`` with every non-finite float (in dicts, lists and tuples, at any depth) replaced by None."""
+    if isinstance(obj, (float, np.floating)):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps`` that writes ``null`` for NaN and +-Infinity (and never a bare NaN token)."""
+    return json.dumps(finite_or_none(obj), allow_nan=False, **kwargs)

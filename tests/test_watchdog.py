@@ -1,0 +1,90 @@
+"""A command killed with SIGKILL takes every process it started along (fedbr_flwr/watchdog.py)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import procs
+
+PARENT = """
+import sys, tempfile, time
+from fedbr_flwr import watchdog
+
+home = tempfile.mkdtemp(prefix="fedbr-watchdog-test-")
+watchdog.watch_path(home)
+# a session of its own with a child that left the session and an orphan that stayed in it
+watchdog.spawn(["sh", "-c", "setsid sleep 7771 & (sleep 7772 &); sleep 7773"], start_new_session=True)
+watchdog.spawn(["sh", "-c", "sleep 7774"])  # in this process's session: only its own tree is killed
+done = watchdog.spawn(["sleep", "7775"], start_new_session=True)
+done.kill(); done.wait(); watchdog.unwatch(done.pid)  # stopped and unregistered by the command itself
+print(home, flush=True)
+time.sleep(300)
+"""
+
+
+def sleepers() -> dict[int, int]:
+    """The test's `sleep 777x` processes: pid -> start time."""
+    out = {}
+    for pid, (_, _, start) in procs.proc_table().items():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd[:1] == [b"sleep"] and cmd[1:2] and cmd[1].startswith(b"777"):
+            out[pid] = start
+    return out
+
+
+def test_sigkill_of_the_command_kills_what_it_started_and_removes_its_folders(tmp_path):
+    bystander = subprocess.Popen(["sleep", "8889"], start_new_session=True)  # not the command's: must survive
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+    started: dict[int, int] = {}
+    try:
+        home = Path(parent.stdout.readline().strip())
+        deadline = time.time() + 10
+        while len(started) < 4 and time.time() < deadline:  # 7771-7774 (7775 was stopped)
+            started = sleepers()
+            time.sleep(0.05)
+        assert len(started) == 4 and home.is_dir()
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        left, _ = procs.wait_gone(started, set(), timeout_s=5)
+        assert not left
+        deadline = time.time() + 5
+        while home.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert not home.exists()
+        assert bystander.poll() is None
+    finally:
+        parent.kill()
+        procs.stop_all(started)
+        bystander.kill()
+        bystander.wait()
+
+
+def test_a_temporary_folder_whose_owner_and_watchdog_both_died_is_removed_by_the_next_command(tmp_path,
+                                                                                               monkeypatch):
+    """kill -9 of the command *and* its watchdog leaves the folder; the next command with that prefix removes
+    it, and keeps those of live commands and folders that are not ours."""
+    import tempfile
+
+    from fedbr_flwr import watchdog
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale, reused, live, foreign = (tmp_path / f"fedbr-test-{n}" for n in ("stale", "reused", "live", "foreign"))
+    for d in (stale, reused, live, foreign):
+        d.mkdir()
+    me = procs.proc_stat(os.getpid())
+    (stale / watchdog.OWNER_FILE).write_text(f"{2**22 + 1} 1\n")  # above any pid_max: no such process
+    (reused / watchdog.OWNER_FILE).write_text(f"{os.getpid()} {me[2] - 1}\n")  # its pid now names another process
+    (live / watchdog.OWNER_FILE).write_text(f"{os.getpid()} {me[2]}\n")
+    made = watchdog.temp_dir("fedbr-test-")
+    try:
+        assert made.is_dir() and not stale.exists() and not reused.exists() and live.exists() and foreign.exists()
+        assert (made / watchdog.OWNER_FILE).read_text().split()[0] == str(os.getpid())
+    finally:
+        watchdog.unwatch_path(made)
