@@ -255,11 +255,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fedbr-run: error: the run ended without a final evaluation (did every client fail?); "
               f"see {out / 'flower.log'}", file=sys.stderr)
         return 1
-    print("\n" + summary_md.read_text())
-    print(f"run files: {out} (metrics.jsonl, rounds.jsonl, manifest.json, summary.json, convergence.png)")
+    return print_result(out, "fedbr-run", "(metrics.jsonl, rounds.jsonl, manifest.json, summary.json, convergence.png)")
+
+
+def print_result(out: Path, command: str, files: str = "") -> int:
+    """Print a finished run's summary.md; the exit code: 1 (with one line saying why) when no round trained."""
+    print("\n" + (out / "summary.md").read_text())
+    print(f"run files: {out}" + (f" {files}" if files else ""))
     problem = finished_run_problem(out)
     if problem:
-        print(f"fedbr-run: error: {problem}", file=sys.stderr)
+        print(f"{command}: error: {problem}", file=sys.stderr)
         return 1
     return 0
 

@@ -299,19 +299,12 @@ def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -
 
 def _print_result(out: Path) -> int:
     """Print the run's summary; the exit code: 1 when the run trained no round (fedbr-run's rule)."""
-    from .cli import finished_run_problem
+    from .cli import print_result
 
-    summary = out / "summary.md"
-    if not summary.exists():
+    if not (out / "summary.md").exists():
         print(f"fedbr-deploy: the run's files are on the SuperLink's machine, in {out}")
         return 0
-    print("\n" + summary.read_text())
-    print(f"run files: {out}")
-    problem = finished_run_problem(out)
-    if problem:
-        print(f"fedbr-deploy: error: {problem}", file=sys.stderr)
-        return 1
-    return 0
+    return print_result(out, "fedbr-deploy")
 
 
 def _check_supernodes(n: int) -> None:

@@ -5,26 +5,12 @@ import os
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+from fedbr_flwr.watchdog import proc_stat, proc_table
 
-
-def proc_stat(pid: int):
-    """(parent pid, session id, start time) of a live process; None if gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else (int(fields[1]), int(fields[3]), int(fields[19]))
-
-
-def proc_table() -> dict:
-    """Every live process: pid -> ``proc_stat``."""
-    table = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (info := proc_stat(int(entry.name))) is not None:
-            table[int(entry.name)] = info
-    return table
+FIRST_ROUND = "[fedbr] round 1/"
 
 
 def tree(pid: int) -> dict[int, int]:
@@ -113,3 +99,38 @@ def stop_all(pids: dict[int, int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@contextmanager
+def command_at_first_round(command: list[str]):
+    """Start ``command`` in a session of its own and read its output up to its first round line; yields
+    (the process, the lines it printed, its processes: pid -> start time). Whatever is left of them is
+    killed on exit, also when the test fails."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    snapshot: dict[int, int] = {}
+    try:
+        printed = []
+        for line in proc.stdout:
+            printed.append(line)
+            if FIRST_ROUND in line:
+                break
+        assert printed and FIRST_ROUND in printed[-1], "".join(printed[-30:])
+        snapshot.update(tree(proc.pid))
+        yield proc, printed, snapshot
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stop_all(snapshot)
+
+
+def kill_and_check_nothing_is_left(proc: subprocess.Popen, snapshot: dict[int, int], ports: set[int],
+                                   out: Path) -> None:
+    """SIGKILL the command's process group: within seconds none of its processes lives, none of its ports
+    listens, and its run folder stops growing (nothing trains on into it)."""
+    kill_group(proc)
+    left, still_open = wait_gone(snapshot, ports, timeout_s=10)
+    assert not left and not still_open, (left, still_open)
+    sizes = file_sizes(out)
+    time.sleep(2)
+    assert file_sizes(out) == sizes

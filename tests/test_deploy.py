@@ -203,33 +203,14 @@ def test_sigkill_of_fedbr_deploy_local_stops_every_process_and_removes_its_tempo
     import procs
 
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "fedbr_flwr.deploy", "local", "--supernodes", "2",
-                             "num-rounds=200", "local-steps=2", "batch-size=8", f"output-dir={out}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    snapshot: dict[int, int] = {}
-    try:
-        printed = []
-        for line in proc.stdout:
-            printed.append(line)
-            if "[fedbr] round 1/" in line:
-                break
-        assert "[fedbr] round 1/" in printed[-1], "".join(printed[-30:])
+    command = [sys.executable, "-m", "fedbr_flwr.deploy", "local", "--supernodes", "2", "num-rounds=200",
+               "local-steps=2", "batch-size=8", f"output-dir={out}"]
+    with procs.command_at_first_round(command) as (proc, printed, snapshot):
         home = Path(re.search(r"--address (\S+)/worker-0\.sock", "".join(printed)).group(1))
-        snapshot = procs.tree(proc.pid)
         ports = procs.listening(snapshot)
         assert home.is_dir() and len(ports) >= 3 and len(snapshot) > 8
-
-        procs.kill_group(proc)
-        left, still_open = procs.wait_gone(snapshot, ports, timeout_s=10)
-        assert not left and not still_open, (left, still_open)
-        sizes = procs.file_sizes(out)
-        time.sleep(2)
-        assert procs.file_sizes(out) == sizes
+        procs.kill_and_check_nothing_is_left(proc, snapshot, ports, out)
         assert not home.exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        procs.stop_all(snapshot)
 
 
 @pytest.fixture

@@ -273,18 +273,9 @@ def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_fol
 
     before = flower_processes()
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "fedbr_flwr.cli", "num-clients=2", "num-rounds=200",
-                             "local-steps=2", "batch-size=8", f"output-dir={out}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    snapshot: dict[int, int] = {}
-    try:
-        printed = []
-        for line in proc.stdout:
-            printed.append(line)
-            if "[fedbr] round 1/" in line:
-                break
-        assert "[fedbr] round 1/" in printed[-1], "".join(printed[-30:])
-        snapshot = procs.tree(proc.pid)
+    command = [sys.executable, "-m", "fedbr_flwr.cli", "num-clients=2", "num-rounds=200", "local-steps=2",
+               "batch-size=8", f"output-dir={out}"]
+    with procs.command_at_first_round(command) as (proc, _, snapshot):
         ports = procs.listening(snapshot)
         homes = {Path(a).parent for p in snapshot for a in _cmdline(p) if "fedbr-flwr-home-" in a}
         assert ports and homes and len(snapshot) > 5
@@ -296,17 +287,8 @@ def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_fol
             err = capsys.readouterr().err
             assert f"{out} is in use by a live run: pid {proc.pid}" in err, err
 
-        procs.kill_group(proc)
-        left, still_open = procs.wait_gone(snapshot, ports, timeout_s=10)
-        assert not left and not still_open, (left, still_open)
-        sizes = procs.file_sizes(out)
-        time.sleep(2)
-        assert procs.file_sizes(out) == sizes  # nothing trains on into the folder
+        procs.kill_and_check_nothing_is_left(proc, snapshot, ports, out)
         assert not [h for h in homes if h.exists()]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        procs.stop_all(snapshot)
     assert flower_processes() <= before
     # the dead run's locks do not block: the folder may be overwritten now
     assert cli.main(["--overwrite", f"output-dir={out}", "num-clients=2", "--dry-run"]) == 0
