@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -247,40 +248,10 @@ def test_certs_for_a_negative_number_of_supernodes_is_refused_and_writes_nothing
     assert not (tmp_path / "keys").exists()
 
 
-@pytest.fixture
-def tls_server(tmp_path):
-    """A TLS server on 127.0.0.1 with a certificate from `fedbr-deploy certs`; yields its HOST:PORT."""
-    import socket
-    import ssl
-
-    certs = tmp_path / "server-certs"
-    deploy.make_certificates(certs, ["127.0.0.1"], 0)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(certs / deploy.SERVER_CERT, certs / deploy.SERVER_KEY)
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def serve():
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            try:
-                with context.wrap_socket(conn, server_side=True) as tls:
-                    tls.recv(1)
-            except OSError:
-                pass
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield f"127.0.0.1:{server.getsockname()[1]}"
-    finally:
-        server.close()
-
-
-@pytest.fixture
-def plain_server():
-    """A plaintext server on 127.0.0.1 that answers anything with an HTTP error; yields its HOST:PORT."""
+@contextmanager
+def local_server(answer):
+    """A server on 127.0.0.1 calling ``answer(conn)`` on each connection in a thread; yields its HOST:PORT
+    and closes it on exit."""
     import socket
 
     server = socket.create_server(("127.0.0.1", 0))
@@ -293,8 +264,7 @@ def plain_server():
                 return
             with conn:
                 try:
-                    conn.recv(1024)
-                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+                    answer(conn)
                 except OSError:
                     pass
 
@@ -303,6 +273,35 @@ def plain_server():
         yield f"127.0.0.1:{server.getsockname()[1]}"
     finally:
         server.close()
+
+
+@pytest.fixture
+def tls_server(tmp_path):
+    """A TLS server with a certificate from `fedbr-deploy certs`."""
+    import ssl
+
+    certs = tmp_path / "server-certs"
+    deploy.make_certificates(certs, ["127.0.0.1"], 0)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs / deploy.SERVER_CERT, certs / deploy.SERVER_KEY)
+
+    def handshake(conn):
+        with context.wrap_socket(conn, server_side=True) as tls:
+            tls.recv(1)
+
+    with local_server(handshake) as address:
+        yield address
+
+
+@pytest.fixture
+def plain_server():
+    """A plaintext server that answers anything with an HTTP error."""
+    def refuse(conn):
+        conn.recv(1024)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+
+    with local_server(refuse) as address:
+        yield address
 
 
 def test_an_insecure_supernode_for_a_tls_superlink_says_to_give_the_certificates(tmp_path, capsys, no_process,
