@@ -80,3 +80,17 @@ def run_python(code: str) -> str:
 def test_the_worker_and_the_client_app_import_no_circle_and_the_client_app_no_torch():
     assert run_python("import sys, fedbr_flwr.worker; print('fedbr_flwr.client_app' in sys.modules)").strip() == "False"
     assert run_python("import sys, fedbr_flwr.client_app; print('torch' in sys.modules)").strip() == "False"
+
+
+USER_FACING = ("README.md", "pyproject.toml", "docs", "experiments", "fedbr_flwr", "clients", "strategies", "pseudodata")
+
+
+def test_nothing_a_user_runs_or_reads_points_outside_the_repository():
+    """Users clone the repository alone: no README, doc, experiment file or code names the workshop beside it."""
+    files = [p for name in USER_FACING for p in ([ROOT / name] if (ROOT / name).is_file() else
+                                                 sorted((ROOT / name).rglob("*")))
+             if p.is_file() and p.suffix in (".md", ".toml", ".yaml", ".yml", ".py")]
+    assert len(files) > 50
+    offenders = [f"{p.relative_to(ROOT)}:{i}" for p in files
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if "../shared" in line]
+    assert not offenders, offenders
