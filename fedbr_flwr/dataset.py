@@ -293,7 +293,12 @@ def load_raw(name: str, data_dir: str = "", download: str = "auto") -> tuple[Spl
     """A dataset's train and test splits; the file datasets come from ``data_folder(data_dir)``."""
     if name not in INFO:
         raise ConfigError(f"unknown dataset '{name}'. Valid: {', '.join(INFO)}")
-    return _load_raw(name, str(data_folder(data_dir)) if name in FILE_DATASETS else "", download)
+    return _load_raw(name, _source_folder(name, data_dir), download)
+
+
+def _source_folder(name: str, data_dir: str) -> str:
+    """The data folder a dataset is read from on this machine ("" for the built-in ones): a cache key."""
+    return str(data_folder(data_dir)) if name in FILE_DATASETS else ""
 
 
 @lru_cache(maxsize=2)
@@ -377,13 +382,9 @@ PARTITION_KEYS = ("num-clients", "partition", "alpha", "classes-per-client", "se
 
 
 def make_partition(cfg: Mapping[str, Any]) -> tuple[list[np.ndarray], str]:
-    folder = str(data_folder(cfg["data-dir"])) if cfg["dataset"] in FILE_DATASETS else ""
-    parts = _cached_partition(cfg["dataset"], folder, download_mode(cfg), *(cfg[k] for k in PARTITION_KEYS))
+    parts = _cached_partition(cfg["dataset"], _source_folder(cfg["dataset"], cfg["data-dir"]), cfg["download"],
+                              *(cfg[k] for k in PARTITION_KEYS))
     return parts, partition_hash(parts)
-
-
-def download_mode(cfg: Mapping[str, Any]) -> str:
-    return cfg.get("download", "auto")
 
 
 @lru_cache(maxsize=4)
@@ -425,7 +426,7 @@ def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.de
         raise ConfigError(f"partition-id {partition_id} outside 0..{cfg['num-clients'] - 1}")
     device = torch.device(device)
     info = INFO[cfg["dataset"]]
-    train, _ = load_raw(cfg["dataset"], cfg["data-dir"], download_mode(cfg))
+    train, _ = load_raw(cfg["dataset"], cfg["data-dir"], cfg["download"])
     train_idx, test_idx = client_indices(cfg, partition_id)
     own = np.concatenate([train_idx, test_idx])
     x = normalise(rotate(to_float(train.x[own]), image_angles(cfg, partition_id, len(own))), info)
@@ -446,7 +447,7 @@ def load_global_test(cfg: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor
     the rotation of domain (i mod 10) (MNIST) or a uniformly drawn angle (CIFAR10). It does not
     depend on the number of clients, which the server learns only when the clients answer."""
     info = INFO[cfg["dataset"]]
-    _, test = load_raw(cfg["dataset"], cfg["data-dir"], download_mode(cfg))
+    _, test = load_raw(cfg["dataset"], cfg["data-dir"], cfg["download"])
     n = len(test.y)
     angles = np.zeros(n)
     if cfg["rotate"] and cfg["dataset"] in ("mnist5k", "mnist"):
