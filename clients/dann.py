@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedbr_flwr.algorithm import ClientAlgorithm, LocalStep
+from fedbr_flwr.algorithm import ClientAlgorithm, FunctionalStep, Params, Phase, call
 from fedbr_flwr.errors import ConfigError
 from fedbr_flwr.model import SplitModel
 from fedbr_flwr.registry import register_client
@@ -37,10 +37,17 @@ def build_discriminator(feature_dim: int, hidden: int, num_domains: int) -> nn.S
 
 
 class _ReverseGradient(torch.autograd.Function):
+    """Identity forward, gradient times -coeff backward. Written in the ``setup_context`` style with a
+    generated vmap rule, so that it also works under torch.func (``grad`` and ``vmap``: a vectorised cohort)."""
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x, coeff):
-        ctx.coeff = coeff
+    def forward(x, coeff):
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.coeff = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
@@ -52,33 +59,52 @@ def reverse_gradient(x: torch.Tensor, coeff: float = 1.0) -> torch.Tensor:
     return _ReverseGradient.apply(x, coeff)
 
 
+def dann_terms(model: SplitModel, discriminator: nn.Module, params: Params, x: torch.Tensor, y: torch.Tensor,
+               domain: torch.Tensor, weight: float) -> dict[str, torch.Tensor]:
+    """CE + the discriminator's domain CE on reversed features, with the parameters ``params["model"]`` and
+    ``params["discriminator"]``; ``domain`` holds each sample's domain label (the client id)."""
+    z = call(model.features, params["model"], "features", x)
+    ce = F.cross_entropy(call(model.classifier, params["model"], "classifier", z), y)
+    domain_ce = F.cross_entropy(call(discriminator, params["discriminator"], "", reverse_gradient(z, weight)), domain)
+    return {"loss": ce + domain_ce, "ce": ce, "domain-ce": domain_ce}
+
+
 def dann_loss(model: SplitModel, discriminator: nn.Module, x: torch.Tensor, y: torch.Tensor, domain: int,
               weight: float) -> dict[str, torch.Tensor]:
     """CE + the discriminator's domain CE on reversed features: its gradient trains the discriminator at
     full weight and reaches the features times -weight."""
-    z = model.features(x)
-    ce = F.cross_entropy(model.classifier(z), y)
-    domain_ce = F.cross_entropy(discriminator(reverse_gradient(z, weight)), torch.full_like(y, domain))
-    return {"loss": ce + domain_ce, "ce": ce, "domain-ce": domain_ce}
+    params = {"model": dict(model.named_parameters()), "discriminator": dict(discriminator.named_parameters())}
+    return dann_terms(model, discriminator, params, x, y, torch.full_like(y, domain), weight)
 
 
-class DANNStep(LocalStep):
+class DANNStep(FunctionalStep):
+    """One phase: the model and the discriminator (two groups, each with its own SGD at the common lr)
+    descend on CE + domain CE, the features seeing the domain gradient reversed."""
+
     def __init__(self, model: SplitModel, cfg: dict, weight: float, discriminator: nn.Module, domain: int):
-        super().__init__(model, cfg)
-        params = list(model.parameters()) + list(discriminator.parameters())
-        self.optimizer = round_sgd(model, params, cfg)
+        super().__init__(model, cfg)  # SGD on the model
         self.discriminator = discriminator
         self.weight = weight
         self.domain = domain
+        self.groups = {"model": dict(model.named_parameters()),
+                       "discriminator": dict(discriminator.named_parameters())}
+        self.optimizers = {"model": self.optimizer,
+                           "discriminator": round_sgd(discriminator, discriminator.parameters(), cfg)}
+        self.phases = [Phase(("model", "discriminator"), self.loss)]
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        terms = dann_loss(self.model, self.discriminator, x, y, self.domain, self.weight)
-        self.step(terms["loss"])
-        return {k: v.detach() for k, v in terms.items()}
+    def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch and its domain labels (this client's id for every sample)."""
+        return {"x": x, "y": y, "domain": torch.full_like(y, self.domain)}
+
+    def loss(self, params, inputs, shared):
+        terms = dann_terms(self.model, self.discriminator, params, inputs["x"], inputs["y"], inputs["domain"],
+                           self.weight)
+        return terms["loss"], terms
 
 
 @register_client("dann")
 class DANNClient(ClientAlgorithm):
+    vectorised = True
     Settings = DANNSettings
 
     @classmethod

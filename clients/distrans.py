@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedbr_flwr import seeds
-from fedbr_flwr.algorithm import ClientAlgorithm, LocalStep
+from fedbr_flwr.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
 from fedbr_flwr.dataset import INFO, DatasetInfo, normalise
 from fedbr_flwr.model import SplitModel
 from fedbr_flwr.registry import register_client
@@ -116,39 +116,34 @@ def initial_offset(info: DatasetInfo, seed: int) -> np.ndarray:
 # ---------------------------------------------------------------- the local step
 
 
-class DisTransStep(LocalStep):
-    """One step on (model, offset). ``simultaneous`` (the authors' code): one backward pass feeds both
-    SGD steps. ``alternating`` (the paper's Algorithm 1): an offset step with the model fixed, then a
-    model step on the moved offset."""
+class DisTransStep(FunctionalStep):
+    """One step on the groups "model" and "offset". ``simultaneous`` (the authors' code): one backward pass
+    feeds both SGD steps. ``alternating`` (the paper's Algorithm 1): an offset step with the model fixed,
+    then a model step on the moved offset."""
 
     def __init__(self, model: DoubleInputModel, offset: Offset, cfg: dict, settings: DisTransSettings):
         super().__init__(model, cfg)  # SGD on the model at the common lr
         self.offset = offset
-        self.offset_optimizer = round_sgd(offset, offset.parameters(), cfg, lr=settings.offset_lr, weight_decay=0.0)
-        self.alternating = settings.update == "alternating"
-        self.model_params = list(model.parameters())
+        self.groups = {"model": dict(model.named_parameters()), "offset": {"t": offset.t}}
+        self.optimizers = {"model": self.optimizer,
+                           "offset": round_sgd(offset, offset.parameters(), cfg, lr=settings.offset_lr,
+                                               weight_decay=0.0)}
+        if settings.update == "alternating":
+            self.phases = [Phase(("offset",), self.offset_loss), Phase(("model",), self.loss)]
+        else:
+            self.phases = [Phase(("model", "offset"), self.loss)]
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.model(x, self.offset.t), y)
+    def cross_entropy(self, params, inputs) -> torch.Tensor:
+        return F.cross_entropy(call(self.model, params["model"], "", inputs["x"], params["offset"]["t"]),
+                               inputs["y"])
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.alternating:
-            offset_loss = self.loss(x, y)
-            self.offset_optimizer.zero_grad(set_to_none=True)
-            offset_loss.backward(inputs=[self.offset.t])
-            self.offset_optimizer.step()
-            loss = self.loss(x, y)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward(inputs=self.model_params)
-            self.optimizer.step()
-            return {"loss": loss.detach(), "offset-loss": offset_loss.detach()}
-        loss = self.loss(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.offset_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        self.offset_optimizer.step()
-        return {"loss": loss.detach()}
+    def loss(self, params, inputs, shared):
+        loss = self.cross_entropy(params, inputs)
+        return loss, {"loss": loss}
+
+    def offset_loss(self, params, inputs, shared):
+        loss = self.cross_entropy(params, inputs)
+        return loss, {"offset-loss": loss}
 
 
 # ---------------------------------------------------------------- the client side
@@ -158,6 +153,7 @@ class DisTransStep(LocalStep):
 class DisTransClient(ClientAlgorithm):
     """Returns its offset beside the model. Takes the server's offset when one is sent; otherwise it
     uses the offset it kept in its node state (drawn fresh the first time)."""
+    vectorised = True
     Settings = DisTransSettings
     state_keys = (OFFSET_KEY,)
     accepts = (OFFSET,)

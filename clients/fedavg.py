@@ -6,34 +6,37 @@ from __future__ import annotations
 
 import torch
 
-from fedbr_flwr.algorithm import Batch, ClientAlgorithm, LocalStep, StepView
+from fedbr_flwr.algorithm import Batch, ClientAlgorithm, FunctionalStep, Phase, StepView, call
 from fedbr_flwr.registry import register_client
 
 
-class SupervisedStep(LocalStep):
+class SupervisedStep(FunctionalStep):
     """Cross-entropy of classifier(features(x)) plus the components' terms; one SGD step on all of it."""
 
     def __init__(self, model, cfg, components=()):
         super().__init__(model, cfg, components)
-        self.params = list(model.parameters())
+        self.groups = {"model": dict(model.named_parameters())}
+        self.optimizers = {"model": self.optimizer}
+        self.phases = [Phase(("model",), self.loss, adjust=True)]
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        batch = self.transform(Batch(x, y))
-        z = self.model.features(batch.x)
-        logits = self.model.classifier(z)
+    def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.transform(Batch(x, y)).tensors()
+
+    def loss(self, params, inputs, shared):
+        batch = Batch.from_tensors(inputs)
+        model = params["model"]
+        z = call(self.model.features, model, "features", batch.x)
+        logits = call(self.model.classifier, model, "classifier", z)
         ce = batch.cross_entropy(logits)
         terms: dict[str, torch.Tensor] = {}
-        total = self.add_terms(ce, terms, StepView(batch, z, logits, self.params))
-        self.optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        self.adjust_gradients(self.params)
-        self.optimizer.step()
+        total = self.add_terms(ce, terms, StepView(batch, z, logits, list(model.values())))
         if not terms:
-            return {"loss": total.detach()}
-        return {"loss": total.detach(), "ce": ce.detach(), **{k: v.detach() for k, v in terms.items()}}
+            return total, {"loss": total}
+        return total, {"loss": total, "ce": ce, **terms}
 
 
 @register_client("fedavg")
 class FedAvgClient(ClientAlgorithm):
+    vectorised = True
     def make_step(self, server_round: int, config: dict) -> SupervisedStep:
         return SupervisedStep(self.model, self.cfg, self.start_components(server_round))

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedbr_flwr import seeds
-from fedbr_flwr.algorithm import Batch, ClientAlgorithm, LocalStep, StepView
+from fedbr_flwr.algorithm import Batch, ClientAlgorithm, FunctionalStep, Phase, StepView, call
 from fedbr_flwr.dataset import INFO
 from fedbr_flwr.errors import ConfigError
 from fedbr_flwr.losses import soft_cross_entropy
@@ -139,17 +139,11 @@ def pair_cosines(p_local_pseudo: torch.Tensor, p_global_pseudo: torch.Tensor, p_
 # ---------------------------------------------------------------- the local step
 
 
-@dataclass
-class StepBatch:
-    """One step's inputs: the local batch (transformed by the components, e.g. mixed by Mixup) and the
-    pseudo-batch with its soft labels and, for component 2, its global features."""
-    local: Batch
-    x_p: torch.Tensor
-    y_p: torch.Tensor
-    z_g: torch.Tensor | None
+class FedBRStep(FunctionalStep):
+    """Groups "model" (phi, omega) and, with component 2, "head" (theta). Phases: the max step on theta
+    (gradient ascent on L_con, features detached), then the min step on (phi, omega) with the updated
+    theta. The features of cat(x, x_p) are computed once per step and shared by both phases."""
 
-
-class FedBRStep(LocalStep):
     def __init__(self, model: SplitModel, cfg: dict, settings: FedBRSettings, head: nn.Module | None,
                  pseudo_x: torch.Tensor, pseudo_y: torch.Tensor,
                  local_pool: tuple[torch.Tensor, torch.Tensor] | None = None, seed: int = 0, components=()):
@@ -166,14 +160,20 @@ class FedBRStep(LocalStep):
         self.head = head
         self.global_features: nn.Module | None = None
         self.z_g_fixed: torch.Tensor | None = None
+        self.groups = {"model": dict(model.named_parameters())}
+        self.optimizers = {"model": self.optimizer}
+        self.phases = [Phase(("model",), self.min_loss, adjust=True)]
         if settings.contrastive:
             if head is None:
                 raise ValueError("component 2 needs the projection head")
-            self.head_optimizer = round_sgd(head, head.parameters(), cfg)
+            self.groups["head"] = dict(head.named_parameters())
+            self.optimizers["head"] = round_sgd(head, head.parameters(), cfg)
             self.head_start = [p.detach().clone() for p in head.parameters()]
             self.global_features = frozen_copy(model.features)
             if self.mix_k == 0:  # the pseudo-batch is the same at every step: its global features too
                 self.z_g_fixed = self.global_feature(self.x_p)
+            if settings.max_step:
+                self.phases.insert(0, Phase(("head",), self.max_loss, ascent=True))
         if self.mix_k and local_pool is None:
             raise ValueError("mixture pseudo-data with mixture-k > 0 needs the client's local samples")
 
@@ -181,72 +181,58 @@ class FedBRStep(LocalStep):
     def global_feature(self, x_p: torch.Tensor) -> torch.Tensor:
         return self.global_features(x_p)
 
-    def make_batch(self, x: torch.Tensor, y: torch.Tensor) -> StepBatch:
+    def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The local batch (transformed by the components, e.g. mixed by Mixup) and the pseudo-batch
+        ("x_p", "y_p": mixed with fresh local samples for mixture pseudo-data) with, for component 2, its
+        global features "z_g"."""
         x_p, y_p = self.x_p, self.y_p
         if self.mix_k:
             pool_x, pool_y = self.local_pool
             idx = torch.randint(0, len(pool_y), (self.mix_k, len(x_p)), device=pool_y.device,
                                 generator=self.generator)
             x_p, y_p = mix(x_p, y_p, pool_x[idx], pool_y[idx], self.num_classes)
-        z_g = None
+        inputs = {**self.transform(Batch(x, y)).tensors(), "x_p": x_p, "y_p": y_p}
         if self.s.contrastive:
-            z_g = self.z_g_fixed if self.z_g_fixed is not None else self.global_feature(x_p)
-        return StepBatch(self.transform(Batch(x, y)), x_p, y_p, z_g)
+            inputs["z_g"] = self.z_g_fixed if self.z_g_fixed is not None else self.global_feature(x_p)
+        return inputs
 
-    def features(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(batch.local.x)
-        z = self.model.features(torch.cat([batch.local.x, batch.x_p]))
-        return z[:n], z[n:]
+    def prepare(self, params, inputs) -> dict[str, torch.Tensor]:
+        """phi once on cat(x, x_p): the local and pseudo features ("z_l", "z_p")."""
+        n = len(inputs["x"])
+        z = call(self.model.features, params["model"], "features", torch.cat([inputs["x"], inputs["x_p"]]))
+        return {"z_l": z[:n], "z_p": z[n:]}
 
-    def projections(self, z_p: torch.Tensor, z_g: torch.Tensor, z_l: torch.Tensor) -> list[torch.Tensor]:
-        return list(self.head(torch.cat([z_p, z_g, z_l])).split([len(z_p), len(z_g), len(z_l)]))  # one call
+    def projections(self, head: dict, z_p: torch.Tensor, z_g: torch.Tensor, z_l: torch.Tensor) -> list[torch.Tensor]:
+        projected = call(self.head, head, "", torch.cat([z_p, z_g, z_l]))  # one call
+        return list(projected.split([len(z_p), len(z_g), len(z_l)]))
 
-    def contrastive_loss(self, z_p: torch.Tensor, z_g: torch.Tensor, z_l: torch.Tensor) -> torch.Tensor:
-        return fedbr_contrastive_loss(*self.projections(z_p, z_g, z_l), self.s.tau1, self.s.tau2)
+    def max_loss(self, params, inputs, shared) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """L_con w.r.t. theta only (features detached); the phase ascends it."""
+        z_p, z_l = shared["z_p"].detach(), shared["z_l"].detach()
+        loss = fedbr_contrastive_loss(*self.projections(params["head"], z_p, inputs["z_g"], z_l), self.s.tau1,
+                                      self.s.tau2)
+        return loss, {"con-max": loss}
 
-    def max_step(self, z_p: torch.Tensor, z_g: torch.Tensor, z_l: torch.Tensor) -> torch.Tensor:
-        """Gradient ASCENT on L_con w.r.t. theta only (features are detached); returns L_con before it."""
-        loss = self.contrastive_loss(z_p.detach(), z_g, z_l.detach())
-        self.head_optimizer.zero_grad(set_to_none=True)
-        (-loss).backward()
-        self.head_optimizer.step()
-        return loss.detach()
-
-    def objective(self, batch: StepBatch, z_l: torch.Tensor, z_p: torch.Tensor) -> dict[str, torch.Tensor]:
+    def min_loss(self, params, inputs, shared) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The min step's loss and its terms; a switched-off component contributes no term at all."""
-        logits = self.model.classifier(torch.cat([z_l, z_p]) if self.s.balance else z_l)
+        local = Batch.from_tensors(inputs)
+        z_l, z_p, model = shared["z_l"], shared["z_p"], params["model"]
+        logits = call(self.model.classifier, model, "classifier", torch.cat([z_l, z_p]) if self.s.balance else z_l)
         logits_l = logits[:len(z_l)]
-        ce = batch.local.cross_entropy(logits_l)
+        ce = local.cross_entropy(logits_l)
         terms = {"ce": ce}
         total = ce
         if self.s.balance:
-            terms["balance"] = self.balance_loss(logits[len(z_l):], batch.y_p)
+            terms["balance"] = self.balance_loss(logits[len(z_l):], inputs["y_p"])
             total = total + self.s.lam * terms["balance"]
         if self.s.contrastive:
-            positive, negative = pair_cosines(*self.projections(z_p, batch.z_g, z_l))
+            positive, negative = pair_cosines(*self.projections(params["head"], z_p, inputs["z_g"], z_l))
             terms["con"] = contrastive_from_cosines(positive, negative, self.s.tau1, self.s.tau2)
             total = total + self.s.mu * terms["con"]
             # is component 2 doing anything? (reported, not trained on)
             terms["con-cos-pos"], terms["con-cos-neg"] = positive.detach().mean(), negative.detach().mean()
-        terms["loss"] = self.add_terms(total, terms, StepView(batch.local, z_l, logits_l, self.params))
-        return terms
-
-    def min_step(self, loss: torch.Tensor) -> None:
-        """SGD on (phi, omega) only: gradients are not even accumulated into theta."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward(inputs=self.params)
-        self.adjust_gradients(self.params)  # e.g. FedCM's blend with the global direction
-        self.optimizer.step()
-
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        batch = self.make_batch(x, y)
-        z_l, z_p = self.features(batch)
-        stats = {}
-        if self.s.contrastive and self.s.max_step:
-            stats["con-max"] = self.max_step(z_p, batch.z_g, z_l)
-        terms = self.objective(batch, z_l, z_p)
-        self.min_step(terms["loss"])
-        return {**stats, **{k: v.detach() for k, v in terms.items()}}
+        terms["loss"] = self.add_terms(total, terms, StepView(local, z_l, logits_l, list(model.values())))
+        return terms["loss"], terms
 
 
 # ---------------------------------------------------------------- the client side
@@ -256,6 +242,7 @@ class FedBRStep(LocalStep):
 class FedBRClient(ClientAlgorithm):
     """Sends (phi, omega, theta) as 'model/...' and 'head/...'; answers the server's 'rsm-means' request;
     keeps the pseudo-data it was sent in its node state, so that it travels once and not every round."""
+    vectorised = True
     Settings = FedBRSettings
     component_key = "fedbr-with"
     seed_streams = {"mixup": "fedbr-mixup"}

@@ -38,8 +38,8 @@ class FedCMDirection(LocalComponent):
     def start_round(self, ctx: RoundContext) -> None:
         self.delta = parameter_tensors(ctx.model, DELTA, ctx.received, ctx.device)
 
-    def adjust_gradients(self, params: list[torch.Tensor]) -> None:
-        blend_with_global_momentum([p.grad for p in params], self.delta, self.settings.alpha)
+    def adjust_gradients(self, grads: list[torch.Tensor]) -> None:
+        blend_with_global_momentum(grads, self.delta, self.settings.alpha)
 
 
 register_variant("fedcm", "fedavg", ("fedcm",), "FedCM: FedAvg + client-level momentum")

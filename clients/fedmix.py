@@ -7,12 +7,13 @@ local step pairs the local batch with as many means drawn from the pool and take
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.nn import functional as F
 
 from fedbr_flwr import seeds
-from fedbr_flwr.algorithm import ClientAlgorithm, LocalStep
+from fedbr_flwr.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
 from fedbr_flwr.losses import soft_cross_entropy
 from fedbr_flwr.registry import register_client
 from fedbr_flwr.settings import BELOW_ONE, POSITIVE, Settings, setting
@@ -39,8 +40,8 @@ def mean_data(x: torch.Tensor, y: torch.Tensor, m: int, num_classes: int, genera
     return x[idx].mean(dim=1), F.one_hot(y[idx], num_classes).float().mean(dim=1)
 
 
-def fedmix_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, x_mean: torch.Tensor,
-                y_mean: torch.Tensor, lam: float) -> dict[str, torch.Tensor]:
+def fedmix_loss(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                x_mean: torch.Tensor, y_mean: torch.Tensor, lam: float) -> dict[str, torch.Tensor]:
     """FedMix (eq. 5): the first-order Taylor approximation of Mixup between a local sample x_i and a
     global mean sample (x_mean_j, y_mean_j), around (1 - lam) x_i:
 
@@ -50,35 +51,49 @@ def fedmix_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, x_mean
     The last term's gradient is that of the (1 - lam)-weighted loss, as the reference implementations
     take it (the scale FedMix's published lambda was tuned with). It is per sample (our backbones have
     no batch-coupled layers), kept in the graph so that the term trains the model; ``taylor`` reports
-    the inner product. At lam = 0 this is plain cross-entropy."""
-    x_in = ((1.0 - lam) * x).requires_grad_(True)
-    logits = model(x_in)
-    ce_each = F.cross_entropy(logits, y, reduction="none")
+    the inner product. At lam = 0 this is plain cross-entropy.
+
+    ``model`` is any function of the input (a module, or a ``functional_call`` of one): the input gradient
+    comes from ``torch.func.grad``, which composes with autograd and with ``vmap`` over clients."""
+    def weighted_ce(x_in: torch.Tensor):
+        logits = model(x_in)
+        ce_each = F.cross_entropy(logits, y, reduction="none")
+        return (1.0 - lam) * ce_each.sum(), (logits, ce_each)
+
+    grad_x, (logits, ce_each) = torch.func.grad(weighted_ce, has_aux=True)((1.0 - lam) * x)
     ce = ce_each.mean()
     mean_label = soft_cross_entropy(logits, y_mean)
-    (grad_x,) = torch.autograd.grad((1.0 - lam) * ce_each.sum(), x_in, create_graph=True)
     taylor = (grad_x * x_mean).flatten(1).sum(dim=1).mean()
     loss = (1.0 - lam) * ce + lam * mean_label + lam * taylor
     return {"loss": loss, "ce": ce, "mean-label": mean_label, "taylor": taylor}
 
 
-class FedMixStep(LocalStep):
+class FedMixStep(FunctionalStep):
+    """One phase on the "model" group; each step's means are drawn from the broadcast pool in ``draw``."""
+
     def __init__(self, model, cfg, lam: float, mean_x: torch.Tensor, mean_y: torch.Tensor, seed: int):
         super().__init__(model, cfg)
         self.mean_x, self.mean_y = mean_x, mean_y
         self.lam = lam
         self.generator = torch.Generator(device=mean_x.device)
         self.generator.manual_seed(seed)
+        self.groups = {"model": dict(model.named_parameters())}
+        self.optimizers = {"model": self.optimizer}
+        self.phases = [Phase(("model",), self.loss)]
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         idx = torch.randint(0, len(self.mean_y), (len(y),), device=self.mean_y.device, generator=self.generator)
-        terms = fedmix_loss(self.model, x, y, self.mean_x[idx], self.mean_y[idx], self.lam)
-        self.step(terms["loss"])
-        return {k: v.detach() for k, v in terms.items()}
+        return {"x": x, "y": y, "x_mean": self.mean_x[idx], "y_mean": self.mean_y[idx]}
+
+    def loss(self, params, inputs, shared):
+        terms = fedmix_loss(lambda u: call(self.model, params["model"], "", u), inputs["x"], inputs["y"],
+                            inputs["x_mean"], inputs["y_mean"], self.lam)
+        return terms["loss"], terms
 
 
 @register_client("fedmix")
 class FedMixClient(ClientAlgorithm):
+    vectorised = True
     Settings = FedMixSettings
 
     def requests(self):

@@ -24,8 +24,8 @@ class FedNTDSettings(Settings):
 
 def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(B, C) -> (B, C-1): every logit except the true class's."""
-    keep = torch.ones_like(logits, dtype=torch.bool).scatter_(1, y[:, None], False)
-    return logits[keep].view(len(y), logits.shape[1] - 1)
+    others = torch.arange(logits.shape[1] - 1, device=logits.device).expand(len(y), -1)
+    return logits.gather(1, others + (others >= y[:, None]).long())  # an index at or past the true class: +1
 
 
 def not_true_distillation_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor,

@@ -51,7 +51,7 @@ class Mixup(LocalComponent):
     def transform(self, batch: Batch) -> Batch:
         lam, perm = self.sampler(len(batch.y))
         x, y_a, y_b = mixup_batch(batch.x, batch.y, lam, perm)
-        return Batch(x, y_a, y_b, lam)
+        return Batch(x, y_a, y_b, lam, 1.0 - lam)
 
 
 register_variant("mixup", "fedavg", ("mixup",), "FedAvg + Mixup")

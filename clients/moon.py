@@ -17,13 +17,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedbr_flwr.algorithm import ClientAlgorithm, LocalStep
+from fedbr_flwr.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
 from fedbr_flwr.model import SplitModel
 from fedbr_flwr.registry import register_client
 from fedbr_flwr.settings import NON_NEGATIVE, POSITIVE, Settings, setting
 from fedbr_flwr.training import frozen_copy, load_module_arrays, module_arrays
 
 PREVIOUS_KEY = "moon-previous"
+PREVIOUS_PREFIX = "prev/"  # the previous features' tensors among a step's inputs
 
 
 @dataclass(frozen=True)
@@ -52,26 +53,42 @@ def moon_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_previous: t
     return F.softplus(neg - pos).mean()
 
 
-class MoonStep(LocalStep):
+class MoonStep(FunctionalStep):
+    """CE + mu * l_con in one phase on the "model" group. The global features are the same for every
+    client of a round (read from the frozen copy); this client's previous features come as per-client
+    constants ("prev/<name>", copied when the step is made: a cohort's members share the module that
+    holds them), evaluated with ``previous_features`` as the template."""
+
     def __init__(self, model: SplitModel, cfg: dict, settings: MoonSettings, previous_features: nn.Module | None):
         super().__init__(model, cfg)
         self.global_features = frozen_copy(model.features)
         self.previous_features = previous_features if previous_features is not None else self.global_features
+        self.previous = {PREVIOUS_PREFIX + name: t.detach().clone()
+                         for name, t in [*self.previous_features.named_parameters(),
+                                         *self.previous_features.named_buffers()]}
         self.mu, self.tau = settings.mu, settings.tau
+        self.groups = {"model": dict(model.named_parameters())}
+        self.optimizers = {"model": self.optimizer}
+        self.phases = [Phase(("model",), self.loss)]
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        z = self.model.features(x)
-        ce = F.cross_entropy(self.model.classifier(z), y)
+    def constants(self) -> dict[str, torch.Tensor]:
+        return self.previous
+
+    def loss(self, params, inputs, shared):
+        x, y, model = inputs["x"], inputs["y"], params["model"]
+        z = call(self.model.features, model, "features", x)
+        ce = F.cross_entropy(call(self.model.classifier, model, "classifier", z), y)
+        previous = {k[len(PREVIOUS_PREFIX):]: v for k, v in inputs.items() if k.startswith(PREVIOUS_PREFIX)}
         with torch.no_grad():
-            z_global, z_previous = self.global_features(x), self.previous_features(x)
+            z_global, z_previous = self.global_features(x), call(self.previous_features, previous, "", x)
         con = moon_contrastive_loss(z, z_global, z_previous, self.tau)
         loss = ce + self.mu * con
-        self.step(loss)
-        return {"loss": loss.detach(), "ce": ce.detach(), "con": con.detach()}
+        return loss, {"loss": loss, "ce": ce, "con": con}
 
 
 @register_client("moon")
 class MoonClient(ClientAlgorithm):
+    vectorised = True
     Settings = MoonSettings
     state_keys = (PREVIOUS_KEY,)
 

@@ -8,9 +8,9 @@ sum_i Delta c_i / N to c).
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
-from fedbr_flwr.algorithm import ClientAlgorithm, LocalStep
+from clients.fedavg import SupervisedStep
+from fedbr_flwr.algorithm import ClientAlgorithm
 from fedbr_flwr.registry import register_client
 from fedbr_flwr.training import parameter_tensors, state_arrays
 
@@ -19,34 +19,30 @@ CONTROL_DELTA = "control-delta"  # the client's change of c_i, as returned
 CONTROL_KEY = "scaffold-control"  # c_i in the node state
 
 
-class ScaffoldStep(LocalStep):
+class ScaffoldStep(SupervisedStep):
+    """FedAvg's cross-entropy step with the gradient corrected by c - c_i before SGD."""
+
     def __init__(self, model, cfg, c_global: list[torch.Tensor], c_local: list[torch.Tensor]):
         super().__init__(model, cfg)
         self.params = list(model.parameters())
         self.start = [p.detach().clone() for p in self.params]
         self.c_global, self.c_local = c_global, c_local
         self.correction = torch._foreach_sub(c_global, c_local)  # c - c_i, added to every gradient
-        self.steps = 0
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        loss = F.cross_entropy(self.model(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch._foreach_add_([p.grad for p in self.params], self.correction)
-        self.optimizer.step()
-        self.steps += 1
-        return {"loss": loss.detach()}
+    def adjust_gradients(self, grads: list[torch.Tensor]) -> None:
+        torch._foreach_add_(grads, self.correction)
 
     @torch.no_grad()
     def new_control_variate(self) -> list[torch.Tensor]:
-        """Option II: c_i+ = c_i - c + (x - y) / (K lr)."""
-        scale = 1.0 / (self.steps * self.cfg["lr"])
+        """Option II: c_i+ = c_i - c + (x - y) / (K lr), with y the weights after the K local steps."""
+        scale = 1.0 / (self.cfg["local-steps"] * self.cfg["lr"])
         return [cl - cg + (x0 - p) * scale for cl, cg, x0, p in zip(self.c_local, self.c_global, self.start,
                                                                      self.params)]
 
 
 @register_client("scaffold")
 class ScaffoldClient(ClientAlgorithm):
+    vectorised = True
     state_keys = (CONTROL_KEY,)
     accepts = (f"{CONTROL}/",)
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedbr_flwr import seeds
-from fedbr_flwr.algorithm import ClientAlgorithm, LocalStep
+from fedbr_flwr.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
 from fedbr_flwr.model import SplitModel
 from fedbr_flwr.registry import register_client
 from fedbr_flwr.settings import NON_NEGATIVE, POSITIVE, Settings, setting
@@ -64,7 +64,10 @@ def supervised_alignment_loss(z_real: torch.Tensor, y_real: torch.Tensor, z_virt
     return (per_anchor * has).sum() / has.sum().clamp_min(1)
 
 
-class VHLStep(LocalStep):
+class VHLStep(FunctionalStep):
+    """One phase on the model: CE on the local batch, plus the weighted CE and alignment on a virtual batch
+    of the same size drawn (in ``draw``, from this client's seeded stream) from the round's virtual data."""
+
     def __init__(self, model: SplitModel, cfg: dict, settings: VHLSettings, virtual_x: torch.Tensor,
                  virtual_y: torch.Tensor, seed: int):
         super().__init__(model, cfg)
@@ -73,24 +76,34 @@ class VHLStep(LocalStep):
         self.num_classes = model.classifier.out_features // 2
         self.generator = torch.Generator(device=virtual_x.device)
         self.generator.manual_seed(seed)
+        self.groups = {"model": dict(model.named_parameters())}
+        self.optimizers = {"model": self.optimizer}
+        self.phases = [Phase(("model",), self.loss)]
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The local batch and a virtual batch of its size ("x_v", "y_v")."""
         idx = torch.randint(0, len(self.virtual_y), (len(y),), device=self.virtual_y.device,
                             generator=self.generator)
-        x_v, y_v = self.virtual_x[idx], self.virtual_y[idx]
-        z = self.model.features(torch.cat([x, x_v]))  # one pass: per-sample normalisation keeps it exact
-        z_real, z_virtual = z[:len(y)], z[len(y):]
-        logits = self.model.classifier(z)
-        ce = F.cross_entropy(logits[:len(y)], y)
-        ce_virtual = F.cross_entropy(logits[len(y):], y_v + self.num_classes)
+        return {"x": x, "y": y, "x_v": self.virtual_x[idx], "y_v": self.virtual_y[idx]}
+
+    def loss(self, params, inputs, shared):
+        x, y, x_v, y_v = inputs["x"], inputs["y"], inputs["x_v"], inputs["y_v"]
+        model = params["model"]
+        n = len(y)
+        # one pass: per-sample normalisation keeps it exact
+        z = call(self.model.features, model, "features", torch.cat([x, x_v]))
+        z_real, z_virtual = z[:n], z[n:]
+        logits = call(self.model.classifier, model, "classifier", z)
+        ce = F.cross_entropy(logits[:n], y)
+        ce_virtual = F.cross_entropy(logits[n:], y_v + self.num_classes)
         align = supervised_alignment_loss(z_real, y, z_virtual, y_v, self.s.tau)
         loss = ce + self.s.weight * ce_virtual + self.s.align_weight * align
-        self.step(loss)
-        return {"loss": loss.detach(), "ce": ce.detach(), "ce-virtual": ce_virtual.detach(), "align": align.detach()}
+        return loss, {"loss": loss, "ce": ce, "ce-virtual": ce_virtual, "align": align}
 
 
 @register_client("vhl")
 class VHLClient(ClientAlgorithm):
+    vectorised = True
     Settings = VHLSettings
 
     @classmethod

@@ -2,6 +2,9 @@
 
 * ``LocalStep``: one client's local optimisation over one round, DomainBed style: ``update(x, y)``
   takes one step and returns scalar diagnostics;
+* ``FunctionalStep``: a ``LocalStep`` written as pure functions of named tensors (its inputs drawn
+  first, then one or more ``Phase``s of loss -> gradient -> SGD), so that a cohort can step many clients
+  at once with ``torch.func.vmap`` (``fedbr_flwr.vectorised``); ``update`` runs the same functions;
 * ``LocalComponent``: a local piece another algorithm's step can carry (a batch transform, extra loss
   terms, a change of the gradient): FedBR's combinations and the FedAvg-based baselines;
 * ``ClientAlgorithm``: the model an algorithm trains (the server builds the same one, through the
@@ -77,16 +80,35 @@ class MemoryState(NodeState):
 
 @dataclass
 class Batch:
-    """A local batch. Mixup leaves targets ``y`` and ``y_b`` mixed with weight ``lam``."""
+    """A local batch. Mixup leaves targets ``y`` and ``y_b`` mixed with weights ``lam`` and ``lam_b``
+    (1 - lam; floats, or 0-d tensors in a step's inputs)."""
     x: torch.Tensor
     y: torch.Tensor
     y_b: torch.Tensor | None = None
-    lam: float = 1.0
+    lam: float | torch.Tensor = 1.0
+    lam_b: float | torch.Tensor | None = None
 
     def cross_entropy(self, logits: torch.Tensor) -> torch.Tensor:
         if self.y_b is None:
             return F.cross_entropy(logits, self.y)
-        return self.lam * F.cross_entropy(logits, self.y) + (1.0 - self.lam) * F.cross_entropy(logits, self.y_b)
+        lam_b = 1.0 - self.lam if self.lam_b is None else self.lam_b
+        return self.lam * F.cross_entropy(logits, self.y) + lam_b * F.cross_entropy(logits, self.y_b)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The batch as a step's inputs (``from_tensors`` reads it back); the mixing weights become 0-d
+        float32 tensors holding the same values the floats would be rounded to."""
+        out = {"x": self.x, "y": self.y}
+        if self.y_b is not None:
+            lam_b = 1.0 - self.lam if self.lam_b is None else self.lam_b
+            out.update(y_b=self.y_b, lam=torch.as_tensor(self.lam, dtype=torch.float32, device=self.x.device),
+                       lam_b=torch.as_tensor(lam_b, dtype=torch.float32, device=self.x.device))
+        return out
+
+    @classmethod
+    def from_tensors(cls, inputs: dict[str, torch.Tensor]) -> "Batch":
+        if "y_b" not in inputs:
+            return cls(inputs["x"], inputs["y"])
+        return cls(inputs["x"], inputs["y"], inputs["y_b"], inputs["lam"], inputs["lam_b"])
 
 
 @dataclass
@@ -129,8 +151,10 @@ class LocalComponent:
         """(name, weight, value) of each loss term it adds."""
         return []
 
-    def adjust_gradients(self, params: list[torch.Tensor]) -> None:
-        """Change the gradients of ``params`` in place after the backward pass."""
+    def adjust_gradients(self, grads: list[torch.Tensor]) -> None:
+        """Change the gradients of the model's parameters in place after the backward pass. The list
+        holds one client's gradients (a vectorised cohort passes each member its own slice), in the
+        order of ``model.parameters()``."""
 
 
 class LocalStep:
@@ -166,9 +190,89 @@ class LocalStep:
                 total = total + weight * value
         return total
 
-    def adjust_gradients(self, params: list[torch.Tensor]) -> None:
+    def adjust_gradients(self, grads: list[torch.Tensor]) -> None:
+        """In place, on one client's gradients of the model's parameters (``LocalComponent.adjust_gradients``)."""
         for component in self.components:
-            component.adjust_gradients(params)
+            component.adjust_gradients(grads)
+
+
+Params = dict[str, dict[str, torch.Tensor]]  # parameter group -> parameter name -> tensor
+Inputs = dict[str, torch.Tensor]
+
+
+@dataclass
+class Phase:
+    """One gradient step inside a local step: ``loss(params, inputs, shared) -> (loss, stats)`` is
+    differentiated w.r.t. the parameter groups ``groups`` (gradient ascent when ``ascent``), the
+    components adjust the "model" group's gradients when ``adjust``, and each group's SGD steps."""
+    groups: tuple[str, ...]
+    loss: Callable[[Params, Inputs, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    ascent: bool = False
+    adjust: bool = False
+
+
+class FunctionalStep(LocalStep):
+    """A local step written as pure functions of named tensors, which is what lets a cohort step all its
+    clients at once (``fedbr_flwr.vectorised`` vmaps the same functions over a leading client dimension).
+    A subclass sets ``self.groups`` ({group: {name: live parameter}}, "model" first) and
+    ``self.optimizers`` ({group: its SGD}) and defines:
+
+    * ``draw(x, y) -> inputs``: one step's tensors for this client. Every random draw happens here, from
+      the client's own seeded streams, never inside ``loss``;
+    * ``prepare(params, inputs) -> shared``: what the phases share (FedBR: the features), default none. It
+      is computed once per step here, but once per phase in a vectorised cohort, so it may read only groups
+      that no phase but the last one trains;
+    * ``phases``: the ``Phase``s of a step, in order; their losses read the parameters only from
+      ``params`` and per-client tensors only from ``inputs`` (``constants()`` are merged in), so that
+      anything else they read is the same for every client of a round (the global model, the pseudo-data).
+
+    ``update`` runs exactly these functions on the live parameters, one client at a time."""
+    phases: list[Phase]
+    groups: Params
+    optimizers: dict[str, torch.optim.Optimizer]
+
+    def draw(self, x: torch.Tensor, y: torch.Tensor) -> Inputs:
+        return {"x": x, "y": y}
+
+    def constants(self) -> Inputs:
+        """Per-client tensors fixed for the round, which the losses read (MOON's previous model)."""
+        return {}
+
+    def prepare(self, params: Params, inputs: Inputs) -> dict:
+        return {}
+
+    def step_inputs(self, x: torch.Tensor, y: torch.Tensor) -> Inputs:
+        return {**self.draw(x, y), **self.constants()}
+
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        inputs = self.step_inputs(x, y)
+        shared = self.prepare(self.groups, inputs)
+        stats: dict[str, torch.Tensor] = {}
+        for phase in self.phases:
+            stats.update(self.run_phase(phase, inputs, shared))
+        return stats
+
+    def run_phase(self, phase: Phase, inputs: Inputs, shared: dict) -> dict[str, torch.Tensor]:
+        """One phase on the live parameters: its loss, the gradients of its groups only, the components'
+        adjustment, each group's SGD step; returns its detached stats."""
+        loss, stats = phase.loss(self.groups, inputs, shared)
+        for group in phase.groups:
+            self.optimizers[group].zero_grad(set_to_none=True)
+        (-loss if phase.ascent else loss).backward(inputs=[p for g in phase.groups for p in self.groups[g].values()])
+        if phase.adjust:
+            self.adjust_gradients([p.grad for p in self.groups["model"].values()])
+        for group in phase.groups:
+            self.optimizers[group].step()
+        return {k: v.detach() for k, v in stats.items()}
+
+
+def call(module: nn.Module, params: dict[str, torch.Tensor], prefix: str, *args) -> torch.Tensor:
+    """``module(*args)`` with the parameters ``params[<prefix>.<name>]`` (``module`` is the submodule at
+    ``prefix`` of the module ``params`` belong to; prefix "" for the module itself)."""
+    if prefix:
+        start = len(prefix) + 1
+        params = {k[start:]: v for k, v in params.items() if k.startswith(prefix + ".")}
+    return torch.func.functional_call(module, params, args)
 
 
 # ---------------------------------------------------------------- an algorithm's client side
@@ -183,6 +287,7 @@ class ClientAlgorithm:
     accepts: tuple[str, ...] = ()  # prefixes of arrays it takes beside its modules' (SCAFFOLD: "control/")
     component_key: str | None = None  # the setting that lists components to carry (FedBR: fedbr-with)
     seed_streams: dict[str, str] = {}  # a component's stream -> this algorithm's (FedBR: mixup -> fedbr-mixup)
+    vectorised = False  # set True when make_step returns a FunctionalStep, which a cohort can vmap (cohort-step)
 
     # ------------------------------------------------------------ the model (the server builds the same)
     @classmethod
@@ -222,7 +327,10 @@ class ClientAlgorithm:
         self.settings = self.Settings.from_config(cfg)
         self.modules = {k: m.to(self.device) for k, m in self.build_modules(cfg, cfg["compile"]).items()}
         self.model = self.modules["model"]
-        self.components = [component_class(name)(cfg) for name in components_of(cfg)]
+        self.components = self.build_components()
+
+    def build_components(self) -> list[LocalComponent]:
+        return [component_class(name)(self.cfg) for name in components_of(self.cfg)]
 
     def bind(self, data: ClientData, state: NodeState) -> None:
         """Serve the client of ``data`` with its node state (a cohort's node serves its members in turn:
@@ -295,15 +403,24 @@ class ClientAlgorithm:
                              f"{', '.join(unexpected[:5])}")
 
     def fit(self, arrays: Named, config: dict) -> tuple[Named, int, dict]:
+        step, sampler = self.start_fit(arrays, config)
+        start = time.perf_counter()
+        stats = run_local_steps(step, sampler, self.cfg["local-steps"], self.cfg["precision"])
+        return self.finish_fit(step, stats, time.perf_counter() - start)
+
+    def start_fit(self, arrays: Named, config: dict) -> tuple[LocalStep, BatchSampler]:
+        """A fit up to its local steps: the state restored, the arrays received, the round's step and
+        this client's batch stream."""
         self.restore_state(config)
         self.receive(arrays)
         server_round = int(config["server-round"])
         step = self.make_step(server_round, config)
         sampler = BatchSampler(self.data, self.cfg["batch-size"],
                                seeds.seed("batches", self.cfg["seed"], server_round, self.pid))
-        start = time.perf_counter()
-        stats = run_local_steps(step, sampler, self.cfg["local-steps"], self.cfg["precision"])
-        seconds = time.perf_counter() - start
+        return step, sampler
+
+    def finish_fit(self, step: LocalStep, stats: dict[str, float], seconds: float) -> tuple[Named, int, dict]:
+        """A fit after its local steps (the modules hold this client's trained weights): what it returns."""
         returned, extra = self.after_fit(step)
         metrics = {**stats, "partition-id": self.pid, "fit-seconds": seconds, **peak_memory_mb(self.device),
                    **{f"{name}-version": v for name, v in self.shared_versions.items()}, **extra}

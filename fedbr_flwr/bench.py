@@ -8,6 +8,7 @@ both engines (``engine=clients``: a Flower node per client; ``engine=cohort``: a
     fedbr-bench experiments/fedavg_rotmnist5k.yaml --rounds 3          # one config
     fedbr-bench --step batch-size=64                # one FedBR / DisTrans local step / one FedAvg step
     fedbr-bench --step dataset=cifar10 model=vgg11  # synthetic inputs of the dataset's shape
+    fedbr-bench --cohort-step experiments/fedavg_rotmnist5k.yaml model=cnn-small   # a cohort: loop vs vmap
 
 Round 1 is a warm-up on both sides (Flower: Ray and actor start, data loading, compilation) and is
 not timed. Evaluation and checkpoints are off on both sides except Flower's final evaluation, which
@@ -240,6 +241,63 @@ def fit_flops(cfg: dict) -> float:
     return float(counter.get_total_flops())
 
 
+def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
+    """One cohort holding all the clients, in this process (no Flower): seconds per round of fitting every
+    client with ``cohort-step=loop`` (one after another) and with ``vmap`` (all at once), timed in
+    alternation after a warm-up round of each; medians."""
+    from .node import CohortClient
+
+    device = pick_device(cfg["device"])
+    members = {pid: load_client_data(cfg, pid, device) for pid in range(cfg["num-clients"])}
+    cohort = CohortClient(client_class(cfg["strategy"])(cfg, members[0], device), members)
+
+    class Member:  # what bare_fit_config asks for the RSM means
+        def __init__(self, pid):
+            self.pid = pid
+
+        def answer(self, config):
+            return cohort.member(self.pid).answer(config)
+
+    config_of = bare_fit_config(cfg, {pid: Member(pid) for pid in members})
+    with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
+        arrays = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
+
+    def loop(parts):
+        for pid, own_arrays, config in parts:
+            cohort.member(pid).fit(own_arrays, config)
+
+    ways = {"loop": loop, "vmap": cohort.fit_together}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for server_round in range(1, rounds + 2):
+        parts = [(pid, arrays, config_of(server_round)) for pid in members]
+        for name, fit in ways.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fit(parts)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if server_round > 1:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def cohort_step_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) -> int:
+    t = cohort_step_seconds(cfg, rounds)
+    device = _device_name(cfg, threads)
+    print(f"fedbr-bench --cohort-step: {cfg['strategy']}, {resolved_model(cfg)} on {cfg['dataset']}, one cohort of "
+          f"{cfg['num-clients']} clients x {cfg['local-steps']} steps x batch {cfg['batch-size']}, {device}, "
+          f"{rounds} timed rounds\n")
+    print("| cohort-step | s/round (median) | ratio |\n|---|---|---|")
+    print(f"| loop (clients one after another) | {t['loop']:.3f} | 1.00 |")
+    print(f"| vmap (all clients at once) | {t['vmap']:.3f} | {t['vmap'] / t['loop']:.2f} |")
+    if json_path:
+        json_path.write_text(json.dumps({"device": device, "strategy": cfg["strategy"], "model": resolved_model(cfg),
+                                         "clients": cfg["num-clients"], "loop_s_per_round": t["loop"],
+                                         "vmap_s_per_round": t["vmap"]}, indent=2) + "\n")
+    return 0
+
+
 # dense peak TFLOP/s of the cards we measure on (vendor figures; SXM parts), by precision
 PEAK_TFLOPS = {"H100": {"fp32": 67.0, "bf16": 989.0}, "H200": {"fp32": 67.0, "bf16": 989.0},
                "A100": {"fp32": 19.5, "bf16": 312.0}}
@@ -392,6 +450,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=",".join(SUITE), help="comma-separated shapes for --suite")
     parser.add_argument("--strategies", default=",".join(SUITE_STRATEGIES),
                         help="comma-separated strategies for --suite")
+    parser.add_argument("--cohort-step", action="store_true",
+                        help="one cohort holding all clients, in process: cohort-step=loop against vmap, s/round")
     parser.add_argument("--scale", action="store_true",
                         help="engine=cohort with 100 clients at fraction-fit 0.1 and 1000 at 0.01: s/round and "
                              "peak memory")
@@ -410,6 +470,8 @@ def main(argv=None) -> int:
         return 2
     if args.step:
         return step_main(cfg, args.steps, threads, args.json)
+    if args.cohort_step:
+        return cohort_step_main(cfg, args.rounds, threads, args.json)
     print(f"fedbr-bench: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients x "
           f"{cfg['local-steps']} steps x batch {cfg['batch-size']}, {args.rounds} timed rounds", flush=True)
     try:

@@ -64,6 +64,9 @@ COMMON: dict[str, Key] = {
                              "that one process trains (cohort; simulation only)", choices=("clients", "cohort")),
     "cohorts": Key(0, "engine=cohort: the number of cohorts (Flower nodes); 0 = one per GPU, or on a CPU one "
                       "per client-cpus cores", check=NON_NEGATIVE),
+    "cohort-step": Key("auto", "engine=cohort: how a cohort steps its clients: loop (one after another), vmap (all "
+                               "at once, torch.func.vmap over the clients), auto (vmap on a GPU when the algorithm "
+                               "has a vectorised step, else loop)", choices=("auto", "loop", "vmap")),
     # simulation resources (used by the CLI; recorded in the manifest)
     "client-cpus": Key(1, "CPU cores per simulated client (also its torch threads)", check=POSITIVE),
     "client-gpus": Key(0.0, "GPU share per simulated client; the CLI picks one when CUDA is present",
@@ -196,8 +199,21 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
             f"{cfg['dataset']}"
         )
     check_sampling(cfg)
+    check_cohort_step(cfg)
     for owner in active_owners(cfg):  # each algorithm's and component's own cross-key checks
         settings_of(owner).check(cfg)
+
+
+def check_cohort_step(cfg: Mapping[str, Any]) -> None:
+    from .registry import client_class
+
+    if cfg["cohort-step"] != "vmap":
+        return
+    if cfg["engine"] != "cohort":
+        raise ConfigError("cohort-step=vmap steps the clients of a cohort together: it needs engine=cohort")
+    if not client_class(cfg["strategy"]).vectorised:
+        raise ConfigError(f"strategy '{cfg['strategy']}' has no vectorised local step: use cohort-step=loop "
+                          "(or auto, which picks loop for it)")
 
 
 def sampled_per_round(fraction_fit: float, num_clients: int) -> int:

@@ -7,7 +7,9 @@ answers a named request (the client's state for a checkpoint, FedBR's RSM means,
 
 from __future__ import annotations
 
+import copy
 import json
+import time
 from collections import OrderedDict
 from typing import Any, Mapping
 
@@ -16,7 +18,7 @@ from flwr.client import NumPyClient
 from flwr.common import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from . import cohort, payload
-from .algorithm import ClientAlgorithm, NodeState
+from .algorithm import ClientAlgorithm, FunctionalStep, NodeState
 
 
 class RecordState(NodeState):
@@ -79,10 +81,11 @@ class CohortClient(NumPyClient):
     model. Every message names the members it is about (``fedbr_flwr.cohort``); each member answers
     exactly as it would on a node of its own."""
 
-    def __init__(self, algorithm: ClientAlgorithm, members: dict[int, Any]):
+    def __init__(self, algorithm: ClientAlgorithm, members: dict[int, Any], vectorised: bool = False):
         self.algorithm = algorithm
         self.members = members  # partition id -> its ClientData
         self.records = RecordDict()
+        self.vectorised = vectorised  # cohort-step=vmap: fit all sampled members at once
 
     def use_state(self, records: RecordDict) -> None:
         self.records = records
@@ -112,12 +115,42 @@ class CohortClient(NumPyClient):
 
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
         returned, metrics, total = {}, {cohort.MEMBERS: config[cohort.MEMBERS]}, 0
-        for pid, arrays, own_config in self.split(parameters, config):
-            named, n, own = self.member(pid).fit(arrays, own_config)
+        parts = self.split(parameters, config)
+        if self.vectorised:
+            results = self.fit_together(parts)
+        else:
+            results = [(pid, *self.member(pid).fit(arrays, own_config)) for pid, arrays, own_config in parts]
+        for pid, named, n, own in results:
             returned.update(cohort.join_arrays({pid: named}))
             metrics.update({cohort.member_key(pid, k): v for k, v in {**own, "num-examples": n}.items()})
             total += n
         return payload.to_list(returned), total, metrics
+
+    def fit_together(self, parts: list[tuple[int, dict, dict]]) -> list[tuple[int, dict, int, dict]]:
+        """Every member's fit with one vmapped local step for all (``fedbr_flwr.vectorised``). Each member is
+        a shallow copy of the one algorithm, with its own components, so that what a member keeps between
+        ``start_fit`` and ``finish_fit`` (its data, state, received arrays, seed streams) stays its own."""
+        from .vectorised import Member, load_groups, run_members, snapshot
+
+        algorithms, members = [], []
+        for pid, arrays, own_config in parts:
+            algorithm = copy.copy(self.member(pid))
+            algorithm.components = algorithm.build_components()
+            step, sampler = algorithm.start_fit(arrays, own_config)
+            if not isinstance(step, FunctionalStep):
+                raise TypeError(f"cohort-step=vmap: strategy '{algorithm.cfg['strategy']}' built a "
+                                f"{type(step).__name__}, not a FunctionalStep: set vectorised = False on its client")
+            algorithms.append(algorithm)
+            members.append(Member(step, sampler, snapshot(step)))
+        cfg = self.algorithm.cfg
+        start = time.perf_counter()
+        finals, stats = run_members(members, cfg["local-steps"], cfg["precision"])
+        seconds = time.perf_counter() - start  # every member's fit took this long: they ran together
+        results = []
+        for (pid, _, _), algorithm, member, final, own in zip(parts, algorithms, members, finals, stats):
+            load_groups(member.step, final)
+            results.append((pid, *algorithm.finish_fit(member.step, own, seconds)))
+        return results
 
     def evaluate(self, parameters: list[np.ndarray], config: dict) -> tuple[float, int, dict]:
         metrics, results = {cohort.MEMBERS: config[cohort.MEMBERS]}, []
@@ -166,7 +199,10 @@ def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: 
         device = pick_device(cfg["device"])
         members = {p: load_client_data(cfg, p, device) for p in cohort_members(cfg, pid, num_partitions)}
         first = next(iter(members.values()))
-        return CohortClient(client_class(cfg["strategy"])(cfg, first, device), members)
+        algorithm = client_class(cfg["strategy"])
+        together = cfg["cohort-step"] == "vmap" or (cfg["cohort-step"] == "auto" and device.type == "cuda"
+                                                    and algorithm.vectorised)
+        return CohortClient(algorithm(cfg, first, device), members, vectorised=together)
     if cfg["num-clients"] and num_partitions and cfg["num-clients"] != num_partitions:
         raise ConfigError(f"num-clients = {cfg['num-clients']} but this SuperNode was told num-partitions = "
                           f"{num_partitions}: start the federation with num-supernodes={cfg['num-clients']}")

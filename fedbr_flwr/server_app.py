@@ -27,7 +27,8 @@ SIMULATION_PULL_INTERVAL_S = 0.02
 # keys a resumed run may change (the run folder and dataset may have moved; resources differ); any other
 # must equal the checkpoint's
 RESUMABLE_KEYS = ("num-rounds", "checkpoint-every", "round-timeout", "min-fit-clients", "eval-every", "output-dir",
-                  "data-dir", "download", "client-cpus", "client-gpus", "engine", "cohorts", "resume", "git-commit")
+                  "data-dir", "download", "client-cpus", "client-gpus", "engine", "cohorts", "cohort-step",
+                  "resume", "git-commit")
 
 
 def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], rounds_done: int) -> None:

@@ -142,7 +142,7 @@ def test_scaffold_step_and_control_variate_follow_the_paper():
     g = torch.Generator().manual_seed(5)
     c_global = [0.1 * torch.randn(p.shape, generator=g) for p in model.parameters()]
     c_local = [0.1 * torch.randn(p.shape, generator=g) for p in model.parameters()]
-    algo = ScaffoldStep(model, cfg_of("scaffold"), c_global, c_local)
+    algo = ScaffoldStep(model, cfg_of("scaffold", **{"local-steps": 3}), c_global, c_local)
     start = params_of(model)
     x, y = batch()
     grads = grads_of(model, F.cross_entropy(model(x), y))
@@ -523,8 +523,8 @@ def fedbr_algo(**overrides):
 def fedbr_terms(algo):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, C, (4,), generator=g)
-    b = algo.make_batch(x, y)
-    return {k: v.item() for k, v in algo.objective(b, *algo.features(b)).items()}
+    inputs = algo.step_inputs(x, y)
+    return {k: v.item() for k, v in algo.min_loss(algo.groups, inputs, algo.prepare(algo.groups, inputs))[1].items()}
 
 
 @pytest.mark.parametrize("method, term, weight_key, weight", [

@@ -15,6 +15,7 @@ from steps import started_components
 from clients.fedbr import (FedBRClient, FedBRStep, ProjectionHead, fedbr_contrastive_loss,
                            mean_output_cross_entropy)
 from fedbr_flwr import codec, payload
+from fedbr_flwr.algorithm import Batch
 from fedbr_flwr.broadcast import SharedData
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import ClientData
@@ -120,11 +121,11 @@ def test_projection_head_widths():
 
 def test_max_step_raises_the_contrastive_loss_and_touches_only_theta():
     algo = make_algorithm()
-    batch = algo.make_batch(*local_batch())
-    z_l, z_p = algo.features(batch)
+    inputs = algo.step_inputs(*local_batch())
+    shared = algo.prepare(algo.groups, inputs)
     model_before, head_before = clone_params(algo.model), clone_params(algo.head)
-    before = algo.max_step(z_p, batch.z_g, z_l)
-    after = algo.contrastive_loss(z_p.detach(), batch.z_g, z_l.detach())
+    before = algo.run_phase(algo.phases[0], inputs, shared)["con-max"]
+    after, _ = algo.max_loss(algo.groups, inputs, shared)
     assert after.item() > before.item()
     assert same(model_before, clone_params(algo.model))
     assert not same(head_before, clone_params(algo.head))
@@ -133,11 +134,11 @@ def test_max_step_raises_the_contrastive_loss_and_touches_only_theta():
 
 def test_min_step_lowers_the_total_loss_and_leaves_theta_untouched():
     algo = make_algorithm(lr=0.01)
-    batch = algo.make_batch(*local_batch())
-    before = algo.objective(batch, *algo.features(batch))
+    inputs = algo.step_inputs(*local_batch())
+    before = terms_at(algo, inputs)
     head_before = clone_params(algo.head)
-    algo.min_step(before["loss"])
-    after = algo.objective(batch, *algo.features(batch))
+    algo.run_phase(algo.phases[-1], inputs, algo.prepare(algo.groups, inputs))
+    after = terms_at(algo, inputs)
     assert after["loss"].item() < before["loss"].item()
     assert same(head_before, clone_params(algo.head))
     assert all(p.grad is None for p in algo.head.parameters())
@@ -158,10 +159,11 @@ def test_update_runs_max_then_min_step():
     x, y = local_batch()
     stats = algo.update(x, y)
     assert set(stats) == {"con-max", "ce", "balance", "con", "con-cos-pos", "con-cos-neg", "loss"}
-    batch = ref.make_batch(x, y)
-    z_l, z_p = ref.features(batch)
-    ref.max_step(z_p, batch.z_g, z_l)
-    ref.min_step(ref.objective(batch, z_l, z_p)["loss"])
+    inputs = ref.step_inputs(x, y)
+    shared = ref.prepare(ref.groups, inputs)
+    assert [phase.groups for phase in ref.phases] == [("head",), ("model",)]
+    ref.run_phase(ref.phases[0], inputs, shared)  # the max step on theta
+    ref.run_phase(ref.phases[1], inputs, shared)  # then the min step, with the moved theta
     assert same(clone_params(algo.model), clone_params(ref.model))
     assert same(clone_params(algo.head), clone_params(ref.head))
 
@@ -169,9 +171,13 @@ def test_update_runs_max_then_min_step():
 # ---------------------------------------------------------------- ablation switches
 
 
+def terms_at(algo, inputs):
+    """The min step's loss terms on one step's inputs, at the current weights."""
+    return algo.min_loss(algo.groups, inputs, algo.prepare(algo.groups, inputs))[1]
+
+
 def terms_of(algo, x, y):
-    batch = algo.make_batch(x, y)
-    return {k: v.item() for k, v in algo.objective(batch, *algo.features(batch)).items()}
+    return {k: v.item() for k, v in terms_at(algo, algo.step_inputs(x, y)).items()}
 
 
 def test_each_switch_removes_exactly_its_term():
@@ -195,10 +201,10 @@ def test_each_switch_removes_exactly_its_term():
 def test_the_contrastive_diagnostics_are_the_pairs_mean_cosines_and_change_no_gradient():
     x, y = local_batch()
     algo = make_algorithm()
-    batch = algo.make_batch(x, y)
-    z_l, z_p = algo.features(batch)
-    terms = algo.objective(batch, z_l, z_p)
-    p_p, p_g, p_l = (t.detach() for t in algo.head(torch.cat([z_p, batch.z_g, z_l])).split(B))
+    inputs = algo.step_inputs(x, y)
+    z_l, z_p = algo.model.features(x), algo.model.features(inputs["x_p"])
+    terms = terms_at(algo, inputs)
+    p_p, p_g, p_l = (t.detach() for t in algo.head(torch.cat([z_p, inputs["z_g"], z_l])).split(B))
     cos = torch.nn.functional.cosine_similarity
     assert terms["con-cos-pos"].item() == pytest.approx(cos(p_p, p_g, dim=1).mean().item(), rel=1e-5)
     assert terms["con-cos-neg"].item() == pytest.approx(cos(p_p, p_l, dim=1).mean().item(), rel=1e-5)
@@ -229,9 +235,9 @@ def test_mean_output_switch_changes_only_the_balance_term():
     fedaug = make_algorithm(**{"fedbr-balance-loss": "mean-output"})
     a, b = terms_of(full, x, y), terms_of(fedaug, x, y)
     assert a["ce"] == pytest.approx(b["ce"], rel=1e-6) and a["con"] == pytest.approx(b["con"], rel=1e-6)
-    batch = fedaug.make_batch(x, y)
-    logits_p = fedaug.model(batch.x_p)
-    assert b["balance"] == pytest.approx(mean_output_cross_entropy(logits_p, batch.y_p).item(), rel=1e-5)
+    inputs = fedaug.step_inputs(x, y)
+    logits_p = fedaug.model(inputs["x_p"])
+    assert b["balance"] == pytest.approx(mean_output_cross_entropy(logits_p, inputs["y_p"]).item(), rel=1e-5)
     assert b["balance"] != pytest.approx(a["balance"], rel=1e-3)
 
 
@@ -249,15 +255,15 @@ def test_without_max_step_theta_keeps_its_value_and_the_terms_are_unchanged():
 def test_mixup_mixes_the_local_batch_and_its_labels():
     x, y = local_batch()
     algo = make_algorithm(**{"fedbr-with": "mixup"})
-    batch = algo.make_batch(x, y)
-    local = batch.local
-    assert 0 <= local.lam <= 1 and local.lam != 1.0
+    inputs = algo.step_inputs(x, y)
+    local = Batch.from_tensors(inputs)
+    assert 0 <= local.lam <= 1 and local.lam != 1.0 and local.lam_b == 1 - local.lam
     candidates = local.lam * x[:, None] + (1 - local.lam) * x[None, :]  # [i, j]: x_i mixed with x_j
     error = (candidates - local.x[:, None]).abs().flatten(2).amax(dim=2)
     assert bool((error.amin(dim=1) < 1e-5).all())
     perm = error.argmin(dim=1)
     assert torch.equal(local.y_b, y[perm]) and torch.equal(local.y, y)
-    terms = algo.objective(batch, *algo.features(batch))
+    terms = terms_at(algo, inputs)
     logits = algo.model(local.x)
     ce = local.lam * torch.nn.functional.cross_entropy(logits, y) + \
         (1 - local.lam) * torch.nn.functional.cross_entropy(logits, local.y_b)
@@ -311,9 +317,9 @@ def test_mixture_formula_and_labels_summing_to_one(k):
 def test_mixture_batches_change_every_step_and_keep_soft_labels():
     algo = make_algorithm(**{"pseudo-data": "mixture", "mixture-k": 1})
     x, y = local_batch()
-    b1, b2 = algo.make_batch(x, y), algo.make_batch(x, y)
-    assert not torch.equal(b1.x_p, b2.x_p)
-    assert torch.allclose(b1.y_p.sum(dim=1), torch.ones(B)) and b1.y_p.max() > 0.5
+    b1, b2 = algo.step_inputs(x, y), algo.step_inputs(x, y)
+    assert not torch.equal(b1["x_p"], b2["x_p"])
+    assert torch.allclose(b1["y_p"].sum(dim=1), torch.ones(B)) and b1["y_p"].max() > 0.5
     assert algo.z_g_fixed is None  # the global features follow the mixed batch
 
 

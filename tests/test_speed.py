@@ -227,16 +227,29 @@ def test_local_steps_on_cuda_wait_for_the_device_only_once_per_round(strategy):
 
 @pytest.mark.e2e
 def test_the_suite_runs_flower_and_the_bare_loop_and_prints_the_table(tmp_path, capsys):
+    """One strategy, FedBR (the one with the most to send and compute), through the bare loop and both Flower
+    engines; it is compared with FedAvg's figures counted here, without Flower. The table's FedBR / FedAvg
+    columns are pinned by test_the_suite_table_prints_the_ratios_and_rates_of_what_was_measured."""
+    from fedbr_flwr.server_app import build_strategy
+
     json_path = tmp_path / "suite.json"
-    assert bench.main(["--suite", "--shapes", "rotmnist-cnn", "--strategies", "fedavg,fedbr", "num-clients=2",
-                       "local-steps=1", "--rounds", "1", "--steps", "1", "--json", str(json_path)]) == 0
+    items = ["num-clients=2", "local-steps=1"]
+    assert bench.main(["--suite", "--shapes", "rotmnist-cnn", "--strategies", "fedbr", *items,
+                       "--rounds", "1", "--steps", "1", "--json", str(json_path)]) == 0
     out = capsys.readouterr().out
-    assert "| rotmnist-cnn | fedavg | 64 |" in out and "| rotmnist-cnn | fedbr | 64 |" in out
-    rows = json.loads(json_path.read_text())["rows"]
-    fedavg, fedbr = rows
-    assert fedbr["bytes_per_round"] > fedavg["bytes_per_round"] > 0  # FedBR also sends its projection head
-    assert all(r["client_peak_mb"] > 0 and r["flower_s_per_round"] > 0 and r["bare_s_per_round"] > 0
-               and r["cohort_s_per_round"] > 0 and r["cohort_peak_mb"] > 0 for r in rows)
-    assert fedbr["flops_per_round"] > 2 * fedavg["flops_per_round"] > 0  # FedBR: twice the images, two steps
-    assert "| rotmnist-cnn | fedavg | 64 |" in out and "step_s" in fedavg
-    assert fedavg["tflops"]["bare"] == pytest.approx(fedavg["flops_per_round"] / fedavg["bare_s_per_round"] / 1e12)
+    assert "| rotmnist-cnn | fedbr | 64 |" in out
+    [fedbr] = json.loads(json_path.read_text())["rows"]
+    assert fedbr["client_peak_mb"] > 0 and fedbr["flower_s_per_round"] > 0 and fedbr["bare_s_per_round"] > 0
+    assert fedbr["cohort_s_per_round"] > 0 and fedbr["cohort_peak_mb"] > 0 and "step_s" in fedbr
+
+    configs = {cfg["strategy"]: cfg for _, cfg in bench.suite_configs(items, ["rotmnist-cnn"], ["fedavg", "fedbr"])}
+    sizes = {}
+    for name, cfg in configs.items():
+        arrays = build_strategy({**cfg, "output-dir": str(tmp_path / name), "global-test": False}).initial_arrays()
+        sizes[name] = sum(a.nbytes for a in arrays.values())
+    # each of the 2 clients is sent FedBR's global arrays and sends them back: the model and its projection head
+    assert sizes["fedbr"] > sizes["fedavg"] > 0
+    assert 2 * 2 * sizes["fedbr"] <= fedbr["bytes_per_round"] < 2 * 2 * sizes["fedbr"] * 1.05
+    # FedBR: twice the images, two steps
+    assert fedbr["flops_per_round"] > 2 * 2 * bench.fit_flops(configs["fedavg"]) > 0
+    assert fedbr["tflops"]["bare"] == pytest.approx(fedbr["flops_per_round"] / fedbr["bare_s_per_round"] / 1e12)

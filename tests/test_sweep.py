@@ -58,7 +58,7 @@ def test_only_with_an_unknown_name_is_an_error(tmp_path):
 
 
 def fake_run(folder, cfg, accs, target=0.5, last_round=None):
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     history = [{"round": 2 * (i + 1), "mean_acc": a, "worst_acc": a / 2} for i, a in enumerate(accs)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
     (folder / "manifest.json").write_text(json.dumps({"config": cfg}))
@@ -115,17 +115,43 @@ def test_comparison_gives_mean_and_std_over_seeds(tmp_path):
     assert "over seeds 0, 1" in (out / "comparison.md").read_text()
 
 
-@pytest.mark.e2e
-def test_a_real_sweep_runs_each_job_then_keeps_them(tmp_path, capsys):
-    path = write(tmp_path, SWEEP.replace("[0, 1]", "[0]"))
+def test_a_sweep_runs_each_job_in_order_then_keeps_them(tmp_path, capsys, monkeypatch):
+    """The loop over several jobs, each Flower run replaced by the files of a finished one (a real one: below)."""
+    ran = []
+
+    def finished_run(cfg, supernodes, out_dir, echo):
+        ran.append((cfg["strategy"], cfg["seed"], supernodes, echo, out_dir))
+        fake_run(out_dir, cfg, [0.3, 0.5], last_round=cfg["num-rounds"])
+
+    monkeypatch.setattr(sweep, "run_flower", finished_run)
+    path = write(tmp_path)
     out = tmp_path / "out"
     assert sweep.main([path, "--out", str(out), "--quiet"]) == 0
-    assert (out / "FedAvg" / "seed0" / "summary.json").exists()
-    assert (out / "FedBR_no_max" / "seed0" / "summary.json").exists()
-    assert "| FedBR no max | 1 |" in (out / "comparison.md").read_text()
+    assert [r[:4] for r in ran] == [("fedavg", 0, 2, "none"), ("fedbr", 0, 2, "none"), ("fedavg", 1, 2, "none"),
+                                    ("fedbr", 1, 2, "none")]
+    assert [r[4] for r in ran] == [out.resolve() / name / f"seed{seed}"
+                                   for seed in (0, 1) for name in ("FedAvg", "FedBR_no_max")]
+    table = (out / "comparison.md").read_text()
+    assert "| FedAvg | 2 |" in table and "| FedBR no max | 2 |" in table
     capsys.readouterr()
     assert sweep.main([path, "--out", str(out), "--quiet"]) == 0  # nothing left to run
-    assert capsys.readouterr().out.count("already finished") == 2
+    assert len(ran) == 4 and capsys.readouterr().out.count("already finished") == 4
+
+
+@pytest.mark.e2e
+def test_a_real_sweep_runs_each_job_then_keeps_them(tmp_path, capsys):
+    """One real job (each is one Flower run, the same for every job; the loop over several:
+    test_a_sweep_runs_each_job_in_order_then_keeps_them): it runs, its real run is found finished with
+    the same settings, and it is kept."""
+    path = write(tmp_path, SWEEP.replace("[0, 1]", "[0]"))
+    out = tmp_path / "out"
+    only = ["--only", "FedBR no max", "--out", str(out), "--quiet"]
+    assert sweep.main([path, *only]) == 0
+    assert (out / "FedBR_no_max" / "seed0" / "summary.json").exists() and not (out / "FedAvg").exists()
+    assert "| FedBR no max | 1 |" in (out / "comparison.md").read_text()
+    capsys.readouterr()
+    assert sweep.main([path, *only]) == 0  # nothing left to run
+    assert capsys.readouterr().out.count("already finished") == 1
 
 
 def test_table_only_titles_the_comparison_with_the_command_line_overrides(tmp_path):
