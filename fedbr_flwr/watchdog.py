@@ -66,16 +66,23 @@ def doomed(roots: dict[int, tuple[int, bool]], table: dict[int, tuple[int, int, 
     for pid, (_, sid, start) in table.items():
         if sid in sessions and start >= sessions[sid]:
             out.add(pid)
+    out = with_descendants(out, table)
+    out.discard(os.getpid())
+    return out
+
+
+def with_descendants(pids: set[int], table: dict[int, tuple[int, int, int]]) -> set[int]:
+    """``pids`` and every process of ``table`` descending from one of them."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _, _) in table.items():
         children.setdefault(ppid, []).append(pid)
+    out = set(pids)
     stack = list(out)
     while stack:
         for child in children.get(stack.pop(), []):
             if child not in out:
                 out.add(child)
                 stack.append(child)
-    out.discard(os.getpid())
     return out
 
 

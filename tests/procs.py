@@ -8,7 +8,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from fedbr_flwr.watchdog import proc_stat, proc_table
+from fedbr_flwr.watchdog import proc_stat, proc_table, with_descendants
 
 FIRST_ROUND = "[fedbr] round 1/"
 
@@ -18,17 +18,7 @@ def tree(pid: int) -> dict[int, int]:
     table = proc_table()
     if pid not in table:
         return {}
-    out = {pid}
-    out |= {p for p, (_, sid, _) in table.items() if sid == pid}
-    children: dict[int, list[int]] = {}
-    for p, (ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(p)
-    stack = list(out)
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in out:
-                out.add(child)
-                stack.append(child)
+    out = with_descendants({pid} | {p for p, (_, sid, _) in table.items() if sid == pid}, table)
     return {p: table[p][2] for p in out if p in table}
 
 
