@@ -148,7 +148,6 @@ class FedBRStep(FunctionalStep):
                  pseudo_x: torch.Tensor, pseudo_y: torch.Tensor,
                  local_pool: tuple[torch.Tensor, torch.Tensor] | None = None, seed: int = 0, components=()):
         super().__init__(model, cfg, components)  # SGD on (phi, omega)
-        self.params = list(model.parameters())
         self.s = settings
         self.balance_loss = mean_output_cross_entropy if settings.balance_loss == "mean-output" else soft_cross_entropy
         self.num_classes = model.classifier.out_features
