@@ -427,9 +427,16 @@ class ClientAlgorithm:
         return {**self.weights(), **returned}, len(self.data.y_train), metrics
 
     def evaluate(self, arrays: Named, config: dict) -> tuple[float, int, dict]:
+        loss, acc = evaluate(self.start_evaluate(arrays, config), self.data.x_test, self.data.y_test)
+        return self.finish_evaluate(loss, acc)
+
+    def start_evaluate(self, arrays: Named, config: dict) -> nn.Module:
+        """An evaluation up to its forward passes: the state restored, the arrays received; what predicts."""
         self.restore_state(config)
         self.receive(arrays)
-        loss, acc = evaluate(self.eval_module(), self.data.x_test, self.data.y_test)
+        return self.eval_module()
+
+    def finish_evaluate(self, loss: float, acc: float) -> tuple[float, int, dict]:
         self.after_evaluate()
         return loss, len(self.data.y_test), {"accuracy": acc, "partition-id": self.pid}
 

@@ -113,14 +113,16 @@ class CohortClient(NumPyClient):
         arrays = cohort.member_views({**payload.from_list(parameters), cohort.MEMBERS: config[cohort.MEMBERS]})
         return [(pid, arrays[pid], own_config) for pid, own_config in cohort.member_views(config).items()]
 
+    def each_member(self, parts: list[tuple[int, dict, dict]], together, method: str) -> list[tuple]:
+        """(pid, *answer) of every member: all at once (``together``, cohort-step=vmap), or one after another
+        through the algorithm's ``method`` ("fit" or "evaluate")."""
+        if self.vectorised:
+            return together(parts)
+        return [(pid, *getattr(self.member(pid), method)(arrays, own_config)) for pid, arrays, own_config in parts]
+
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
         returned, metrics, total = {}, {cohort.MEMBERS: config[cohort.MEMBERS]}, 0
-        parts = self.split(parameters, config)
-        if self.vectorised:
-            results = self.fit_together(parts)
-        else:
-            results = [(pid, *self.member(pid).fit(arrays, own_config)) for pid, arrays, own_config in parts]
-        for pid, named, n, own in results:
+        for pid, named, n, own in self.each_member(self.split(parameters, config), self.fit_together, "fit"):
             returned.update(cohort.join_arrays({pid: named}))
             metrics.update({cohort.member_key(pid, k): v for k, v in {**own, "num-examples": n}.items()})
             total += n
@@ -152,10 +154,28 @@ class CohortClient(NumPyClient):
             results.append((pid, *algorithm.finish_fit(member.step, own, seconds)))
         return results
 
+    def evaluate_together(self, parts: list[tuple[int, dict, dict]]) -> list[tuple[int, float, int, dict]]:
+        """Every member's evaluation with one vmapped forward pass per chunk of the test sets
+        (``fedbr_flwr.vectorised.evaluate_members``); each member is a shallow copy, as in ``fit_together``."""
+        from .vectorised import evaluate_members, load_module_state, module_state
+
+        algorithms, states = [], []
+        for pid, arrays, own_config in parts:
+            algorithm = copy.copy(self.member(pid))
+            predictor = algorithm.start_evaluate(arrays, own_config)
+            algorithms.append(algorithm)
+            states.append(module_state(predictor))
+        scores = evaluate_members(predictor, states, [a.data.x_test for a in algorithms],
+                                  [a.data.y_test for a in algorithms])
+        results = []
+        for (pid, _, _), algorithm, state, (loss, acc) in zip(parts, algorithms, states, scores):
+            load_module_state(algorithm.eval_module(), state)  # its own predictor again (DisTrans: its offset)
+            results.append((pid, *algorithm.finish_evaluate(loss, acc)))
+        return results
+
     def evaluate(self, parameters: list[np.ndarray], config: dict) -> tuple[float, int, dict]:
         metrics, results = {cohort.MEMBERS: config[cohort.MEMBERS]}, []
-        for pid, arrays, own_config in self.split(parameters, config):
-            loss, n, own = self.member(pid).evaluate(arrays, own_config)
+        for pid, loss, n, own in self.each_member(self.split(parameters, config), self.evaluate_together, "evaluate"):
             metrics.update({cohort.member_key(pid, k): v for k, v in {**own, "loss": loss, "num-examples": n}.items()})
             results.append((loss, n))
         total = sum(n for _, n in results)

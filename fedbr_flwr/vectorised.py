@@ -9,7 +9,10 @@ Each step of the K local steps:
    steps all members: SGD is elementwise, so this is each member's own SGD.
 The math is the members' own functions; only the orchestration is batched. The shared intermediates
 (``prepare``) are recomputed inside each phase rather than kept between phases (autograd graphs cannot
-cross vmap calls): FedBR's max step pays one more feature forward than on the per-client path."""
+cross vmap calls): FedBR's max step pays one more feature forward than on the per-client path.
+
+``evaluate_members`` evaluates every member's local test set at once the same way: each member's
+predictor state (the global model; DisTrans: with that member's offset) vmapped over padded test sets."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 from .algorithm import FunctionalStep, Inputs, Params, Phase
 from .training import autocast
@@ -102,3 +107,37 @@ def load_groups(step: FunctionalStep, values: Params) -> None:
     for group, named in step.groups.items():
         for name, live in named.items():
             live.copy_(values[group][name])
+
+
+def module_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of a module's parameters and buffers, by name (what ``functional_call`` takes)."""
+    return {k: v.detach().clone() for k, v in [*module.named_parameters(), *module.named_buffers()]}
+
+
+@torch.no_grad()
+def load_module_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    for name, live in [*module.named_parameters(), *module.named_buffers()]:
+        live.copy_(state[name])
+
+
+@torch.no_grad()
+def evaluate_members(module: nn.Module, states: list[dict[str, torch.Tensor]], xs: list[torch.Tensor],
+                     ys: list[torch.Tensor], batch_size: int = 512) -> list[tuple[float, float]]:
+    """(mean cross-entropy, accuracy) of ``module`` with each member's state on that member's test set,
+    every member at once: the test sets are padded to the longest and the padding is masked out."""
+    module.eval()
+    count = max(len(y) for y in ys)
+    x = torch.stack([F.pad(x, (0, 0) * (x.dim() - 1) + (0, count - len(x))) for x in xs])
+    y = torch.stack([F.pad(y, (0, count - len(y))) for y in ys])
+    real = torch.arange(count, device=y.device)[None, :] < torch.tensor([len(t) for t in ys], device=y.device)[:, None]
+    forward = torch.func.vmap(lambda state, inputs: torch.func.functional_call(module, state, (inputs,)))
+    state = stacked(states)
+    loss = torch.zeros(len(ys), device=y.device)
+    correct = torch.zeros(len(ys), device=y.device, dtype=torch.long)
+    for start in range(0, count, batch_size):
+        logits = forward(state, x[:, start:start + batch_size])
+        target, mask = y[:, start:start + batch_size], real[:, start:start + batch_size]
+        each = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
+        loss += (each * mask).sum(dim=1)
+        correct += ((logits.argmax(dim=2) == target) & mask).sum(dim=1)
+    return [(float(l) / max(len(t), 1), float(c) / max(len(t), 1)) for l, c, t in zip(loss, correct, ys)]

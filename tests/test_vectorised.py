@@ -145,3 +145,24 @@ def test_auto_vmaps_on_a_gpu_only():
     node = {"partition-id": 0, "num-partitions": 2}
     assert not build_client(run_config, node, RecordDict()).vectorised  # auto on a CPU: the loop
     assert build_client({**run_config, "cohort-step": "vmap"}, node, RecordDict()).vectorised
+
+
+def test_members_are_evaluated_at_once_as_each_alone_with_its_own_state_and_test_set():
+    """Two members with different weights and test sets of different lengths (the shorter one padded and
+    masked), in chunks smaller than the sets: the same loss and accuracy as evaluating each alone."""
+    from fedbr_flwr.model import build_model
+    from fedbr_flwr.training import evaluate
+    from fedbr_flwr.vectorised import evaluate_members, load_module_state, module_state
+
+    torch.manual_seed(0)
+    model = build_model("cnn-small", 10, 1, 28)
+    states = [module_state(model), {k: v + 0.05 * torch.randn_like(v) for k, v in module_state(model).items()}]
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(n, 1, 28, 28, generator=g) for n in (5, 9)]
+    ys = [torch.randint(0, 10, (n,), generator=g) for n in (5, 9)]
+    together = evaluate_members(model, states, xs, ys, batch_size=4)
+    for state, x, y, (loss, acc) in zip(states, xs, ys, together):
+        load_module_state(model, state)
+        alone_loss, alone_acc = evaluate(model, x, y)
+        assert loss == pytest.approx(alone_loss, rel=1e-5) and acc == alone_acc
+    assert together[0] != together[1]
