@@ -74,8 +74,8 @@ class FlowerClient(NumPyClient):
 
 
 class CohortClient(NumPyClient):
-    """``engine=cohort``: one node's NumPyClient over the clients of a cohort, trained one after another
-    in this process (a CPU's way of batching clients). One ``ClientAlgorithm`` (one model) serves every
+    """``engine=cohort``: one node's NumPyClient over the clients of a cohort, trained in this process one
+    after another (``cohort-step=loop``) or all at once (``vmap``). One ``ClientAlgorithm`` (one model) serves every
     member in turn, bound to that member's data and node state: the model holds nothing of a client
     between messages (it is loaded from the server's arrays), so a cohort of 1000 clients holds one
     model. Every message names the members it is about (``fedbr_flwr.cohort``); each member answers
