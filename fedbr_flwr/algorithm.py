@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -268,11 +270,36 @@ class FunctionalStep(LocalStep):
 
 def call(module: nn.Module, params: dict[str, torch.Tensor], prefix: str, *args) -> torch.Tensor:
     """``module(*args)`` with the parameters ``params[<prefix>.<name>]`` (``module`` is the submodule at
-    ``prefix`` of the module ``params`` belong to; prefix "" for the module itself)."""
+    ``prefix`` of the module ``params`` belong to; prefix "" for the module itself). Inside
+    ``modules_in(dtype)``, the module runs in ``dtype`` and its output comes back as fp32."""
     if prefix:
         start = len(prefix) + 1
         params = {k[start:]: v for k, v in params.items() if k.startswith(prefix + ".")}
-    return torch.func.functional_call(module, params, args)
+    dtype = _MODULE_DTYPE.get()
+    if dtype is None:
+        return torch.func.functional_call(module, params, args)
+    params = {k: cast_floating(v, dtype) for k, v in params.items()}
+    return cast_floating(torch.func.functional_call(module, params, tuple(cast_floating(a, dtype) for a in args)),
+                         torch.float32)
+
+
+_MODULE_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("module_dtype", default=None)
+
+
+@contextlib.contextmanager
+def modules_in(dtype: torch.dtype | None):
+    """Within: every ``call`` runs its module in ``dtype`` (its parameters and floating inputs cast; the losses
+    stay fp32); None: as they are. The vectorised step's ``precision=bf16``: autocast does not reach
+    convolutions under ``torch.func.vmap`` (they stay fp32) and leaves a linear layer's bias add in fp32."""
+    token = _MODULE_DTYPE.set(dtype)
+    try:
+        yield
+    finally:
+        _MODULE_DTYPE.reset(token)
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
 
 # ---------------------------------------------------------------- an algorithm's client side

@@ -243,8 +243,9 @@ def fit_flops(cfg: dict) -> float:
 
 def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
     """One cohort holding all the clients, in this process (no Flower): seconds per round of fitting every
-    client with ``cohort-step=loop`` (one after another) and with ``vmap`` (all at once), timed in
-    alternation after a warm-up round of each; medians."""
+    client with ``cohort-step=loop`` (one after another), with ``vmap`` (all at once) and, on CUDA, with
+    ``graph`` (vmap, the step replayed as a CUDA graph), timed in alternation after a warm-up round of each;
+    medians."""
     from .node import CohortClient
 
     device = pick_device(cfg["device"])
@@ -266,7 +267,9 @@ def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
         for pid, own_arrays, config in parts:
             cohort.member(pid).fit(own_arrays, config)
 
-    ways = {"loop": loop, "vmap": cohort.fit_together}
+    ways = {"loop": loop, "vmap": lambda parts: cohort.fit_together(parts, graph=False)}
+    if device.type == "cuda":
+        ways["graph"] = lambda parts: cohort.fit_together(parts, graph=True)
     times: dict[str, list[float]] = {name: [] for name in ways}
     for server_round in range(1, rounds + 2):
         parts = [(pid, arrays, config_of(server_round)) for pid in members]
@@ -291,10 +294,12 @@ def cohort_step_main(cfg: dict, rounds: int, threads: int, json_path: Path | Non
     print("| cohort-step | s/round (median) | ratio |\n|---|---|---|")
     print(f"| loop (clients one after another) | {t['loop']:.3f} | 1.00 |")
     print(f"| vmap (all clients at once) | {t['vmap']:.3f} | {t['vmap'] / t['loop']:.2f} |")
+    if "graph" in t:
+        print(f"| graph (vmap replayed as a CUDA graph) | {t['graph']:.3f} | {t['graph'] / t['loop']:.2f} |")
     if json_path:
         json_path.write_text(json.dumps({"device": device, "strategy": cfg["strategy"], "model": resolved_model(cfg),
-                                         "clients": cfg["num-clients"], "loop_s_per_round": t["loop"],
-                                         "vmap_s_per_round": t["vmap"]}, indent=2) + "\n")
+                                         "clients": cfg["num-clients"],
+                                         **{f"{name}_s_per_round": v for name, v in t.items()}}, indent=2) + "\n")
     return 0
 
 
@@ -451,7 +456,8 @@ def main(argv=None) -> int:
     parser.add_argument("--strategies", default=",".join(SUITE_STRATEGIES),
                         help="comma-separated strategies for --suite")
     parser.add_argument("--cohort-step", action="store_true",
-                        help="one cohort holding all clients, in process: cohort-step=loop against vmap, s/round")
+                        help="one cohort holding all clients, in process: cohort-step=loop against vmap (and graph "
+                             "on CUDA), s/round")
     parser.add_argument("--scale", action="store_true",
                         help="engine=cohort with 100 clients at fraction-fit 0.1 and 1000 at 0.01: s/round and "
                              "peak memory")

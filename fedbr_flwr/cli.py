@@ -99,6 +99,8 @@ def size_resources(cfg: dict[str, Any], cuda_available: bool, cpu_count: int, gp
         raise ConfigError("client-gpus > 0 but torch sees no CUDA device (Ray would find no actor to place)")
     if cfg["device"] == "cuda" and not cuda_available:
         raise ConfigError("device = cuda but torch sees no CUDA device")
+    if cfg["cohort-step"] == "graph" and not cuda_available:
+        raise ConfigError("cohort-step=graph replays CUDA graphs but torch sees no CUDA device: use vmap or loop")
     gpus = (gpu_count if gpu_count is not None else 1) if cuda_available and cfg["device"] != "cpu" else 0
     if cfg["engine"] == "cohort":
         cfg["cohorts"] = min(cfg["cohorts"] or gpus or max(1, cpu_count // cfg["client-cpus"]), cfg["num-clients"])

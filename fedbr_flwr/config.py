@@ -65,8 +65,9 @@ COMMON: dict[str, Key] = {
     "cohorts": Key(0, "engine=cohort: the number of cohorts (Flower nodes); 0 = one per GPU, or on a CPU one "
                       "per client-cpus cores", check=NON_NEGATIVE),
     "cohort-step": Key("auto", "engine=cohort: how a cohort steps its clients: loop (one after another), vmap (all "
-                               "at once, torch.func.vmap over the clients), auto (vmap on a GPU when the algorithm "
-                               "has a vectorised step, else loop)", choices=("auto", "loop", "vmap")),
+                               "at once, torch.func.vmap over the clients), graph (vmap, each round's step captured "
+                               "once as a CUDA graph and replayed; GPU only), auto (vmap on a GPU when the algorithm "
+                               "has a vectorised step, else loop)", choices=("auto", "loop", "vmap", "graph")),
     # simulation resources (used by the CLI; recorded in the manifest)
     "client-cpus": Key(1, "CPU cores per simulated client (also its torch threads)", check=POSITIVE),
     "client-gpus": Key(0.0, "GPU share per simulated client; the CLI picks one when CUDA is present",
@@ -207,10 +208,14 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
 def check_cohort_step(cfg: Mapping[str, Any]) -> None:
     from .registry import client_class
 
-    if cfg["cohort-step"] != "vmap":
+    step = cfg["cohort-step"]
+    if step not in ("vmap", "graph"):
         return
     if cfg["engine"] != "cohort":
-        raise ConfigError("cohort-step=vmap steps the clients of a cohort together: it needs engine=cohort")
+        raise ConfigError(f"cohort-step={step} steps the clients of a cohort together: it needs engine=cohort")
+    if step == "graph" and cfg["device"] == "cpu":
+        raise ConfigError("cohort-step=graph replays CUDA graphs: it needs device=cuda or auto on a GPU "
+                          "(on a CPU use loop or vmap)")
     if not client_class(cfg["strategy"]).vectorised:
         raise ConfigError(f"strategy '{cfg['strategy']}' has no vectorised local step: use cohort-step=loop "
                           "(or auto, which picks loop for it)")

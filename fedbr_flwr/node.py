@@ -75,17 +75,19 @@ class FlowerClient(NumPyClient):
 
 class CohortClient(NumPyClient):
     """``engine=cohort``: one node's NumPyClient over the clients of a cohort, trained in this process one
-    after another (``cohort-step=loop``) or all at once (``vmap``). One ``ClientAlgorithm`` (one model) serves every
+    after another (``cohort-step=loop``) or all at once (``vmap``; ``graph``: vmap replayed as a CUDA graph). One ``ClientAlgorithm`` (one model) serves every
     member in turn, bound to that member's data and node state: the model holds nothing of a client
     between messages (it is loaded from the server's arrays), so a cohort of 1000 clients holds one
     model. Every message names the members it is about (``fedbr_flwr.cohort``); each member answers
     exactly as it would on a node of its own."""
 
-    def __init__(self, algorithm: ClientAlgorithm, members: dict[int, Any], vectorised: bool = False):
+    def __init__(self, algorithm: ClientAlgorithm, members: dict[int, Any], vectorised: bool = False,
+                 graph: bool = False):
         self.algorithm = algorithm
         self.members = members  # partition id -> its ClientData
         self.records = RecordDict()
         self.vectorised = vectorised  # cohort-step=vmap: fit all sampled members at once
+        self.graph = graph  # cohort-step=graph: and replay each round's step as a CUDA graph
 
     def use_state(self, records: RecordDict) -> None:
         self.records = records
@@ -128,11 +130,13 @@ class CohortClient(NumPyClient):
             total += n
         return payload.to_list(returned), total, metrics
 
-    def fit_together(self, parts: list[tuple[int, dict, dict]]) -> list[tuple[int, dict, int, dict]]:
-        """Every member's fit with one vmapped local step for all (``fedbr_flwr.vectorised``). Each member is
-        a shallow copy of the one algorithm, with its own components, so that what a member keeps between
-        ``start_fit`` and ``finish_fit`` (its data, state, received arrays, seed streams) stays its own."""
-        from .vectorised import Member, load_groups, run_members, snapshot
+    def fit_together(self, parts: list[tuple[int, dict, dict]], graph: bool | None = None
+                     ) -> list[tuple[int, dict, int, dict]]:
+        """Every member's fit with one vmapped local step for all (``fedbr_flwr.vectorised``; ``graph``, by
+        default the cohort's own choice: the step captured as a CUDA graph). Each member is a shallow copy of
+        the one algorithm, with its own components, so that what a member keeps between ``start_fit`` and
+        ``finish_fit`` (its data, state, received arrays, seed streams) stays its own."""
+        from .vectorised import Member, cuda_graph, load_groups, run_members, snapshot
 
         algorithms, members = [], []
         for pid, arrays, own_config in parts:
@@ -146,7 +150,8 @@ class CohortClient(NumPyClient):
             members.append(Member(step, sampler, snapshot(step)))
         cfg = self.algorithm.cfg
         start = time.perf_counter()
-        finals, stats = run_members(members, cfg["local-steps"], cfg["precision"])
+        capture = cuda_graph if (self.graph if graph is None else graph) else None
+        finals, stats = run_members(members, cfg["local-steps"], cfg["precision"], capture)
         seconds = time.perf_counter() - start  # every member's fit took this long: they ran together
         results = []
         for (pid, _, _), algorithm, member, final, own in zip(parts, algorithms, members, finals, stats):
@@ -220,9 +225,13 @@ def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: 
         members = {p: load_client_data(cfg, p, device) for p in cohort_members(cfg, pid, num_partitions)}
         first = next(iter(members.values()))
         algorithm = client_class(cfg["strategy"])
-        together = cfg["cohort-step"] == "vmap" or (cfg["cohort-step"] == "auto" and device.type == "cuda"
-                                                    and algorithm.vectorised)
-        return CohortClient(algorithm(cfg, first, device), members, vectorised=together)
+        if cfg["cohort-step"] == "graph" and device.type != "cuda":
+            raise ConfigError(f"cohort-step=graph replays CUDA graphs, but this cohort's device is {device}: "
+                              "use cohort-step=vmap or loop")
+        together = cfg["cohort-step"] in ("vmap", "graph") or (cfg["cohort-step"] == "auto" and device.type == "cuda"
+                                                               and algorithm.vectorised)
+        return CohortClient(algorithm(cfg, first, device), members, vectorised=together,
+                            graph=cfg["cohort-step"] == "graph")
     if cfg["num-clients"] and num_partitions and cfg["num-clients"] != num_partitions:
         raise ConfigError(f"num-clients = {cfg['num-clients']} but this SuperNode was told num-partitions = "
                           f"{num_partitions}: start the federation with num-supernodes={cfg['num-clients']}")

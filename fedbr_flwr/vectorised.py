@@ -11,6 +11,11 @@ The math is the members' own functions; only the orchestration is batched. The s
 (``prepare``) are recomputed inside each phase rather than kept between phases (autograd graphs cannot
 cross vmap calls): FedBR's max step pays one more feature forward than on the per-client path.
 
+``cohort-step=graph`` (CUDA only) runs the same step: the first of the K steps is also captured as a CUDA
+graph (``cuda_graph``: vmapped gradients, the components' adjustments and the SGD updates), and the
+other K - 1 replay it with each step's draws copied into the captured step's input buffers. The graph
+is captured again each round, as the members and their tensors change.
+
 ``evaluate_members`` evaluates every member's local test set at once the same way: each member's
 predictor state (the global model; DisTrans: with that member's offset) vmapped over padded test sets."""
 
@@ -23,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .algorithm import FunctionalStep, Inputs, Params, Phase
+from .algorithm import FunctionalStep, Inputs, Params, Phase, modules_in
 from .training import autocast
 
 
@@ -70,35 +75,105 @@ def phase_gradients(template: FunctionalStep, phase: Phase, params: Params, inpu
     return torch.func.vmap(torch.func.grad(objective, has_aux=True))(trained, fixed, inputs)
 
 
-def run_members(members: list[Member], steps: int, precision: str = "fp32"
+def run_members(members: list[Member], steps: int, precision: str = "fp32",
+                capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None
                 ) -> tuple[list[Params], list[dict[str, float]]]:
     """K local steps of every member at once: each member's trained groups (views into the stacked
-    tensors) and its diagnostics averaged over the steps, as ``run_local_steps`` gives one client."""
+    tensors) and its diagnostics averaged over the steps, as ``run_local_steps`` gives one client.
+
+    ``capture`` (``cuda_graph``, cohort-step=graph): the first step runs on fixed input buffers and is
+    captured; the other K - 1 replay it, each after copying its freshly drawn inputs into those buffers."""
     template = members[0].step
     template.model.train()
     params = stacked([m.start for m in members])
     optimizers = {g: sgd_like(template.optimizers[g], list(params[g].values())) for g in params}
+    constants = stacked([m.step.constants() for m in members])  # stacked once a round
     totals: dict[str, torch.Tensor] = {}
     device = next(iter(params["model"].values())).device
-    constants = stacked([m.step.constants() for m in members])  # stacked once a round
-    with autocast(device, precision):
-        for _ in range(steps):
-            inputs = {**stacked([m.step.draw(*m.sample()) for m in members]), **constants}
-            for phase in template.phases:
-                grads, stats = phase_gradients(template, phase, params, inputs)
-                if phase.adjust:
-                    for i, member in enumerate(members):
-                        member.step.adjust_gradients([g[i] for g in grads["model"].values()])
-                for group in phase.groups:
-                    for name, tensor in params[group].items():
-                        tensor.grad = grads[group][name]
-                    optimizers[group].step()
-                for k, v in stats.items():
-                    v = v.detach().float()
-                    totals[k] = totals[k] + v if k in totals else v.clone()
+
+    def draw() -> Inputs:
+        with modules_in(None), autocast(device, precision):  # as the per-client path draws (FedBR's z_g)
+            return stacked([m.step.draw(*m.sample()) for m in members])
+
+    def step(inputs: Inputs) -> dict[str, torch.Tensor]:
+        """One local step of every member; its stats as one member's ``update`` gives them (a later phase's
+        figure replaces an earlier one's of the same name)."""
+        out: dict[str, torch.Tensor] = {}
+        for phase in template.phases:
+            grads, stats = phase_gradients(template, phase, params, inputs)
+            if phase.adjust:
+                for i, member in enumerate(members):
+                    member.step.adjust_gradients([g[i] for g in grads["model"].values()])
+            for group in phase.groups:
+                for name, tensor in params[group].items():
+                    tensor.grad = grads[group][name]
+                optimizers[group].step()
+            out.update(stats)
+        return out
+
+    def accumulate(stats: dict[str, torch.Tensor]) -> None:
+        for k, v in stats.items():
+            v = v.detach().float()
+            totals[k] = totals[k] + v if k in totals else v.clone()
+
+    with modules_in(module_dtype(precision)):
+        if capture is None:
+            for _ in range(steps):
+                accumulate(step({**draw(), **constants}))
+        elif steps:
+            buffers = draw()
+            first, replay = capture(lambda: step({**buffers, **constants}))
+            accumulate(first)
+            for _ in range(steps - 1):
+                copy_inputs(buffers, draw())
+                accumulate(replay())
     per_member = {k: [x / steps for x in v.tolist()] for k, v in totals.items()}
     finals = [{g: {n: t[i] for n, t in ps.items()} for g, ps in params.items()} for i in range(len(members))]
     return finals, [{k: v[i] for k, v in per_member.items()} for i in range(len(members))]
+
+
+def module_dtype(precision: str) -> torch.dtype | None:
+    """The dtype the members' modules run in: bf16 by casting (``modules_in``), as autocast, which the per-client
+    path uses, does not reach convolutions under vmap."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+@torch.no_grad()
+def copy_inputs(buffers: Inputs, inputs: Inputs) -> None:
+    """A step's inputs into the captured step's input buffers, which they must match in shape and dtype
+    (``copy_`` would broadcast a smaller tensor without a word)."""
+    for key, buffer in buffers.items():
+        value = inputs[key]
+        if value.shape != buffer.shape or value.dtype != buffer.dtype:
+            raise RuntimeError(f"cohort-step=graph: step input '{key}' changed from {tuple(buffer.shape)} "
+                               f"{buffer.dtype} to {tuple(value.shape)} {value.dtype} between steps; a captured "
+                               "step needs fixed shapes: use cohort-step=vmap")
+        buffer.copy_(value)
+
+
+def cuda_graph(run: Callable[[], dict]) -> tuple[dict, Callable[[], dict]]:
+    """``run()`` once on a side stream (its warm-up, which is also a real step), then captured as a CUDA
+    graph: (the first run's result, a function that replays the graph and returns its output tensors)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        first = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            output = run()
+    except Exception as error:
+        raise RuntimeError(f"cohort-step=graph: the step could not be captured as a CUDA graph ({error}); "
+                           "use cohort-step=vmap") from error
+
+    def replay() -> dict:
+        graph.replay()
+        return output
+
+    return first, replay
 
 
 @torch.no_grad()

@@ -1,5 +1,7 @@
 """The benchmark's in-process paths (no Flower): they must drive the same client code as a run."""
 
+import json
+
 import pytest
 import torch
 
@@ -37,3 +39,15 @@ def test_step_benchmark_needs_no_data_dir(capsys):
     assert bench.main(["--step", "--steps", "1", "dataset=cifar10", "model=cnn", "batch-size=2"]) == 0
     printed = capsys.readouterr().out
     assert "| FedBR (rsm) |" in printed and "| DisTrans (simultaneous) |" in printed
+
+
+def test_cohort_step_benchmark_times_loop_and_vmap_and_graph_only_on_cuda(capsys, tmp_path):
+    out = tmp_path / "cohort.json"
+    assert bench.main(["--cohort-step", "--rounds", "1", "--json", str(out), "device=cpu", "num-clients=2",
+                       "local-steps=1", "batch-size=4", "model=cnn-small", "strategy=fedbr"]) == 0
+    printed = capsys.readouterr().out
+    assert "| loop (clients one after another) |" in printed and "| vmap (all clients at once) |" in printed
+    assert "graph" not in printed  # a CPU has no CUDA graphs
+    figures = json.loads(out.read_text())
+    assert figures["clients"] == 2 and figures["loop_s_per_round"] > 0 and figures["vmap_s_per_round"] > 0
+    assert "graph_s_per_round" not in figures

@@ -49,6 +49,13 @@ def test_gpu_share_without_cuda_is_refused():
         cli.size_resources(cfg, cuda_available=False, cpu_count=2)
 
 
+def test_cohort_step_graph_without_cuda_is_refused_before_anything_starts():
+    cfg = cli.build_config(["engine=cohort", "cohort-step=graph"])
+    with pytest.raises(ConfigError, match="cohort-step=graph replays CUDA graphs but torch sees no CUDA device"):
+        cli.size_resources(cfg, cuda_available=False, cpu_count=2)
+    assert cli.size_resources(cfg, cuda_available=True, cpu_count=16)["cohorts"] == 1  # one GPU: one cohort
+
+
 def test_gpu_fraction_is_chosen_when_cuda_is_present():
     cfg = cli.size_resources(cli.build_config(["num-clients=10"]), cuda_available=True, cpu_count=16)
     assert cfg["client-gpus"] == pytest.approx(0.25)

@@ -89,7 +89,7 @@ def test_nothing_a_user_runs_or_reads_points_outside_the_repository():
     """Users clone the repository alone: no README, doc, experiment file or code names the workshop beside it."""
     files = [p for name in USER_FACING for p in ([ROOT / name] if (ROOT / name).is_file() else
                                                  sorted((ROOT / name).rglob("*")))
-             if p.is_file() and p.suffix in (".md", ".toml", ".yaml", ".yml", ".py")]
+             if p.is_file() and p.suffix in (".md", ".toml", ".yaml", ".yml", ".py", ".sh")]
     assert len(files) > 50
     offenders = [f"{p.relative_to(ROOT)}:{i}" for p in files
                  for i, line in enumerate(p.read_text().splitlines(), 1) if "../shared" in line]

@@ -26,7 +26,8 @@ from fedbr_flwr.registry import algorithm_names, client_class
 REL = 1e-4  # the final weights, each file of arrays, each client's state and the logged figures, relative
 UPDATE_REL = 0.02  # the final weights' difference relative to how far the 3 rounds moved them
 ENGINES = {"loop": {"engine": "cohort", "cohorts": 2, "cohort-step": "loop"},  # cohort 0: clients 0 and 2
-           "vmap": {"engine": "cohort", "cohorts": 2, "cohort-step": "vmap"}}
+           "vmap": {"engine": "cohort", "cohorts": 2, "cohort-step": "vmap"},
+           "graph": {"engine": "cohort", "cohorts": 2, "cohort-step": "graph"}}  # on CUDA only
 CASES = {name: s for name, s in {**golden.CASES, **golden.RESUME_CASES}.items()
          if client_class(s["strategy"]).vectorised}
 
@@ -112,6 +113,89 @@ def test_the_vmapped_cohort_trains_as_the_loop_does(name, tmp_path):
     close_lines(vmap["metrics"], loop["metrics"], "metrics")
 
 
+def replay_eagerly(run):
+    """``cuda_graph``'s stand-in on a CPU: the first run, and "replays" that run the step again on the same
+    input buffers."""
+    return run(), run
+
+
+GRAPH_CASES = {name: CASES[name] for name in ("fedbr", "fedbr-mixture", "fedbr+fedcm", "fedbr+mixup", "scaffold",
+                                              "moon", "dann", "vhl", "distrans-alternating-auto", "fedmix")}
+GRAPH_CASES["fedbr-bf16"] = {**CASES["fedbr"], "precision": "bf16"}
+
+
+@pytest.mark.parametrize("name", sorted(GRAPH_CASES))
+def test_a_replayed_step_on_fixed_input_buffers_trains_as_the_vmapped_step(name, tmp_path, monkeypatch):
+    """cohort-step=graph's bookkeeping, without CUDA: the first step on the input buffers, the others after
+    copying their own draws into them (MOON's constants, SCAFFOLD's and FedCM's adjustments, FedBR's two
+    phases, DisTrans' alternation), bit for bit what cohort-step=vmap computes."""
+    import functools
+
+    from fedbr_flwr import node, vectorised
+
+    settings = {**GRAPH_CASES[name], "local-steps": 3}
+    want = federation(settings, "vmap", tmp_path / "vmap")
+    monkeypatch.setattr(vectorised, "cuda_graph", replay_eagerly)
+    monkeypatch.setattr(node.CohortClient, "fit_together",
+                        functools.partialmethod(node.CohortClient.fit_together, graph=True))
+    got = federation(settings, "vmap", tmp_path / "replayed")
+    for a, b in zip(got["global"], want["global"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert got["metrics"] == want["metrics"] and got["rounds"] == want["rounds"]
+
+
+def test_a_step_input_that_changes_shape_stops_a_captured_step():
+    from fedbr_flwr.vectorised import copy_inputs
+
+    buffers = {"x": torch.zeros(2, 4, 3)}
+    copy_inputs(buffers, {"x": torch.ones(2, 4, 3)})
+    assert buffers["x"].eq(1).all()
+    with pytest.raises(RuntimeError, match="'x' changed from \\(2, 4, 3\\)"):
+        copy_inputs(buffers, {"x": torch.ones(2, 1, 3)})  # copy_ would broadcast it
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", ("fedbr", "fedbr-bf16", "scaffold", "distrans-alternating-auto"))
+def test_the_cuda_graph_step_trains_as_the_vmapped_step(name, tmp_path):
+    settings = {**GRAPH_CASES[name], "local-steps": 3, "device": "cuda"}
+    start = federation(settings, "vmap", tmp_path / "start", rounds=0)["global"]
+    vmap = federation(settings, "vmap", tmp_path / "vmap")
+    graph = federation(settings, "graph", tmp_path / "graph")
+    assert relative_difference(graph["global"], vmap["global"]) < REL
+    assert update_difference(graph["global"], vmap["global"], start) < UPDATE_REL
+    close_lines(graph["metrics"], vmap["metrics"], "metrics")
+
+
+def test_bf16_runs_a_vmapped_convolution_in_bf16():
+    """Autocast does not reach a convolution under vmap (it stays fp32, bit for bit); precision=bf16 on the
+    vectorised path casts the modules instead, which gives each member's bf16 convolution to bf16 rounding."""
+    from torch import nn
+
+    from fedbr_flwr.algorithm import call, modules_in
+    from fedbr_flwr.vectorised import stacked
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 16, 3)
+    states = [{k: v.detach() * scale for k, v in conv.named_parameters()} for scale in (1.0, 1.1)]
+    x = torch.randn(2, 8, 3, 16, 16)
+    forward = torch.func.vmap(lambda p, x: call(conv, p, "", x))
+    fp32 = forward(stacked(states), x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (torch 2.14: vmapped under autocast, it equals fp32)
+        each = torch.stack([torch.func.functional_call(conv, s, (x[i],)).float() for i, s in enumerate(states)])
+    with modules_in(torch.bfloat16):
+        cast = forward(stacked(states), x)
+    assert cast.dtype == torch.float32
+    rounding = (each - fp32).abs().mean()
+    assert (cast - fp32).abs().mean() > 0.3 * rounding and (cast - each).abs().mean() < rounding
+
+
+def test_bf16_vmapped_training_stays_near_fp32(tmp_path):
+    start = federation(CASES["fedbr"], "vmap", tmp_path / "start", rounds=0)["global"]
+    fp32 = federation(CASES["fedbr"], "vmap", tmp_path / "fp32")["global"]
+    bf16 = federation({**CASES["fedbr"], "precision": "bf16"}, "vmap", tmp_path / "bf16")["global"]
+    assert 1e-4 < update_difference(bf16, fp32, start) < 0.1  # measured: 0.04
+
+
 def test_the_comparison_sees_a_change_of_the_training(tmp_path):
     """A tolerance that can fail: lr scaled by 1.05 moves FedBR's update by more than it allows."""
     cfg = {**golden.CASES["fedbr"]}
@@ -133,6 +217,10 @@ def test_cohort_step_vmap_is_refused_where_it_cannot_apply(monkeypatch):
     with pytest.raises(ConfigError, match="'moon' has no vectorised local step"):
         validate({"strategy": "moon", "engine": "cohort", "cohort-step": "vmap"})
     validate({"strategy": "moon", "engine": "cohort", "cohort-step": "auto"})  # auto falls back to the loop
+    with pytest.raises(ConfigError, match="cohort-step=graph steps the clients of a cohort together"):
+        validate({"cohort-step": "graph", "device": "cuda"})
+    with pytest.raises(ConfigError, match="cohort-step=graph replays CUDA graphs: it needs device=cuda"):
+        validate({"engine": "cohort", "cohort-step": "graph", "device": "cpu"})
 
 
 def test_auto_vmaps_on_a_gpu_only():
@@ -145,6 +233,9 @@ def test_auto_vmaps_on_a_gpu_only():
     node = {"partition-id": 0, "num-partitions": 2}
     assert not build_client(run_config, node, RecordDict()).vectorised  # auto on a CPU: the loop
     assert build_client({**run_config, "cohort-step": "vmap"}, node, RecordDict()).vectorised
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="cohort-step=graph replays CUDA graphs, but this cohort's device is cpu"):
+            build_client({**run_config, "device": "auto", "cohort-step": "graph"}, node, RecordDict())
 
 
 def test_members_are_evaluated_at_once_as_each_alone_with_its_own_state_and_test_set():
