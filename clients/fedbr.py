@@ -161,6 +161,7 @@ class FedBRStep(FunctionalStep):
         self.z_g_fixed: torch.Tensor | None = None
         self.groups = {"model": dict(model.named_parameters())}
         self.optimizers = {"model": self.optimizer}
+        self.prepare_groups = ("model",)
         self.phases = [Phase(("model",), self.min_loss, adjust=True)]
         if settings.contrastive:
             if head is None:

@@ -222,8 +222,9 @@ class FunctionalStep(LocalStep):
     * ``draw(x, y) -> inputs``: one step's tensors for this client. Every random draw happens here, from
       the client's own seeded streams, never inside ``loss``;
     * ``prepare(params, inputs) -> shared``: what the phases share (FedBR: the features), default none. It
-      is computed once per step here, but once per phase in a vectorised cohort, so it may read only groups
-      that no phase but the last one trains;
+      may read only groups that no phase but the last one trains. ``prepare_groups`` names the groups it
+      reads: then a vectorised cohort also computes it once a step (``vectorised.shares_prepare``), else
+      once per phase;
     * ``phases``: the ``Phase``s of a step, in order; their losses read the parameters only from
       ``params`` and per-client tensors only from ``inputs`` (``constants()`` are merged in), so that
       anything else they read is the same for every client of a round (the global model, the pseudo-data).
@@ -232,6 +233,7 @@ class FunctionalStep(LocalStep):
     phases: list[Phase]
     groups: Params
     optimizers: dict[str, torch.optim.Optimizer]
+    prepare_groups: tuple[str, ...] = ()
 
     def draw(self, x: torch.Tensor, y: torch.Tensor) -> Inputs:
         return {"x": x, "y": y}

@@ -7,9 +7,12 @@ Each step of the K local steps:
 2. for each phase, the gradients of every member come from one vmapped ``torch.func.grad`` of the phase's
    loss; each member's components adjust its own slice; one SGD (torch's, over the stacked parameters)
    steps all members: SGD is elementwise, so this is each member's own SGD.
-The math is the members' own functions; only the orchestration is batched. The shared intermediates
-(``prepare``) are recomputed inside each phase rather than kept between phases (autograd graphs cannot
-cross vmap calls): FedBR's max step pays one more feature forward than on the per-client path.
+The math is the members' own functions; only the orchestration is batched. Autograd graphs cannot cross
+vmap calls, so what the phases share (``prepare``) is recomputed inside each phase, unless the step
+``shares_prepare`` (FedBR): then one vmapped function computes it once with its pullback
+(``torch.func.vjp``), steps the earlier phases (FedBR's max step on the head) with torch's SGD written as a
+function (``sgd_values``), and returns the last phase's gradients, through ``prepare`` by the pullback; the
+last phase is adjusted and stepped as above. FedBR thus pays one feature forward a step, as on its own.
 
 ``cohort-step=graph`` (CUDA only) runs the same step: the first of the K steps is also captured as a CUDA
 graph (``cuda_graph``: vmapped gradients, the components' adjustments and the SGD updates), and the
@@ -75,6 +78,71 @@ def phase_gradients(template: FunctionalStep, phase: Phase, params: Params, inpu
     return torch.func.vmap(torch.func.grad(objective, has_aux=True))(trained, fixed, inputs)
 
 
+def shares_prepare(step: FunctionalStep) -> bool:
+    """Whether every member's ``prepare`` can be computed once per step for all phases (FedBR's features):
+    the step names the groups it reads, only the last phase trains them, and the earlier phases neither
+    train the last phase's groups nor adjust gradients."""
+    *earlier, last = step.phases
+    reads, trained_last = set(step.prepare_groups), set(last.groups)
+    return bool(earlier and reads) and reads <= trained_last and not any(
+        phase.adjust or set(phase.groups) & trained_last for phase in earlier)
+
+
+def sgd_values(params: dict, grads: dict, momentum: dict | None, hyper: dict) -> tuple[dict, dict]:
+    """torch's SGD update as a function: (new values, new momentum buffers) of one group, whose buffers are
+    None before its first step."""
+    if hyper["maximize"]:
+        raise ValueError("a vectorised step's SGD does not maximise: a Phase ascends by its ascent flag")
+    lr, mu, wd = hyper["lr"], hyper["momentum"], hyper["weight_decay"]
+    new, buffers = {}, {}
+    for name, p in params.items():
+        g = grads[name] + wd * p if wd else grads[name]
+        if mu:
+            buffers[name] = g if momentum is None else momentum[name] * mu + (1 - hyper["dampening"]) * g
+            g = g + mu * buffers[name] if hyper["nesterov"] else buffers[name]
+        new[name] = p - lr * g
+    return new, buffers
+
+
+def shared_prepare_gradients(template: FunctionalStep, params: Params, momentum: Params, inputs: Inputs
+                             ) -> tuple[Params, Params, Params, dict[str, torch.Tensor]]:
+    """One step of every member for a step that ``shares_prepare``: ``prepare`` once (kept with its pullback),
+    the earlier phases stepped inside with ``sgd_values`` on its values, then the last phase's gradients,
+    through ``prepare`` by the pullback. Returns (the earlier phases' new values, their new momentum buffers,
+    the last phase's gradients, the stats), each with a leading member dimension."""
+    *earlier, last = template.phases
+    hyper = {g: template.optimizers[g].param_groups[0] for phase in earlier for g in phase.groups}
+
+    def member(params: Params, momentum: Params, inputs: Inputs):
+        params, stepped, buffers, stats = dict(params), {}, {}, {}
+        read = {g: params[g] for g in template.prepare_groups}
+        shared, pullback = torch.func.vjp(lambda read: template.prepare({**params, **read}, inputs), read)
+        for phase in earlier:
+            def objective(trained: Params):
+                loss, terms = phase.loss({**params, **trained}, inputs, shared)
+                return (-loss if phase.ascent else loss), terms
+
+            grads, terms = torch.func.grad(objective, has_aux=True)({g: params[g] for g in phase.groups})
+            for g in phase.groups:
+                params[g], buffers[g] = sgd_values(params[g], grads[g], momentum.get(g), hyper[g])
+                stepped[g] = params[g]
+            stats.update(terms)
+
+        def last_objective(trained: Params, shared: dict):
+            loss, terms = last.loss({**params, **trained}, inputs, shared)
+            return (-loss if last.ascent else loss), terms
+
+        (direct, through_shared), terms = torch.func.grad(last_objective, argnums=(0, 1), has_aux=True)(
+            {g: params[g] for g in last.groups}, shared)
+        (through_prepare,) = pullback(through_shared)
+        grads = {g: {n: t + through_prepare[g][n] if g in through_prepare else t for n, t in named.items()}
+                 for g, named in direct.items()}
+        stats.update(terms)
+        return stepped, {g: b for g, b in buffers.items() if b}, grads, stats
+
+    return torch.func.vmap(member)(params, momentum, inputs)
+
+
 def run_members(members: list[Member], steps: int, precision: str = "fp32",
                 capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None
                 ) -> tuple[list[Params], list[dict[str, float]]]:
@@ -88,6 +156,7 @@ def run_members(members: list[Member], steps: int, precision: str = "fp32",
     params = stacked([m.start for m in members])
     optimizers = {g: sgd_like(template.optimizers[g], list(params[g].values())) for g in params}
     constants = stacked([m.step.constants() for m in members])  # stacked once a round
+    share_prepare = shares_prepare(template)
     totals: dict[str, torch.Tensor] = {}
     device = next(iter(params["model"].values())).device
 
@@ -95,19 +164,31 @@ def run_members(members: list[Member], steps: int, precision: str = "fp32",
         with modules_in(None), autocast(device, precision):  # as the per-client path draws (FedBR's z_g)
             return stacked([m.step.draw(*m.sample()) for m in members])
 
+    momentum: Params = {}  # shares_prepare: the earlier phases' momentum buffers, from the first step on
+
+    def apply(phase: Phase, grads: Params) -> None:
+        """The components' adjustments of each member's slice, then each group's SGD over the stacked values."""
+        if phase.adjust:
+            for i, member in enumerate(members):
+                member.step.adjust_gradients([g[i] for g in grads["model"].values()])
+        for group in phase.groups:
+            for name, tensor in params[group].items():
+                tensor.grad = grads[group][name]
+            optimizers[group].step()
+
     def step(inputs: Inputs) -> dict[str, torch.Tensor]:
         """One local step of every member; its stats as one member's ``update`` gives them (a later phase's
         figure replaces an earlier one's of the same name)."""
+        if share_prepare:
+            stepped, buffers, grads, stats = shared_prepare_gradients(template, params, momentum, inputs)
+            copy_values(params, stepped)
+            copy_values(momentum, buffers)
+            apply(template.phases[-1], grads)
+            return stats
         out: dict[str, torch.Tensor] = {}
         for phase in template.phases:
             grads, stats = phase_gradients(template, phase, params, inputs)
-            if phase.adjust:
-                for i, member in enumerate(members):
-                    member.step.adjust_gradients([g[i] for g in grads["model"].values()])
-            for group in phase.groups:
-                for name, tensor in params[group].items():
-                    tensor.grad = grads[group][name]
-                optimizers[group].step()
+            apply(phase, grads)
             out.update(stats)
         return out
 
@@ -130,6 +211,15 @@ def run_members(members: list[Member], steps: int, precision: str = "fp32",
     per_member = {k: [x / steps for x in v.tolist()] for k, v in totals.items()}
     finals = [{g: {n: t[i] for n, t in ps.items()} for g, ps in params.items()} for i in range(len(members))]
     return finals, [{k: v[i] for k, v in per_member.items()} for i in range(len(members))]
+
+
+@torch.no_grad()
+def copy_values(target: Params, values: Params) -> None:
+    """``values`` into ``target``'s tensors in place, creating those it lacks: a captured step's replays
+    read and write the same tensors."""
+    for group, named in values.items():
+        for name, value in named.items():
+            target.setdefault(group, {}).setdefault(name, torch.empty_like(value)).copy_(value)
 
 
 def module_dtype(precision: str) -> torch.dtype | None:

@@ -30,6 +30,7 @@ ENGINES = {"loop": {"engine": "cohort", "cohorts": 2, "cohort-step": "loop"},  #
            "graph": {"engine": "cohort", "cohorts": 2, "cohort-step": "graph"}}  # on CUDA only
 CASES = {name: s for name, s in {**golden.CASES, **golden.RESUME_CASES}.items()
          if client_class(s["strategy"]).vectorised}
+CASES["fedbr-momentum-decay"] = {"strategy": "fedbr", "momentum": 0.9, "weight-decay": 1e-3}  # the head's SGD in vmap
 
 
 def federation(settings: dict, engine: str, out: Path, rounds: int = 3) -> dict:
@@ -119,8 +120,9 @@ def replay_eagerly(run):
     return run(), run
 
 
-GRAPH_CASES = {name: CASES[name] for name in ("fedbr", "fedbr-mixture", "fedbr+fedcm", "fedbr+mixup", "scaffold",
-                                              "moon", "dann", "vhl", "distrans-alternating-auto", "fedmix")}
+GRAPH_CASES = {name: CASES[name] for name in ("fedbr", "fedbr-momentum-decay", "fedbr-mixture", "fedbr+fedcm",
+                                              "fedbr+mixup", "scaffold", "moon", "dann", "vhl",
+                                              "distrans-alternating-auto", "fedmix")}
 GRAPH_CASES["fedbr-bf16"] = {**CASES["fedbr"], "precision": "bf16"}
 
 
@@ -128,7 +130,7 @@ GRAPH_CASES["fedbr-bf16"] = {**CASES["fedbr"], "precision": "bf16"}
 def test_a_replayed_step_on_fixed_input_buffers_trains_as_the_vmapped_step(name, tmp_path, monkeypatch):
     """cohort-step=graph's bookkeeping, without CUDA: the first step on the input buffers, the others after
     copying their own draws into them (MOON's constants, SCAFFOLD's and FedCM's adjustments, FedBR's two
-    phases, DisTrans' alternation), bit for bit what cohort-step=vmap computes."""
+    phases with the head's momentum, DisTrans' alternation), bit for bit what cohort-step=vmap computes."""
     import functools
 
     from fedbr_flwr import node, vectorised
@@ -144,6 +146,42 @@ def test_a_replayed_step_on_fixed_input_buffers_trains_as_the_vmapped_step(name,
     assert got["metrics"] == want["metrics"] and got["rounds"] == want["rounds"]
 
 
+def test_fedbr_computes_its_features_once_a_step_under_vmap(tmp_path, monkeypatch):
+    """FedBR's max and min steps share one feature forward (``shares_prepare``), as on the per-client path."""
+    from clients.fedbr import FedBRStep
+    from fedbr_flwr import vectorised
+
+    calls = []
+    original = FedBRStep.prepare
+    monkeypatch.setattr(FedBRStep, "prepare", lambda self, *a: calls.append(1) or original(self, *a))
+    federation({**CASES["fedbr"], "local-steps": 3}, "vmap", tmp_path / "shared", rounds=1)
+    assert len(calls) == 3 * 2  # 3 steps, each once per cohort (2 cohorts)
+    calls.clear()
+    monkeypatch.setattr(vectorised, "shares_prepare", lambda step: False)
+    federation({**CASES["fedbr"], "local-steps": 3}, "vmap", tmp_path / "per-phase", rounds=1)
+    assert len(calls) == 3 * 2 * 2  # once per phase
+
+
+def test_the_functional_sgd_is_torchs():
+    from fedbr_flwr.vectorised import sgd_values
+
+    torch.manual_seed(0)
+    for hyper in ({"momentum": 0.0, "weight_decay": 0.0, "nesterov": False},
+                  {"momentum": 0.9, "weight_decay": 1e-2, "nesterov": False},
+                  {"momentum": 0.9, "weight_decay": 0.0, "nesterov": True}):
+        p = torch.randn(5, requires_grad=True)
+        optimizer = torch.optim.SGD([p], lr=0.1, dampening=0.0, **hyper)
+        values, buffers = {"p": p.detach().clone()}, None
+        for _ in range(3):
+            g = torch.randn(5)
+            p.grad = g.clone()
+            optimizer.step()
+            values, buffers = sgd_values(values, {"p": g}, buffers,
+                                         {**optimizer.param_groups[0]})
+            buffers = buffers or None
+            torch.testing.assert_close(values["p"], p.detach(), rtol=1e-6, atol=1e-7)
+
+
 def test_a_step_input_that_changes_shape_stops_a_captured_step():
     from fedbr_flwr.vectorised import copy_inputs
 
@@ -155,7 +193,8 @@ def test_a_step_input_that_changes_shape_stops_a_captured_step():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("name", ("fedbr", "fedbr-bf16", "scaffold", "distrans-alternating-auto"))
+@pytest.mark.parametrize("name", ("fedbr", "fedbr-momentum-decay", "fedbr-bf16", "scaffold",
+                                  "distrans-alternating-auto"))
 def test_the_cuda_graph_step_trains_as_the_vmapped_step(name, tmp_path):
     settings = {**GRAPH_CASES[name], "local-steps": 3, "device": "cuda"}
     start = federation(settings, "vmap", tmp_path / "start", rounds=0)["global"]
