@@ -1,41 +1,64 @@
 #!/usr/bin/env bash
 # The cohort engine's GPU measurements (README: "The cohort engine's targets"), one after another, each
-# writing its figures into OUT. For a machine with one GPU and full MNIST (MNIST/raw/) under DATA_DIR:
-#   bash experiments/gpu_targets.sh DATA_DIR OUT [ROUNDS]      # ROUNDS: of the end-to-end runs, default 100
-# About 15-20 minutes at ROUNDS=100 (the end-to-end runs take the most; 1000 rounds is the paper's).
-set -euo pipefail
-data=${1:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS]}
-out=${2:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS]}
+# writing its output into OUT/<name>.txt (and .json where the tool writes one). For a machine with one GPU
+# and full MNIST (MNIST/raw/) under DATA_DIR:
+#   bash experiments/gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]
+# ROUNDS: of the end-to-end runs (default 100; the paper runs 1000). PARTS: which of the numbered parts
+# below to run (default "1 2 3 4 5"), e.g. "2 3" to split the work over several sessions or calls.
+# A part that fails is recorded in OUT/failures.txt and the others still run.
+set -uo pipefail
+data=${1:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]}
+out=${2:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]}
 rounds=${3:-100}
+parts=" ${4:-1 2 3 4 5} "
 mkdir -p "$out"
 paper=(dataset=mnist "data-dir=$data" num-clients=10 local-steps=50 batch-size=64)
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 
-# 1. the CUDA-graph step against the vmapped one (the equivalence tests that need a GPU)
-if python -c "import pytest" 2>/dev/null; then
-  python -m pytest -q tests/test_vectorised.py -k "cuda_graph or replayed" 2>&1 | tee "$out/cuda-graph-tests.txt"
+measure() {  # measure NAME COMMAND...: its output into OUT/NAME.txt, its last lines on the terminal
+  local name=$1
+  shift
+  echo "== $name: $*"
+  "$@" > "$out/$name.txt" 2>&1
+  local code=$?
+  tail -n 12 "$out/$name.txt"
+  if [ "$code" -ne 0 ]; then echo "$name: exit $code: $*" | tee -a "$out/failures.txt"; fi
+}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$out/gpu.txt" 2>&1
+git rev-parse HEAD > "$out/commit.txt" 2>/dev/null
+
+# 1. the CUDA-graph step against the vmapped one: the equivalence tests that need a GPU
+if [[ $parts == *" 1 "* ]]; then
+  measure graph-tests python -m pytest -q tests/test_vectorised.py -k "cuda_graph or replayed"
 fi
 
 # 2. one cohort of the paper's 10 clients in process: loop, vmap and graph, s/round
-for strategy in fedavg fedbr distrans; do
-  fedbr-bench --cohort-step "${paper[@]}" "strategy=$strategy" --rounds 5 --json "$out/cohort-step-$strategy.json" \
-    2>&1 | tee "$out/cohort-step-$strategy.txt"
-done
-
-# 3. end to end through Flower, the paper protocol with evaluation every 10 rounds; rounds.jsonl has the times
-for strategy in fedavg fedbr; do
-  for step in vmap graph; do
-    fedbr-run experiments/fedavg_rotmnist.yaml "${paper[@]}" "strategy=$strategy" engine=cohort \
-      "cohort-step=$step" eval-every=10 "num-rounds=$rounds" "output-dir=$out/run-$strategy-$step" --quiet \
-      2>&1 | tail -5 | tee "$out/run-$strategy-$step.txt"
+if [[ $parts == *" 2 "* ]]; then
+  for strategy in fedavg fedbr distrans; do
+    measure "cohort-step-$strategy" fedbr-bench --cohort-step "${paper[@]}" "strategy=$strategy" --rounds 5 \
+      --json "$out/cohort-step-$strategy.json"
   done
-done
+fi
+
+# 3. end to end through Flower: the paper protocol, evaluation every 10 rounds (rounds.jsonl has the times)
+if [[ $parts == *" 3 "* ]]; then
+  for strategy in fedavg fedbr; do
+    for step in vmap graph; do
+      measure "run-$strategy-$step" fedbr-run experiments/fedavg_rotmnist.yaml "${paper[@]}" "strategy=$strategy" \
+        engine=cohort "cohort-step=$step" eval-every=10 "num-rounds=$rounds" "output-dir=$out/run-$strategy-$step" \
+        --quiet
+    done
+  done
+fi
 
 # 4. 100 clients at 10% and 1000 at 1% on the one GPU: s/round and peak memory
-for step in vmap graph; do
-  fedbr-bench --scale local-steps=50 "cohort-step=$step" --rounds 3 --json "$out/scale-$step.json" 2>&1 \
-    | tee "$out/scale-$step.txt"
-done
+if [[ $parts == *" 4 "* ]]; then
+  for step in vmap graph; do
+    measure "scale-$step" fedbr-bench --scale local-steps=50 "cohort-step=$step" --rounds 3 --json "$out/scale-$step.json"
+  done
+fi
 
-# 5. the bare loop against both Flower engines, with achieved TFLOP/s beside the card's peak
-fedbr-bench --suite --shapes rotmnist-cnn "${paper[@]}" --rounds 5 --json "$out/suite.json" 2>&1 | tee "$out/suite.txt"
+# 5. the bare loop against both Flower engines, with the achieved TFLOP/s beside the card's peak
+if [[ $parts == *" 5 "* ]]; then
+  measure suite fedbr-bench --suite --shapes rotmnist-cnn "${paper[@]}" --rounds 5 --json "$out/suite.json"
+fi

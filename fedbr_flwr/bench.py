@@ -339,12 +339,8 @@ def suite_configs(items: list[str], shapes: list[str], strategies: Sequence[str]
 
 def suite_main(items: list[str], shapes: list[str], strategies: list[str], rounds: int, steps: int, threads: int,
                json_path: Path | None) -> int:
-    try:
-        configs = [(shape, size_resources(cfg, torch.cuda.is_available(), threads))
-                   for shape, cfg in suite_configs(items, shapes, strategies)]
-    except ConfigError as exc:
-        print(f"fedbr-bench: error: {exc}", file=sys.stderr)
-        return 2
+    configs = [(shape, size_resources(cfg, torch.cuda.is_available(), threads))
+               for shape, cfg in suite_configs(items, shapes, strategies)]
     device = _device_name(configs[0][1], threads)
     first = configs[0][1]
     print(f"fedbr-bench --suite on {device}: {first['num-clients']} clients x {first['local-steps']} local steps, "
@@ -409,11 +405,7 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
     """Many clients on one machine with engine=cohort: seconds per round and the cohort's peak memory."""
     rows = []
     for label, preset in SCALE:
-        try:
-            cfg = cohort_config(build_config(preset + items))
-        except ConfigError as exc:
-            print(f"fedbr-bench: error: {exc}", file=sys.stderr)
-            return 2
+        cfg = cohort_config(build_config(preset + items))
         print(f"  {label}: {cfg['strategy']}, {cfg['cohorts']} cohort(s) ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
             try:
@@ -464,27 +456,34 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
+    try:
+        return run_mode(args, threads)
+    except ConfigError as exc:  # a bad key, or a dataset that is not in data-dir
+        print(f"fedbr-bench: error: {exc}", file=sys.stderr)
+        return 2
+    except RunFailed as exc:
+        print(f"fedbr-bench: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def run_mode(args: argparse.Namespace, threads: int) -> int:
     if args.suite:
         return suite_main(args.items, args.shapes.split(","), args.strategies.split(","), args.rounds, args.steps,
                           threads, args.json)
     if args.scale:
         return scale_main(args.items, args.rounds, threads, args.json)
-    try:  # --step reads no files (synthetic inputs of the dataset's shapes)
-        cfg = size_resources(build_config(args.items), torch.cuda.is_available(), threads)
-    except ConfigError as exc:
-        print(f"fedbr-bench: error: {exc}", file=sys.stderr)
-        return 2
-    if args.step:
+    cfg = size_resources(build_config(args.items), torch.cuda.is_available(), threads)
+    if args.step:  # reads no files (synthetic inputs of the dataset's shapes)
         return step_main(cfg, args.steps, threads, args.json)
     if args.cohort_step:
         return cohort_step_main(cfg, args.rounds, threads, args.json)
+    return compare_main(cfg, args.rounds, threads, args.json)
+
+
+def compare_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) -> int:
     print(f"fedbr-bench: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients x "
-          f"{cfg['local-steps']} steps x batch {cfg['batch-size']}, {args.rounds} timed rounds", flush=True)
-    try:
-        result = compare(cfg, args.rounds)
-    except RunFailed as exc:
-        print(f"fedbr-bench: error: {exc}", file=sys.stderr)
-        return 1
+          f"{cfg['local-steps']} steps x batch {cfg['batch-size']}, {rounds} timed rounds", flush=True)
+    result = compare(cfg, rounds)
     device = _device_name(cfg, threads)
     result = {"device": device, **result,
               "bare_setup": f"one process, {threads} torch threads, clients one after another"}
@@ -495,8 +494,8 @@ def main(argv=None) -> int:
     print(f"\ndevice: {device}; Flower run incl. start-up and final evaluation: "
           f"{result['flower_total_s_incl_startup']:.1f} s; peak {result['memory']} per client process "
           f"{result['client_peak_mb']:.0f} MB; fit messages {result['bytes_per_round'] / 1e6:.2f} MB per round")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

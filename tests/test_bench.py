@@ -51,3 +51,17 @@ def test_cohort_step_benchmark_times_loop_and_vmap_and_graph_only_on_cuda(capsys
     figures = json.loads(out.read_text())
     assert figures["clients"] == 2 and figures["loop_s_per_round"] > 0 and figures["vmap_s_per_round"] > 0
     assert "graph_s_per_round" not in figures
+
+
+def test_cohort_step_benchmark_without_its_dataset_stops_with_a_message(capsys, tmp_path):
+    assert bench.main(["--cohort-step", "dataset=mnist", f"data-dir={tmp_path}", "download=never",
+                       "num-clients=2", "device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedbr-bench: error: dataset 'mnist' not found") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("mode", ["--suite", "--scale", "--step", "--cohort-step", None])
+def test_every_mode_refuses_an_unknown_key_with_a_message(mode, capsys):
+    assert bench.main([*([mode] if mode else []), "no-such-key=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedbr-bench: error:") and "no-such-key" in err and "Traceback" not in err
