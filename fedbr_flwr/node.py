@@ -136,7 +136,7 @@ class CohortClient(NumPyClient):
         default the cohort's own choice: the step captured as a CUDA graph). Each member is a shallow copy of
         the one algorithm, with its own components, so that what a member keeps between ``start_fit`` and
         ``finish_fit`` (its data, state, received arrays, seed streams) stays its own."""
-        from .vectorised import Member, cuda_graph, load_groups, run_members, snapshot
+        from .vectorised import Member, copy_values, cuda_graph, run_members, snapshot
 
         algorithms, members = [], []
         for pid, arrays, own_config in parts:
@@ -155,7 +155,7 @@ class CohortClient(NumPyClient):
         seconds = time.perf_counter() - start  # every member's fit took this long: they ran together
         results = []
         for (pid, _, _), algorithm, member, final, own in zip(parts, algorithms, members, finals, stats):
-            load_groups(member.step, final)
+            copy_values(member.step.groups, final)  # its trained values, live
             results.append((pid, *algorithm.finish_fit(member.step, own, seconds)))
         return results
 

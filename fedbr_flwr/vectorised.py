@@ -182,7 +182,10 @@ def run_members(members: list[Member], steps: int, precision: str = "fp32",
         if share_prepare:
             stepped, buffers, grads, stats = shared_prepare_gradients(template, params, momentum, inputs)
             copy_values(params, stepped)
-            copy_values(momentum, buffers)
+            if momentum:
+                copy_values(momentum, buffers)
+            else:  # the first step makes the buffers that later steps (and a captured step) update in place
+                momentum.update({g: {n: b.clone() for n, b in named.items()} for g, named in buffers.items()})
             apply(template.phases[-1], grads)
             return stats
         out: dict[str, torch.Tensor] = {}
@@ -215,11 +218,11 @@ def run_members(members: list[Member], steps: int, precision: str = "fp32",
 
 @torch.no_grad()
 def copy_values(target: Params, values: Params) -> None:
-    """``values`` into ``target``'s tensors in place, creating those it lacks: a captured step's replays
-    read and write the same tensors."""
+    """``values`` into ``target``'s tensors of the same group and name, in place (a member's trained values
+    into its live parameters; a captured step's replays read and write the same tensors)."""
     for group, named in values.items():
         for name, value in named.items():
-            target.setdefault(group, {}).setdefault(name, torch.empty_like(value)).copy_(value)
+            target[group][name].copy_(value)
 
 
 def module_dtype(precision: str) -> torch.dtype | None:
@@ -264,14 +267,6 @@ def cuda_graph(run: Callable[[], dict]) -> tuple[dict, Callable[[], dict]]:
         return output
 
     return first, replay
-
-
-@torch.no_grad()
-def load_groups(step: FunctionalStep, values: Params) -> None:
-    """Copy one member's trained values into the live parameters its step trains."""
-    for group, named in step.groups.items():
-        for name, live in named.items():
-            live.copy_(values[group][name])
 
 
 def module_state(module: nn.Module) -> dict[str, torch.Tensor]:
