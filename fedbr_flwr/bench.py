@@ -36,7 +36,7 @@ import torch
 from .broadcast import SharedData
 from .cli import build_config, size_resources, supernodes
 from .config import ConfigError, resolved_model
-from .dataset import INFO, load_client_data
+from .dataset import INFO, load_client_data, load_cohort_data
 from .launcher import RunFailed, run_flower
 from .metrics import read_jsonl
 from .registry import client_class
@@ -249,8 +249,8 @@ def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
     from .node import CohortClient
 
     device = pick_device(cfg["device"])
-    members = {pid: load_client_data(cfg, pid, device) for pid in range(cfg["num-clients"])}
-    cohort = CohortClient(client_class(cfg["strategy"])(cfg, members[0], device), members)
+    members, packed = load_cohort_data(cfg, list(range(cfg["num-clients"])), device)
+    cohort = CohortClient(client_class(cfg["strategy"])(cfg, members[0], device), members, packed=packed)
 
     class Member:  # what bare_fit_config asks for the RSM means
         def __init__(self, pid):
@@ -405,7 +405,7 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
     """Many clients on one machine with engine=cohort: seconds per round and the cohort's peak memory."""
     rows = []
     for label, preset in SCALE:
-        cfg = cohort_config(build_config(preset + items))
+        cfg = cohort_config(build_config(["engine=cohort", *preset, *items]))  # so that cohort-step=... is valid
         print(f"  {label}: {cfg['strategy']}, {cfg['cohorts']} cohort(s) ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
             try:

@@ -14,7 +14,7 @@ import pickle
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -440,6 +440,39 @@ def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.de
         augment=cfg["dataset"] == "cifar100",
         border=normalised_black(info),
     )
+
+
+def load_cohort_data(cfg: Mapping[str, Any], partition_ids: list[int], device: torch.device | str
+                     ) -> tuple[dict[int, ClientData], "PackedPartitions"]:
+    """A cohort's clients' data on ``device``, their training partitions packed (``pack_partitions``)."""
+    return pack_partitions({pid: load_client_data(cfg, pid, "cpu") for pid in partition_ids}, device)
+
+
+@dataclass
+class PackedPartitions:
+    """A cohort's training partitions one after another in one tensor on the device; each member's
+    ``x_train``/``y_train`` is a view of its rows, so the cohort's data lives on the device once and every
+    member's batch of a step comes from one gather. The rows are not padded to the longest partition: Dirichlet
+    partitions differ in length many times over, and padding would hold clients x longest images."""
+    x: torch.Tensor
+    y: torch.Tensor
+    offsets: dict[int, int]  # partition id -> its first row
+
+
+def pack_partitions(members: Mapping[int, ClientData], device: torch.device | str
+                    ) -> tuple[dict[int, ClientData], PackedPartitions]:
+    """``members`` (loaded anywhere, e.g. on the host) on ``device``: their training partitions packed into one
+    tensor, which their own ``x_train``/``y_train`` view."""
+    x = torch.cat([d.x_train for d in members.values()]).to(device)
+    y = torch.cat([d.y_train for d in members.values()]).to(device)
+    packed, offsets, start = {}, {}, 0
+    for pid, data in members.items():
+        n = len(data.y_train)
+        offsets[pid] = start
+        packed[pid] = replace(data, x_train=x[start:start + n], y_train=y[start:start + n],
+                              x_test=data.x_test.to(device), y_test=data.y_test.to(device))
+        start += n
+    return packed, PackedPartitions(x, y, offsets)
 
 
 def load_global_test(cfg: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,9 +82,10 @@ class CohortClient(NumPyClient):
     exactly as it would on a node of its own."""
 
     def __init__(self, algorithm: ClientAlgorithm, members: dict[int, Any], vectorised: bool = False,
-                 graph: bool = False):
+                 graph: bool = False, packed: Any = None):
         self.algorithm = algorithm
         self.members = members  # partition id -> its ClientData
+        self.packed = packed  # their training partitions in one tensor (``pack_partitions``), which they view
         self.records = RecordDict()
         self.vectorised = vectorised  # cohort-step=vmap: fit all sampled members at once
         self.graph = graph  # cohort-step=graph: and replay each round's step as a CUDA graph
@@ -136,7 +137,7 @@ class CohortClient(NumPyClient):
         default the cohort's own choice: the step captured as a CUDA graph). Each member is a shallow copy of
         the one algorithm, with its own components, so that what a member keeps between ``start_fit`` and
         ``finish_fit`` (its data, state, received arrays, seed streams) stays its own."""
-        from .vectorised import Member, copy_values, cuda_graph, run_members, snapshot
+        from .vectorised import Member, PackedBatches, copy_values, cuda_graph, run_members, snapshot
 
         algorithms, members = [], []
         for pid, arrays, own_config in parts:
@@ -151,7 +152,11 @@ class CohortClient(NumPyClient):
         cfg = self.algorithm.cfg
         start = time.perf_counter()
         capture = cuda_graph if (self.graph if graph is None else graph) else None
-        finals, stats = run_members(members, cfg["local-steps"], cfg["precision"], capture)
+        batches = None
+        if self.packed is not None:
+            offsets = [self.packed.offsets[pid] for pid, _, _ in parts]
+            batches = PackedBatches([m.sample for m in members], offsets, self.packed.x, self.packed.y)
+        finals, stats = run_members(members, cfg["local-steps"], cfg["precision"], capture, batches)
         seconds = time.perf_counter() - start  # every member's fit took this long: they ran together
         results = []
         for (pid, _, _), algorithm, member, final, own in zip(parts, algorithms, members, finals, stats):
@@ -159,24 +164,28 @@ class CohortClient(NumPyClient):
             results.append((pid, *algorithm.finish_fit(member.step, own, seconds)))
         return results
 
-    def evaluate_together(self, parts: list[tuple[int, dict, dict]]) -> list[tuple[int, float, int, dict]]:
+    def evaluate_together(self, parts: list[tuple[int, dict, dict]], max_images: int | None = None
+                          ) -> list[tuple[int, float, int, dict]]:
         """Every member's evaluation with one vmapped forward pass per chunk of the test sets
-        (``fedbr_flwr.vectorised.evaluate_members``); each member is a shallow copy, as in ``fit_together``."""
-        from .vectorised import evaluate_members, load_module_state, module_state
+        (``fedbr_flwr.vectorised.evaluate_members``), a group of members at a time (``evaluation_groups``:
+        at most ``max_images`` images a forward); each member is a shallow copy, as in ``fit_together``."""
+        from .vectorised import EVAL_IMAGES, evaluate_members, evaluation_groups, load_module_state, module_state
 
-        algorithms, states = [], []
-        for pid, arrays, own_config in parts:
-            algorithm = copy.copy(self.member(pid))
-            predictor = algorithm.start_evaluate(arrays, own_config)
-            algorithms.append(algorithm)
-            states.append(module_state(predictor))
-        scores = evaluate_members(predictor, states, [a.data.x_test for a in algorithms],
-                                  [a.data.y_test for a in algorithms])
-        results = []
-        for (pid, _, _), algorithm, state, (loss, acc) in zip(parts, algorithms, states, scores):
-            load_module_state(algorithm.eval_module(), state)  # its own predictor again (DisTrans: its offset)
-            results.append((pid, *algorithm.finish_evaluate(loss, acc)))
-        return results
+        lengths = [len(self.members[pid].y_test) for pid, _, _ in parts]
+        results = {}
+        for group in evaluation_groups(lengths, max_images=max_images or EVAL_IMAGES):
+            algorithms, states = [], []
+            for pid, arrays, own_config in (parts[i] for i in group):
+                algorithm = copy.copy(self.member(pid))
+                predictor = algorithm.start_evaluate(arrays, own_config)
+                algorithms.append(algorithm)
+                states.append(module_state(predictor))
+            scores = evaluate_members(predictor, states, [a.data.x_test for a in algorithms],
+                                      [a.data.y_test for a in algorithms])
+            for i, algorithm, state, (loss, acc) in zip(group, algorithms, states, scores):
+                load_module_state(algorithm.eval_module(), state)  # its own predictor again (DisTrans: its offset)
+                results[i] = (parts[i][0], *algorithm.finish_evaluate(loss, acc))
+        return [results[i] for i in range(len(parts))]
 
     def evaluate(self, parameters: list[np.ndarray], config: dict) -> tuple[float, int, dict]:
         metrics, results = {cohort.MEMBERS: config[cohort.MEMBERS]}, []
@@ -202,7 +211,7 @@ def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: 
     import torch
 
     from .config import from_run_config
-    from .dataset import load_client_data
+    from .dataset import load_client_data, load_cohort_data
     from .errors import ConfigError
     from .registry import client_class
     from .training import pick_device
@@ -222,7 +231,7 @@ def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: 
                               "num-supernodes = cohorts, at most num-clients (fedbr-run does this)")
         torch.set_num_threads(cfg["client-cpus"])
         device = pick_device(cfg["device"])
-        members = {p: load_client_data(cfg, p, device) for p in cohort_members(cfg, pid, num_partitions)}
+        members, packed = load_cohort_data(cfg, cohort_members(cfg, pid, num_partitions), device)
         first = next(iter(members.values()))
         algorithm = client_class(cfg["strategy"])
         if cfg["cohort-step"] == "graph" and device.type != "cuda":
@@ -231,7 +240,7 @@ def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: 
         together = cfg["cohort-step"] in ("vmap", "graph") or (cfg["cohort-step"] == "auto" and device.type == "cuda"
                                                                and algorithm.vectorised)
         return CohortClient(algorithm(cfg, first, device), members, vectorised=together,
-                            graph=cfg["cohort-step"] == "graph")
+                            graph=cfg["cohort-step"] == "graph", packed=packed)
     if cfg["num-clients"] and num_partitions and cfg["num-clients"] != num_partitions:
         raise ConfigError(f"num-clients = {cfg['num-clients']} but this SuperNode was told num-partitions = "
                           f"{num_partitions}: start the federation with num-supernodes={cfg['num-clients']}")

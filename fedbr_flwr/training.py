@@ -28,11 +28,16 @@ class BatchSampler:
         self.generator.manual_seed(seed)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.randint(0, len(self.y), (self.batch_size,), device=self.x.device, generator=self.generator)
-        x = self.x[idx]
-        if self.augment:
-            x = random_crop_flip(x, self.generator, border=self.border)
-        return x, self.y[idx]
+        idx = self.indices()
+        return self.augmented(self.x[idx]), self.y[idx]
+
+    def indices(self) -> torch.Tensor:
+        """The next batch's sample indices into this client's partition (the stream's first draw of a batch)."""
+        return torch.randint(0, len(self.y), (self.batch_size,), device=self.x.device, generator=self.generator)
+
+    def augmented(self, x: torch.Tensor) -> torch.Tensor:
+        """The batch ``x`` (drawn by ``indices``) as training sees it (the stream's second draw of a batch)."""
+        return random_crop_flip(x, self.generator, border=self.border) if self.augment else x
 
 
 # Objects kept per live module between rounds (a client's model lives as long as its process):

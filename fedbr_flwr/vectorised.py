@@ -3,7 +3,9 @@ over a leading client dimension with ``torch.func.vmap`` (a cohort's ``cohort-st
 
 Each step of the K local steps:
 1. each member draws its own inputs (``draw``: its batch, its random draws, from its own seeded
-   streams, exactly as on its own), and they are stacked beside its round's ``constants``;
+   streams, exactly as on its own), and they are stacked beside its round's ``constants``. With the
+   cohort's partitions packed in one tensor (``PackedBatches``), every member draws its indices and one
+   gather makes all members' batches; what is stacked already is not stacked again (``DrawStacker``);
 2. for each phase, the gradients of every member come from one vmapped ``torch.func.grad`` of the phase's
    loss; each member's components adjust its own slice; one SGD (torch's, over the stacked parameters)
    steps all members: SGD is elementwise, so this is each member's own SGD.
@@ -20,7 +22,8 @@ other K - 1 replay it with each step's draws copied into the captured step's inp
 is captured again each round, as the members and their tensors change.
 
 ``evaluate_members`` evaluates every member's local test set at once the same way: each member's
-predictor state (the global model; DisTrans: with that member's offset) vmapped over padded test sets."""
+predictor state (the global model; DisTrans: with that member's offset) vmapped over padded test sets, in
+groups of members with test sets of similar length and a bounded number of images (``evaluation_groups``)."""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .algorithm import FunctionalStep, Inputs, Params, Phase, modules_in
-from .training import autocast
+from .training import BatchSampler, autocast
 
 
 @dataclass
@@ -43,6 +46,56 @@ class Member:
     step: FunctionalStep
     sample: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     start: Params
+
+
+class PackedBatches:
+    """Every member's next training batch at once, from the cohort's packed partitions
+    (``fedbr_flwr.dataset.PackedPartitions``): each member still draws its indices from its own stream
+    (``BatchSampler.indices``, then ``augmented``, in the order it draws them on its own), and one gather
+    serves all members instead of two per member."""
+
+    def __init__(self, samplers: list[BatchSampler], offsets: list[int], x: torch.Tensor, y: torch.Tensor):
+        for sampler, offset in zip(samplers, offsets):
+            if sampler.x.data_ptr() != x[offset].data_ptr() or sampler.y.data_ptr() != y[offset].data_ptr():
+                raise ValueError(f"a member's batch stream does not read the packed partitions at row {offset}")
+        self.samplers, self.x, self.y = samplers, x, y
+        self.offsets = torch.tensor(offsets, device=x.device)[:, None]
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.stack([s.indices() for s in self.samplers]).add_(self.offsets)
+        x, y = self.x[rows], self.y[rows]
+        if any(s.augment for s in self.samplers):
+            x = torch.stack([s.augmented(own) for s, own in zip(self.samplers, x)])
+        return x, y
+
+
+class DrawStacker:
+    """The members' draws of a step stacked into one step's inputs, without copying what is stacked already:
+    a member's value that is the very tensor it got (its slice of the gathered batch) or gave the step before
+    (FedBR's pseudo-data, fixed for the round) is taken from that stacked tensor. A draw thus must not change
+    a tensor in place that it gave before: a new value is a new tensor."""
+
+    def __init__(self):
+        self.known: dict[str, tuple[list[torch.Tensor], torch.Tensor]] = {}  # key -> (member values, stacked)
+        self.batch: dict[str, tuple[list[torch.Tensor], torch.Tensor]] = {}
+
+    def split(self, x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each member's slice of the step's gathered batch, for its draw (which may give it back as is)."""
+        xs, ys = list(x.unbind()), list(y.unbind())
+        self.batch = {"x": (xs, x), "y": (ys, y)}
+        return list(zip(xs, ys))
+
+    def __call__(self, draws: list[Inputs]) -> Inputs:
+        known = {**self.known, **self.batch}
+        self.batch = {}
+        out = {}
+        for key in draws[0]:
+            values = [d[key] for d in draws]
+            seen = known.get(key)
+            same = seen is not None and all(v is s for v, s in zip(values, seen[0]))
+            out[key] = seen[1] if same else torch.stack(values)
+            self.known[key] = (values, out[key])
+        return out
 
 
 def snapshot(step: FunctionalStep) -> Params:
@@ -144,13 +197,15 @@ def shared_prepare_gradients(template: FunctionalStep, params: Params, momentum:
 
 
 def run_members(members: list[Member], steps: int, precision: str = "fp32",
-                capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None
+                capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None,
+                batches: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
                 ) -> tuple[list[Params], list[dict[str, float]]]:
     """K local steps of every member at once: each member's trained groups (views into the stacked
     tensors) and its diagnostics averaged over the steps, as ``run_local_steps`` gives one client.
 
     ``capture`` (``cuda_graph``, cohort-step=graph): the first step runs on fixed input buffers and is
-    captured; the other K - 1 replay it, each after copying its freshly drawn inputs into those buffers."""
+    captured; the other K - 1 replay it, each after copying its freshly drawn inputs into those buffers.
+    ``batches`` (``PackedBatches``): every member's batch at once, the same as each member's ``sample``."""
     template = members[0].step
     template.model.train()
     params = stacked([m.start for m in members])
@@ -160,9 +215,13 @@ def run_members(members: list[Member], steps: int, precision: str = "fp32",
     totals: dict[str, torch.Tensor] = {}
     device = next(iter(params["model"].values())).device
 
+    stack = DrawStacker()
+
     def draw() -> Inputs:
         with modules_in(None), autocast(device, precision):  # as the per-client path draws (FedBR's z_g)
-            return stacked([m.step.draw(*m.sample()) for m in members])
+            if batches is None:
+                return stack([m.step.draw(*m.sample()) for m in members])
+            return stack([m.step.draw(*own) for m, own in zip(members, stack.split(*batches()))])
 
     momentum: Params = {}  # shares_prepare: the earlier phases' momentum buffers, from the first step on
 
@@ -239,6 +298,8 @@ def copy_inputs(buffers: Inputs, inputs: Inputs) -> None:
     (``copy_`` would broadcast a smaller tensor without a word)."""
     for key, buffer in buffers.items():
         value = inputs[key]
+        if value is buffer:  # stacked once, fixed for the round (``DrawStacker``)
+            continue
         if value.shape != buffer.shape or value.dtype != buffer.dtype:
             raise RuntimeError(f"cohort-step=graph: step input '{key}' changed from {tuple(buffer.shape)} "
                                f"{buffer.dtype} to {tuple(value.shape)} {value.dtype} between steps; a captured "
@@ -278,6 +339,24 @@ def module_state(module: nn.Module) -> dict[str, torch.Tensor]:
 def load_module_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     for name, live in [*module.named_parameters(), *module.named_buffers()]:
         live.copy_(state[name])
+
+
+EVAL_IMAGES = 8192  # images in one vmapped evaluation forward (10 members x 512 test images fit in one)
+
+
+def evaluation_groups(lengths: list[int], batch_size: int = 512, max_images: int = EVAL_IMAGES) -> list[list[int]]:
+    """The members (by index) in the groups ``evaluate_members`` takes at once: ordered by test-set length,
+    so that little is padded, and each group's forward holding at most ``max_images`` images (its members x
+    its chunk, up to ``batch_size`` each), so that a cohort of 1000 clients does not run every member's test
+    set through one forward (the paper's CNN holds about 0.2 MB a layer an image)."""
+    groups, group = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        chunk = min(batch_size, max(lengths[i], 1))  # the longest so far: the group's chunk
+        if group and (len(group) + 1) * chunk > max_images:
+            groups.append(group)
+            group = []
+        group.append(i)
+    return groups + [group] if group else groups
 
 
 @torch.no_grad()

@@ -65,3 +65,17 @@ def test_every_mode_refuses_an_unknown_key_with_a_message(mode, capsys):
     assert bench.main([*([mode] if mode else []), "no-such-key=1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fedbr-bench: error:") and "no-such-key" in err and "Traceback" not in err
+
+
+def test_the_scale_benchmark_takes_a_cohort_step(monkeypatch, capsys):
+    """--scale always runs engine=cohort, so cohort-step=vmap (the GPU script's part 4) must reach the runs."""
+    seen = []
+
+    def fake_rounds(cfg, rounds, out):
+        seen.append((cfg["engine"], cfg["cohort-step"], cfg["num-clients"], cfg["fraction-fit"]))
+        return [{"seconds": 1.0, "client_peak_rss_mb": 100.0}], 2.0
+
+    monkeypatch.setattr(bench, "flower_round_seconds", fake_rounds)
+    assert bench.main(["--scale", "cohort-step=vmap", "--rounds", "1"]) == 0
+    assert seen == [("cohort", "vmap", 100, 0.1), ("cohort", "vmap", 1000, 0.01)]
+    assert "| 1000 clients, 1% a round | fedavg |" in capsys.readouterr().out

@@ -296,3 +296,137 @@ def test_members_are_evaluated_at_once_as_each_alone_with_its_own_state_and_test
         alone_loss, alone_acc = evaluate(model, x, y)
         assert loss == pytest.approx(alone_loss, rel=1e-5) and acc == alone_acc
     assert together[0] != together[1]
+
+
+def packed_members(augment: bool = False):
+    """Three members with partitions of 5, 11 and 2 images, packed; each member's data as loaded, too."""
+    from fedbr_flwr.dataset import ClientData, pack_partitions
+
+    g = torch.Generator().manual_seed(0)
+    loaded = {pid: ClientData(pid, torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g),
+                              torch.randn(2, 3, 8, 8, generator=g), torch.randint(0, 10, (2,), generator=g),
+                              10, augment, (-1.0, -2.0, -3.0))
+              for pid, n in ((4, 5), (7, 11), (9, 2))}
+    members, packed = pack_partitions(loaded, "cpu")
+    return loaded, members, packed
+
+
+def test_packed_partitions_hold_every_members_rows_once_and_members_view_them():
+    loaded, members, packed = packed_members()
+    assert packed.offsets == {4: 0, 7: 5, 9: 16} and len(packed.y) == 18
+    for pid, data in members.items():
+        assert torch.equal(data.x_train, loaded[pid].x_train) and torch.equal(data.y_train, loaded[pid].y_train)
+        assert data.x_train.data_ptr() == packed.x[packed.offsets[pid]].data_ptr()  # a view, not a copy
+        assert data.y_train.data_ptr() == packed.y[packed.offsets[pid]].data_ptr()
+        assert torch.equal(data.x_test, loaded[pid].x_test)
+
+
+@pytest.mark.parametrize("augment", [False, True], ids=["plain", "crop-flip"])
+def test_packed_batches_are_each_members_own_stream(augment):
+    """One gather for all members gives, step after step, bit for bit the batches each member's own sampler
+    draws alone (with CIFAR's crop and flip, which draw from the same stream after the indices)."""
+    from fedbr_flwr.training import BatchSampler
+    from fedbr_flwr.vectorised import PackedBatches
+
+    _, members, packed = packed_members(augment)
+    alone = [BatchSampler(data, 4, seed=pid) for pid, data in members.items()]
+    together = PackedBatches([BatchSampler(data, 4, seed=pid) for pid, data in members.items()],
+                             list(packed.offsets.values()), packed.x, packed.y)
+    for _ in range(3):
+        x, y = together()
+        for i, sampler in enumerate(alone):
+            own_x, own_y = sampler()
+            assert torch.equal(x[i], own_x) and torch.equal(y[i], own_y)
+
+
+def test_a_batch_stream_off_the_packed_partitions_is_refused():
+    from fedbr_flwr.training import BatchSampler
+    from fedbr_flwr.vectorised import PackedBatches
+
+    loaded, _, packed = packed_members()
+    with pytest.raises(ValueError, match="does not read the packed partitions at row 5"):
+        PackedBatches([BatchSampler(loaded[7], 4, seed=0)], [5], packed.x, packed.y)
+
+
+def test_draws_are_stacked_only_where_not_stacked_already():
+    """A member's value that is its slice of the gathered batch, or the tensor it gave the step before, is
+    taken as it stands (no copy); a new tensor is stacked."""
+    from fedbr_flwr.vectorised import DrawStacker
+
+    stack = DrawStacker()
+    fixed = [torch.full((2,), float(i)) for i in range(3)]
+    for step in range(2):
+        x, y = torch.randn(3, 4, 2), torch.randint(0, 9, (3, 4))
+        fresh = [torch.randn(2) for _ in range(3)]
+        draws = [{"x": xi, "y": yi, "fixed": f, "fresh": n} for (xi, yi), f, n in zip(stack.split(x, y), fixed, fresh)]
+        inputs = stack(draws)
+        assert inputs["x"] is x and inputs["y"] is y
+        assert torch.equal(inputs["fresh"], torch.stack(fresh)) and torch.equal(inputs["fixed"], torch.stack(fixed))
+        if step == 0:
+            first_fixed = inputs["fixed"]
+    assert inputs["fixed"] is first_fixed  # the second step's fixed values: the first step's stack
+    stack.split(x, y)
+    mixed = stack([{"x": torch.zeros(4, 2)} for _ in range(3)])  # a draw that made its own batch
+    assert mixed["x"] is not x and not mixed["x"].any()
+    assert stack([{"x": x[i]} for i in range(3)])["x"] is not x  # the batch's slices only for the step it gave them
+
+
+def test_a_cohorts_members_draw_a_step_with_few_operations():
+    """The draws of 10 FedAvg members (each member's index draw; the indices stacked and offset; one gather each
+    for the images and labels): 10 + 4 operations a step, against 3 per member and 2 stacks without packing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fedbr_flwr.dataset import ClientData, pack_partitions
+    from fedbr_flwr.training import BatchSampler
+    from fedbr_flwr.vectorised import DrawStacker, PackedBatches
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    loaded = {pid: ClientData(pid, torch.randn(20, 1, 4, 4), torch.randint(0, 10, (20,)), torch.zeros(1, 1, 4, 4),
+                              torch.zeros(1, dtype=torch.long), 10, False) for pid in range(10)}
+    members, packed = pack_partitions(loaded, "cpu")
+    batches = PackedBatches([BatchSampler(d, 8, seed=pid) for pid, d in members.items()],
+                            list(packed.offsets.values()), packed.x, packed.y)
+    stack = DrawStacker()
+    with Count():
+        inputs = stack([{"x": xi, "y": yi} for xi, yi in stack.split(*batches())])
+    assert inputs["x"].shape == (10, 8, 1, 4, 4)
+    assert Count.calls <= 10 + 4 + 2  # + the two unbinds (views: no kernels)
+
+
+def test_evaluation_groups_bound_the_images_of_one_forward_and_pad_little():
+    from fedbr_flwr.vectorised import evaluation_groups
+
+    lengths = [5, 900, 3, 40, 700]
+    groups = evaluation_groups(lengths, batch_size=512, max_images=1000)
+    assert groups == [[2, 0, 3], [4], [1]]  # by length; 700 and 900 each take a 512 chunk: 2 x 512 > 1000
+    assert evaluation_groups(lengths, batch_size=512, max_images=1024) == [[2, 0, 3], [4, 1]]
+    assert sorted(sum(groups, [])) == list(range(len(lengths)))
+    assert evaluation_groups(lengths, batch_size=512, max_images=10**6) == [[2, 0, 3, 4, 1]]
+    assert evaluation_groups(lengths, max_images=1) == [[2], [0], [3], [4], [1]]
+
+
+def test_a_cohort_evaluates_its_members_in_groups_as_each_alone():
+    """Six members with test sets of different lengths: in one group, one member a group, and each on its own
+    (the per-client path), the same losses and accuracies, in the members' order."""
+    from flwr.common import RecordDict
+
+    from fedbr_flwr.node import build_client
+
+    run_config = {"num-clients": 6, "engine": "cohort", "cohorts": 1, "device": "cpu", "cohort-step": "vmap",
+                  "model": "cnn-small", "partition": "dirichlet", "alpha": 0.5}
+    cohort = build_client(run_config, {"partition-id": 0, "num-partitions": 1}, RecordDict())
+    parts = [(pid, cohort.algorithm.weights(), {"server-round": 1}) for pid in cohort.members]
+    assert len({len(cohort.members[pid].y_test) for pid, _, _ in parts}) > 1
+    together = cohort.evaluate_together(parts)
+    one_by_one = cohort.evaluate_together(parts, max_images=1)
+    alone = [(pid, *cohort.member(pid).evaluate(arrays, config)) for pid, arrays, config in parts]
+    for got, same, want in zip(together, one_by_one, alone):
+        assert got[0] == same[0] == want[0] and got[2] == want[2]
+        assert got[1] == pytest.approx(want[1], rel=1e-5) and same[1] == pytest.approx(want[1], rel=1e-5)
+        assert got[3]["accuracy"] == same[3]["accuracy"] == want[3]["accuracy"]
