@@ -442,12 +442,6 @@ def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.de
     )
 
 
-def load_cohort_data(cfg: Mapping[str, Any], partition_ids: list[int], device: torch.device | str
-                     ) -> tuple[dict[int, ClientData], "PackedPartitions"]:
-    """A cohort's clients' data on ``device``, their training partitions packed (``pack_partitions``)."""
-    return pack_partitions({pid: load_client_data(cfg, pid, "cpu") for pid in partition_ids}, device)
-
-
 @dataclass
 class PackedPartitions:
     """A cohort's training partitions one after another in one tensor on the device; each member's
@@ -473,6 +467,12 @@ def pack_partitions(members: Mapping[int, ClientData], device: torch.device | st
                               x_test=data.x_test.to(device), y_test=data.y_test.to(device))
         start += n
     return packed, PackedPartitions(x, y, offsets)
+
+
+def load_cohort_data(cfg: Mapping[str, Any], partition_ids: list[int], device: torch.device | str
+                     ) -> tuple[dict[int, ClientData], PackedPartitions]:
+    """A cohort's clients' data on ``device``, their training partitions packed (``pack_partitions``)."""
+    return pack_partitions({pid: load_client_data(cfg, pid, "cpu") for pid in partition_ids}, device)
 
 
 def load_global_test(cfg: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
