@@ -250,7 +250,7 @@ def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
 
     device = pick_device(cfg["device"])
     members, packed = load_cohort_data(cfg, list(range(cfg["num-clients"])), device)
-    cohort = CohortClient(client_class(cfg["strategy"])(cfg, members[0], device), members, packed=packed)
+    cohort = CohortClient(client_class(cfg["strategy"])(cfg, members[0], device), members, packed)
 
     class Member:  # what bare_fit_config asks for the RSM means
         def __init__(self, pid):

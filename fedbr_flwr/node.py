@@ -81,8 +81,8 @@ class CohortClient(NumPyClient):
     a cohort of 1000 clients holds one model. Every message names the members it is about (``fedbr_flwr.cohort``); each member answers
     exactly as it would on a node of its own."""
 
-    def __init__(self, algorithm: ClientAlgorithm, members: dict[int, Any], vectorised: bool = False,
-                 graph: bool = False, packed: Any = None):
+    def __init__(self, algorithm: ClientAlgorithm, members: dict[int, Any], packed: Any, vectorised: bool = False,
+                 graph: bool = False):
         self.algorithm = algorithm
         self.members = members  # partition id -> its ClientData
         self.packed = packed  # their training partitions in one tensor (``pack_partitions``), which they view
@@ -152,11 +152,9 @@ class CohortClient(NumPyClient):
         cfg = self.algorithm.cfg
         start = time.perf_counter()
         capture = cuda_graph if (self.graph if graph is None else graph) else None
-        batches = None
-        if self.packed is not None:
-            offsets = [self.packed.offsets[pid] for pid, _, _ in parts]
-            batches = PackedBatches([m.sample for m in members], offsets, self.packed.x, self.packed.y)
-        finals, stats = run_members(members, cfg["local-steps"], cfg["precision"], capture, batches)
+        offsets = [self.packed.offsets[pid] for pid, _, _ in parts]
+        batches = PackedBatches([m.sample for m in members], offsets, self.packed.x, self.packed.y)
+        finals, stats = run_members(members, batches, cfg["local-steps"], cfg["precision"], capture)
         seconds = time.perf_counter() - start  # every member's fit took this long: they ran together
         results = []
         for (pid, _, _), algorithm, member, final, own in zip(parts, algorithms, members, finals, stats):
@@ -239,8 +237,8 @@ def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: 
                               "use cohort-step=vmap or loop")
         together = cfg["cohort-step"] in ("vmap", "graph") or (cfg["cohort-step"] == "auto" and device.type == "cuda"
                                                                and algorithm.vectorised)
-        return CohortClient(algorithm(cfg, first, device), members, vectorised=together,
-                            graph=cfg["cohort-step"] == "graph", packed=packed)
+        return CohortClient(algorithm(cfg, first, device), members, packed, vectorised=together,
+                            graph=cfg["cohort-step"] == "graph")
     if cfg["num-clients"] and num_partitions and cfg["num-clients"] != num_partitions:
         raise ConfigError(f"num-clients = {cfg['num-clients']} but this SuperNode was told num-partitions = "
                           f"{num_partitions}: start the federation with num-supernodes={cfg['num-clients']}")

@@ -44,7 +44,7 @@ class Member:
     when the round started (copied at once: members share the live modules, which the next member's
     ``start_fit`` overwrites)."""
     step: FunctionalStep
-    sample: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    sample: BatchSampler  # its own stream, which ``PackedBatches`` draws from
     start: Params
 
 
@@ -196,16 +196,16 @@ def shared_prepare_gradients(template: FunctionalStep, params: Params, momentum:
     return torch.func.vmap(member)(params, momentum, inputs)
 
 
-def run_members(members: list[Member], steps: int, precision: str = "fp32",
-                capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None,
-                batches: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+def run_members(members: list[Member], batches: Callable[[], tuple[torch.Tensor, torch.Tensor]], steps: int,
+                precision: str = "fp32",
+                capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None
                 ) -> tuple[list[Params], list[dict[str, float]]]:
     """K local steps of every member at once: each member's trained groups (views into the stacked
     tensors) and its diagnostics averaged over the steps, as ``run_local_steps`` gives one client.
+    ``batches`` (``PackedBatches``): every member's batch of a step at once, as each member's ``sample`` draws it.
 
     ``capture`` (``cuda_graph``, cohort-step=graph): the first step runs on fixed input buffers and is
-    captured; the other K - 1 replay it, each after copying its freshly drawn inputs into those buffers.
-    ``batches`` (``PackedBatches``): every member's batch at once, the same as each member's ``sample``."""
+    captured; the other K - 1 replay it, each after copying its freshly drawn inputs into those buffers."""
     template = members[0].step
     template.model.train()
     params = stacked([m.start for m in members])
@@ -219,8 +219,6 @@ def run_members(members: list[Member], steps: int, precision: str = "fp32",
 
     def draw() -> Inputs:
         with modules_in(None), autocast(device, precision):  # as the per-client path draws (FedBR's z_g)
-            if batches is None:
-                return stack([m.step.draw(*m.sample()) for m in members])
             return stack([m.step.draw(*own) for m, own in zip(members, stack.split(*batches()))])
 
     momentum: Params = {}  # shares_prepare: the earlier phases' momentum buffers, from the first step on
