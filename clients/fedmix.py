@@ -48,17 +48,19 @@ def fedmix_loss(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
         (1 - lam) CE(f((1 - lam) x_i), y_i) + lam CE_soft(f((1 - lam) x_i), y_mean_j)
         + lam <d [(1 - lam) CE(f(u), y_i)] / du at u = (1 - lam) x_i, x_mean_j>.
 
-    The last term's gradient is that of the (1 - lam)-weighted loss, as the reference implementations
-    take it (the scale FedMix's published lambda was tuned with). It is per sample (our backbones have
-    no batch-coupled layers), kept in the graph so that the term trains the model; ``taylor`` reports
-    the inner product. At lam = 0 this is plain cross-entropy.
+    The last term's gradient is that of the (1 - lam)-weighted batch-mean loss, as the reference
+    implementations take it (the scale FedMix's published lambda was tuned with): each sample's input
+    gradient thus carries a factor 1/B. Its inner product with the sample's mean is averaged over the
+    batch. The gradient is per sample (our backbones have no batch-coupled layers) and kept in the graph,
+    so that the term trains the model; ``taylor`` reports the batch-mean inner product. At lam = 0 this
+    is plain cross-entropy.
 
     ``model`` is any function of the input (a module, or a ``functional_call`` of one): the input gradient
     comes from ``torch.func.grad``, which composes with autograd and with ``vmap`` over clients."""
     def weighted_ce(x_in: torch.Tensor):
         logits = model(x_in)
         ce_each = F.cross_entropy(logits, y, reduction="none")
-        return (1.0 - lam) * ce_each.sum(), (logits, ce_each)
+        return (1.0 - lam) * ce_each.mean(), (logits, ce_each)
 
     grad_x, (logits, ce_each) = torch.func.grad(weighted_ce, has_aux=True)((1.0 - lam) * x)
     ce = ce_each.mean()

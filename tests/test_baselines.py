@@ -267,27 +267,29 @@ def test_fedmix_extra_terms_vanish_at_lambda_zero():
 
 
 def test_fedmix_loss_by_hand_on_a_linear_model():
-    """Logits W u + c at u = (1 - lam) x: the input gradient of CE is W^T (softmax - onehot), and the
-    Taylor term takes it of the (1 - lam)-weighted loss (the reference implementations' scale)."""
+    """Logits W u + c at u = (1 - lam) x: the input gradient of CE is W^T (softmax - onehot). The Taylor
+    term takes it of the (1 - lam)-weighted batch-MEAN loss, as FedMix's reference implementations do: each
+    sample's gradient carries 1/B (B = 3 here; of the summed loss, the term would be 3 times this)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 4)
-    x = torch.randn(2, 3)
-    y = torch.tensor([1, 3])
-    x_mean, y_mean = torch.randn(2, 3), torch.softmax(torch.randn(2, 4), 1)
+    n = 3
+    x = torch.randn(n, 3)
+    y = torch.tensor([1, 3, 0])
+    x_mean, y_mean = torch.randn(n, 3), torch.softmax(torch.randn(n, 4), 1)
     lam = 0.2
     terms = fedmix_loss(model, x, y, x_mean, y_mean, lam)
     w, c = model.weight.detach().double(), model.bias.detach().double()
     total = taylor = 0.0
-    for i in range(2):
+    for i in range(n):
         u = (1 - lam) * x[i].double()
         logits = w @ u + c
         p = torch.softmax(logits, 0)
         ce = -torch.log(p[y[i]])
         soft = -(y_mean[i].double() * torch.log(p)).sum()
-        grad_u = (1 - lam) * (w.T @ (p - F.one_hot(y[i], 4).double()))
+        grad_u = (1 - lam) * (w.T @ (p - F.one_hot(y[i], 4).double())) / n  # d/du_i of (1 - lam) * mean_j CE_j
         inner = float(grad_u @ x_mean[i].double())
-        taylor += inner / 2
-        total += ((1 - lam) * ce + lam * soft + lam * inner).item() / 2
+        taylor += inner / n
+        total += ((1 - lam) * ce + lam * soft + lam * inner).item() / n
     assert terms["taylor"].item() == pytest.approx(taylor, rel=1e-5)
     assert terms["loss"].item() == pytest.approx(total, rel=1e-5)
 
@@ -449,16 +451,58 @@ def test_groupdro_weight_grows_for_the_client_with_the_highest_loss():
 
 
 def test_groupdro_strategy_averages_with_its_client_weights(tmp_path):
+    """The weights come from each client's first-step loss (at the global model), not its round-mean loss."""
     cfg = cfg_of("groupdro", **{"num-clients": 2, "output-dir": str(tmp_path), "global-test": False,
                                 "groupdro-eta": 1.0})
     strategy = GroupDROStrategy(cfg, RunRecorder(cfg, tmp_path), {"model": torch.nn.Linear(2, 1)}, None)
     updates = [{"model/weight": np.zeros((1, 2), np.float32), "model/bias": np.zeros(1, np.float32)},
                {"model/weight": np.ones((1, 2), np.float32), "model/bias": np.ones(1, np.float32)}]
-    results = [(None, fit_res(u, 10, {"partition-id": i, "loss": loss}))
-               for i, (u, loss) in enumerate(zip(updates, [0.0, math.log(3.0)]))]
+    results = [(None, fit_res(u, 10, {"partition-id": i, "first-loss": first, "loss": 5.0 - first}))
+               for i, (u, first) in enumerate(zip(updates, [0.0, math.log(3.0)]))]
     strategy.sampled = [0, 1]
     new, _ = strategy.aggregate_fit(1, results, [])
     np.testing.assert_allclose(payload.from_parameters(new)["model/bias"], 0.75, rtol=1e-6)  # weights 1 : 3
+
+
+def test_groupdro_rejects_an_update_without_its_first_step_loss(tmp_path):
+    cfg = cfg_of("groupdro", **{"num-clients": 3, "output-dir": str(tmp_path), "global-test": False})
+    strategy = GroupDROStrategy(cfg, RunRecorder(cfg, tmp_path), {"model": torch.nn.Linear(2, 1)}, None)
+    update = {"model/weight": np.ones((1, 2), np.float32), "model/bias": np.ones(1, np.float32)}
+    results = [(None, fit_res(update, 10, {"partition-id": 0, "first-loss": 0.5})),
+               (None, fit_res(update, 10, {"partition-id": 1, "loss": 0.5})),
+               (None, fit_res(update, 10, {"partition-id": 2, "first-loss": "high"}))]
+    strategy.sampled = [0, 1, 2]
+    new, metrics = strategy.aggregate_fit(1, results, [])
+    assert new is not None
+    reasons = [r["reason"] for r in json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])["rejected"]]
+    assert reasons == ["metric 'first-loss' is missing or not a number"] * 2
+
+
+@pytest.mark.parametrize("engine", ["loop", "vmap"])
+def test_groupdro_clients_report_the_loss_of_their_first_step_at_the_global_model(engine):
+    """first-loss is the cross-entropy of the first batch at the weights received; loss, the mean over the steps."""
+    from flwr.common import RecordDict
+
+    from fedbr_flwr import seeds
+    from fedbr_flwr.node import build_client
+    from fedbr_flwr.training import BatchSampler
+
+    cfg = cfg_of("groupdro", **{"num-clients": 2, "local-steps": 4, "lr": 0.1, "engine": "cohort", "cohorts": 1,
+                                "cohort-step": engine, "device": "cpu"})
+    cohort = build_client(cfg, {"partition-id": 0, "num-partitions": 1}, RecordDict())
+    model = cohort.algorithm.model
+    weights = cohort.algorithm.weights()
+    wanted = {}
+    for pid, data in cohort.members.items():
+        x, y = BatchSampler(data, cfg["batch-size"], seeds.seed("batches", cfg["seed"], 1, pid))()
+        with torch.no_grad():
+            wanted[pid] = F.cross_entropy(model(x), y).item()
+    parts = [(pid, weights, {"server-round": 1}) for pid in cohort.members]
+    answers = cohort.fit_together(parts) if engine == "vmap" else \
+        [(pid, *cohort.member(pid).fit(arrays, config)) for pid, arrays, config in parts]
+    for pid, _, _, metrics in answers:
+        assert metrics["first-loss"] == pytest.approx(wanted[pid], rel=1e-4)
+        assert abs(metrics["loss"] - metrics["first-loss"]) > 1e-3  # the round's mean is another figure
 
 
 def test_gradient_reversal_flips_the_sign_for_the_features_only():
