@@ -80,6 +80,7 @@ def dann_loss(model: SplitModel, discriminator: nn.Module, x: torch.Tensor, y: t
 class DANNStep(FunctionalStep):
     """One phase: the model and the discriminator (two groups, each with its own SGD at the common lr)
     descend on CE + domain CE, the features seeing the domain gradient reversed."""
+    per_member_state = ("domain",)  # the domain labels come from draw
 
     def __init__(self, model: SplitModel, cfg: dict, weight: float, discriminator: nn.Module, domain: int):
         super().__init__(model, cfg)  # SGD on the model

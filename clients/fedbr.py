@@ -143,6 +143,7 @@ class FedBRStep(FunctionalStep):
     """Groups "model" (phi, omega) and, with component 2, "head" (theta). Phases: the max step on theta
     (gradient ascent on L_con, features detached), then the min step on (phi, omega) with the updated
     theta. The features of cat(x, x_p) are computed once per step and shared by both phases."""
+    per_member_state = ("local_pool",)  # the mixture's local partners, drawn in draw
 
     def __init__(self, model: SplitModel, cfg: dict, settings: FedBRSettings, head: nn.Module | None,
                  pseudo_x: torch.Tensor, pseudo_y: torch.Tensor,

@@ -58,6 +58,7 @@ class MoonStep(FunctionalStep):
     client of a round (read from the frozen copy); this client's previous features come as per-client
     constants ("prev/<name>", copied when the step is made: a cohort's members share the module that
     holds them), evaluated with ``previous_features`` as the template."""
+    per_member_state = ("previous", "previous_features")  # as constants; the module is a template
 
     def __init__(self, model: SplitModel, cfg: dict, settings: MoonSettings, previous_features: nn.Module | None):
         super().__init__(model, cfg)

@@ -21,6 +21,7 @@ CONTROL_KEY = "scaffold-control"  # c_i in the node state
 
 class ScaffoldStep(SupervisedStep):
     """FedAvg's cross-entropy step with the gradient corrected by c - c_i before SGD."""
+    per_member_state = ("c_local", "correction")  # read by adjust_gradients and after the fit
 
     def __init__(self, model, cfg, c_global: list[torch.Tensor], c_local: list[torch.Tensor]):
         super().__init__(model, cfg)

@@ -138,6 +138,7 @@ class LocalComponent:
     name = ""  # set by register_component
     Settings: type[Settings] = NoSettings
     accepts: tuple[str, ...] = ()  # names of arrays it takes from the server (FedCM: "fedcm-delta/")
+    per_member_state: tuple[str, ...] = ()  # as ``FunctionalStep.per_member_state``
 
     def __init__(self, cfg: dict):
         self.cfg = cfg
@@ -228,12 +229,16 @@ class FunctionalStep(LocalStep):
     * ``phases``: the ``Phase``s of a step, in order; their losses read the parameters only from
       ``params`` and per-client tensors only from ``inputs`` (``constants()`` are merged in), so that
       anything else they read is the same for every client of a round (the global model, the pseudo-data).
+      A vectorised cohort enforces this (``vectorised.check_members_agree``): every attribute of its members'
+      steps and components must be equal, except random generators and those named in ``per_member_state``
+      (a client's own values that only ``draw``, ``constants`` or ``adjust_gradients`` read).
 
     ``update`` runs exactly these functions on the live parameters, one client at a time."""
     phases: list[Phase]
     groups: Params
     optimizers: dict[str, torch.optim.Optimizer]
     prepare_groups: tuple[str, ...] = ()
+    per_member_state: tuple[str, ...] = ()
 
     def draw(self, x: torch.Tensor, y: torch.Tensor) -> Inputs:
         return {"x": x, "y": y}
@@ -317,6 +322,7 @@ class ClientAlgorithm:
     component_key: str | None = None  # the setting that lists components to carry (FedBR: fedbr-with)
     seed_streams: dict[str, str] = {}  # a component's stream -> this algorithm's (FedBR: mixup -> fedbr-mixup)
     vectorised = False  # set True when make_step returns a FunctionalStep, which a cohort can vmap (cohort-step)
+    first_step_stats: tuple[str, ...] = ()  # diagnostics also reported as of the first step, as first-<name>
 
     # ------------------------------------------------------------ the model (the server builds the same)
     @classmethod
@@ -434,7 +440,7 @@ class ClientAlgorithm:
     def fit(self, arrays: Named, config: dict) -> tuple[Named, int, dict]:
         step, sampler = self.start_fit(arrays, config)
         start = time.perf_counter()
-        stats = run_local_steps(step, sampler, self.cfg["local-steps"], self.cfg["precision"])
+        stats = run_local_steps(step, sampler, self.cfg["local-steps"], self.cfg["precision"], self.first_step_stats)
         return self.finish_fit(step, stats, time.perf_counter() - start)
 
     def start_fit(self, arrays: Named, config: dict) -> tuple[LocalStep, BatchSampler]:

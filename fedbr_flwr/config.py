@@ -50,7 +50,10 @@ COMMON: dict[str, Key] = {
     "momentum": Key(0.0, "client SGD momentum", check=BELOW_ONE),
     "weight-decay": Key(0.0, "client SGD weight decay", check=NON_NEGATIVE),
     "device": Key("auto", "client training device; auto = cuda when available", choices=("auto", "cpu", "cuda")),
-    "precision": Key("fp32", "local steps in fp32, or under bf16 autocast (weights and optimiser stay fp32)",
+    "precision": Key("fp32", "local steps in fp32, or in bf16 (weights and optimiser stay fp32): per client and "
+                             "with cohort-step=loop under autocast, a region per step; with cohort-step=vmap/graph "
+                             "every module cast to bf16 (norm layers and softmax too); both land about 3-4% of an "
+                             "update from fp32, and from each other (docs/implementation-choices.md)",
                      choices=("fp32", "bf16")),
     "compile": Key(False, "torch.compile the backbone's feature extractor on the clients (the first round "
                           "pays the compilation)"),

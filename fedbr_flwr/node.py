@@ -154,7 +154,8 @@ class CohortClient(NumPyClient):
         capture = cuda_graph if (self.graph if graph is None else graph) else None
         offsets = [self.packed.offsets[pid] for pid, _, _ in parts]
         batches = PackedBatches([m.sample for m in members], offsets, self.packed.x, self.packed.y)
-        finals, stats = run_members(members, batches, cfg["local-steps"], cfg["precision"], capture)
+        finals, stats = run_members(members, batches, cfg["local-steps"], cfg["precision"], capture,
+                                    self.algorithm.first_step_stats)
         seconds = time.perf_counter() - start  # every member's fit took this long: they ran together
         results = []
         for (pid, _, _), algorithm, member, final, own in zip(parts, algorithms, members, finals, stats):

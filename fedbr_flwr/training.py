@@ -79,19 +79,54 @@ def frozen_copy(module: nn.Module) -> nn.Module:
 
 
 def run_local_steps(algorithm, sample: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-                    steps: int, precision: str = "fp32") -> dict[str, float]:
+                    steps: int, precision: str = "fp32", first: tuple[str, ...] = ()) -> dict[str, float]:
     """K local steps of ``algorithm`` (a ``LocalStep``); diagnostics are averaged on the device and copied to
-    the host once.
-    ``precision="bf16"``: the steps run under bf16 autocast (weights and optimiser stay fp32)."""
+    the host once (``first``: see ``StepStats``).
+    ``precision="bf16"``: each step runs under bf16 autocast (weights and optimiser stay fp32). One autocast
+    region per step, because a region caches its bf16 copies of the weights until it exits: one region over
+    all K steps would run steps 2..K on step 1's weights."""
     algorithm.model.train()
-    totals: dict[str, torch.Tensor] = {}
+    stats = StepStats(first)
     device = next(algorithm.model.parameters()).device
-    with autocast(device, precision):
-        for _ in range(steps):
+    for _ in range(steps):
+        with autocast(device, precision):
             x, y = sample()
-            for k, v in algorithm.update(x, y).items():
-                totals[k] = totals[k] + v.detach().float() if k in totals else v.detach().float().clone()
-    return {k: float(v) / steps for k, v in totals.items()}
+            stats.add(algorithm.update(x, y))
+    return stats.of_one()
+
+
+class StepStats:
+    """A round's diagnostics, summed over its local steps on the device: each one's mean over the steps, and
+    the names in ``first`` also as of the first step, at the weights the round started from, as
+    ``first-<name>`` (GroupDRO weighs clients by that loss)."""
+
+    def __init__(self, first: tuple[str, ...] = ()):
+        self.first = first
+        self.steps = 0
+        self.totals: dict[str, torch.Tensor] = {}
+        self.firsts: dict[str, torch.Tensor] = {}
+
+    def add(self, stats: dict[str, torch.Tensor]) -> None:
+        if self.steps == 0:
+            missing = [k for k in self.first if k not in stats]
+            if missing:
+                raise KeyError(f"the local step reports no {missing[0]!r} (it reports: {', '.join(stats)})")
+            self.firsts = {f"first-{k}": stats[k].detach().float().clone() for k in self.first}
+        for k, v in stats.items():
+            v = v.detach().float()
+            self.totals[k] = self.totals[k] + v if k in self.totals else v.clone()
+        self.steps += 1
+
+    def of_one(self) -> dict[str, float]:
+        """One client's figures (the sums hold scalars)."""
+        return {**{k: float(v) / self.steps for k, v in self.totals.items()},
+                **{k: float(v) for k, v in self.firsts.items()}}
+
+    def of_members(self, count: int) -> list[dict[str, float]]:
+        """Each member's figures (the sums hold one value per member, a vectorised cohort's)."""
+        means = {k: [x / self.steps for x in v.tolist()] for k, v in self.totals.items()}
+        means.update({k: v.tolist() for k, v in self.firsts.items()})
+        return [{k: v[i] for k, v in means.items()} for i in range(count)]
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

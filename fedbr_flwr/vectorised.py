@@ -27,15 +27,17 @@ groups of members with test sets of similar length and a bounded number of image
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from .algorithm import FunctionalStep, Inputs, Params, Phase, modules_in
-from .training import BatchSampler, autocast
+from .training import BatchSampler, StepStats, autocast
 
 
 @dataclass
@@ -96,6 +98,69 @@ class DrawStacker:
             out[key] = seen[1] if same else torch.stack(values)
             self.known[key] = (values, out[key])
         return out
+
+
+NOT_COMPARED = ("groups", "optimizers", "optimizer", "phases", "components")  # per member by construction
+
+
+def check_members_agree(members: list[Member]) -> None:
+    """Stop unless every member's step and components hold what member 0's hold, apart from what they declare
+    in ``per_member_state``: a vectorised cohort runs member 0's loss functions for every member, so a
+    per-client value read by a loss must reach it through ``draw`` or ``constants`` (as inputs), and one
+    that only ``draw``, ``constants`` or ``adjust_gradients`` read must be declared. Random generators are
+    per-client streams by nature (a loss cannot draw under vmap)."""
+    template = members[0].step
+    for index, member in enumerate(members[1:], start=1):
+        pairs = [(type(template).__name__, template, member.step)]
+        if len(member.step.components) != len(template.components):
+            raise ValueError(f"cohort-step=vmap: member {index} carries {len(member.step.components)} components, "
+                             f"member 0 {len(template.components)}")
+        pairs += [(type(c).__name__, c, own) for c, own in zip(template.components, member.step.components)]
+        for name, want, got in pairs:
+            where = differing_attribute(want, got, name, skipped=NOT_COMPARED)
+            if where is not None:
+                raise ValueError(
+                    f"cohort-step=vmap: {where} differs between members 0 and {index} of a cohort, but the "
+                    "vectorised step runs member 0's loss functions for every member. Pass a per-client value "
+                    "that a loss reads through draw() or constants(); declare one that only draw, constants "
+                    "or adjust_gradients read in the class's per_member_state")
+
+
+def differing_attribute(want, got, path: str, skipped: tuple[str, ...] = (), depth: int = 0) -> str | None:
+    """The path of the first value in ``got`` that differs from ``want`` (tensors and module states by value,
+    methods by function, objects by their attributes, two levels deep), or None."""
+    if want is got or isinstance(want, (torch.Generator, np.random.Generator)):
+        return None
+    if type(want) is not type(got):
+        return path
+    if isinstance(want, torch.Tensor):
+        same = want.shape == got.shape and want.dtype == got.dtype and torch.equal(want, got)
+        return None if same else path
+    if isinstance(want, nn.Module):
+        want, got = module_state(want), module_state(got)
+    if isinstance(want, dict):
+        if list(want) != list(got):
+            return path
+        return next((d for k in want if (d := differing_attribute(want[k], got[k], f"{path}[{k!r}]")) is not None),
+                    None)
+    if isinstance(want, (list, tuple)):
+        if len(want) != len(got):
+            return path
+        return next((d for i, (w, g) in enumerate(zip(want, got))
+                     if (d := differing_attribute(w, g, f"{path}[{i}]")) is not None), None)
+    if isinstance(want, types.MethodType):
+        return None if want.__func__ is got.__func__ else path
+    if hasattr(want, "__dict__") and not isinstance(want, (types.FunctionType, type)):
+        if depth >= 2:
+            return None
+        own = set(skipped) | set(getattr(want, "per_member_state", ()))
+        return next((d for k, v in vars(want).items() if k not in own
+                     and (d := differing_attribute(v, vars(got).get(k), f"{path}.{k}", depth=depth + 1)) is not None),
+                    None)
+    try:
+        return None if bool(want == got) else path
+    except (TypeError, ValueError, RuntimeError):
+        return path
 
 
 def snapshot(step: FunctionalStep) -> Params:
@@ -198,21 +263,23 @@ def shared_prepare_gradients(template: FunctionalStep, params: Params, momentum:
 
 def run_members(members: list[Member], batches: Callable[[], tuple[torch.Tensor, torch.Tensor]], steps: int,
                 precision: str = "fp32",
-                capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None
-                ) -> tuple[list[Params], list[dict[str, float]]]:
+                capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None,
+                first: tuple[str, ...] = ()) -> tuple[list[Params], list[dict[str, float]]]:
     """K local steps of every member at once: each member's trained groups (views into the stacked
     tensors) and its diagnostics averaged over the steps, as ``run_local_steps`` gives one client.
     ``batches`` (``PackedBatches``): every member's batch of a step at once, as each member's ``sample`` draws it.
+    ``first``: diagnostics also reported as of the first step (``StepStats``).
 
     ``capture`` (``cuda_graph``, cohort-step=graph): the first step runs on fixed input buffers and is
     captured; the other K - 1 replay it, each after copying its freshly drawn inputs into those buffers."""
+    check_members_agree(members)
     template = members[0].step
     template.model.train()
     params = stacked([m.start for m in members])
     optimizers = {g: sgd_like(template.optimizers[g], list(params[g].values())) for g in params}
     constants = stacked([m.step.constants() for m in members])  # stacked once a round
     share_prepare = shares_prepare(template)
-    totals: dict[str, torch.Tensor] = {}
+    round_stats = StepStats(first)
     device = next(iter(params["model"].values())).device
 
     stack = DrawStacker()
@@ -252,25 +319,19 @@ def run_members(members: list[Member], batches: Callable[[], tuple[torch.Tensor,
             out.update(stats)
         return out
 
-    def accumulate(stats: dict[str, torch.Tensor]) -> None:
-        for k, v in stats.items():
-            v = v.detach().float()
-            totals[k] = totals[k] + v if k in totals else v.clone()
-
     with modules_in(module_dtype(precision)):
         if capture is None:
             for _ in range(steps):
-                accumulate(step({**draw(), **constants}))
+                round_stats.add(step({**draw(), **constants}))
         elif steps:
             buffers = draw()
-            first, replay = capture(lambda: step({**buffers, **constants}))
-            accumulate(first)
+            first_step, replay = capture(lambda: step({**buffers, **constants}))
+            round_stats.add(first_step)
             for _ in range(steps - 1):
                 copy_inputs(buffers, draw())
-                accumulate(replay())
-    per_member = {k: [x / steps for x in v.tolist()] for k, v in totals.items()}
+                round_stats.add(replay())
     finals = [{g: {n: t[i] for n, t in ps.items()} for g, ps in params.items()} for i in range(len(members))]
-    return finals, [{k: v[i] for k, v in per_member.items()} for i in range(len(members))]
+    return finals, round_stats.of_members(len(members))
 
 
 @torch.no_grad()

@@ -1,7 +1,8 @@
 """GroupDRO in FL: the server keeps a weight p_i per client (uniform at first). After each round,
-p_i <- p_i exp(eta loss_i) for every client that answered (loss_i: its mean training loss over the
-round's local steps), then p is normalised, and the round's models are averaged with weights p_i.
-A server-only algorithm: its settings are declared here, its clients are FedAvg's."""
+p_i <- p_i exp(eta loss_i) for every client that answered (loss_i: the training loss of its first local
+step, at the global model it received, as in the authors' code: ``first-loss``, which its client, FedAvg's
+otherwise, reports), then p is normalised, and the round's models are averaged with weights p_i.
+Its settings are declared here."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class ClientWeights:
 @register_strategy("groupdro")
 class GroupDROStrategy(FederatedStrategy):
     Settings = GroupDROSettings
+    required_metrics = ("first-loss",)
 
     def __init__(self, cfg, recorder, modules, global_test):
         super().__init__(cfg, recorder, modules, global_test)
@@ -55,6 +57,6 @@ class GroupDROStrategy(FederatedStrategy):
     def aggregation_weights(self, updates):
         if self.client_weights is None:
             self.client_weights = ClientWeights(self.cfg["num-clients"], self.settings.eta)
-        self.client_weights.update({u.pid: float(u.metrics["loss"]) for u in updates})
+        self.client_weights.update({u.pid: float(u.metrics["first-loss"]) for u in updates})
         self.server_metrics = {f"p-{pid}": float(p) for pid, p in enumerate(self.client_weights.p)}
         return [float(self.client_weights.p[u.pid]) for u in updates]

@@ -24,6 +24,8 @@ from .updates import ClientUpdate, update_problem
 
 
 class FlowerStrategy(Strategy):
+    required_metrics: tuple[str, ...] = ()  # fit metrics the strategy reads (GroupDRO's first-loss)
+
     def __init__(self, cfg: dict[str, Any], recorder, clients_have_state: bool):
         self.cfg = cfg
         self.recorder = recorder
@@ -134,7 +136,7 @@ class FlowerStrategy(Strategy):
         """Updates that may be averaged in, and the rejected ones with their reason."""
         accepted, rejected = [], []
         for a in answers:
-            problem = a.problem or update_problem(a.arrays, self.update_spec, a.metrics)
+            problem = a.problem or update_problem(a.arrays, self.update_spec, a.metrics, self.required_metrics)
             if problem is None:
                 accepted.append(ClientUpdate(a.pid, a.arrays, a.num_examples, a.metrics))
                 self.checkpointer.answered(a.pid)

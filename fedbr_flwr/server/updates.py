@@ -48,9 +48,10 @@ def named_mean(named: list[Mapping[str, np.ndarray]], weights: list[float], name
 
 
 def update_problem(arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]] | None,
-                   metrics: Mapping[str, Any]) -> str | None:
+                   metrics: Mapping[str, Any], required_metrics: tuple[str, ...] = ()) -> str | None:
     """Why a client's update must not be averaged in, or None when it may be (``expected``: the names
-    and shapes it must hold, None: not known)."""
+    and shapes it must hold, None: not known; ``required_metrics``: metrics the server reads, which must
+    be numbers)."""
     if expected is not None:
         missing = [n for n in expected if n not in arrays]
         if missing:
@@ -64,6 +65,10 @@ def update_problem(arrays: Mapping[str, np.ndarray], expected: Mapping[str, tupl
             return f"array '{name}' has shape {tuple(a.shape)}, expected {tuple(expected[name])}"
         if a.dtype.kind in "fc" and not np.isfinite(a).all():
             return f"array '{name}' holds NaN or Inf"
+    absent = [k for k in required_metrics
+              if not isinstance(metrics.get(k), (int, float)) or isinstance(metrics.get(k), bool)]
+    if absent:
+        return f"metric '{absent[0]}' is missing or not a number"
     bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
     if bad:
         return f"metrics {', '.join(bad)} are NaN or Inf"
