@@ -136,18 +136,19 @@ def differing_attribute(want, got, path: str, skipped: tuple[str, ...] = (), dep
     if isinstance(want, torch.Tensor):
         same = want.shape == got.shape and want.dtype == got.dtype and torch.equal(want, got)
         return None if same else path
-    if isinstance(want, nn.Module):
-        want, got = module_state(want), module_state(got)
+    if isinstance(want, nn.Module):  # another module object (the live modules and frozen copies are shared)
+        want, got = dict([*want.named_parameters(), *want.named_buffers()]), \
+            dict([*got.named_parameters(), *got.named_buffers()])
     if isinstance(want, dict):
         if list(want) != list(got):
             return path
-        return next((d for k in want if (d := differing_attribute(want[k], got[k], f"{path}[{k!r}]")) is not None),
-                    None)
+        return next((d for k in want
+                     if (d := differing_attribute(want[k], got[k], f"{path}[{k!r}]", depth=depth)) is not None), None)
     if isinstance(want, (list, tuple)):
         if len(want) != len(got):
             return path
         return next((d for i, (w, g) in enumerate(zip(want, got))
-                     if (d := differing_attribute(w, g, f"{path}[{i}]")) is not None), None)
+                     if (d := differing_attribute(w, g, f"{path}[{i}]", depth=depth)) is not None), None)
     if isinstance(want, types.MethodType):
         return None if want.__func__ is got.__func__ else path
     if hasattr(want, "__dict__") and not isinstance(want, (types.FunctionType, type)):
