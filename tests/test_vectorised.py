@@ -215,7 +215,9 @@ LOCKSTEP_CASES = {**{name: s for name, s in golden.CASES.items() if client_class
                   "fedbr-mixture+several": {"strategy": "fedbr", "pseudo-data": "mixture",
                                             "fedbr-with": "fedcm,mixup"},
                   "moon-partial": {"strategy": "moon", "fraction-fit": 0.5, "num-clients": 4},
-                  "fedbr-six-members": {"strategy": "fedbr", "num-clients": 6, "fraction-fit": 0.67}}
+                  "fedbr-six-members": {"strategy": "fedbr", "num-clients": 6, "fraction-fit": 0.67},
+                  "fedbr-lenet": {"strategy": "fedbr", "model": "lenet"},
+                  "moon-lenet": {"strategy": "moon", "model": "lenet"}}
 
 
 @pytest.mark.parametrize("name", sorted(LOCKSTEP_CASES))
@@ -277,12 +279,13 @@ def vmapped_phase_gradients(members, draws, phase_index: int = 0):
     return [[grads[g][n][i] for g in phase.groups for n in grads[g]] for i in range(len(members))]
 
 
+@pytest.mark.parametrize("model", ["cnn-small", "lenet"])
 @pytest.mark.parametrize("update", ["simultaneous", "alternating"])
-def test_the_vmapped_offset_gradient_is_each_members_own(update):
+def test_the_vmapped_offset_gradient_is_each_members_own(update, model):
     """DisTrans: each member's gradient on its own offset, under vmap, is the one its own autograd gives (an
     offset moves by ~1e-7 of the model's weights a round: a dropped or shared offset gradient would hide
     under any whole-model tolerance)."""
-    members, own, draws = cohort_of({"strategy": "distrans", "model": "cnn-small", "distrans-agg": "none",
+    members, own, draws = cohort_of({"strategy": "distrans", "model": model, "distrans-agg": "none",
                                      "distrans-update": update})
     offsets = [m.start["offset"]["t"] for m in members]
     assert not torch.equal(offsets[0], offsets[1])  # each member has its own offset
@@ -296,7 +299,8 @@ def test_the_vmapped_offset_gradient_is_each_members_own(update):
 
 def tiny_backbone(name: str, num_classes: int, in_channels: int, image_size: int):
     """The backbones' own classes at tiny sizes, for 8x8 images: VGG11's layout at 1/8 of its widths with
-    three of its five poolings, CCT of 2 layers of width 16, ResNet18-GN and the paper's CNN as they are."""
+    three of its five poolings, CCT of 2 layers of width 16, ResNet18-GN, the paper's CNN and the lenet as
+    they are."""
     from fedbr_flwr import model
 
     if name == "vgg11":
@@ -311,10 +315,10 @@ def tiny_backbone(name: str, num_classes: int, in_channels: int, image_size: int
         return model.SplitModel(features, 64, num_classes)
     if name == "cct":
         return model.SplitModel(model.CCTFeatures(in_channels, 8, dim=16, layers=2, heads=2), 16, num_classes)
-    return model.build_model(name, num_classes, in_channels, image_size)
+    return model.build_model(name, num_classes, in_channels, 8)
 
 
-@pytest.mark.parametrize("backbone", ["cnn", "vgg11", "resnet18", "cct"])
+@pytest.mark.parametrize("backbone", ["cnn", "lenet", "vgg11", "resnet18", "cct"])
 @pytest.mark.parametrize("strategy", ["fedavg", "fedbr"])
 def test_every_backbone_trains_under_vmap_as_each_member_alone(backbone, strategy, monkeypatch):
     """Beyond cnn-small (which the lockstep federations cover): the paper's CNN, VGG11, ResNet18-GN and CCT
