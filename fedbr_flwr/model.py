@@ -55,11 +55,12 @@ def lenet_features(in_channels: int = 1, image_size: int = 28, widths: tuple[int
 VGG11_LAYOUT = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
 
 
-def vgg11_features(in_channels: int = 3) -> nn.Sequential:
-    """VGG11 conv stack without batch norm, then global average pooling to 512 features."""
+def vgg11_features(in_channels: int = 3, layout: list = VGG11_LAYOUT) -> nn.Sequential:
+    """VGG11 conv stack without batch norm, then global average pooling to 512 features (``layout``: channels
+    and "M" for a max pool, VGG11's by default)."""
     layers: list[nn.Module] = []
     c_in = in_channels
-    for item in VGG11_LAYOUT:
+    for item in layout:
         if item == "M":
             layers.append(nn.MaxPool2d(2))
         else:
