@@ -63,6 +63,31 @@ def check_output_dir(out: Path) -> None:
                 pass
 
 
+def cpu_model() -> str:
+    """The CPU's name as the OS reports it (Linux: /proc/cpuinfo), else the platform's processor."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_name() -> str | None:
+    """The first CUDA device's name when torch sees one (without initialising CUDA otherwise)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_name(0))
+
+
+def host_facts() -> dict[str, Any]:
+    """What a results table names as its machine: platform, CPU model, cores, GPU (None: none used)."""
+    return {"platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count(), "gpu": gpu_name(),
+            "argv": sys.argv[:1]}
+
+
 def package_versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for name in PACKAGES:
@@ -164,7 +189,7 @@ class RunRecorder:
             "code_hash": code_hash(),
             "seed": self.cfg["seed"],
             "packages": package_versions(),
-            "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "argv": sys.argv[:1]},
+            "host": host_facts(),
             "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             **extra,
         }
