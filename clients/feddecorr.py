@@ -1,5 +1,6 @@
 """FedDecorr (Shi et al. 2023): cross-entropy plus w times the decorrelation loss of the batch's features,
-in the official code's form (its published w = 0.1 was tuned on that scale). A component: ``strategy=feddecorr`` is FedAvg + it, ``fedbr-with=feddecorr``
+in the official code's form (its published w = 0.1 was tuned on that scale). A component:
+``strategy=feddecorr`` is FedAvg + it, ``fedbr-with=feddecorr``
 adds it to FedBR's min step (on the local features). The server is FedAvg's."""
 
 from __future__ import annotations

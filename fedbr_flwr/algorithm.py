@@ -34,8 +34,16 @@ from .dataset import INFO, ClientData, make_partition
 from .model import build_model
 from .registry import component_class, components_of
 from .settings import NoSettings, Settings
-from .training import (BatchSampler, compile_features, evaluate, load_module_arrays, module_arrays, peak_memory_mb,
-                       round_sgd, run_local_steps)
+from .training import (
+    BatchSampler,
+    compile_features,
+    evaluate,
+    load_module_arrays,
+    module_arrays,
+    peak_memory_mb,
+    round_sgd,
+    run_local_steps,
+)
 
 Named = dict[str, np.ndarray]
 RESTORED_KEY = "client-state-restored"

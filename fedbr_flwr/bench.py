@@ -387,7 +387,8 @@ def print_suite_table(rows: list[dict], device: str) -> None:
         t = next(r["step_s"] for r in pair.values() if "step_s" in r)
         rounds = (f"{pair['fedbr']['bare_s_per_round'] / pair['fedavg']['bare_s_per_round']:.2f}"
                   if {"fedbr", "fedavg"} <= set(pair) else "-")
-        print(f"| {shape} | {t['fedavg']:.4f} | {t['fedbr']:.4f} | {t['distrans']:.4f} | {t['fedbr'] / t['fedavg']:.2f} "
+        print(f"| {shape} | {t['fedavg']:.4f} | {t['fedbr']:.4f} | {t['distrans']:.4f} | "
+              f"{t['fedbr'] / t['fedavg']:.2f} "
               f"| {rounds} |")
     for r in rows:
         if r["strategy"] == "fedbr" and r["shape"] == "rotmnist-cnn":
@@ -430,7 +431,7 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedbr-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
@@ -442,7 +443,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps per timing repeat (--step, and --suite's "
                                                                "step table)")
     parser.add_argument("--suite", action="store_true",
-                        help=f"bare loop against both Flower engines for FedAvg, FedBR and DisTrans on each shape ({', '.join(SUITE)}); "
+                        help="bare loop against both Flower engines for FedAvg, FedBR and DisTrans on each shape "
+                             f"({', '.join(SUITE)}); "
                              "the items apply to every case")
     parser.add_argument("--shapes", default=",".join(SUITE), help="comma-separated shapes for --suite")
     parser.add_argument("--strategies", default=",".join(SUITE_STRATEGIES),
@@ -453,6 +455,11 @@ def main(argv=None) -> int:
     parser.add_argument("--scale", action="store_true",
                         help="engine=cohort with 100 clients at fraction-fit 0.1 and 1000 at 0.01: s/round and "
                              "peak memory")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_intermixed_args(argv)
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)

@@ -21,8 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from .config import (ConfigError, check_sampling, defaults, load_yaml, parse_override, pyproject_table, schema,
-                     validate)
+from .config import ConfigError, check_sampling, defaults, load_yaml, parse_override, pyproject_table, schema, validate
 from .launcher import PROJECT_DIR, RunFailed, run_flower
 from .run_io import check_output_dir, git_commit
 from .runlock import check_free
@@ -201,7 +200,21 @@ def write_pyproject(path: Path = PROJECT_DIR / "pyproject.toml") -> bool:
     return new != text
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+CONFIGURATION_PAGE = PROJECT_DIR / "docs" / "configuration.md"
+
+
+def write_configuration_page(path: Path = CONFIGURATION_PAGE) -> bool:
+    """Rewrite the configuration reference from the schema; True if it changed."""
+    from .config import configuration_reference
+
+    new = configuration_reference()
+    changed = not path.is_file() or path.read_text() != new
+    if changed:
+        path.write_text(new)
+    return changed
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedbr-run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
@@ -209,18 +222,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--write-pyproject", action="store_true",
                         help="rewrite pyproject.toml's run-config table from the schema (after adding a key), "
                              "then exit")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="rewrite docs/configuration.md from the schema (after adding a key), then exit")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then exit")
     parser.add_argument("--overwrite", action="store_true", help="reuse an output-dir that holds a run")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
     parser.add_argument("--quiet", action="store_true", help="print no progress (the log is in flower.log)")
     parser.add_argument("--verbose", action="store_true", help="echo all of Flower's log, not only progress")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_intermixed_args(argv)  # options may come between files and overrides
     if args.list:
         print(list_keys())
         return 0
-    if args.write_pyproject:
-        changed = write_pyproject()
-        print(f"fedbr-run: {PROJECT_DIR / 'pyproject.toml'} {'rewritten' if changed else 'already up to date'}")
+    if args.write_pyproject or args.write_docs:
+        for wanted, write, path in ((args.write_pyproject, write_pyproject, PROJECT_DIR / "pyproject.toml"),
+                                    (args.write_docs, write_configuration_page, CONFIGURATION_PAGE)):
+            if wanted:
+                print(f"fedbr-run: {path} {'rewritten' if write() else 'already up to date'}")
         return 0
     try:
         import torch

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import yaml
 
 from .errors import ConfigError
-from .settings import FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, UNIT_INTERVAL, BELOW_ONE, Key
+from .settings import BELOW_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, UNIT_INTERVAL, Key
 
 __all__ = ["COMMON", "ConfigError", "Key", "defaults", "schema", "validate"]
 
@@ -291,7 +291,43 @@ def to_toml(cfg: Mapping[str, Any]) -> str:
 def resolved_model(cfg: Mapping[str, Any]) -> str:
     if cfg["model"] != "auto":
         return cfg["model"]
-    return {"mnist5k": "cnn", "mnist": "cnn", "cifar10": "vgg11", "cifar100": "cct", "synthetic": "vgg11"}[cfg["dataset"]]
+    by_dataset = {"mnist5k": "cnn", "mnist": "cnn", "cifar10": "vgg11", "cifar100": "cct", "synthetic": "vgg11"}
+    return by_dataset[cfg["dataset"]]
+
+
+CONFIGURATION_PAGE_HEAD = """# Configuration reference
+
+Every key a run takes, with its type, default, allowed values and meaning. Set them in an experiment
+file (YAML), as `key=value` on the command line (later ones win), or in `flwr run --run-config`.
+`fedbr-run` checks every key and type before anything starts: an unknown key (with a "did you mean"),
+a value of the wrong type or outside its range, or a key of an algorithm the run does not use, stops
+the run with exit 2 and one line. `fedbr-run --list` prints the same in a terminal.
+
+This page is generated from the settings schema by `fedbr-run --write-docs`; a test fails when it is
+stale, so edit the `setting(...)` declarations, not this page.
+"""
+
+
+def _markdown_cell(value: str) -> str:
+    return value.replace("|", "\\|")
+
+
+def configuration_reference() -> str:
+    """docs/configuration.md: every key of the schema, grouped by owner (common keys first), as tables."""
+    from .registry import how_to_enable
+
+    lines, owner = [CONFIGURATION_PAGE_HEAD.rstrip("\n")], object()
+    for key, spec in schema().items():
+        if spec.owner != owner:
+            owner = spec.owner
+            heading = "Common keys" if owner is None else f"`{owner}` (with {how_to_enable(owner)})"
+            lines += ["", f"## {heading}", "", "| key | type | default | values | meaning |", "|---|---|---|---|---|"]
+        kind = "names" if spec.names else type(spec.default).__name__
+        values = " \\| ".join(f"`{c}`" for c in spec.choices) if spec.choices else \
+            (spec.check.message if spec.check else "")
+        default = to_toml({key: spec.default}).strip().split(" = ", 1)[1]
+        lines.append(f"| `{key}` | {kind} | `{default}` | {values} | {_markdown_cell(spec.help)} |")
+    return "\n".join(lines) + "\n"
 
 
 def pyproject_table() -> str:

@@ -88,7 +88,8 @@ def data_folder(data_dir: str = "") -> Path:
 
 
 def _fetch_command(name: str, folder: Path) -> str:
-    return f"python -c \"import torchvision; torchvision.datasets.{TORCHVISION_CLASS[name]}('{folder}', download=True)\""
+    fetch = f"torchvision.datasets.{TORCHVISION_CLASS[name]}('{folder}', download=True)"
+    return f"python -c \"import torchvision; {fetch}\""
 
 
 def _where(name: str, folder: Path) -> str:

@@ -7,7 +7,8 @@ On separate machines (every command prints the Flower command it runs):
     fedbr-deploy register --superlink 10.0.0.1:8000 --certs deploy-keys   # allow the node keys (--auth)
     fedbr-deploy supernode --superlink 10.0.0.1:8000 --certs deploy-keys \\
         --partition-id 0 --num-partitions 4 --data-dir /data --gpu 0 --auth-key deploy-keys/supernode-0
-    fedbr-deploy run --superlink 10.0.0.1:8000 --certs deploy-keys experiments/fedavg_rotmnist5k.yaml num-clients=4 num-rounds=20
+    fedbr-deploy run --superlink 10.0.0.1:8000 --certs deploy-keys experiments/fedavg_rotmnist5k.yaml \\
+        num-clients=4 num-rounds=20
 
 All of it on this machine (127.0.0.1), started, run and stopped in one command:
 
@@ -60,7 +61,8 @@ def make_certificates(out: Path, hosts: Sequence[str], supernodes: int, days: in
 
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
-    valid = dict(not_valid_before=now - datetime.timedelta(minutes=5), not_valid_after=now + datetime.timedelta(days=days))
+    valid = dict(not_valid_before=now - datetime.timedelta(minutes=5),
+                 not_valid_after=now + datetime.timedelta(days=days))
 
     def cert(subject, issuer, public_key, signing_key, extensions):
         builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)

@@ -180,9 +180,8 @@ def plot_history(history: list[dict], path: str | Path, title: str = "") -> None
     save_accuracy_plot(fig, ax, path, title, "accuracy (%)")
 
 
-def save_accuracy_plot(fig, ax, path: str | Path, title: str, ylabel: str) -> None:
-    """The shared look of our accuracy-per-round plots, then save and close."""
-    import matplotlib.pyplot as plt
+def format_accuracy_axes(ax, title: str, ylabel: str) -> None:
+    """The shared look of our accuracy-per-round axes: whole rounds, 0..100, a light grid."""
     from matplotlib.ticker import MaxNLocator
 
     ax.set_xlabel("communication round")
@@ -191,6 +190,13 @@ def save_accuracy_plot(fig, ax, path: str | Path, title: str, ylabel: str) -> No
     ax.set_title(title)
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
+
+
+def save_accuracy_plot(fig, ax, path: str | Path, title: str, ylabel: str) -> None:
+    """Our accuracy-per-round look and a legend, then save and close."""
+    import matplotlib.pyplot as plt
+
+    format_accuracy_axes(ax, title, ylabel)
     ax.legend(loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -78,7 +78,8 @@ class CohortClient(NumPyClient):
     after another (``cohort-step=loop``) or all at once (``vmap``; ``graph``: vmap replayed as a CUDA graph).
     One ``ClientAlgorithm`` (one model) serves every member in turn, bound to that member's data and node
     state: the model holds nothing of a client between messages (it is loaded from the server's arrays), so
-    a cohort of 1000 clients holds one model. Every message names the members it is about (``fedbr_flwr.cohort``); each member answers
+    a cohort of 1000 clients holds one model. Every message names the members it is about
+    (``fedbr_flwr.cohort``); each member answers
     exactly as it would on a node of its own."""
 
     def __init__(self, algorithm: ClientAlgorithm, members: dict[int, Any], packed: Any, vectorised: bool = False,

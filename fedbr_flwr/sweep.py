@@ -6,6 +6,7 @@
 A sweep file holds the shared settings as top-level keys plus a ``sweep`` block:
 
     sweep:
+      title: FedAvg vs FedBR   # optional: the comparison's and the report section's title
       seeds: [0, 1, 2]
       runs:                 # name: the keys that differ
         FedAvg: {strategy: fedavg}
@@ -15,19 +16,19 @@ Settings are applied as: file keys <- command-line key=value <- the run's keys <
 to <out>/<name>/seed<k>/ (the usual run files; other characters than letters, digits and
 +.=- in the name become _). A run whose folder already holds a finished run of
 the same config is kept, not repeated, so an interrupted sweep continues where it stopped. The
-comparison (mean and standard deviation over seeds) goes to <out>/comparison.md, .csv and .png.
+comparison (mean and standard deviation over seeds) goes to <out>/comparison.md, .csv and .png;
+with --report PAGE also into the file's section of a markdown results page, with its command, commit,
+machine and wall time (fedbr_flwr/report.py).
 Exit codes: 0 every run finished, 1 some run failed (the others still ran), 2 bad configuration.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import re
+import shlex
 import signal
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -35,13 +36,15 @@ from typing import Any, Sequence
 from .cli import config_from_settings, finished_run_problem, prepare, size_resources, supernodes
 from .config import ConfigError, load_yaml, parse_override
 from .launcher import RunFailed, run_flower
-from .metrics import read_jsonl, save_accuracy_plot
-
-def run_folder(out: Path, name: str, seed: int) -> Path:
-    return out / re.sub(r"[^A-Za-z0-9+.=-]+", "_", name).strip("_") / f"seed{seed}"
-
+from .report import run_folder, write_comparison, write_report
 
 VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus")  # may differ between machines or sessions
+
+
+def sweep_title(path: str) -> str | None:
+    """The ``title`` of the file's sweep block (what its results-page section is called), if it has one."""
+    sweep = load_yaml(path).get("sweep")
+    return sweep.get("title") if isinstance(sweep, dict) else None
 
 
 def load_sweep(path: str) -> tuple[dict[str, Any], list[int], dict[str, dict[str, Any]]]:
@@ -49,9 +52,12 @@ def load_sweep(path: str) -> tuple[dict[str, Any], list[int], dict[str, dict[str
     sweep = data.pop("sweep", None)
     if not isinstance(sweep, dict) or not isinstance(sweep.get("runs"), dict) or not sweep["runs"]:
         raise ConfigError(f"{path} needs a 'sweep' block with a non-empty 'runs' mapping (name: settings)")
-    unknown = set(sweep) - {"seeds", "runs"}
+    unknown = set(sweep) - {"seeds", "runs", "title"}
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) in 'sweep': {', '.join(sorted(unknown))} (valid: seeds, runs)")
+        raise ConfigError(f"{path}: unknown key(s) in 'sweep': {', '.join(sorted(unknown))} (valid: seeds, runs, "
+                          "title)")
+    if not isinstance(sweep.get("title", ""), str):
+        raise ConfigError(f"{path}: 'sweep.title' must be a string, got {sweep['title']!r}")
     seeds = sweep.get("seeds", [data.get("seed", 0)])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
         raise ConfigError(f"{path}: 'sweep.seeds' must be a list of integers >= 0, got {seeds!r}")
@@ -131,109 +137,14 @@ def run_all(jobs: list[tuple[str, int, dict[str, Any]]], quiet: bool) -> dict[tu
     return status
 
 
-# ---------------------------------------------------------------- comparison
-
-COLUMNS = [  # (csv column, summary key, markdown header, kind)
-    ("mean_acc_best5", "mean_acc_best5", "mean acc, best 5 (%)", "pct"),
-    ("worst_acc_best5", "worst_acc_best5", "worst client, best 5 (%)", "pct"),
-    ("pooled_acc_best5", "pooled_acc_best5", "pooled acc, best 5 (%)", "pct"),
-    ("final_mean_acc", "final_mean_acc", "final mean acc (%)", "pct"),
-    ("final_worst_acc", "final_worst_acc", "final worst client (%)", "pct"),
-    ("global_acc_best5", "global_acc_best5", "global test, best 5 (%)", "pct"),
-    ("rounds_to_target", "rounds_to_target", "rounds to target", "rounds"),
-    ("wall_time_s", "wall_time_s", "wall time (s)", "seconds"),
-]
+def report_command(argv: Sequence[str] | None) -> str:
+    """The command that makes the sweep's runs and its report, as a user would type it (without the
+    switches that only skip work: --table-only, --quiet)."""
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--table-only", "--quiet")]
+    return shlex.join(["fedbr-sweep", *args])
 
 
-def _stats(values: list[float | None]) -> tuple[float | None, float | None, int]:
-    present = [v for v in values if v is not None]
-    if not present:
-        return None, None, 0
-    return statistics.fmean(present), statistics.stdev(present) if len(present) > 1 else 0.0, len(present)
-
-
-def compare(out: Path, names: list[str], seeds: list[int]) -> tuple[str, list[dict[str, Any]]]:
-    rows = []
-    target = None
-    for name in names:
-        summaries = []
-        for seed in seeds:
-            path = run_folder(out, name, seed) / "summary.json"
-            if path.exists():
-                summaries.append(json.loads(path.read_text()))
-                target = summaries[-1].get("target_acc")
-        row: dict[str, Any] = {"run": name, "seeds": len(summaries)}
-        for column, key, _, _ in COLUMNS:
-            mean, std, n = _stats([s.get(key) for s in summaries])
-            row[column], row[f"{column}_std"], row[f"{column}_n"] = mean, std, n
-        rows.append(row)
-    header = ["run", "seeds"] + [h.replace("rounds to target", f"rounds to {100 * (target or 0):.0f}%")
-                                 for _, _, h, _ in COLUMNS]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    for row in rows:
-        cells = [row["run"], str(row["seeds"])]
-        for column, _, _, kind in COLUMNS:
-            cells.append(_cell(row, column, kind))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n", rows
-
-
-def _cell(row: dict[str, Any], column: str, kind: str) -> str:
-    mean, std, n = row[column], row[f"{column}_std"], row[f"{column}_n"]
-    if mean is None:
-        return "not reached" if kind == "rounds" and row["seeds"] else "-"
-    scale = 100.0 if kind == "pct" else 1.0
-    if kind != "pct":
-        text = f"{mean:.0f}"
-    else:  # one seed has no spread to show
-        text = f"{scale * mean:.2f} ± {scale * std:.2f}" if n > 1 else f"{scale * mean:.2f}"
-    if kind == "rounds" and n < row["seeds"]:
-        text += f" ({n}/{row['seeds']} reached)"
-    return text
-
-
-def write_comparison(out: Path, names: list[str], seeds: list[int], title: str) -> str:
-    table, rows = compare(out, names, seeds)
-    (out / "comparison.md").write_text(f"### {title}\n\nMean ± standard deviation over seeds "
-                                       f"{', '.join(map(str, seeds))}.\n\n{table}")
-    with open(out / "comparison.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot_comparison(out, names, seeds, out / "comparison.png", title)
-    return table
-
-
-def plot_comparison(out: Path, names: list[str], seeds: list[int], path: Path, title: str) -> None:
-    """Mean client accuracy (solid, band = min..max over seeds) and worst client accuracy (dashed, same
-    colour) per evaluated round: one pair of curves per run, each the mean over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(7.0, 4.2))
-    for name in names:
-        mean_curves, worst_curves = {}, {}
-        for seed in seeds:
-            for rec in read_jsonl(run_folder(out, name, seed) / "metrics.jsonl"):
-                if rec.get("mean_acc") is None or rec.get("worst_acc") is None:  # null: missing
-                    continue
-                mean_curves.setdefault(rec["round"], []).append(100 * rec["mean_acc"])
-                worst_curves.setdefault(rec["round"], []).append(100 * rec["worst_acc"])
-        if not mean_curves:
-            continue
-        rounds = sorted(mean_curves)
-        (line,) = ax.plot(rounds, [np.mean(mean_curves[r]) for r in rounds], label=f"{name}: mean client")
-        ax.fill_between(rounds, [min(mean_curves[r]) for r in rounds], [max(mean_curves[r]) for r in rounds],
-                        color=line.get_color(), alpha=0.15)
-        ax.plot(rounds, [np.mean(worst_curves[r]) for r in rounds], ls="--", color=line.get_color(),
-                label=f"{name}: worst client")
-    save_accuracy_plot(fig, ax, path, title, "local-test accuracy (%)")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedbr-sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", help="sweep YAML file")
@@ -244,6 +155,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="validate every run and list them, then exit")
     parser.add_argument("--table-only", action="store_true", help="do not run; rebuild the comparison")
     parser.add_argument("--quiet", action="store_true", help="no per-round progress")
+    parser.add_argument("--report", type=Path, metavar="PAGE",
+                        help="also write the table, its plot (in results/ beside PAGE) and the command, commit, "
+                             "machine and wall time as this sweep file's section of the markdown page PAGE; the "
+                             "page's other sections and text are kept")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_intermixed_args(argv)
     out = (args.out or Path("runs") / Path(args.file).stem).expanduser().resolve()
     try:
@@ -269,10 +189,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"fedbr-sweep: interrupted; finished runs are kept in {out}", file=sys.stderr)
             return 130
-    title = " ".join([Path(args.file).stem, *args.overrides])  # overrides say what the file alone does not
+    # the command-line overrides say what the file alone does not
+    title = " ".join([sweep_title(args.file) or Path(args.file).stem, *args.overrides])
     table = write_comparison(out, names, seeds, title)
     print("\n" + table)
     print(f"comparison: {out / 'comparison.md'}, comparison.csv, comparison.png")
+    if args.report:
+        try:
+            write_report(args.report, Path(args.file).stem, title, report_command(argv), out, names, seeds)
+        except (ConfigError, OSError) as exc:
+            print(f"fedbr-sweep: error: cannot write the report to {args.report}: {exc}", file=sys.stderr)
+            return 2
+        print(f"report: section '{Path(args.file).stem}' of {args.report}")
     failed = {k: v for k, v in status.items() if v.startswith("failed")}
     for (name, seed), why in failed.items():
         print(f"fedbr-sweep: {name} seed {seed} {why}", file=sys.stderr)

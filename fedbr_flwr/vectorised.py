@@ -237,9 +237,9 @@ def shared_prepare_gradients(template: FunctionalStep, params: Params, momentum:
         read = {g: params[g] for g in template.prepare_groups}
         shared, pullback = torch.func.vjp(lambda read: template.prepare({**params, **read}, inputs), read)
         for phase in earlier:
-            def objective(trained: Params):
-                loss, terms = phase.loss({**params, **trained}, inputs, shared)
-                return (-loss if phase.ascent else loss), terms
+            def objective(trained: Params):  # called at once, in this iteration: the late binding is safe
+                loss, terms = phase.loss({**params, **trained}, inputs, shared)  # noqa: B023
+                return (-loss if phase.ascent else loss), terms  # noqa: B023
 
             grads, terms = torch.func.grad(objective, has_aux=True)({g: params[g] for g in phase.groups})
             for g in phase.groups:
@@ -439,4 +439,4 @@ def evaluate_members(module: nn.Module, states: list[dict[str, torch.Tensor]], x
         each = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
         loss += (each * mask).sum(dim=1)
         correct += ((logits.argmax(dim=2) == target) & mask).sum(dim=1)
-    return [(float(l) / max(len(t), 1), float(c) / max(len(t), 1)) for l, c, t in zip(loss, correct, ys)]
+    return [(float(s) / max(len(t), 1), float(c) / max(len(t), 1)) for s, c, t in zip(loss, correct, ys)]

@@ -7,7 +7,7 @@ from pathlib import Path
 # Keep torch from oversubscribing the 2-core CI machine when tests run model code.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import golden  # noqa: E402  (pins torch's CPU kernels to those the golden files were recorded with)
+import golden  # noqa: E402, F401  (pins torch's CPU kernels to those the golden files were recorded with)
 
 # Full MNIST for the tests that compare against recorded hashes (tests/test_download.py): the folder in
 # FEDBR_TEST_DATA, else the machine's shared copy next to the repository when there is one.

@@ -56,6 +56,7 @@ CASES: dict[str, dict] = {
     "mixup": {"strategy": "mixup"},
     "groupdro": {"strategy": "groupdro"},
     "dann": {"strategy": "dann"},
+    "feddyn": {"strategy": "feddyn", "feddyn-alpha": 0.1},  # added after the restructuring, recorded on its own
     "distrans-none": {"strategy": "distrans", "distrans-agg": "none"},
     "distrans-avg": {"strategy": "distrans", "distrans-agg": "avg", "weighting": "samples"},
     "distrans-nn": {"strategy": "distrans", "distrans-agg": "nn", "global-test": True},
@@ -87,6 +88,7 @@ RESUME_CASES: dict[str, dict] = {
     "resume-fedbr+fedcm-every-round": {"strategy": "fedbr", "fedbr-with": "fedcm", "pseudo-refresh": "every-round"},
     "resume-groupdro": {"strategy": "groupdro"},
     "resume-fedmix": {"strategy": "fedmix"},
+    "resume-feddyn": {"strategy": "feddyn", "feddyn-alpha": 0.1},
 }
 
 TIMING_KEYS = ("wall_time", "seconds", "client_fit_seconds", "client_peak_rss_mb", "client_peak_gpu_mb",

@@ -1,6 +1,7 @@
-"""Adding an algorithm touches its client file, its strategy file and an experiment file, nothing else:
-the README's worked example (FedDyn) is written into ``clients/`` and ``strategies/`` as a contributor
-would and found by the registry alone. Its rule is checked by hand, and it runs and resumes."""
+"""Adding an algorithm touches its client file, its strategy file and an experiment file, nothing else.
+FedDyn is built in, and the guide (docs/adding-an-algorithm.md) walks through its real files: the guide
+shows them as they are, a copy under another name in a contributor's folder is found by the registry
+alone, and FedDyn's rule is checked by hand, run and resumed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from torch.nn import functional as F
 
 import clients
 import strategies
-from fakes import in_process_federation, records_without_timing, run_rounds
 from fedbr_flwr import payload, registry
 from fedbr_flwr.algorithm import MemoryState
 from fedbr_flwr.cli import check_pyproject, list_keys, write_pyproject
@@ -25,26 +25,40 @@ from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.checkpointing import ResumedRun
 from fedbr_flwr.server.updates import ClientUpdate
 
+from fakes import in_process_federation, records_without_timing, run_rounds
+
 ROOT = Path(__file__).resolve().parents[1]
+FEDDYN_FILES = ["clients/feddyn.py", "experiments/feddyn_rotmnist5k.yaml", "strategies/feddyn.py"]
 
 
-def readme_files() -> dict[str, str]:
-    """The files the README's worked example shows: '`path`:' then a fenced block."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Worked example"):]
-    section = section[:section.index("\n## ")]
+def guide_files() -> dict[str, str]:
+    """The files the guide's worked example shows: '`path`:' then a fenced block."""
+    text = (ROOT / "docs" / "adding-an-algorithm.md").read_text()
+    section = text[text.index("## Worked example"):]
     return {m.group(1): m.group(2) for m in re.finditer(r"^`([\w/.]+)`:\n\n```\w+\n(.*?)^```", section, re.M | re.S)}
 
 
+def test_the_guide_shows_feddyns_real_files_as_they_are():
+    files = guide_files()
+    assert sorted(files) == FEDDYN_FILES
+    for path, text in files.items():
+        assert text == (ROOT / path).read_text(), f"the guide's {path} differs from the file: copy the file into it"
+    assert sum(len(t.splitlines()) for p, t in files.items() if p.endswith(".py")) < 100
+
+
+def as_new_algorithm(text: str) -> str:
+    return text.replace("feddyn", "mydyn").replace("FedDyn", "MyDyn")
+
+
 @pytest.fixture
-def feddyn(tmp_path):
-    """The example's files in a contributor's checkout (here: beside ours), found by the registry; the
-    registry is restored afterwards, also when the test fails."""
-    files = readme_files()
+def mydyn(tmp_path):
+    """FedDyn's three files under another name, in a contributor's checkout (here: beside ours), found by
+    the registry; the registry is restored afterwards, also when the test fails."""
+    files = {as_new_algorithm(path): as_new_algorithm((ROOT / path).read_text()) for path in FEDDYN_FILES}
     for path, text in files.items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
-    registry.load_all()  # what is there before the example
+    registry.load_all()  # what is there before the new one
     tables = [registry.CLIENTS, registry.STRATEGIES, registry.VARIANTS, registry.COMPONENTS,
               registry.SERVER_COMPONENTS]
     saved = [dict(t) for t in tables]
@@ -60,34 +74,32 @@ def feddyn(tmp_path):
         for table, before in zip(tables, saved):
             table.clear()
             table.update(before)
-        for module in ("clients.feddyn", "strategies.feddyn"):
+        for module in ("clients.mydyn", "strategies.mydyn"):
             sys.modules.pop(module, None)
         registry._loaded = True
 
 
-def test_the_example_is_three_files_and_the_registry_finds_everything_else(feddyn):
-    files, folder = feddyn
-    assert sorted(files) == ["clients/feddyn.py", "experiments/feddyn_rotmnist5k.yaml", "strategies/feddyn.py"]
-    assert sum(len(t.splitlines()) for p, t in files.items() if p.endswith(".py")) < 100
-    assert "feddyn" in registry.algorithm_names()
-    cfg = validate(load_yaml(folder / "experiments/feddyn_rotmnist5k.yaml"))
-    assert cfg["strategy"] == "feddyn" and cfg["feddyn-alpha"] == 0.01
-    with pytest.raises(ConfigError, match=r"'feddyn-alpha' belongs to feddyn \(strategy=feddyn\), not to 'fedavg'"):
-        validate({"strategy": "fedavg", "feddyn-alpha": 0.1})
+def test_a_new_algorithm_is_three_files_and_the_registry_finds_everything_else(mydyn):
+    files, folder = mydyn
+    assert "mydyn" in registry.algorithm_names() and registry.client_class("mydyn").vectorised
+    cfg = validate(load_yaml(folder / "experiments/mydyn_rotmnist5k.yaml"))
+    assert cfg["strategy"] == "mydyn" and cfg["mydyn-alpha"] == 0.01
+    with pytest.raises(ConfigError, match=r"'mydyn-alpha' belongs to mydyn \(strategy=mydyn\), not to 'fedavg'"):
+        validate({"strategy": "fedavg", "mydyn-alpha": 0.1})
     with pytest.raises(ConfigError, match="must be > 0"):
-        validate({"strategy": "feddyn", "feddyn-alpha": 0.0})
-    with pytest.raises(ConfigError, match="Did you mean 'feddyn-alpha'"):
-        validate({"strategy": "feddyn", "feddyn-alfa": 0.1})
+        validate({"strategy": "mydyn", "mydyn-alpha": 0.0})
+    with pytest.raises(ConfigError, match="Did you mean 'mydyn-alpha'"):
+        validate({"strategy": "mydyn", "mydyn-alfa": 0.1})
     listed = list_keys()
-    assert "feddyn keys (strategy=feddyn):" in listed and "feddyn-alpha (0.01)" in listed
-    assert "# feddyn\nfeddyn-alpha = 0.01\n" in pyproject_table()  # what --write-pyproject would write
+    assert "mydyn keys (strategy=mydyn):" in listed and "mydyn-alpha (0.01)" in listed
+    assert "# mydyn\nmydyn-alpha = 0.01\n" in pyproject_table()  # what --write-pyproject would write
     with pytest.raises(ConfigError, match="run `fedbr-run --write-pyproject`"):  # Flower would refuse the key
         check_pyproject()
     copy = folder / "pyproject.toml"
     copy.write_text((ROOT / "pyproject.toml").read_text())
     assert write_pyproject(copy) and not write_pyproject(copy)
     check_pyproject(copy)
-    assert "feddyn-alpha = 0.01" in copy.read_text()
+    assert "mydyn-alpha = 0.01" in copy.read_text()
 
 
 def toy_data(n=16):
@@ -96,7 +108,7 @@ def toy_data(n=16):
     return ClientData(0, x, y, x[:4], y[:4], 10, False)
 
 
-def test_the_example_follows_feddyns_rule_by_hand(feddyn, tmp_path):
+def test_feddyn_follows_its_rule_by_hand(tmp_path):
     alpha, lr = 0.5, 0.1
     cfg = validate({"strategy": "feddyn", "feddyn-alpha": alpha, "lr": lr, "local-steps": 1, "batch-size": 16,
                     "num-clients": 4, "output-dir": str(tmp_path / "run"), "global-test": False})
@@ -134,7 +146,7 @@ def test_the_example_follows_feddyns_rule_by_hand(feddyn, tmp_path):
         np.testing.assert_allclose(new[name], a + 1.5 - h / alpha, rtol=1e-5)
 
 
-def test_the_example_runs_and_resumes_like_an_uninterrupted_run(feddyn, tmp_path):
+def test_feddyn_runs_and_resumes_like_an_uninterrupted_run(tmp_path):
     cfg = validate({"strategy": "feddyn", "num-clients": 3, "local-steps": 2, "batch-size": 8, "num-rounds": 4,
                     "eval-every": 2, "checkpoint-every": 2, "global-test": False})
     straight, _, proxies = in_process_federation(cfg, tmp_path / "straight")
@@ -148,4 +160,5 @@ def test_the_example_runs_and_resumes_like_an_uninterrupted_run(feddyn, tmp_path
     for name, want in expected.items():
         np.testing.assert_array_equal(final[name], want)
     for file in ("metrics.jsonl", "rounds.jsonl"):
-        assert records_without_timing(tmp_path / "stopped" / file) == records_without_timing(tmp_path / "straight" / file)
+        stopped, straight = tmp_path / "stopped" / file, tmp_path / "straight" / file
+        assert records_without_timing(stopped) == records_without_timing(straight)

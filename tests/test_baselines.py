@@ -12,8 +12,6 @@ import torch
 from flwr.common import Code, FitRes, Status
 from torch.nn import functional as F
 
-from fakes import in_process_federation, run_rounds
-from steps import named_like, started_components
 from clients.dann import DANNStep, build_discriminator, dann_loss, reverse_gradient
 from clients.fedavg import SupervisedStep
 from clients.fedbr import FedBRClient, FedBRStep
@@ -38,6 +36,9 @@ from strategies.fedcm import GlobalDirection, global_update_direction
 from strategies.groupdro import ClientWeights, GroupDROStrategy
 from strategies.scaffold import ScaffoldStrategy, update_server_control
 from strategies.vhl import virtual_data
+
+from fakes import in_process_federation, run_rounds
+from steps import named_like, started_components
 
 B, C = 8, 10
 LR = 0.05
@@ -358,7 +359,8 @@ def test_decorrelation_loss_by_hand_in_the_official_form():
     a = torch.tensor([1.0, -1.0, 1.0, -1.0])
     b = torch.tensor([1.0, 1.0, -1.0, -1.0])
     # z-scored with the unbiased variance 4/3: z = a / sqrt(4/3); z^T z has 3 on its diagonal
-    assert decorrelation_loss(torch.stack([a, b], 1)).item() == pytest.approx(0.0, abs=1e-6)  # the diagonal does not count
+    # the diagonal does not count
+    assert decorrelation_loss(torch.stack([a, b], 1)).item() == pytest.approx(0.0, abs=1e-6)
     # columns a and 3a: the off-diagonal entries are 4 / (4/3) = 3; mean of their squares 9, divided by N = 4
     assert decorrelation_loss(torch.stack([a, 3 * a], 1)).item() == pytest.approx(9 / 4, rel=1e-5)
     # the same pattern twice (N = 8, variance 8/7): entries 8 / (8/7) = 7, so 49 / 8: the loss grows with N
@@ -641,7 +643,8 @@ def test_components_are_listed_in_order_and_checked():
     ({"strategy": "fedbr", "feddecorr-weight": 0.2}, "belongs to feddecorr (strategy=feddecorr, or strategy=fedbr "
                                                      "fedbr-with=feddecorr), not to 'fedbr'"),
     ({"strategy": "fedbr", "fedbr-with": "fedcm", "fedntd-beta": 0.2}, "Keys of 'fedbr + fedcm': fedbr-lambda"),
-    ({"strategy": "fedavg", "mixup-alpha": 0.4}, "belongs to mixup (strategy=mixup, or strategy=fedbr fedbr-with=mixup)"),
+    ({"strategy": "fedavg", "mixup-alpha": 0.4},
+     "belongs to mixup (strategy=mixup, or strategy=fedbr fedbr-with=mixup)"),
     ({"strategy": "fedbr", "fedbr-with": "moon"}, "config key 'fedbr-with' = 'moon' names no component moon"),
     ({"strategy": "fedbr", "fedbr-with": "fedntdd"}, "Did you mean 'fedntd'?"),
     ({"strategy": "fedavg", "groupdro-eta": 0.5}, "belongs to groupdro (strategy=groupdro)"),

@@ -6,13 +6,16 @@ import json
 
 import numpy as np
 import pytest
-from fakes import in_process_federation, records_without_timing, run_rounds
+
 from fedbr_flwr import codec, payload
 from fedbr_flwr.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.run_io import keep_rounds_up_to
 from fedbr_flwr.server.checkpointing import ResumedRun
 from fedbr_flwr.server_app import check_resumable
+
+from fakes import in_process_federation, records_without_timing, run_rounds
+
 
 def run_cfg(name, **extra):
     return validate({"strategy": name, "num-clients": 3, "local-steps": 2, "batch-size": 8, "num-rounds": 4,
@@ -44,7 +47,8 @@ def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, name, extr
     for got, want in zip(final, expected):
         np.testing.assert_array_equal(got, want)
     for file in ("metrics.jsonl", "rounds.jsonl"):
-        assert records_without_timing(tmp_path / "stopped" / file) == records_without_timing(tmp_path / "straight" / file)
+        stopped, straight = tmp_path / "stopped" / file, tmp_path / "straight" / file
+        assert records_without_timing(stopped) == records_without_timing(straight)
     manifest = json.loads((tmp_path / "stopped" / "manifest.json").read_text())
     assert [r["after_round"] for r in manifest["resumed"]] == [2]
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 from flwr.common import Code, FitRes, RecordDict, Status
 
-import golden
-from fakes import FixedClientManager, InProcessProxy
-from fedbr_flwr import cohort, payload
+from fedbr_flwr import payload
 from fedbr_flwr.cli import build_config, size_resources
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.node import CohortClient, build_client, cohort_members
 from fedbr_flwr.server_app import build_strategy
+
+import golden
+from fakes import FixedClientManager, InProcessProxy
 from test_golden import FILES, close_arrays, close_json, same_machine_kind
 
 COHORTS = {"engine": "cohort", "cohorts": 2}  # 3 clients: cohort 0 hosts clients 0 and 2, cohort 1 client 1
@@ -37,7 +38,8 @@ def test_the_cohort_engine_gives_exactly_the_golden_runs(path, tmp_path):
     close_json(got["metrics"], want["metrics"], "metrics", exact)
 
 
-@pytest.mark.parametrize("first, then", [({}, COHORTS), (COHORTS, {})], ids=["clients-then-cohort", "cohort-then-clients"])
+@pytest.mark.parametrize("first, then", [({}, COHORTS), (COHORTS, {})],
+                         ids=["clients-then-cohort", "cohort-then-clients"])
 @pytest.mark.parametrize("name", ["resume-scaffold", "resume-moon"])
 def test_a_run_stopped_under_one_engine_resumes_under_the_other(name, first, then, tmp_path):
     """Per-client state travels through the checkpoint, not through the engine's nodes."""

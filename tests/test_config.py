@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from fedbr_flwr.config import (ConfigError, defaults, from_run_config, load_yaml, parse_override, resolved_model,
-                               schema, to_toml, validate)
+from fedbr_flwr.config import (
+    ConfigError,
+    defaults,
+    from_run_config,
+    load_yaml,
+    parse_override,
+    resolved_model,
+    schema,
+    to_toml,
+    validate,
+)
 
 DEFAULTS = defaults()
 SCHEMA = schema()

@@ -6,12 +6,27 @@ import numpy as np
 import pytest
 import torch
 
-from datafiles import mnist_arrays, trust_cifar, trust_mnist, write_cifar, write_mnist
 from fedbr_flwr.config import ConfigError, validate
-from fedbr_flwr.dataset import (INFO, cifar_angle_prior, client_angle, client_indices, image_angles, load_cifar,
-                                load_client_data, load_global_test, load_mnist, load_raw, make_partition,
-                                normalise, normalised_black, random_crop_flip, rotate, to_float)
+from fedbr_flwr.dataset import (
+    INFO,
+    cifar_angle_prior,
+    client_angle,
+    client_indices,
+    image_angles,
+    load_cifar,
+    load_client_data,
+    load_global_test,
+    load_mnist,
+    load_raw,
+    make_partition,
+    normalise,
+    normalised_black,
+    random_crop_flip,
+    rotate,
+    to_float,
+)
 
+from datafiles import mnist_arrays, trust_cifar, trust_mnist, write_cifar, write_mnist
 
 # ---------------------------------------------------------------- rotation domains and client data
 

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from fakes import records_without_timing
 from fedbr_flwr import deploy
 from fedbr_flwr.checkpoint import load_checkpoint
 from fedbr_flwr.cli import prepare
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.launcher import _alive, descendants, stop_tree, submit_run
 from fedbr_flwr.metrics import read_jsonl
+
+from fakes import records_without_timing
 
 
 def small_run(out, **overrides):
@@ -171,8 +172,9 @@ def test_node_config_quotes_strings_only():
 
 
 def test_supernode_data_dir_overrides_the_runs_and_gpu_pins_the_worker(tmp_path, monkeypatch):
-    from fedbr_flwr.node import build_client
     from flwr.common import RecordDict
+
+    from fedbr_flwr.node import build_client
 
     with pytest.raises(ConfigError, match="/node/own/data"):  # the node's folder is the one read
         build_client({"dataset": "mnist", "data-dir": "/run/data", "num-clients": 2},

@@ -10,8 +10,15 @@ import torch
 from flwr.common import Code, FitRes, Status
 from torch.nn import functional as F
 
-from clients.distrans import (DisTransClient, DisTransSettings, DisTransStep, DoubleInputModel, Offset, WithOffset,
-                              initial_offset)
+from clients.distrans import (
+    DisTransClient,
+    DisTransSettings,
+    DisTransStep,
+    DoubleInputModel,
+    Offset,
+    WithOffset,
+    initial_offset,
+)
 from fedbr_flwr import payload
 from fedbr_flwr.algorithm import MemoryState
 from fedbr_flwr.config import ConfigError, validate
@@ -20,8 +27,14 @@ from fedbr_flwr.model import build_model
 from fedbr_flwr.partition import heterogeneity_from_counts
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.training import evaluate
-from strategies.distrans import (DisTransStrategy, OffsetAggregator, OffsetGenerator, build_offset_network,
-                                 class_shares, resolve_mode)
+from strategies.distrans import (
+    DisTransStrategy,
+    OffsetAggregator,
+    OffsetGenerator,
+    build_offset_network,
+    class_shares,
+    resolve_mode,
+)
 
 C = 10
 
@@ -184,7 +197,7 @@ def test_nn_lowers_its_regression_loss_over_rounds_and_personalises():
         assert diag["offset-nn-loss-after"] < diag["offset-nn-loss-before"]
     assert losses[-1] < 0.5 * losses[0]
     low, high = -info.mean[0] / info.std[0], (1 - info.mean[0]) / info.std[0]
-    for pid, t in nxt.items():
+    for t in nxt.values():
         assert t.shape == (1, 28, 28) and low - 1e-5 <= t.min() and t.max() <= high + 1e-5
     assert not np.allclose(nxt[0], nxt[5])  # different class shares, different offsets
 
@@ -254,7 +267,7 @@ def test_evaluation_applies_each_clients_own_offset():
         client.evaluate({**arrays, "offset": t}, {"server-round": 1})  # stores t
     results = [make_client(0, s).evaluate(arrays, {"server-round": 2}) for s in states]  # no offset sent
     data = clients[0].data
-    for (loss, n, metrics), t in zip(results, offsets):
+    for (loss, _, metrics), t in zip(results, offsets):
         ref_loss, ref_acc = evaluate(WithOffset(clients[0].model, torch.as_tensor(t)), data.x_test, data.y_test)
         assert loss == pytest.approx(ref_loss, rel=1e-5) and metrics["accuracy"] == pytest.approx(ref_acc)
     assert results[0][0] != pytest.approx(results[1][0])

@@ -15,10 +15,20 @@ import numpy as np
 import pytest
 import torchvision.datasets as tvd
 
-from datafiles import (MNIST_STEMS, cifar_class, cifar_tarball, md5, mnist_arrays, trust_cifar, trust_mnist,
-                       write_cifar, write_mnist)
 from fedbr_flwr import cli, dataset
 from fedbr_flwr.config import ConfigError, validate
+
+from datafiles import (
+    MNIST_STEMS,
+    cifar_class,
+    cifar_tarball,
+    md5,
+    mnist_arrays,
+    trust_cifar,
+    trust_mnist,
+    write_cifar,
+    write_mnist,
+)
 
 
 @pytest.fixture(autouse=True)

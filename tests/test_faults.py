@@ -8,13 +8,14 @@ import pytest
 import torch
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
-from fakes import OfflineProxy
 from fedbr_flwr import cli, payload
 from fedbr_flwr.config import validate
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.updates import update_problem
 from strategies.fedavg import FedAvgStrategy
 from strategies.scaffold import ScaffoldStrategy
+
+from fakes import OfflineProxy
 
 SHAPES = {"model/weight": (2, 2), "model/bias": (2,)}
 
@@ -128,7 +129,8 @@ def test_scaffold_update_without_its_control_variate_change_is_rejected(tmp_path
     ("", ["min-fit-clients=11"], "min-fit-clients = 11 but only 10 of the 10 clients"),
     ("", ["strategy=fedbr", "pseudo-size=16", "batch-size=32"], "pseudo-size = 16 but batch-size = 32"),
     ("", ["strategy=fedbr", "moon-mu=2"], "config key 'moon-mu' belongs to moon (strategy=moon), not to 'fedbr'"),
-    ("", ["strategy=fedbr", "mixup=true"], "config key 'mixup' is gone: FedBR on the Mixup backbone is fedbr-with=mixup"),
+    ("", ["strategy=fedbr", "mixup=true"],
+     "config key 'mixup' is gone: FedBR on the Mixup backbone is fedbr-with=mixup"),
     ("", ["checkpoint-every=-1"], "config key 'checkpoint-every' = -1 must be >= 0"),
     ("", ["num-clients=20000"], "num-clients = 20000 but mnist5k has 4500 training samples"),
 ])

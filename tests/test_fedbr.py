@@ -10,10 +10,7 @@ import pytest
 import torch
 from flwr.common import Code, FitRes, GetParametersRes, Status, ndarrays_to_parameters
 
-from fakes import OfflineProxy
-from steps import started_components
-from clients.fedbr import (FedBRClient, FedBRStep, ProjectionHead, fedbr_contrastive_loss,
-                           mean_output_cross_entropy)
+from clients.fedbr import FedBRClient, FedBRStep, ProjectionHead, fedbr_contrastive_loss, mean_output_cross_entropy
 from fedbr_flwr import codec, payload
 from fedbr_flwr.algorithm import Batch
 from fedbr_flwr.broadcast import SharedData
@@ -29,6 +26,9 @@ from pseudodata import uniform_labels
 from pseudodata.mixture import load_proxy, mix
 from pseudodata.rsm import allot, assemble, sample_means
 from strategies.fedbr import FedBRStrategy
+
+from fakes import OfflineProxy
+from steps import started_components
 
 B, C = 4, 10
 

@@ -16,7 +16,6 @@ from fedbr_flwr import codec, payload, seeds
 from fedbr_flwr.node import ClientCache
 from fedbr_flwr.progress import Follower, Progress, read_events
 
-
 # ---------------------------------------------------------------- seed streams
 
 

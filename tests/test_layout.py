@@ -82,7 +82,8 @@ def test_the_worker_and_the_client_app_import_no_circle_and_the_client_app_no_to
     assert run_python("import sys, fedbr_flwr.client_app; print('torch' in sys.modules)").strip() == "False"
 
 
-USER_FACING = ("README.md", "pyproject.toml", "docs", "experiments", "fedbr_flwr", "clients", "strategies", "pseudodata")
+USER_FACING = ("README.md", "pyproject.toml", "docs", "experiments", "fedbr_flwr", "clients", "strategies",
+               "pseudodata")
 
 
 def test_nothing_a_user_runs_or_reads_points_outside_the_repository():

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedbr_flwr.partition import (distributional_heterogeneity, label_skew, partition, partition_hash,
-                                  split_train_test)
+from fedbr_flwr.partition import distributional_heterogeneity, label_skew, partition, partition_hash, split_train_test
 
 METHODS = ("fedbr", "dirichlet", "iid", "classes")
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 from flwr.common import Code, EvaluateRes, FitRes, Status
 
-from fakes import OfflineProxy
 from fedbr_flwr import cli, payload
 from fedbr_flwr.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from fedbr_flwr.config import ConfigError, validate
@@ -22,6 +21,8 @@ from fedbr_flwr.metrics import plot_history, read_jsonl, summarize, summary_tabl
 from fedbr_flwr.run_io import RunRecorder, keep_rounds_up_to
 from fedbr_flwr.server.recording import eval_record
 from strategies.fedavg import FedAvgStrategy
+
+from fakes import OfflineProxy
 
 
 def strict_json(text: str):

@@ -11,7 +11,6 @@ import pytest
 import torch
 from flwr.common import RecordDict, ndarrays_to_parameters
 
-from fakes import in_process_federation, run_rounds
 from fedbr_flwr import bench, payload
 from fedbr_flwr.cli import config_from_settings
 from fedbr_flwr.config import ConfigError
@@ -19,6 +18,8 @@ from fedbr_flwr.dataset import SYNTHETIC_SIZES, load_raw
 from fedbr_flwr.metrics import read_jsonl
 from fedbr_flwr.node import ClientCache, build_client
 from fedbr_flwr.training import frozen_copy, round_sgd
+
+from fakes import in_process_federation, run_rounds
 
 NODE = {"partition-id": 1, "num-partitions": 2}
 
@@ -207,7 +208,8 @@ def test_the_suite_table_prints_the_ratios_and_rates_of_what_was_measured(capsys
                 "client_peak_mb": 100.0, "cohort_peak_mb": 400.0, "bare_peak_mb": 300.0, "precision": "bf16",
                 "memory": "host RSS", "bytes_per_round": 2e6, "clients": 2, "local_steps": 3,
                 "step_s": {"fedavg": 0.1, "fedbr": step, "distrans": 0.2}}
-    bench.print_suite_table([row("fedavg", 1.0, 1.5, 1.25, 0.15), row("fedbr", 3.0, 3.3, 3.0, 0.15)], "NVIDIA H100 80GB")
+    rows = [row("fedavg", 1.0, 1.5, 1.25, 0.15), row("fedbr", 3.0, 3.3, 3.0, 0.15)]
+    bench.print_suite_table(rows, "NVIDIA H100 80GB")
     out = capsys.readouterr().out
     assert "| s | fedavg | 4 | 1.000 | 1.500 (1.50) | 1.250 (1.25) | 2 / 1.33 / 1.6 | 100, 400 (300) | 2.0 |" in out
     assert "| s | 0.1000 | 0.1500 | 0.2000 | 1.50 | 3.00 |" in out  # FedBR / FedAvg: step 1.5x, bare round 3x
@@ -219,7 +221,8 @@ def test_a_fits_counted_flops_grow_with_its_steps_and_batch_and_match_the_cnns_h
         return bench.fit_flops(config_from_settings({"num-clients": 2, "device": "cpu", **settings}))
 
     one = flops(**{"local-steps": 1, "batch-size": 8})
-    assert flops(**{"local-steps": 2, "batch-size": 8}) == 2 * one and flops(**{"local-steps": 1, "batch-size": 16}) == 2 * one
+    assert flops(**{"local-steps": 2, "batch-size": 8}) == 2 * one
+    assert flops(**{"local-steps": 1, "batch-size": 16}) == 2 * one
     # the CNN: 3x3 convs 1->64 (28x28), 64->128 (stride 2: 14x14), 128->128 twice (14x14), fc 128->10; a step
     # is the forward (2 FLOPs a multiply-add) and a backward of twice that, less the first layer's input gradient
     macs = [28 * 28 * 64 * 9, 14 * 14 * 128 * 64 * 9, 14 * 14 * 128 * 128 * 9, 14 * 14 * 128 * 128 * 9, 128 * 10]

@@ -10,12 +10,13 @@ from flwr.common import Code, EvaluateRes, FitRes, GetPropertiesRes, Status
 from flwr.server.client_manager import SimpleClientManager
 
 import fedbr_flwr.server.federation as federation
-from fakes import OfflineProxy
 from fedbr_flwr import payload
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import client_indices, make_partition
 from fedbr_flwr.run_io import RunRecorder
 from strategies.fedavg import FedAvgStrategy
+
+from fakes import OfflineProxy
 
 
 class FakeProxy(OfflineProxy):

@@ -1,7 +1,6 @@
-"""fedbr-sweep: the plan of runs, its errors, resuming, and the comparison table (no processes),
-plus one short real sweep."""
+"""fedbr-sweep: the plan of runs, its errors, resuming (no processes), plus one short real sweep. Its
+tables, plots and results page: test_report.py."""
 
-import csv
 import json
 
 import pytest
@@ -44,6 +43,7 @@ def test_plan_orders_settings_file_then_command_line_then_run_then_seed(tmp_path
     ("sweep:\n  runs: {A: {strategy: nope}}\n", "run 'A' \\(seed 0\\): unknown strategy 'nope'"),
     ("sweep:\n  seeds: 3\n  runs: {A: {}}\n", "must be a list"),
     ("sweep:\n  runs: {A: {}}\n  seed: [1]\n", "unknown key"),
+    ("sweep:\n  title: [a]\n  runs: {A: {}}\n", "'sweep.title' must be a string"),
     ("sweep:\n  runs: {'a b': {}, 'a/b': {}}\n", "must differ"),
     ("sweep:\n  runs: {A: {strategy: fedavg, fedbr-mu: 2.0}}\n", r"belongs to fedbr \(strategy=fedbr\)"),
 ])
@@ -69,23 +69,6 @@ def fake_run(folder, cfg, accs, target=0.5, last_round=None):
         "last_round": last_round or history[-1]["round"]}))
 
 
-def test_the_comparison_plot_holds_mean_and_worst_client_curves_of_each_run(tmp_path, monkeypatch):
-    import matplotlib.pyplot as plt
-
-    out = tmp_path / "out"
-    fake_run(out / "FedAvg" / "seed0", {}, [0.2, 0.6])
-    fake_run(out / "FedBR" / "seed0", {}, [0.3, 0.7])
-    drawn = []
-    close = plt.close
-    monkeypatch.setattr(plt, "close", lambda fig: (drawn.extend(fig.axes[0].get_lines()), close(fig)))
-    sweep.plot_comparison(out, ["FedAvg", "FedBR"], [0], out / "c.png", "t")
-    curves = {line.get_label(): (list(line.get_ydata()), line.get_linestyle()) for line in drawn}
-    want = {"FedAvg: mean client": ([20.0, 60.0], "-"), "FedAvg: worst client": ([10.0, 30.0], "--"),
-            "FedBR: mean client": ([30.0, 70.0], "-"), "FedBR: worst client": ([15.0, 35.0], "--")}
-    assert sorted(curves) == sorted(want)
-    assert all(curves[k][0] == pytest.approx(v[0]) and curves[k][1] == v[1] for k, v in want.items())
-
-
 def test_finished_runs_are_kept_and_a_different_one_is_refused(tmp_path):
     (name, seed, cfg), *_ = sweep.plan(write(tmp_path), [], tmp_path / "out", None)
     folder = tmp_path / "out" / "FedAvg" / "seed0"
@@ -97,22 +80,6 @@ def test_finished_runs_are_kept_and_a_different_one_is_refused(tmp_path):
     (folder / "manifest.json").write_text(json.dumps({"config": {**cfg, "lr": 0.5}}))
     with pytest.raises(ConfigError, match="different settings \\(lr\\)"):
         sweep.finished_with_same_config(cfg)
-
-
-def test_comparison_gives_mean_and_std_over_seeds(tmp_path):
-    out = tmp_path / "out"
-    fake_run(out / "A" / "seed0", {}, [0.2, 0.6])
-    fake_run(out / "A" / "seed1", {}, [0.2, 0.4])
-    fake_run(out / "B" / "seed0", {}, [0.1, 0.3])
-    table = sweep.write_comparison(out, ["A", "B"], [0, 1], "t")
-    lines = table.splitlines()
-    assert lines[0].startswith("| run | seeds | mean acc, best 5 (%)") and "rounds to 50%" in lines[0]
-    assert lines[2].startswith("| A | 2 | 50.00 ± 14.14 |") and "| 4 (1/2 reached) |" in lines[2]
-    assert lines[3].startswith("| B | 1 | 30.00 | 15.00 |") and "not reached" in lines[3]
-    rows = list(csv.DictReader(open(out / "comparison.csv")))
-    assert rows[0]["run"] == "A" and float(rows[0]["mean_acc_best5"]) == pytest.approx(0.5)
-    assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
-    assert "over seeds 0, 1" in (out / "comparison.md").read_text()
 
 
 def test_a_sweep_runs_each_job_in_order_then_keeps_them(tmp_path, capsys, monkeypatch):

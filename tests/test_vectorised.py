@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-import golden
-from fakes import FixedClientManager, InProcessProxy, run_rounds
 from fedbr_flwr import bench, cohort, payload
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.registry import algorithm_names, client_class
+
+import golden
+from fakes import FixedClientManager, InProcessProxy, run_rounds
 
 REL = 1e-4  # the final weights and the logged figures, relative
 UPDATE_REL = 0.02  # the final weights' difference relative to how far the 3 rounds moved them
@@ -182,7 +183,8 @@ def lockstep_federation(settings: dict, out: Path) -> None:
 
     def run(cfg, rounds):
         strategy, _ = golden.build_server(cfg, out)
-        proxies = [Lockstep(client, f"node-{1000 + pid}", ratios) for pid, client in enumerate(golden.build_clients(cfg))]
+        proxies = [Lockstep(client, f"node-{1000 + pid}", ratios)
+                   for pid, client in enumerate(golden.build_clients(cfg))]
         run_rounds(strategy, proxies, rounds, FixedClientManager(proxies), strategy.initialize_parameters(None))
 
     run(cfg, 3)
@@ -317,7 +319,10 @@ def test_every_backbone_trains_under_vmap_as_each_member_alone(backbone, strateg
 
     def small_images(cfg, members, device):
         loaded, packed = load_cohort_data(cfg, members, device)
-        shrink = lambda x: torch.nn.functional.interpolate(x, size=(8, 8), mode="bilinear", align_corners=False)
+
+        def shrink(x):
+            return torch.nn.functional.interpolate(x, size=(8, 8), mode="bilinear", align_corners=False)
+
         shrunk = {pid: dataclasses.replace(d, x_train=shrink(d.x_train).contiguous(), x_test=shrink(d.x_test))
                   for pid, d in loaded.items()}
         return dataset.pack_partitions(shrunk, device)
@@ -493,9 +498,9 @@ def test_cohort_step_vmap_is_refused_where_it_cannot_apply(monkeypatch):
 
 
 def test_auto_vmaps_on_a_gpu_only():
-    from fedbr_flwr.node import build_client
-
     from flwr.common import RecordDict
+
+    from fedbr_flwr.node import build_client
 
     run_config = {"num-clients": 4, "engine": "cohort", "cohorts": 2, "device": "cpu", "local-steps": 1,
                   "batch-size": 4}

@@ -16,7 +16,8 @@ RUN_CONFIG = {"strategy": "scaffold", "num-clients": 2, "local-steps": 2, "batch
 
 def request(method, *args, run_id=1, pid=0, state=None, code=None):
     return {"code": code or code_hash(), "run_id": run_id, "run_config": RUN_CONFIG,
-            "node_config": {"partition-id": pid, "num-partitions": 2}, "state": state if state is not None else RecordDict(),
+            "node_config": {"partition-id": pid, "num-partitions": 2},
+            "state": state if state is not None else RecordDict(),
             "method": method, "args": args}
 
 

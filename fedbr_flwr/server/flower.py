@@ -16,9 +16,9 @@ from .. import payload
 from ..dataset import FILE_DATASETS, data_folder, save_partition
 from ..errors import ConfigError
 from ..training import evaluate, load_module_arrays
+from . import routing
 from .checkpointing import Checkpointer
 from .federation import Federation
-from . import routing
 from .recording import eval_record, round_record
 from .updates import ClientUpdate, update_problem
 

@@ -1,0 +1,30 @@
+"""FedDyn's server: h <- h - alpha/m sum_k (w_k - w_round) over the clients that answered (m: all
+clients); the new global model is the mean of theirs minus h / alpha."""
+
+import numpy as np
+
+from fedbr_flwr.registry import register_strategy
+
+from .base import FederatedStrategy
+
+
+@register_strategy("feddyn")
+class FedDynStrategy(FederatedStrategy):
+    def __init__(self, cfg, recorder, modules, global_test):
+        super().__init__(cfg, recorder, modules, global_test)
+        self.h = {name: np.zeros_like(a) for name, a in self.initial_arrays().items()}
+
+    def aggregate(self, updates, weights):
+        alpha, m = self.settings.alpha, self.cfg["num-clients"]  # its settings, declared in clients/feddyn.py
+        mean = super().aggregate(updates, weights)
+        for name, h in self.h.items():
+            drift = sum(u.arrays[name] - self.round_global[name] for u in updates)
+            self.h[name] = (h - alpha / m * drift).astype(h.dtype)
+        return {name: (mean[name] - self.h[name] / alpha).astype(mean[name].dtype) for name in mean}
+
+    def checkpoint_state(self):
+        return {**super().checkpoint_state(), **{f"feddyn/h/{name}": h for name, h in self.h.items()}}
+
+    def restore_state(self, arrays):
+        super().restore_state(arrays)
+        self.h = {name: arrays[f"feddyn/h/{name}"] for name in self.h}

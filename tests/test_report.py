@@ -1,0 +1,144 @@
+"""Tables, plots and the results page from run folders (fedbr_flwr/report.py, fedbr-sweep --report),
+on hand-made run folders: no processes."""
+
+import csv
+import json
+
+import pytest
+
+from fedbr_flwr import report, sweep
+from fedbr_flwr.errors import ConfigError
+
+from test_sweep import SWEEP, write
+
+HOST = {"platform": "Linux-x86_64", "cpu": "Test CPU 9000", "cpus": 2, "gpu": None}
+
+
+def fake_run(folder, accs, target=0.5, pooled=None, commit="abc1234def", day="2026-11-25", wall=10.0, cfg=None):
+    """A finished run's files: an evaluation every 2 rounds with mean accuracy ``accs[i]``, worst half of it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    history = [{"round": 2 * (i + 1), "mean_acc": a, "worst_acc": a / 2} for i, a in enumerate(accs)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    config = {"dataset": "mnist5k", "model": "lenet", "num-rounds": 2 * len(accs), "lr": 0.05, "rotate": True,
+              **(cfg or {})}
+    (folder / "manifest.json").write_text(json.dumps({"config": config, "git_commit": commit, "host": HOST,
+                                                      "started_utc": f"{day}T10:00:00+00:00"}))
+    best5 = sorted(accs, reverse=True)[:5]
+    summary = {"mean_acc_best5": sum(best5) / len(best5), "worst_acc_best5": sum(best5) / len(best5) / 2,
+               "final_mean_acc": accs[-1], "final_worst_acc": accs[-1] / 2,
+               "rounds_to_target": next((r["round"] for r in history if r["mean_acc"] >= target), None),
+               "target_acc": target, "wall_time_s": wall, "last_round": history[-1]["round"]}
+    if pooled is not None:
+        summary["pooled_acc_best5"] = pooled
+    (folder / "summary.json").write_text(json.dumps(summary))
+
+
+def test_the_move_in_the_last_fifth_is_that_of_the_mean_curve_over_seeds():
+    curve = {2: [0.1, 0.3], 4: [0.5, 0.5], 6: [0.6, 0.8], 8: [0.7, 0.7], 10: [0.6, 0.9]}
+    assert report.last_fifth_move(curve, 10) == pytest.approx(0.75 - 0.7)  # rounds 8 and 10
+    assert report.last_fifth_move(curve, 20) is None  # no evaluation from round 16 on
+    assert report.last_fifth_move({10: [0.5]}, 10) is None  # one point moves nowhere
+
+
+def test_comparison_gives_mean_std_per_seed_and_the_late_move(tmp_path):
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.2, 0.6, 0.7, 0.72, 0.74])
+    fake_run(out / "A" / "seed1", [0.2, 0.4, 0.5, 0.5, 0.56])
+    fake_run(out / "B" / "seed0", [0.1, 0.3, 0.3, 0.3, 0.3])
+    table = report.write_comparison(out, ["A", "B"], [0, 1], "t")
+    lines = table.splitlines()
+    assert lines[0].startswith("| run | seeds | mean acc, best 5 (%) | worst client, best 5 (%) | final mean acc (%)")
+    assert "rounds to 50%" in lines[0] and lines[0].endswith("| seed 0 / 1: mean acc, best 5 (%) |")
+    assert "pooled" not in lines[0] and "global" not in lines[0]  # no run has them
+    a = dict(zip(lines[0].split(" | "), lines[2].split(" | ")))
+    assert a["mean acc, best 5 (%)"] == "51.20 ± 11.31"  # best-5 means 0.592 and 0.432
+    assert a["rounds to 50%"] == "5"  # rounds 4 and 6
+    assert a["move in last fifth (points)"] == "4.00"  # rounds 8..10 of the mean curve: 0.61 -> 0.65
+    assert lines[2].endswith("| 59.20 / 43.20 |")
+    assert lines[3].startswith("| B | 1 | 26.00 | 13.00 | 30.00 | 15.00 | not reached | 0.00 | 10 |")
+    rows = list(csv.DictReader(open(out / "comparison.csv")))
+    assert rows[0]["run"] == "A" and float(rows[0]["last_fifth_move"]) == pytest.approx(0.04)
+
+
+def test_pooled_accuracy_is_shown_only_where_it_differs_from_the_mean(tmp_path):
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.5, 0.6], pooled=0.55)
+    assert "pooled" not in report.compare(out, ["A"], [0])[0]
+    fake_run(out / "A" / "seed0", [0.5, 0.6], pooled=0.57)
+    assert "| pooled acc, best 5 (%) |" in report.compare(out, ["A"], [0])[0]
+
+
+def test_the_comparison_plot_holds_a_mean_and_a_worst_client_panel(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    out = tmp_path / "out"
+    fake_run(out / "FedAvg" / "seed0", [0.2, 0.6])
+    fake_run(out / "FedAvg" / "seed1", [0.4, 0.8])
+    fake_run(out / "FedBR" / "seed0", [0.3, 0.7])
+    drawn = {}
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (drawn.update(
+        {ax.get_title(): {line.get_label(): (list(line.get_ydata()), line.get_linestyle()) for line in ax.get_lines()}
+         for ax in fig.axes}), close(fig)))
+    report.plot_comparison(out, ["FedAvg", "FedBR"], [0, 1], out / "c.png", "t")
+    assert drawn["mean client"]["FedAvg"][0] == pytest.approx([30.0, 70.0])
+    assert drawn["mean client"]["FedBR"] == (pytest.approx([30.0, 70.0]), "-")
+    assert drawn["worst client"]["FedAvg"] == (pytest.approx([15.0, 35.0]), "--")
+    assert (out / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_section_is_appended_then_replaced_and_the_rest_of_the_page_kept():
+    page = "# Results\n\nhand-written intro\n"
+    one = report.replace_section(page, "a", "## A\nOLD-TEXT\n")
+    two = report.replace_section(one + "\nhand-written note after A\n", "b", "## B\n")
+    three = report.replace_section(two, "a", "## A\nNEW-TEXT\n")
+    assert three.count("hand-written intro") == 1 and f"{report._end('a')}\n\nhand-written note after A" in three
+    assert "NEW-TEXT" in three and "OLD-TEXT" not in three and three.index("## A") < three.index("## B")
+    assert report.replace_section(three, "a", "## A\nNEW-TEXT\n") == three
+
+
+def swap_markers(text, key):
+    return text.replace(report._begin(key), "@").replace(report._end(key), report._begin(key)).replace(
+        "@", report._end(key))
+
+
+@pytest.mark.parametrize("damage", [lambda t, k: t.replace(report._end(k), ""),
+                                    lambda t, k: t + report._begin(k) + "\n",
+                                    swap_markers])
+def test_damaged_markers_stop_the_report(damage):
+    page = report.replace_section("# Results\n", "a", "## A\n")
+    with pytest.raises(ConfigError, match="markers of section 'a' are damaged"):
+        report.replace_section(damage(page, "a"), "a", "## A\n")
+
+
+def test_sweep_report_writes_the_section_with_its_provenance_and_again_identically(tmp_path):
+    path = write(tmp_path, SWEEP.replace("sweep:\n", "sweep:\n  title: A against B\n"))
+    out, page = tmp_path / "out", tmp_path / "docs" / "results.md"
+    for name, accs in (("FedAvg", [0.3, 0.5]), ("FedBR_no_max", [0.4, 0.6])):
+        for seed in (0, 1):
+            fake_run(out / name / f"seed{seed}", accs, day=f"2026-11-2{4 + seed}", wall=60.0,
+                     cfg={"num-clients": 2, "lr": 0.05})
+    argv = [path, "--out", str(out), "--table-only", "--report", str(page)]
+    assert sweep.main(argv) == 0
+    text = page.read_text()
+    assert text.startswith("# Results\n") and "## A against B\n" in text
+    assert f"fedbr-sweep {path} --out {out} --report {page}\n" in text  # --table-only: not part of the command
+    assert "commit: abc1234; machine: 2-core Test CPU 9000, no GPU" in text
+    assert "runs: 4 (2 settings x seeds 0, 1), started 2026-11-24 to 2026-11-25; wall time 4.0 min" in text
+    assert "`dataset=mnist5k model=lenet rotate=true num-clients=2 num-rounds=4 lr=0.05`" in text
+    assert "| FedAvg | 2 | 40.00 ± 0.00 |" in text and "| FedBR no max | 2 | 50.00 ± 0.00 |" in text
+    assert "![A against B](results/s.png)" in text and (page.parent / "results" / "s.png").exists()
+    page.write_text(text + "\nWhat this shows (hand-written).\n")
+    assert sweep.main(argv) == 0
+    assert page.read_text() == text + "\nWhat this shows (hand-written).\n"  # same runs: same section
+
+
+def test_a_page_with_damaged_markers_is_left_as_it_was(tmp_path, capsys):
+    path = write(tmp_path)
+    out, page = tmp_path / "out", tmp_path / "results.md"
+    fake_run(out / "FedAvg" / "seed0", [0.3, 0.5])
+    page.write_text("# Results\n" + report._begin("s") + "\n")
+    assert sweep.main([path, "--out", str(out), "--seeds", "0", "--table-only", "--report", str(page)]) == 2
+    assert "cannot write the report" in capsys.readouterr().err
+    assert page.read_text() == "# Results\n" + report._begin("s") + "\n"
+    assert not (tmp_path / "results").exists() or not list((tmp_path / "results").iterdir())
