@@ -25,20 +25,27 @@ from fedbr_flwr.training import round_sgd
 
 @dataclass(frozen=True)
 class DANNSettings(Settings):
-    weight: float = setting("dann-weight", 0.1, "DANN: scale of the reversed domain (client id) gradient reaching the "
-                                                "features; the discriminator trains at full weight (paper grid 0.01 / "
-                                                "0.1 / 1)", check=NON_NEGATIVE)
+    weight: float = setting(
+        "dann-weight",
+        0.1,
+        "DANN: scale of the reversed domain (client id) gradient reaching the "
+        "features; the discriminator trains at full weight (paper grid 0.01 / "
+        "0.1 / 1)",
+        check=NON_NEGATIVE,
+    )
     hidden: int = setting("dann-hidden", 256, "DANN: width of the 3-layer discriminator", check=POSITIVE)
 
 
 def build_discriminator(feature_dim: int, hidden: int, num_domains: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(feature_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, num_domains))
+    return nn.Sequential(
+        nn.Linear(feature_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, num_domains)
+    )
 
 
 class _ReverseGradient(torch.autograd.Function):
     """Identity forward, gradient times -coeff backward. Written in the ``setup_context`` style with a
     generated vmap rule, so that it also works under torch.func (``grad`` and ``vmap``: a vectorised cohort)."""
+
     generate_vmap_rule = True
 
     @staticmethod
@@ -59,8 +66,15 @@ def reverse_gradient(x: torch.Tensor, coeff: float = 1.0) -> torch.Tensor:
     return _ReverseGradient.apply(x, coeff)
 
 
-def dann_terms(model: SplitModel, discriminator: nn.Module, params: Params, x: torch.Tensor, y: torch.Tensor,
-               domain: torch.Tensor, weight: float) -> dict[str, torch.Tensor]:
+def dann_terms(
+    model: SplitModel,
+    discriminator: nn.Module,
+    params: Params,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    domain: torch.Tensor,
+    weight: float,
+) -> dict[str, torch.Tensor]:
     """CE + the discriminator's domain CE on reversed features, with the parameters ``params["model"]`` and
     ``params["discriminator"]``; ``domain`` holds each sample's domain label (the client id)."""
     z = call(model.features, params["model"], "features", x)
@@ -69,8 +83,9 @@ def dann_terms(model: SplitModel, discriminator: nn.Module, params: Params, x: t
     return {"loss": ce + domain_ce, "ce": ce, "domain-ce": domain_ce}
 
 
-def dann_loss(model: SplitModel, discriminator: nn.Module, x: torch.Tensor, y: torch.Tensor, domain: int,
-              weight: float) -> dict[str, torch.Tensor]:
+def dann_loss(
+    model: SplitModel, discriminator: nn.Module, x: torch.Tensor, y: torch.Tensor, domain: int, weight: float
+) -> dict[str, torch.Tensor]:
     """CE + the discriminator's domain CE on reversed features: its gradient trains the discriminator at
     full weight and reaches the features times -weight."""
     params = {"model": dict(model.named_parameters()), "discriminator": dict(discriminator.named_parameters())}
@@ -80,6 +95,7 @@ def dann_loss(model: SplitModel, discriminator: nn.Module, x: torch.Tensor, y: t
 class DANNStep(FunctionalStep):
     """One phase: the model and the discriminator (two groups, each with its own SGD at the common lr)
     descend on CE + domain CE, the features seeing the domain gradient reversed."""
+
     per_member_state = ("domain",)  # the domain labels come from draw
 
     def __init__(self, model: SplitModel, cfg: dict, weight: float, discriminator: nn.Module, domain: int):
@@ -87,10 +103,11 @@ class DANNStep(FunctionalStep):
         self.discriminator = discriminator
         self.weight = weight
         self.domain = domain
-        self.groups = {"model": dict(model.named_parameters()),
-                       "discriminator": dict(discriminator.named_parameters())}
-        self.optimizers = {"model": self.optimizer,
-                           "discriminator": round_sgd(discriminator, discriminator.parameters(), cfg)}
+        self.groups = {"model": dict(model.named_parameters()), "discriminator": dict(discriminator.named_parameters())}
+        self.optimizers = {
+            "model": self.optimizer,
+            "discriminator": round_sgd(discriminator, discriminator.parameters(), cfg),
+        }
         self.phases = [Phase(("model", "discriminator"), self.loss)]
 
     def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -98,8 +115,9 @@ class DANNStep(FunctionalStep):
         return {"x": x, "y": y, "domain": torch.full_like(y, self.domain)}
 
     def loss(self, params, inputs, shared):
-        terms = dann_terms(self.model, self.discriminator, params, inputs["x"], inputs["y"], inputs["domain"],
-                           self.weight)
+        terms = dann_terms(
+            self.model, self.discriminator, params, inputs["x"], inputs["y"], inputs["domain"], self.weight
+        )
         return terms["loss"], terms
 
 

@@ -32,21 +32,34 @@ OFFSET_KEY = "distrans-offset"  # its record in the node state
 @dataclass(frozen=True)
 class DisTransSettings(Settings):
     """The defaults are the paper's (the model's learning rate is the common 'lr')."""
-    alpha: float = setting("distrans-alpha", 0.3, "blend weight of the offset in the two input channels",
-                           check=OPEN_FRACTION)
+
+    alpha: float = setting(
+        "distrans-alpha", 0.3, "blend weight of the offset in the two input channels", check=OPEN_FRACTION
+    )
     offset_lr: float = setting("distrans-offset-lr", 1e-3, "client SGD learning rate of the offset t", check=POSITIVE)
-    update: str = setting("distrans-update", "simultaneous", "model and offset from one backward pass per batch "
-                          "(authors' code), or alternating: offset step, then model step (paper)",
-                          choices=("simultaneous", "alternating"))
-    agg: str = setting("distrans-agg", "auto", "server offset aggregation: none (offsets stay with their clients), "
-                       "avg (the mean to all), nn (aggregation network), auto (none if DH >= threshold, else nn)",
-                       choices=("auto", "none", "avg", "nn"))
-    dh_threshold: float = setting("distrans-dh-threshold", 0.5, "auto picks none at DH >= this, nn below",
-                                  check=FRACTION)
-    nn_lr: float = setting("distrans-nn-lr", 1e-2, "SGD learning rate of the server's offset aggregation network",
-                           check=POSITIVE)
-    nn_steps: int = setting("distrans-nn-steps", 10, "full-batch regression steps of the aggregation network per round",
-                            check=POSITIVE)
+    update: str = setting(
+        "distrans-update",
+        "simultaneous",
+        "model and offset from one backward pass per batch "
+        "(authors' code), or alternating: offset step, then model step (paper)",
+        choices=("simultaneous", "alternating"),
+    )
+    agg: str = setting(
+        "distrans-agg",
+        "auto",
+        "server offset aggregation: none (offsets stay with their clients), "
+        "avg (the mean to all), nn (aggregation network), auto (none if DH >= threshold, else nn)",
+        choices=("auto", "none", "avg", "nn"),
+    )
+    dh_threshold: float = setting(
+        "distrans-dh-threshold", 0.5, "auto picks none at DH >= this, nn below", check=FRACTION
+    )
+    nn_lr: float = setting(
+        "distrans-nn-lr", 1e-2, "SGD learning rate of the server's offset aggregation network", check=POSITIVE
+    )
+    nn_steps: int = setting(
+        "distrans-nn-steps", 10, "full-batch regression steps of the aggregation network per round", check=POSITIVE
+    )
 
 
 # ---------------------------------------------------------------- model pieces
@@ -125,17 +138,17 @@ class DisTransStep(FunctionalStep):
         super().__init__(model, cfg)  # SGD on the model at the common lr
         self.offset = offset
         self.groups = {"model": dict(model.named_parameters()), "offset": {"t": offset.t}}
-        self.optimizers = {"model": self.optimizer,
-                           "offset": round_sgd(offset, offset.parameters(), cfg, lr=settings.offset_lr,
-                                               weight_decay=0.0)}
+        self.optimizers = {
+            "model": self.optimizer,
+            "offset": round_sgd(offset, offset.parameters(), cfg, lr=settings.offset_lr, weight_decay=0.0),
+        }
         if settings.update == "alternating":
             self.phases = [Phase(("offset",), self.offset_loss), Phase(("model",), self.loss)]
         else:
             self.phases = [Phase(("model", "offset"), self.loss)]
 
     def cross_entropy(self, params, inputs) -> torch.Tensor:
-        return F.cross_entropy(call(self.model, params["model"], "", inputs["x"], params["offset"]["t"]),
-                               inputs["y"])
+        return F.cross_entropy(call(self.model, params["model"], "", inputs["x"], params["offset"]["t"]), inputs["y"])
 
     def loss(self, params, inputs, shared):
         loss = self.cross_entropy(params, inputs)
@@ -153,6 +166,7 @@ class DisTransStep(FunctionalStep):
 class DisTransClient(ClientAlgorithm):
     """Returns its offset beside the model. Takes the server's offset when one is sent; otherwise it
     uses the offset it kept in its node state (drawn fresh the first time)."""
+
     vectorised = True
     Settings = DisTransSettings
     state_keys = (OFFSET_KEY,)

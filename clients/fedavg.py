@@ -38,5 +38,6 @@ class SupervisedStep(FunctionalStep):
 @register_client("fedavg")
 class FedAvgClient(ClientAlgorithm):
     vectorised = True
+
     def make_step(self, server_round: int, config: dict) -> SupervisedStep:
         return SupervisedStep(self.model, self.cfg, self.start_components(server_round))

@@ -39,53 +39,93 @@ from pseudodata.rsm import sample_means
 @dataclass(frozen=True)
 class FedBRSettings(Settings):
     """The defaults are the authors'."""
-    lam: float = setting("fedbr-lambda", 1.0, "weight of component 1, the balancing loss on pseudo-data",
-                         check=NON_NEGATIVE)
+
+    lam: float = setting(
+        "fedbr-lambda", 1.0, "weight of component 1, the balancing loss on pseudo-data", check=NON_NEGATIVE
+    )
     mu: float = setting("fedbr-mu", 0.5, "weight of component 2, the contrastive loss L_con", check=NON_NEGATIVE)
-    tau1: float = setting("fedbr-tau1-scale", 2.0, "positive-pair similarity scale: s1 = tau1 * cos (multiplied form)",
-                          check=NON_NEGATIVE)
-    tau2: float = setting("fedbr-tau2-scale", 2.0, "negative-pair similarity scale: s2 = tau2 * cos; 0 drops the "
-                                                   "negative pair's dependence", check=NON_NEGATIVE)
-    proj_hidden: int = setting("fedbr-proj-hidden", 0, "projection head hidden width; 0 = 2 x feature size",
-                               check=NON_NEGATIVE)
+    tau1: float = setting(
+        "fedbr-tau1-scale", 2.0, "positive-pair similarity scale: s1 = tau1 * cos (multiplied form)", check=NON_NEGATIVE
+    )
+    tau2: float = setting(
+        "fedbr-tau2-scale",
+        2.0,
+        "negative-pair similarity scale: s2 = tau2 * cos; 0 drops the negative pair's dependence",
+        check=NON_NEGATIVE,
+    )
+    proj_hidden: int = setting(
+        "fedbr-proj-hidden", 0, "projection head hidden width; 0 = 2 x feature size", check=NON_NEGATIVE
+    )
     proj_out: int = setting("fedbr-proj-out", 0, "projection head output width; 0 = feature size", check=NON_NEGATIVE)
     balance: bool = setting("fedbr-balance", True, "component 1 (classifier balancing on pseudo-data)")
-    contrastive: bool = setting("fedbr-contrastive", True, "component 2 (min-max contrastive step with the "
-                                                           "projection head)")
-    max_step: bool = setting("fedbr-max-step", True, "component 2's max step on the projection head (false: min "
-                                                     "step only)")
-    balance_loss: str = setting("fedbr-balance-loss", "soft-ce", "component 1's loss: per-sample soft cross-entropy "
-                                "(FedBR) or cross-entropy of the mean softmax output (FedAug's AugMean)",
-                                choices=("soft-ce", "mean-output"))
-    combine: tuple = setting("fedbr-with", "none", "components FedBR's local steps also carry, comma-separated "
-                             "(paper Table 3): fedcm, feddecorr, fedntd, mixup (the Mixup backbone), fedprox",
-                             names=True)
-    pseudo_data: str = setting("pseudo-data", "rsm", "FedBR pseudo-data: rsm (means of M samples of one client) or "
-                               "mixture (means of a public proxy dataset mixed with K local samples each step)",
-                               choices=("rsm", "mixture"))
-    pseudo_size: int = setting("pseudo-size", 0, "pseudo-samples B; 0 = batch-size (component 2 pairs them with the "
-                                                 "local batch)", check=NON_NEGATIVE)
-    pseudo_m: int = setting("pseudo-m", 10, "local (RSM) or proxy (mixture) samples averaged into one pseudo-sample",
-                            check=POSITIVE)
-    mixture_k: int = setting("mixture-k", 1, "local samples mixed into each pseudo-sample per step (mixture)",
-                             check=NON_NEGATIVE)
-    proxy_dataset: str = setting("proxy-dataset", "auto", "public dataset for mixture pseudo-data, read from "
-                                 "the data folder; auto: cifar100 for cifar10, cifar10 for cifar100, mnist5k for MNIST",
-                                 choices=("auto", "mnist5k", "mnist", "cifar10", "cifar100", "synthetic"))
-    pseudo_refresh: str = setting("pseudo-refresh", "once", "send the pseudo-data once (at round 1) or rebuild it "
-                                  "every round", choices=("once", "every-round"))
+    contrastive: bool = setting(
+        "fedbr-contrastive", True, "component 2 (min-max contrastive step with the projection head)"
+    )
+    max_step: bool = setting(
+        "fedbr-max-step", True, "component 2's max step on the projection head (false: min step only)"
+    )
+    balance_loss: str = setting(
+        "fedbr-balance-loss",
+        "soft-ce",
+        "component 1's loss: per-sample soft cross-entropy "
+        "(FedBR) or cross-entropy of the mean softmax output (FedAug's AugMean)",
+        choices=("soft-ce", "mean-output"),
+    )
+    combine: tuple = setting(
+        "fedbr-with",
+        "none",
+        "components FedBR's local steps also carry, comma-separated "
+        "(paper Table 3): fedcm, feddecorr, fedntd, mixup (the Mixup backbone), fedprox",
+        names=True,
+    )
+    pseudo_data: str = setting(
+        "pseudo-data",
+        "rsm",
+        "FedBR pseudo-data: rsm (means of M samples of one client) or "
+        "mixture (means of a public proxy dataset mixed with K local samples each step)",
+        choices=("rsm", "mixture"),
+    )
+    pseudo_size: int = setting(
+        "pseudo-size",
+        0,
+        "pseudo-samples B; 0 = batch-size (component 2 pairs them with the local batch)",
+        check=NON_NEGATIVE,
+    )
+    pseudo_m: int = setting(
+        "pseudo-m", 10, "local (RSM) or proxy (mixture) samples averaged into one pseudo-sample", check=POSITIVE
+    )
+    mixture_k: int = setting(
+        "mixture-k", 1, "local samples mixed into each pseudo-sample per step (mixture)", check=NON_NEGATIVE
+    )
+    proxy_dataset: str = setting(
+        "proxy-dataset",
+        "auto",
+        "public dataset for mixture pseudo-data, read from "
+        "the data folder; auto: cifar100 for cifar10, cifar10 for cifar100, mnist5k for MNIST",
+        choices=("auto", "mnist5k", "mnist", "cifar10", "cifar100", "synthetic"),
+    )
+    pseudo_refresh: str = setting(
+        "pseudo-refresh",
+        "once",
+        "send the pseudo-data once (at round 1) or rebuild it every round",
+        choices=("once", "every-round"),
+    )
 
     @classmethod
     def check(cls, cfg):
         if not cfg["fedbr-balance"] and not cfg["fedbr-contrastive"]:
-            raise ConfigError("fedbr-balance and fedbr-contrastive are both false: that is FedAvg "
-                              "(use strategy=fedavg, or strategy=mixup for the Mixup backbone)")
+            raise ConfigError(
+                "fedbr-balance and fedbr-contrastive are both false: that is FedAvg "
+                "(use strategy=fedavg, or strategy=mixup for the Mixup backbone)"
+            )
         if not cfg["fedbr-contrastive"] and not cfg["fedbr-max-step"]:
             raise ConfigError("fedbr-max-step = false only applies with fedbr-contrastive = true")
         if cfg["fedbr-contrastive"] and cfg["pseudo-size"] not in (0, cfg["batch-size"]):
-            raise ConfigError(f"pseudo-size = {cfg['pseudo-size']} but batch-size = {cfg['batch-size']}: component 2 "
-                              "pairs pseudo-samples with local samples one to one, so they must be equal "
-                              "(pseudo-size = 0 follows batch-size)")
+            raise ConfigError(
+                f"pseudo-size = {cfg['pseudo-size']} but batch-size = {cfg['batch-size']}: component 2 "
+                "pairs pseudo-samples with local samples one to one, so they must be equal "
+                "(pseudo-size = 0 follows batch-size)"
+            )
 
 
 # ---------------------------------------------------------------- model pieces and losses
@@ -99,8 +139,9 @@ class ProjectionHead(nn.Module):
         super().__init__()
         hidden = hidden or 2 * feature_dim
         out = out or feature_dim
-        self.net = nn.Sequential(nn.Linear(feature_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, out))
+        self.net = nn.Sequential(
+            nn.Linear(feature_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, out)
+        )
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return self.net(z)
@@ -113,27 +154,37 @@ def mean_output_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tor
     return -(target.mean(dim=0) * torch.log(mean_prob.clamp_min(1e-12))).sum()
 
 
-def fedbr_contrastive_loss(p_local_pseudo: torch.Tensor, p_global_pseudo: torch.Tensor,
-                           p_local_real: torch.Tensor, tau1_scale: float, tau2_scale: float) -> torch.Tensor:
+def fedbr_contrastive_loss(
+    p_local_pseudo: torch.Tensor,
+    p_global_pseudo: torch.Tensor,
+    p_local_real: torch.Tensor,
+    tau1_scale: float,
+    tau2_scale: float,
+) -> torch.Tensor:
     """FedBR's L_con on projected features, pairs matched element-wise:
     mean_i -log(e^{s1_i} / (e^{s1_i} + e^{s2_i})) with s1 = tau1 * cos(local pseudo, global pseudo) and
     s2 = tau2 * cos(local pseudo, local real). Written as softplus(s2 - s1), which is the same value
     without overflow."""
-    return contrastive_from_cosines(*pair_cosines(p_local_pseudo, p_global_pseudo, p_local_real), tau1_scale,
-                                    tau2_scale)
+    return contrastive_from_cosines(
+        *pair_cosines(p_local_pseudo, p_global_pseudo, p_local_real), tau1_scale, tau2_scale
+    )
 
 
-def contrastive_from_cosines(positive: torch.Tensor, negative: torch.Tensor, tau1_scale: float,
-                             tau2_scale: float) -> torch.Tensor:
+def contrastive_from_cosines(
+    positive: torch.Tensor, negative: torch.Tensor, tau1_scale: float, tau2_scale: float
+) -> torch.Tensor:
     return F.softplus(tau2_scale * negative - tau1_scale * positive).mean()
 
 
-def pair_cosines(p_local_pseudo: torch.Tensor, p_global_pseudo: torch.Tensor, p_local_real: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_cosines(
+    p_local_pseudo: torch.Tensor, p_global_pseudo: torch.Tensor, p_local_real: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sample: cos(local pseudo, global pseudo), the positive pair, and cos(local pseudo, local real),
     the negative pair."""
-    return (F.cosine_similarity(p_local_pseudo, p_global_pseudo, dim=1),
-            F.cosine_similarity(p_local_pseudo, p_local_real, dim=1))
+    return (
+        F.cosine_similarity(p_local_pseudo, p_global_pseudo, dim=1),
+        F.cosine_similarity(p_local_pseudo, p_local_real, dim=1),
+    )
 
 
 # ---------------------------------------------------------------- the local step
@@ -143,11 +194,21 @@ class FedBRStep(FunctionalStep):
     """Groups "model" (phi, omega) and, with component 2, "head" (theta). Phases: the max step on theta
     (gradient ascent on L_con, features detached), then the min step on (phi, omega) with the updated
     theta. The features of cat(x, x_p) are computed once per step and shared by both phases."""
+
     per_member_state = ("local_pool",)  # the mixture's local partners, drawn in draw
 
-    def __init__(self, model: SplitModel, cfg: dict, settings: FedBRSettings, head: nn.Module | None,
-                 pseudo_x: torch.Tensor, pseudo_y: torch.Tensor,
-                 local_pool: tuple[torch.Tensor, torch.Tensor] | None = None, seed: int = 0, components=()):
+    def __init__(
+        self,
+        model: SplitModel,
+        cfg: dict,
+        settings: FedBRSettings,
+        head: nn.Module | None,
+        pseudo_x: torch.Tensor,
+        pseudo_y: torch.Tensor,
+        local_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
+        seed: int = 0,
+        components=(),
+    ):
         super().__init__(model, cfg, components)  # SGD on (phi, omega)
         self.s = settings
         self.balance_loss = mean_output_cross_entropy if settings.balance_loss == "mean-output" else soft_cross_entropy
@@ -189,8 +250,7 @@ class FedBRStep(FunctionalStep):
         x_p, y_p = self.x_p, self.y_p
         if self.mix_k:
             pool_x, pool_y = self.local_pool
-            idx = torch.randint(0, len(pool_y), (self.mix_k, len(x_p)), device=pool_y.device,
-                                generator=self.generator)
+            idx = torch.randint(0, len(pool_y), (self.mix_k, len(x_p)), device=pool_y.device, generator=self.generator)
             x_p, y_p = mix(x_p, y_p, pool_x[idx], pool_y[idx], self.num_classes)
         inputs = {**self.transform(Batch(x, y)).tensors(), "x_p": x_p, "y_p": y_p}
         if self.s.contrastive:
@@ -210,8 +270,9 @@ class FedBRStep(FunctionalStep):
     def max_loss(self, params, inputs, shared) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """L_con w.r.t. theta only (features detached); the phase ascends it."""
         z_p, z_l = shared["z_p"].detach(), shared["z_l"].detach()
-        loss = fedbr_contrastive_loss(*self.projections(params["head"], z_p, inputs["z_g"], z_l), self.s.tau1,
-                                      self.s.tau2)
+        loss = fedbr_contrastive_loss(
+            *self.projections(params["head"], z_p, inputs["z_g"], z_l), self.s.tau1, self.s.tau2
+        )
         return loss, {"con-max": loss}
 
     def min_loss(self, params, inputs, shared) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -219,12 +280,12 @@ class FedBRStep(FunctionalStep):
         local = Batch.from_tensors(inputs)
         z_l, z_p, model = shared["z_l"], shared["z_p"], params["model"]
         logits = call(self.model.classifier, model, "classifier", torch.cat([z_l, z_p]) if self.s.balance else z_l)
-        logits_l = logits[:len(z_l)]
+        logits_l = logits[: len(z_l)]
         ce = local.cross_entropy(logits_l)
         terms = {"ce": ce}
         total = ce
         if self.s.balance:
-            terms["balance"] = self.balance_loss(logits[len(z_l):], inputs["y_p"])
+            terms["balance"] = self.balance_loss(logits[len(z_l) :], inputs["y_p"])
             total = total + self.s.lam * terms["balance"]
         if self.s.contrastive:
             positive, negative = pair_cosines(*self.projections(params["head"], z_p, inputs["z_g"], z_l))
@@ -243,6 +304,7 @@ class FedBRStep(FunctionalStep):
 class FedBRClient(ClientAlgorithm):
     """Sends (phi, omega, theta) as 'model/...' and 'head/...'; answers the server's 'rsm-means' request;
     keeps the pseudo-data it was sent in its node state, so that it travels once and not every round."""
+
     vectorised = True
     Settings = FedBRSettings
     component_key = "fedbr-with"
@@ -258,8 +320,9 @@ class FedBRClient(ClientAlgorithm):
 
     def rsm_means(self, config: dict) -> dict[str, np.ndarray]:
         """Only these means leave the client, never its samples."""
-        generator = seeds.torch_generator("rsm-means", self.cfg["seed"], int(config["version"]), self.pid,
-                                          device=self.data.x_train.device)
+        generator = seeds.torch_generator(
+            "rsm-means", self.cfg["seed"], int(config["version"]), self.pid, device=self.data.x_train.device
+        )
         means = sample_means(self.data.x_train, int(config["count"]), int(config["pseudo-m"]), generator)
         return {"means": means.cpu().numpy()}
 
@@ -281,7 +344,14 @@ class FedBRClient(ClientAlgorithm):
     def make_step(self, server_round: int, config: dict) -> FedBRStep:
         x_p, y_p = self.pseudo_data(config)
         components = self.start_components(server_round)
-        return FedBRStep(self.model, self.cfg, self.settings, self.modules.get("head"), x_p, y_p,
-                         (self.data.x_train, self.data.y_train),
-                         seed=seeds.seed("fedbr-steps", self.cfg["seed"], server_round, self.pid),
-                         components=components)
+        return FedBRStep(
+            self.model,
+            self.cfg,
+            self.settings,
+            self.modules.get("head"),
+            x_p,
+            y_p,
+            (self.data.x_train, self.data.y_train),
+            seed=seeds.seed("fedbr-steps", self.cfg["seed"], server_round, self.pid),
+            components=components,
+        )

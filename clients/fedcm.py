@@ -20,8 +20,9 @@ DELTA = "fedcm-delta"
 
 @dataclass(frozen=True)
 class FedCMSettings(Settings):
-    alpha: float = setting("fedcm-alpha", 0.1, "FedCM: client step direction alpha g + (1 - alpha) Delta_global",
-                           check=FRACTION)
+    alpha: float = setting(
+        "fedcm-alpha", 0.1, "FedCM: client step direction alpha g + (1 - alpha) Delta_global", check=FRACTION
+    )
 
 
 def blend_with_global_momentum(grads: list[torch.Tensor], momentum: list[torch.Tensor], alpha: float) -> None:

@@ -24,6 +24,7 @@ class FedDynSettings(Settings):
 class FedDynStep(SupervisedStep):
     """FedAvg's step on CE + alpha/2 ||w - w_round||^2, with -g_k added to every gradient: the linear
     term's gradient, which does not depend on w (so it is a correction, like SCAFFOLD's, and vmaps)."""
+
     per_member_state = ("g",)  # each client's own; w_round and alpha are the round's, the same for all
 
     def __init__(self, model, cfg, alpha: float, g: list[torch.Tensor]):
@@ -49,12 +50,18 @@ class FedDynClient(ClientAlgorithm):
 
     def make_step(self, server_round, config):
         stored = self.state.arrays(STATE_KEY) or {}
-        g = [torch.as_tensor(stored[name], device=self.device) if name in stored else torch.zeros_like(p)
-             for name, p in self.model.named_parameters()]
+        g = [
+            torch.as_tensor(stored[name], device=self.device) if name in stored else torch.zeros_like(p)
+            for name, p in self.model.named_parameters()
+        ]
         return FedDynStep(self.model, self.cfg, self.settings.alpha, g)
 
     def after_fit(self, step):
-        self.state.put_arrays(STATE_KEY, {
-            name: (g - step.alpha * (p.detach() - s)).cpu().numpy()
-            for (name, p), g, s in zip(self.model.named_parameters(), step.g, step.start)})
+        self.state.put_arrays(
+            STATE_KEY,
+            {
+                name: (g - step.alpha * (p.detach() - s)).cpu().numpy()
+                for (name, p), g, s in zip(self.model.named_parameters(), step.g, step.start)
+            },
+        )
         return {}, {}  # no arrays beside the model's, no metrics beside the step's

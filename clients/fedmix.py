@@ -21,27 +21,42 @@ from fedbr_flwr.settings import BELOW_ONE, POSITIVE, Settings, setting
 
 @dataclass(frozen=True)
 class FedMixSettings(Settings):
-    lam: float = setting("fedmix-lambda", 0.1, "FedMix: mixing weight lambda (0: plain cross-entropy; paper grid "
-                                               "0.01 / 0.1 / 0.2)", check=BELOW_ONE)
-    m: int = setting("fedmix-m", 10, "FedMix: local samples averaged into one mean sample; each client shares n_i // M",
-                     check=POSITIVE)
+    lam: float = setting(
+        "fedmix-lambda",
+        0.1,
+        "FedMix: mixing weight lambda (0: plain cross-entropy; paper grid 0.01 / 0.1 / 0.2)",
+        check=BELOW_ONE,
+    )
+    m: int = setting(
+        "fedmix-m",
+        10,
+        "FedMix: local samples averaged into one mean sample; each client shares n_i // M",
+        check=POSITIVE,
+    )
 
 
-def mean_data(x: torch.Tensor, y: torch.Tensor, m: int, num_classes: int, generator: torch.Generator
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def mean_data(
+    x: torch.Tensor, y: torch.Tensor, m: int, num_classes: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """n // m means of m samples each (at least one mean, of all samples, when n < m), with the mean of
     the one-hot labels."""
     n = len(y)
     if n == 0:
         raise ValueError("cannot build mean data from a client with no training samples")
     groups = max(1, n // m)
-    idx = torch.randperm(n, generator=generator, device=generator.device).to(x.device)[:groups * min(m, n)]
+    idx = torch.randperm(n, generator=generator, device=generator.device).to(x.device)[: groups * min(m, n)]
     idx = idx.view(groups, min(m, n))
     return x[idx].mean(dim=1), F.one_hot(y[idx], num_classes).float().mean(dim=1)
 
 
-def fedmix_loss(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-                x_mean: torch.Tensor, y_mean: torch.Tensor, lam: float) -> dict[str, torch.Tensor]:
+def fedmix_loss(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_mean: torch.Tensor,
+    y_mean: torch.Tensor,
+    lam: float,
+) -> dict[str, torch.Tensor]:
     """FedMix (eq. 5): the first-order Taylor approximation of Mixup between a local sample x_i and a
     global mean sample (x_mean_j, y_mean_j), around (1 - lam) x_i:
 
@@ -57,6 +72,7 @@ def fedmix_loss(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
 
     ``model`` is any function of the input (a module, or a ``functional_call`` of one): the input gradient
     comes from ``torch.func.grad``, which composes with autograd and with ``vmap`` over clients."""
+
     def weighted_ce(x_in: torch.Tensor):
         logits = model(x_in)
         ce_each = F.cross_entropy(logits, y, reduction="none")
@@ -88,8 +104,14 @@ class FedMixStep(FunctionalStep):
         return {"x": x, "y": y, "x_mean": self.mean_x[idx], "y_mean": self.mean_y[idx]}
 
     def loss(self, params, inputs, shared):
-        terms = fedmix_loss(lambda u: call(self.model, params["model"], "", u), inputs["x"], inputs["y"],
-                            inputs["x_mean"], inputs["y_mean"], self.lam)
+        terms = fedmix_loss(
+            lambda u: call(self.model, params["model"], "", u),
+            inputs["x"],
+            inputs["y"],
+            inputs["x_mean"],
+            inputs["y_mean"],
+            self.lam,
+        )
         return terms["loss"], terms
 
 
@@ -103,12 +125,19 @@ class FedMixClient(ClientAlgorithm):
 
     def mean_data(self, config: dict):
         """Only means leave the client."""
-        generator = seeds.torch_generator("fedmix-means", self.cfg["seed"], int(config["version"]), self.pid,
-                                          device=self.data.x_train.device)
+        generator = seeds.torch_generator(
+            "fedmix-means", self.cfg["seed"], int(config["version"]), self.pid, device=self.data.x_train.device
+        )
         x, y = mean_data(self.data.x_train, self.data.y_train, self.settings.m, self.data.num_classes, generator)
         return {"x": x.cpu().numpy(), "y": y.cpu().numpy()}
 
     def make_step(self, server_round: int, config: dict) -> FedMixStep:
         x, y = self.shared("fedmix", config)
-        return FedMixStep(self.model, self.cfg, self.settings.lam, x, y,
-                          seeds.seed("fedmix-steps", self.cfg["seed"], server_round, self.pid))
+        return FedMixStep(
+            self.model,
+            self.cfg,
+            self.settings.lam,
+            x,
+            y,
+            seeds.seed("fedmix-steps", self.cfg["seed"], server_round, self.pid),
+        )

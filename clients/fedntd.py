@@ -28,8 +28,9 @@ def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return logits.gather(1, others + (others >= y[:, None]).long())  # an index at or past the true class: +1
 
 
-def not_true_distillation_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor,
-                               tau: float) -> torch.Tensor:
+def not_true_distillation_loss(
+    logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor, tau: float
+) -> torch.Tensor:
     """tau^2 KL(softmax(g~/tau) || softmax(l~/tau)) over the not-true classes only, batch mean, with g
     the round-start global model's logits."""
     local = F.log_softmax(not_true_logits(logits, y) / tau, dim=1)

@@ -15,8 +15,12 @@ from fedbr_flwr.settings import NON_NEGATIVE, Settings, setting
 
 @dataclass(frozen=True)
 class FedProxSettings(Settings):
-    mu: float = setting("fedprox-mu", 0.01, "FedProx: weight mu of the proximal term mu/2 ||w - w_round_start||^2 "
-                                            "(paper grid 0.001 / 0.01 / 0.1)", check=NON_NEGATIVE)
+    mu: float = setting(
+        "fedprox-mu",
+        0.01,
+        "FedProx: weight mu of the proximal term mu/2 ||w - w_round_start||^2 (paper grid 0.001 / 0.01 / 0.1)",
+        check=NON_NEGATIVE,
+    )
 
 
 def proximal_term(params: list[torch.Tensor], anchor: list[torch.Tensor]) -> torch.Tensor:

@@ -20,8 +20,9 @@ class MixupSettings(Settings):
     alpha: float = setting("mixup-alpha", 0.2, "Mixup's Beta(a, a) parameter", check=POSITIVE)
 
 
-def mixup_batch(x: torch.Tensor, y: torch.Tensor, lam: float, perm: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mixup_batch(
+    x: torch.Tensor, y: torch.Tensor, lam: float, perm: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(lam * x + (1 - lam) * x[perm], y, y[perm]); the loss mixes the two labels with lam."""
     return lam * x + (1.0 - lam) * x[perm], y, y[perm]
 

@@ -29,13 +29,16 @@ PREVIOUS_PREFIX = "prev/"  # the previous features' tensors among a step's input
 
 @dataclass(frozen=True)
 class MoonSettings(Settings):
-    mu: float = setting("moon-mu", 1.0, "MOON: weight of the model-contrastive loss (paper grid 0.01-10)",
-                        check=NON_NEGATIVE)
+    mu: float = setting(
+        "moon-mu", 1.0, "MOON: weight of the model-contrastive loss (paper grid 0.01-10)", check=NON_NEGATIVE
+    )
     tau: float = setting("moon-tau", 0.5, "MOON: temperature of the model-contrastive loss", check=POSITIVE)
-    proj_hidden: int = setting("moon-proj-hidden", 256, "MOON: width of the projection layers added to the feature "
-                                                        "extractor", check=POSITIVE)
-    proj_out: int = setting("moon-proj-out", 128, "MOON: output width of the projection layers (the representation)",
-                            check=POSITIVE)
+    proj_hidden: int = setting(
+        "moon-proj-hidden", 256, "MOON: width of the projection layers added to the feature extractor", check=POSITIVE
+    )
+    proj_out: int = setting(
+        "moon-proj-out", 128, "MOON: output width of the projection layers (the representation)", check=POSITIVE
+    )
 
 
 def moon_model(backbone: SplitModel, settings: MoonSettings) -> SplitModel:
@@ -44,8 +47,9 @@ def moon_model(backbone: SplitModel, settings: MoonSettings) -> SplitModel:
     return SplitModel(features, out, backbone.classifier.out_features)
 
 
-def moon_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_previous: torch.Tensor,
-                          tau: float) -> torch.Tensor:
+def moon_contrastive_loss(
+    z: torch.Tensor, z_global: torch.Tensor, z_previous: torch.Tensor, tau: float
+) -> torch.Tensor:
     """mean_i -log(e^{cos(z, z_glob)/tau} / (e^{cos(z, z_glob)/tau} + e^{cos(z, z_prev)/tau})), as softplus of
     the difference (same value, no overflow)."""
     pos = F.cosine_similarity(z, z_global, dim=1) / tau
@@ -58,15 +62,17 @@ class MoonStep(FunctionalStep):
     client of a round (read from the frozen copy); this client's previous features come as per-client
     constants ("prev/<name>", copied when the step is made: a cohort's members share the module that
     holds them), evaluated with ``previous_features`` as the template."""
+
     per_member_state = ("previous", "previous_features")  # as constants; the module is a template
 
     def __init__(self, model: SplitModel, cfg: dict, settings: MoonSettings, previous_features: nn.Module | None):
         super().__init__(model, cfg)
         self.global_features = frozen_copy(model.features)
         self.previous_features = previous_features if previous_features is not None else self.global_features
-        self.previous = {PREVIOUS_PREFIX + name: t.detach().clone()
-                         for name, t in [*self.previous_features.named_parameters(),
-                                         *self.previous_features.named_buffers()]}
+        self.previous = {
+            PREVIOUS_PREFIX + name: t.detach().clone()
+            for name, t in [*self.previous_features.named_parameters(), *self.previous_features.named_buffers()]
+        }
         self.mu, self.tau = settings.mu, settings.tau
         self.groups = {"model": dict(model.named_parameters())}
         self.optimizers = {"model": self.optimizer}
@@ -79,7 +85,7 @@ class MoonStep(FunctionalStep):
         x, y, model = inputs["x"], inputs["y"], params["model"]
         z = call(self.model.features, model, "features", x)
         ce = F.cross_entropy(call(self.model.classifier, model, "classifier", z), y)
-        previous = {k[len(PREVIOUS_PREFIX):]: v for k, v in inputs.items() if k.startswith(PREVIOUS_PREFIX)}
+        previous = {k[len(PREVIOUS_PREFIX) :]: v for k, v in inputs.items() if k.startswith(PREVIOUS_PREFIX)}
         with torch.no_grad():
             z_global, z_previous = self.global_features(x), call(self.previous_features, previous, "", x)
         con = moon_contrastive_loss(z, z_global, z_previous, self.tau)

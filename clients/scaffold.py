@@ -21,6 +21,7 @@ CONTROL_KEY = "scaffold-control"  # c_i in the node state
 
 class ScaffoldStep(SupervisedStep):
     """FedAvg's cross-entropy step with the gradient corrected by c - c_i before SGD."""
+
     per_member_state = ("c_local", "correction")  # read by adjust_gradients and after the fit
 
     def __init__(self, model, cfg, c_global: list[torch.Tensor], c_local: list[torch.Tensor]):
@@ -37,8 +38,9 @@ class ScaffoldStep(SupervisedStep):
     def new_control_variate(self) -> list[torch.Tensor]:
         """Option II: c_i+ = c_i - c + (x - y) / (K lr), with y the weights after the K local steps."""
         scale = 1.0 / (self.cfg["local-steps"] * self.cfg["lr"])
-        return [cl - cg + (x0 - p) * scale for cl, cg, x0, p in zip(self.c_local, self.c_global, self.start,
-                                                                     self.params)]
+        return [
+            cl - cg + (x0 - p) * scale for cl, cg, x0, p in zip(self.c_local, self.c_global, self.start, self.params)
+        ]
 
 
 @register_client("scaffold")
@@ -63,6 +65,7 @@ class ScaffoldClient(ClientAlgorithm):
 
     def after_fit(self, step: ScaffoldStep):
         new = step.new_control_variate()
-        self.state.put_arrays(CONTROL_KEY, {name: c.cpu().numpy().copy()
-                                            for (name, _), c in zip(self.model.named_parameters(), new)})
+        self.state.put_arrays(
+            CONTROL_KEY, {name: c.cpu().numpy().copy() for (name, _), c in zip(self.model.named_parameters(), new)}
+        )
         return state_arrays(self.model, CONTROL_DELTA, torch._foreach_sub(new, step.c_local)), {}

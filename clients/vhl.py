@@ -26,10 +26,18 @@ from fedbr_flwr.settings import NON_NEGATIVE, POSITIVE, Settings, setting
 @dataclass(frozen=True)
 class VHLSettings(Settings):
     size: int = setting("vhl-size", 2000, "VHL: virtual samples, spread evenly over the classes", check=POSITIVE)
-    weight: float = setting("vhl-weight", 1.0, "VHL: weight of the cross-entropy on virtual data (labels shifted past "
-                                               "the real ones)", check=NON_NEGATIVE)
-    align_weight: float = setting("vhl-align-weight", 1.0, "VHL: weight of the feature alignment (supervised "
-                                                           "contrastive) loss", check=NON_NEGATIVE)
+    weight: float = setting(
+        "vhl-weight",
+        1.0,
+        "VHL: weight of the cross-entropy on virtual data (labels shifted past the real ones)",
+        check=NON_NEGATIVE,
+    )
+    align_weight: float = setting(
+        "vhl-align-weight",
+        1.0,
+        "VHL: weight of the feature alignment (supervised contrastive) loss",
+        check=NON_NEGATIVE,
+    )
     tau: float = setting("vhl-tau", 0.07, "VHL: temperature of the feature alignment loss", check=POSITIVE)
 
 
@@ -47,11 +55,12 @@ class RealClasses(nn.Module):
         self.model, self.num_classes = model, num_classes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)[:, :self.num_classes]
+        return self.model(x)[:, : self.num_classes]
 
 
-def supervised_alignment_loss(z_real: torch.Tensor, y_real: torch.Tensor, z_virtual: torch.Tensor,
-                              y_virtual: torch.Tensor, tau: float) -> torch.Tensor:
+def supervised_alignment_loss(
+    z_real: torch.Tensor, y_real: torch.Tensor, z_virtual: torch.Tensor, y_virtual: torch.Tensor, tau: float
+) -> torch.Tensor:
     """VHL's feature alignment as a supervised contrastive loss: each real feature (anchor) against the
     batch's virtual features; positives are the virtual samples of the anchor's class. Anchors with no
     positive in the batch are left out."""
@@ -68,8 +77,15 @@ class VHLStep(FunctionalStep):
     """One phase on the model: CE on the local batch, plus the weighted CE and alignment on a virtual batch
     of the same size drawn (in ``draw``, from this client's seeded stream) from the round's virtual data."""
 
-    def __init__(self, model: SplitModel, cfg: dict, settings: VHLSettings, virtual_x: torch.Tensor,
-                 virtual_y: torch.Tensor, seed: int):
+    def __init__(
+        self,
+        model: SplitModel,
+        cfg: dict,
+        settings: VHLSettings,
+        virtual_x: torch.Tensor,
+        virtual_y: torch.Tensor,
+        seed: int,
+    ):
         super().__init__(model, cfg)
         self.s = settings
         self.virtual_x, self.virtual_y = virtual_x, virtual_y
@@ -82,8 +98,7 @@ class VHLStep(FunctionalStep):
 
     def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         """The local batch and a virtual batch of its size ("x_v", "y_v")."""
-        idx = torch.randint(0, len(self.virtual_y), (len(y),), device=self.virtual_y.device,
-                            generator=self.generator)
+        idx = torch.randint(0, len(self.virtual_y), (len(y),), device=self.virtual_y.device, generator=self.generator)
         return {"x": x, "y": y, "x_v": self.virtual_x[idx], "y_v": self.virtual_y[idx]}
 
     def loss(self, params, inputs, shared):
@@ -116,5 +131,11 @@ class VHLClient(ClientAlgorithm):
 
     def make_step(self, server_round: int, config: dict) -> VHLStep:
         x, y = self.shared("vhl", config)
-        return VHLStep(self.model, self.cfg, self.settings, x, y.long(),
-                       seeds.seed("vhl-steps", self.cfg["seed"], server_round, self.pid))
+        return VHLStep(
+            self.model,
+            self.cfg,
+            self.settings,
+            x,
+            y.long(),
+            seeds.seed("vhl-steps", self.cfg["seed"], server_round, self.pid),
+        )

@@ -92,6 +92,7 @@ class MemoryState(NodeState):
 class Batch:
     """A local batch. Mixup leaves targets ``y`` and ``y_b`` mixed with weights ``lam`` and ``lam_b``
     (1 - lam; floats, or 0-d tensors in a step's inputs)."""
+
     x: torch.Tensor
     y: torch.Tensor
     y_b: torch.Tensor | None = None
@@ -110,8 +111,11 @@ class Batch:
         out = {"x": self.x, "y": self.y}
         if self.y_b is not None:
             lam_b = 1.0 - self.lam if self.lam_b is None else self.lam_b
-            out.update(y_b=self.y_b, lam=torch.as_tensor(self.lam, dtype=torch.float32, device=self.x.device),
-                       lam_b=torch.as_tensor(lam_b, dtype=torch.float32, device=self.x.device))
+            out.update(
+                y_b=self.y_b,
+                lam=torch.as_tensor(self.lam, dtype=torch.float32, device=self.x.device),
+                lam_b=torch.as_tensor(lam_b, dtype=torch.float32, device=self.x.device),
+            )
         return out
 
     @classmethod
@@ -124,6 +128,7 @@ class Batch:
 @dataclass
 class StepView:
     """What a component's loss terms may read: the batch, the local features and logits, the parameters."""
+
     batch: Batch
     features: torch.Tensor
     logits: torch.Tensor
@@ -134,6 +139,7 @@ class StepView:
 class RoundContext:
     """What a component may use when a round starts: the model as received, the arrays the server sent
     beside it, and the round's seed streams."""
+
     model: nn.Module
     received: Named
     seed: Callable[[str], int]
@@ -143,6 +149,7 @@ class RoundContext:
 class LocalComponent:
     """A local piece other algorithms' steps can carry, registered with ``register_component``. One
     object per client, reused every round."""
+
     name = ""  # set by register_component
     Settings: type[Settings] = NoSettings
     accepts: tuple[str, ...] = ()  # names of arrays it takes from the server (FedCM: "fedcm-delta/")
@@ -216,6 +223,7 @@ class Phase:
     """One gradient step inside a local step: ``loss(params, inputs, shared) -> (loss, stats)`` is
     differentiated w.r.t. the parameter groups ``groups`` (gradient ascent when ``ascent``), the
     components adjust the "model" group's gradients when ``adjust``, and each group's SGD steps."""
+
     groups: tuple[str, ...]
     loss: Callable[[Params, Inputs, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
     ascent: bool = False
@@ -242,6 +250,7 @@ class FunctionalStep(LocalStep):
       (a client's own values that only ``draw``, ``constants`` or ``adjust_gradients`` read).
 
     ``update`` runs exactly these functions on the live parameters, one client at a time."""
+
     phases: list[Phase]
     groups: Params
     optimizers: dict[str, torch.optim.Optimizer]
@@ -294,8 +303,9 @@ def call(module: nn.Module, params: dict[str, torch.Tensor], prefix: str, *args)
     if dtype is None:
         return torch.func.functional_call(module, params, args)
     params = {k: cast_floating(v, dtype) for k, v in params.items()}
-    return cast_floating(torch.func.functional_call(module, params, tuple(cast_floating(a, dtype) for a in args)),
-                         torch.float32)
+    return cast_floating(
+        torch.func.functional_call(module, params, tuple(cast_floating(a, dtype) for a in args)), torch.float32
+    )
 
 
 _MODULE_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("module_dtype", default=None)
@@ -323,6 +333,7 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
 class ClientAlgorithm:
     """The client side of one algorithm. Subclasses (one per ``clients/<name>.py``, registered with
     ``register_client``) override ``make_step`` and, as needed, the model classmethods and the hooks."""
+
     name = ""  # set by register_client
     Settings: type[Settings] = NoSettings
     state_keys: tuple[str, ...] = ()  # its records in the node state, saved in checkpoints
@@ -405,6 +416,7 @@ class ClientAlgorithm:
     # ------------------------------------------------------------ helpers for algorithms
     def start_components(self, server_round: int) -> list[LocalComponent]:
         """Its components, set up for this round (with the round's seed streams)."""
+
         def stream_seed(stream: str) -> int:
             return seeds.seed(self.seed_streams.get(stream, stream), self.cfg["seed"], server_round, self.pid)
 
@@ -423,9 +435,14 @@ class ClientAlgorithm:
     def properties(self) -> dict[str, Any]:
         _, phash = make_partition(self.cfg)
         counts = torch.bincount(self.data.y_train, minlength=self.data.num_classes).tolist()
-        return {"partition-id": self.pid, "num-partitions": self.cfg["num-clients"], "partition-hash": phash,
-                "num-train": len(self.data.y_train), "num-test": len(self.data.y_test),
-                "class-counts": ",".join(map(str, counts))}
+        return {
+            "partition-id": self.pid,
+            "num-partitions": self.cfg["num-clients"],
+            "partition-hash": phash,
+            "num-train": len(self.data.y_train),
+            "num-test": len(self.data.y_test),
+            "class-counts": ",".join(map(str, counts)),
+        }
 
     def weights(self) -> Named:
         return {name: a for prefix, m in self.modules.items() for name, a in module_arrays(prefix, m).items()}
@@ -442,8 +459,9 @@ class ClientAlgorithm:
         accepted = self.accepts + tuple(p for c in self.components for p in c.accepts)
         unexpected = [k for k in self.received if not k.startswith(accepted)]
         if unexpected:
-            raise ValueError(f"client {self.pid} ({self.cfg['strategy']}) does not take arrays "
-                             f"{', '.join(unexpected[:5])}")
+            raise ValueError(
+                f"client {self.pid} ({self.cfg['strategy']}) does not take arrays {', '.join(unexpected[:5])}"
+            )
 
     def fit(self, arrays: Named, config: dict) -> tuple[Named, int, dict]:
         step, sampler = self.start_fit(arrays, config)
@@ -458,15 +476,22 @@ class ClientAlgorithm:
         self.receive(arrays)
         server_round = int(config["server-round"])
         step = self.make_step(server_round, config)
-        sampler = BatchSampler(self.data, self.cfg["batch-size"],
-                               seeds.seed("batches", self.cfg["seed"], server_round, self.pid))
+        sampler = BatchSampler(
+            self.data, self.cfg["batch-size"], seeds.seed("batches", self.cfg["seed"], server_round, self.pid)
+        )
         return step, sampler
 
     def finish_fit(self, step: LocalStep, stats: dict[str, float], seconds: float) -> tuple[Named, int, dict]:
         """A fit after its local steps (the modules hold this client's trained weights): what it returns."""
         returned, extra = self.after_fit(step)
-        metrics = {**stats, "partition-id": self.pid, "fit-seconds": seconds, **peak_memory_mb(self.device),
-                   **{f"{name}-version": v for name, v in self.shared_versions.items()}, **extra}
+        metrics = {
+            **stats,
+            "partition-id": self.pid,
+            "fit-seconds": seconds,
+            **peak_memory_mb(self.device),
+            **{f"{name}-version": v for name, v in self.shared_versions.items()},
+            **extra,
+        }
         return {**self.weights(), **returned}, len(self.data.y_train), metrics
 
     def evaluate(self, arrays: Named, config: dict) -> tuple[float, int, dict]:
@@ -490,8 +515,10 @@ class ClientAlgorithm:
             return {"state": codec.to_uint8(self.export_state())}
         handlers = self.requests()
         if name not in handlers:
-            raise ValueError(f"client {self.pid} ({self.cfg['strategy']}) answers no request '{name}' "
-                             f"(it answers: {', '.join(['client-state', *handlers])})")
+            raise ValueError(
+                f"client {self.pid} ({self.cfg['strategy']}) answers no request '{name}' "
+                f"(it answers: {', '.join(['client-state', *handlers])})"
+            )
         return handlers[name](config)
 
     # ------------------------------------------------------------ its own state, for checkpoints

@@ -87,13 +87,20 @@ def bare_fit_config(cfg: dict, clients: list | dict):
     proxy = load_proxy(cfg) if cfg["pseudo-data"] == "mixture" else None
 
     def collect(counts, version):
-        return [by_pid[pid].answer({"request": "rsm-means", "count": n, "pseudo-m": cfg["pseudo-m"],
-                                    "version": version})["means"] for pid, n in counts.items()]
+        return [
+            by_pid[pid].answer({"request": "rsm-means", "count": n, "pseudo-m": cfg["pseudo-m"], "version": version})[
+                "means"
+            ]
+            for pid, n in counts.items()
+        ]
 
     shared = SharedData("pseudo")
     shared.publish(*build(cfg, 1, sorted(by_pid), collect, proxy), 1)
-    return lambda server_round: {"server-round": server_round, "pseudo-version": 1,
-                                 **({"pseudo-payload": shared.payload} if server_round == 1 else {})}
+    return lambda server_round: {
+        "server-round": server_round,
+        "pseudo-version": 1,
+        **({"pseudo-payload": shared.payload} if server_round == 1 else {}),
+    }
 
 
 def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
@@ -115,11 +122,15 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     y = torch.randint(0, info.num_classes, (cfg["batch-size"],), device=device)
     y_p = torch.full((cfg["batch-size"], info.num_classes), 1.0 / info.num_classes, device=device)
     distrans_model = DisTransClient.build_model(copy.deepcopy(model), cfg).to(device)
-    algorithms = {"fedavg": SupervisedStep(model, cfg),
-                  "fedbr": FedBRStep(model, fedbr_cfg, FedBRClient.Settings.from_config(fedbr_cfg), head, x_p, y_p,
-                                     (x, y), seed=cfg["seed"]),
-                  "distrans": DisTransStep(distrans_model, Offset(offset_shape(info)).to(device), cfg,
-                                           DisTransClient.Settings.from_config(cfg))}
+    algorithms = {
+        "fedavg": SupervisedStep(model, cfg),
+        "fedbr": FedBRStep(
+            model, fedbr_cfg, FedBRClient.Settings.from_config(fedbr_cfg), head, x_p, y_p, (x, y), seed=cfg["seed"]
+        ),
+        "distrans": DisTransStep(
+            distrans_model, Offset(offset_shape(info)).to(device), cfg, DisTransClient.Settings.from_config(cfg)
+        ),
+    }
     model.train()
     distrans_model.train()
 
@@ -146,18 +157,31 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
 def step_main(cfg: dict, steps: int, threads: int, json_path: Path | None) -> int:
     t = step_seconds(cfg, steps)
     device = _device_name(cfg, threads)
-    print(f"fedbr-bench --step: {resolved_model(cfg)} on {cfg['dataset']}-shaped inputs, batch {cfg['batch-size']}, "
-          f"{device}, {steps} steps x 3 repeats, precision {cfg['precision']}, compile {cfg['compile']}\n")
+    print(
+        f"fedbr-bench --step: {resolved_model(cfg)} on {cfg['dataset']}-shaped inputs, batch {cfg['batch-size']}, "
+        f"{device}, {steps} steps x 3 repeats, precision {cfg['precision']}, compile {cfg['compile']}\n"
+    )
     print("| local step | s/step (median) | ratio |\n|---|---|---|")
     print(f"| FedAvg | {t['fedavg']:.4f} | 1.00 |")
     print(f"| FedBR ({_fedbr_label(cfg)}) | {t['fedbr']:.4f} | {t['fedbr'] / t['fedavg']:.2f} |")
     print(f"| DisTrans ({cfg['distrans-update']}) | {t['distrans']:.4f} | {t['distrans'] / t['fedavg']:.2f} |")
     if json_path:
-        json_path.write_text(json.dumps({"device": device, "model": resolved_model(cfg),
-                                         "batch_size": cfg["batch-size"], "fedavg_s_per_step": t["fedavg"],
-                                         "fedbr_s_per_step": t["fedbr"], "ratio": t["fedbr"] / t["fedavg"],
-                                         "distrans_s_per_step": t["distrans"],
-                                         "distrans_ratio": t["distrans"] / t["fedavg"]}, indent=2) + "\n")
+        json_path.write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "model": resolved_model(cfg),
+                    "batch_size": cfg["batch-size"],
+                    "fedavg_s_per_step": t["fedavg"],
+                    "fedbr_s_per_step": t["fedbr"],
+                    "ratio": t["fedbr"] / t["fedavg"],
+                    "distrans_s_per_step": t["distrans"],
+                    "distrans_ratio": t["distrans"] / t["fedavg"],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 
@@ -181,8 +205,14 @@ def _device_name(cfg: dict, threads: int) -> str:
 def flower_round_seconds(cfg: dict, rounds: int, out_dir: Path) -> tuple[list[dict], float]:
     """The timed rounds' records of a Flower simulation (rounds.jsonl: seconds, bytes, client memory),
     and the whole run's seconds including start-up."""
-    cfg = {**cfg, "num-rounds": rounds + 1, "eval-every": rounds + 1, "global-test": False,
-           "checkpoint-every": 0, "output-dir": str(out_dir)}
+    cfg = {
+        **cfg,
+        "num-rounds": rounds + 1,
+        "eval-every": rounds + 1,
+        "global-test": False,
+        "checkpoint-every": 0,
+        "output-dir": str(out_dir),
+    }
     start = time.perf_counter()
     run_flower(cfg, supernodes(cfg), out_dir, echo="none")
     total = time.perf_counter() - start
@@ -203,20 +233,33 @@ def compare(cfg: dict, rounds: int) -> dict:
     flops = fit_flops(cfg) * statistics.median(r["clients"] for r in records)
     memory_key = "client_peak_gpu_mb" if any("client_peak_gpu_mb" in r for r in records) else "client_peak_rss_mb"
     return {
-        "strategy": cfg["strategy"], "dataset": cfg["dataset"], "model": resolved_model(cfg),
-        "clients": cfg["num-clients"], "local_steps": cfg["local-steps"], "batch_size": cfg["batch-size"],
-        "precision": cfg["precision"], "compile": cfg["compile"],
-        "bare_s_per_round": bare_s, "flower_s_per_round": flower_s, "ratio": flower_s / bare_s,
-        "cohort_s_per_round": cohort_s, "cohort_ratio": cohort_s / bare_s,
-        "flops_per_round": flops, "tflops": {"bare": flops / bare_s / 1e12, "clients": flops / flower_s / 1e12,
-                                             "cohort": flops / cohort_s / 1e12},
+        "strategy": cfg["strategy"],
+        "dataset": cfg["dataset"],
+        "model": resolved_model(cfg),
+        "clients": cfg["num-clients"],
+        "local_steps": cfg["local-steps"],
+        "batch_size": cfg["batch-size"],
+        "precision": cfg["precision"],
+        "compile": cfg["compile"],
+        "bare_s_per_round": bare_s,
+        "flower_s_per_round": flower_s,
+        "ratio": flower_s / bare_s,
+        "cohort_s_per_round": cohort_s,
+        "cohort_ratio": cohort_s / bare_s,
+        "flops_per_round": flops,
+        "tflops": {
+            "bare": flops / bare_s / 1e12,
+            "clients": flops / flower_s / 1e12,
+            "cohort": flops / cohort_s / 1e12,
+        },
         "flower_total_s_incl_startup": flower_total,
-        "bare_peak_mb": bare_memory, "client_peak_mb": max(r.get(memory_key, 0.0) for r in records),
+        "bare_peak_mb": bare_memory,
+        "client_peak_mb": max(r.get(memory_key, 0.0) for r in records),
         "cohort_peak_mb": max(r.get(memory_key, 0.0) for r in cohort_records),
         "memory": "GPU (torch reserved)" if memory_key == "client_peak_gpu_mb" else "host RSS",
         "bytes_per_round": statistics.median(r["bytes_down"] + r["bytes_up"] for r in records),
         "flower_setup": f"{cfg['num-clients']} simulated clients, {cfg['client-cpus']} CPU / "
-                        f"{cfg['client-gpus']:g} GPU each",
+        f"{cfg['client-gpus']:g} GPU each",
     }
 
 
@@ -288,24 +331,39 @@ def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
 def cohort_step_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) -> int:
     t = cohort_step_seconds(cfg, rounds)
     device = _device_name(cfg, threads)
-    print(f"fedbr-bench --cohort-step: {cfg['strategy']}, {resolved_model(cfg)} on {cfg['dataset']}, one cohort of "
-          f"{cfg['num-clients']} clients x {cfg['local-steps']} steps x batch {cfg['batch-size']}, {device}, "
-          f"{rounds} timed rounds\n")
+    print(
+        f"fedbr-bench --cohort-step: {cfg['strategy']}, {resolved_model(cfg)} on {cfg['dataset']}, one cohort of "
+        f"{cfg['num-clients']} clients x {cfg['local-steps']} steps x batch {cfg['batch-size']}, {device}, "
+        f"{rounds} timed rounds\n"
+    )
     print("| cohort-step | s/round (median) | ratio |\n|---|---|---|")
     print(f"| loop (clients one after another) | {t['loop']:.3f} | 1.00 |")
     print(f"| vmap (all clients at once) | {t['vmap']:.3f} | {t['vmap'] / t['loop']:.2f} |")
     if "graph" in t:
         print(f"| graph (vmap replayed as a CUDA graph) | {t['graph']:.3f} | {t['graph'] / t['loop']:.2f} |")
     if json_path:
-        json_path.write_text(json.dumps({"device": device, "strategy": cfg["strategy"], "model": resolved_model(cfg),
-                                         "clients": cfg["num-clients"],
-                                         **{f"{name}_s_per_round": v for name, v in t.items()}}, indent=2) + "\n")
+        json_path.write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "strategy": cfg["strategy"],
+                    "model": resolved_model(cfg),
+                    "clients": cfg["num-clients"],
+                    **{f"{name}_s_per_round": v for name, v in t.items()},
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 
 # dense peak TFLOP/s of the cards we measure on (vendor figures; SXM parts), by precision
-PEAK_TFLOPS = {"H100": {"fp32": 67.0, "bf16": 989.0}, "H200": {"fp32": 67.0, "bf16": 989.0},
-               "A100": {"fp32": 19.5, "bf16": 312.0}}
+PEAK_TFLOPS = {
+    "H100": {"fp32": 67.0, "bf16": 989.0},
+    "H200": {"fp32": 67.0, "bf16": 989.0},
+    "A100": {"fp32": 19.5, "bf16": 312.0},
+}
 
 
 def peak_tflops(device: str, precision: str) -> float | None:
@@ -322,13 +380,16 @@ SUITE = {
 SUITE_STRATEGIES = ("fedavg", "fedbr", "distrans")
 
 
-def suite_configs(items: list[str], shapes: list[str], strategies: Sequence[str] = SUITE_STRATEGIES
-                  ) -> list[tuple[str, dict]]:
+def suite_configs(
+    items: list[str], shapes: list[str], strategies: Sequence[str] = SUITE_STRATEGIES
+) -> list[tuple[str, dict]]:
     """(shape, config) for every shape and strategy; the user's items come after the shape's settings."""
     unknown = sorted(set(shapes) - set(SUITE)) + sorted(set(strategies) - set(SUITE_STRATEGIES))
     if unknown:
-        raise ConfigError(f"unknown shape(s) or strategies {', '.join(unknown)}; valid: {', '.join(SUITE)}; "
-                          f"{', '.join(SUITE_STRATEGIES)}")
+        raise ConfigError(
+            f"unknown shape(s) or strategies {', '.join(unknown)}; valid: {', '.join(SUITE)}; "
+            f"{', '.join(SUITE_STRATEGIES)}"
+        )
     out = []
     for shape in shapes:
         for strategy in strategies:
@@ -337,15 +398,26 @@ def suite_configs(items: list[str], shapes: list[str], strategies: Sequence[str]
     return out
 
 
-def suite_main(items: list[str], shapes: list[str], strategies: list[str], rounds: int, steps: int, threads: int,
-               json_path: Path | None) -> int:
-    configs = [(shape, size_resources(cfg, torch.cuda.is_available(), threads))
-               for shape, cfg in suite_configs(items, shapes, strategies)]
+def suite_main(
+    items: list[str],
+    shapes: list[str],
+    strategies: list[str],
+    rounds: int,
+    steps: int,
+    threads: int,
+    json_path: Path | None,
+) -> int:
+    configs = [
+        (shape, size_resources(cfg, torch.cuda.is_available(), threads))
+        for shape, cfg in suite_configs(items, shapes, strategies)
+    ]
     device = _device_name(configs[0][1], threads)
     first = configs[0][1]
-    print(f"fedbr-bench --suite on {device}: {first['num-clients']} clients x {first['local-steps']} local steps, "
-          f"{rounds} timed rounds after one warm-up, precision {first['precision']}, compile {first['compile']}",
-          flush=True)
+    print(
+        f"fedbr-bench --suite on {device}: {first['num-clients']} clients x {first['local-steps']} local steps, "
+        f"{rounds} timed rounds after one warm-up, precision {first['precision']}, compile {first['compile']}",
+        flush=True,
+    )
     rows = []
     for shape, cfg in configs:
         print(f"  {shape} {cfg['strategy']} ...", flush=True)
@@ -366,40 +438,55 @@ def suite_main(items: list[str], shapes: list[str], strategies: list[str], round
 def print_suite_table(rows: list[dict], device: str) -> None:
     memory = rows[0]["memory"]
     peak = peak_tflops(device, rows[0]["precision"])
-    print(f"\n| shape | strategy | batch | bare s/round | engine=clients s/round (/ bare) | engine=cohort s/round "
-          f"(/ bare) | TFLOP/s bare / clients / cohort | peak {memory} MB per client process, cohort process "
-          f"(bare loop: whole process) | MB moved per round |\n|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"\n| shape | strategy | batch | bare s/round | engine=clients s/round (/ bare) | engine=cohort s/round "
+        f"(/ bare) | TFLOP/s bare / clients / cohort | peak {memory} MB per client process, cohort process "
+        f"(bare loop: whole process) | MB moved per round |\n|---|---|---|---|---|---|---|---|---|"
+    )
     for r in rows:
         t = r["tflops"]
-        print(f"| {r['shape']} | {r['strategy']} | {r['batch_size']} | {r['bare_s_per_round']:.3f} | "
-              f"{r['flower_s_per_round']:.3f} ({r['ratio']:.2f}) | {r['cohort_s_per_round']:.3f} "
-              f"({r['cohort_ratio']:.2f}) | {t['bare']:.3g} / {t['clients']:.3g} / {t['cohort']:.3g} | "
-              f"{r['client_peak_mb']:.0f}, {r['cohort_peak_mb']:.0f} ({r['bare_peak_mb']:.0f}) | "
-              f"{r['bytes_per_round'] / 1e6:.1f} |")
+        print(
+            f"| {r['shape']} | {r['strategy']} | {r['batch_size']} | {r['bare_s_per_round']:.3f} | "
+            f"{r['flower_s_per_round']:.3f} ({r['ratio']:.2f}) | {r['cohort_s_per_round']:.3f} "
+            f"({r['cohort_ratio']:.2f}) | {t['bare']:.3g} / {t['clients']:.3g} / {t['cohort']:.3g} | "
+            f"{r['client_peak_mb']:.0f}, {r['cohort_peak_mb']:.0f} ({r['bare_peak_mb']:.0f}) | "
+            f"{r['bytes_per_round'] / 1e6:.1f} |"
+        )
     peak_text = f"{peak:g} TFLOP/s ({rows[0]['precision']}, dense)" if peak else "unknown (not in PEAK_TFLOPS)"
     print(f"\ndevice peak: {peak_text}")
-    print("\n| shape | FedAvg s/step | FedBR s/step | DisTrans s/step | FedBR / FedAvg step | FedBR / FedAvg round "
-          "(bare) |\n|---|---|---|---|---|---|")
+    print(
+        "\n| shape | FedAvg s/step | FedBR s/step | DisTrans s/step | FedBR / FedAvg step | FedBR / FedAvg round "
+        "(bare) |\n|---|---|---|---|---|---|"
+    )
     by_shape: dict[str, dict[str, dict]] = {}
     for r in rows:
         by_shape.setdefault(r["shape"], {})[r["strategy"]] = r
     for shape, pair in by_shape.items():
         t = next(r["step_s"] for r in pair.values() if "step_s" in r)
-        rounds = (f"{pair['fedbr']['bare_s_per_round'] / pair['fedavg']['bare_s_per_round']:.2f}"
-                  if {"fedbr", "fedavg"} <= set(pair) else "-")
-        print(f"| {shape} | {t['fedavg']:.4f} | {t['fedbr']:.4f} | {t['distrans']:.4f} | "
-              f"{t['fedbr'] / t['fedavg']:.2f} "
-              f"| {rounds} |")
+        rounds = (
+            f"{pair['fedbr']['bare_s_per_round'] / pair['fedavg']['bare_s_per_round']:.2f}"
+            if {"fedbr", "fedavg"} <= set(pair)
+            else "-"
+        )
+        print(
+            f"| {shape} | {t['fedavg']:.4f} | {t['fedbr']:.4f} | {t['distrans']:.4f} | "
+            f"{t['fedbr'] / t['fedavg']:.2f} "
+            f"| {rounds} |"
+        )
     for r in rows:
         if r["strategy"] == "fedbr" and r["shape"] == "rotmnist-cnn":
             best = min(r["flower_s_per_round"], r["cohort_s_per_round"])
-            print(f"\nFedBR RotatedMNIST, {r['clients']} clients x {r['local_steps']} steps: 1000 rounds at the "
-                  f"faster engine's s/round = {1000 * best / 60:.1f} min (training rounds only, without evaluation)")
+            print(
+                f"\nFedBR RotatedMNIST, {r['clients']} clients x {r['local_steps']} steps: 1000 rounds at the "
+                f"faster engine's s/round = {1000 * best / 60:.1f} min (training rounds only, without evaluation)"
+            )
     print(f"device: {device}")
 
 
-SCALE = (("100 clients, 10% a round", ["num-clients=100", "fraction-fit=0.1"]),
-         ("1000 clients, 1% a round", ["num-clients=1000", "fraction-fit=0.01"]))
+SCALE = (
+    ("100 clients, 10% a round", ["num-clients=100", "fraction-fit=0.1"]),
+    ("1000 clients, 1% a round", ["num-clients=1000", "fraction-fit=0.01"]),
+)
 
 
 def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | None) -> int:
@@ -415,16 +502,27 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
                 print(f"fedbr-bench: error: {label}: {exc}", file=sys.stderr)
                 return 1
         key = "client_peak_gpu_mb" if any("client_peak_gpu_mb" in r for r in records) else "client_peak_rss_mb"
-        rows.append({"case": label, "strategy": cfg["strategy"], "cohorts": cfg["cohorts"],
-                     "s_per_round": statistics.median(r["seconds"] for r in records),
-                     "peak_mb": max(r.get(key, 0.0) for r in records), "memory": key,
-                     "total_s_incl_startup": total})
+        rows.append(
+            {
+                "case": label,
+                "strategy": cfg["strategy"],
+                "cohorts": cfg["cohorts"],
+                "s_per_round": statistics.median(r["seconds"] for r in records),
+                "peak_mb": max(r.get(key, 0.0) for r in records),
+                "memory": key,
+                "total_s_incl_startup": total,
+            }
+        )
     device = _device_name(cfg, threads)
-    print(f"\n| case | strategy | cohorts | s/round (median) | peak MB ({rows[0]['memory']}) | run incl. start-up s |"
-          "\n|---|---|---|---|---|---|")
+    print(
+        f"\n| case | strategy | cohorts | s/round (median) | peak MB ({rows[0]['memory']}) | run incl. start-up s |"
+        "\n|---|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r['case']} | {r['strategy']} | {r['cohorts']} | {r['s_per_round']:.3f} | {r['peak_mb']:.0f} | "
-              f"{r['total_s_incl_startup']:.1f} |")
+        print(
+            f"| {r['case']} | {r['strategy']} | {r['cohorts']} | {r['s_per_round']:.3f} | {r['peak_mb']:.0f} | "
+            f"{r['total_s_incl_startup']:.1f} |"
+        )
     print(f"device: {device}")
     if json_path:
         json_path.write_text(json.dumps({"device": device, "rows": rows}, indent=2) + "\n")
@@ -432,29 +530,41 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedbr-bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="fedbr-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
-    parser.add_argument("--step", action="store_true",
-                        help="time one FedBR and one DisTrans local step against one FedAvg step instead of "
-                             "whole rounds")
-    parser.add_argument("--steps", type=int, default=20, help="steps per timing repeat (--step, and --suite's "
-                                                               "step table)")
-    parser.add_argument("--suite", action="store_true",
-                        help="bare loop against both Flower engines for FedAvg, FedBR and DisTrans on each shape "
-                             f"({', '.join(SUITE)}); "
-                             "the items apply to every case")
+    parser.add_argument(
+        "--step",
+        action="store_true",
+        help="time one FedBR and one DisTrans local step against one FedAvg step instead of whole rounds",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=20, help="steps per timing repeat (--step, and --suite's step table)"
+    )
+    parser.add_argument(
+        "--suite",
+        action="store_true",
+        help="bare loop against both Flower engines for FedAvg, FedBR and DisTrans on each shape "
+        f"({', '.join(SUITE)}); "
+        "the items apply to every case",
+    )
     parser.add_argument("--shapes", default=",".join(SUITE), help="comma-separated shapes for --suite")
-    parser.add_argument("--strategies", default=",".join(SUITE_STRATEGIES),
-                        help="comma-separated strategies for --suite")
-    parser.add_argument("--cohort-step", action="store_true",
-                        help="one cohort holding all clients, in process: cohort-step=loop against vmap (and graph "
-                             "on CUDA), s/round")
-    parser.add_argument("--scale", action="store_true",
-                        help="engine=cohort with 100 clients at fraction-fit 0.1 and 1000 at 0.01: s/round and "
-                             "peak memory")
+    parser.add_argument(
+        "--strategies", default=",".join(SUITE_STRATEGIES), help="comma-separated strategies for --suite"
+    )
+    parser.add_argument(
+        "--cohort-step",
+        action="store_true",
+        help="one cohort holding all clients, in process: cohort-step=loop against vmap (and graph on CUDA), s/round",
+    )
+    parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="engine=cohort with 100 clients at fraction-fit 0.1 and 1000 at 0.01: s/round and peak memory",
+    )
     return parser
 
 
@@ -475,8 +585,9 @@ def main(argv=None) -> int:
 
 def run_mode(args: argparse.Namespace, threads: int) -> int:
     if args.suite:
-        return suite_main(args.items, args.shapes.split(","), args.strategies.split(","), args.rounds, args.steps,
-                          threads, args.json)
+        return suite_main(
+            args.items, args.shapes.split(","), args.strategies.split(","), args.rounds, args.steps, threads, args.json
+        )
     if args.scale:
         return scale_main(args.items, args.rounds, threads, args.json)
     cfg = size_resources(build_config(args.items), torch.cuda.is_available(), threads)
@@ -488,19 +599,28 @@ def run_mode(args: argparse.Namespace, threads: int) -> int:
 
 
 def compare_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) -> int:
-    print(f"fedbr-bench: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients x "
-          f"{cfg['local-steps']} steps x batch {cfg['batch-size']}, {rounds} timed rounds", flush=True)
+    print(
+        f"fedbr-bench: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients x "
+        f"{cfg['local-steps']} steps x batch {cfg['batch-size']}, {rounds} timed rounds",
+        flush=True,
+    )
     result = compare(cfg, rounds)
     device = _device_name(cfg, threads)
-    result = {"device": device, **result,
-              "bare_setup": f"one process, {threads} torch threads, clients one after another"}
+    result = {
+        "device": device,
+        **result,
+        "bare_setup": f"one process, {threads} torch threads, clients one after another",
+    }
     print("\n| path | s/round (median) | ratio |\n|---|---|---|")
     print(f"| bare PyTorch loop ({result['bare_setup']}) | {result['bare_s_per_round']:.3f} | 1.00 |")
-    print(f"| Flower simulation ({result['flower_setup']}) | {result['flower_s_per_round']:.3f} | "
-          f"{result['ratio']:.2f} |")
-    print(f"\ndevice: {device}; Flower run incl. start-up and final evaluation: "
-          f"{result['flower_total_s_incl_startup']:.1f} s; peak {result['memory']} per client process "
-          f"{result['client_peak_mb']:.0f} MB; fit messages {result['bytes_per_round'] / 1e6:.2f} MB per round")
+    print(
+        f"| Flower simulation ({result['flower_setup']}) | {result['flower_s_per_round']:.3f} | {result['ratio']:.2f} |"
+    )
+    print(
+        f"\ndevice: {device}; Flower run incl. start-up and final evaluation: "
+        f"{result['flower_total_s_incl_startup']:.1f} s; peak {result['memory']} per client process "
+        f"{result['client_peak_mb']:.0f} MB; fit messages {result['bytes_per_round'] / 1e6:.2f} MB per round"
+    )
     if json_path:
         json_path.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -55,7 +55,9 @@ def receive_shared(state, name: str, config: dict, pid: int) -> tuple[np.ndarray
     stored = state.meta(meta)
     stored = int(stored["version"]) if stored is not None else None
     if stored != version:
-        raise RuntimeError(f"client {pid} holds {name} data version {stored}, the server expects {version}; "
-                           "it resends the data to this client next round")
+        raise RuntimeError(
+            f"client {pid} holds {name} data version {stored}, the server expects {version}; "
+            "it resends the data to this client next round"
+        )
     arrays = state.arrays(key)
     return arrays["x"], arrays["y"], version

@@ -39,8 +39,10 @@ def load_checkpoint(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, Any
     """(arrays, header) of the run folder's checkpoint; ConfigError when there is none or it is unreadable."""
     path = Path(out_dir) / CHECKPOINT_NAME
     if not path.is_file():
-        raise ConfigError(f"no checkpoint to resume from: {path} does not exist (checkpoints are written every "
-                          "checkpoint-every rounds; a run stopped before its first one must start again)")
+        raise ConfigError(
+            f"no checkpoint to resume from: {path} does not exist (checkpoints are written every "
+            "checkpoint-every rounds; a run stopped before its first one must start again)"
+        )
     try:
         arrays, header = _read(path)
     except PermissionError as exc:
@@ -49,10 +51,12 @@ def load_checkpoint(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, Any
         raise
     except DAMAGED as exc:
         detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"checkpoint {path} is damaged or truncated ({detail}), so the run cannot be resumed "
-                          f"from it; start the run again with --overwrite (its config is in "
-                          f"{Path(out_dir) / 'manifest.json'}), or put back an intact copy of {CHECKPOINT_NAME} "
-                          "if you kept one") from None
+        raise ConfigError(
+            f"checkpoint {path} is damaged or truncated ({detail}), so the run cannot be resumed "
+            f"from it; start the run again with --overwrite (its config is in "
+            f"{Path(out_dir) / 'manifest.json'}), or put back an intact copy of {CHECKPOINT_NAME} "
+            "if you kept one"
+        ) from None
     if header.get("format") != FORMAT_VERSION:
         raise ConfigError(f"checkpoint {path} has format {header.get('format')}, this code reads {FORMAT_VERSION}")
     return arrays, header
@@ -85,9 +89,12 @@ def rng_state() -> dict[str, np.ndarray]:
     import torch
 
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"rng/torch": torch.get_rng_state().numpy().copy(), "rng/numpy-keys": keys,
-            "rng/numpy-meta": np.array([pos, has_gauss], dtype=np.int64),
-            "rng/numpy-gauss": np.array(cached, dtype=np.float64)}
+    return {
+        "rng/torch": torch.get_rng_state().numpy().copy(),
+        "rng/numpy-keys": keys,
+        "rng/numpy-meta": np.array([pos, has_gauss], dtype=np.int64),
+        "rng/numpy-gauss": np.array(cached, dtype=np.float64),
+    }
 
 
 def set_rng_state(arrays: Mapping[str, np.ndarray]) -> None:

@@ -46,8 +46,9 @@ def settings_from(items: Sequence[str]) -> dict[str, Any]:
         else:
             data = load_yaml(item)
             if "sweep" in data:
-                raise ConfigError(f"{item} describes several runs (it has a 'sweep' block): run it with "
-                                  f"`fedbr-sweep {item}`")
+                raise ConfigError(
+                    f"{item} describes several runs (it has a 'sweep' block): run it with `fedbr-sweep {item}`"
+                )
             overrides.update(data)
     return overrides
 
@@ -73,8 +74,10 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     for item in items:
         if "=" not in item or item.endswith((".yaml", ".yml")):
-            raise ConfigError(f"--resume takes the config from {out_dir}'s checkpoint; give only key=value overrides "
-                              f"of {', '.join(k for k in RESUMABLE_KEYS if k not in ('resume', 'git-commit'))}")
+            raise ConfigError(
+                f"--resume takes the config from {out_dir}'s checkpoint; give only key=value overrides "
+                f"of {', '.join(k for k in RESUMABLE_KEYS if k not in ('resume', 'git-commit'))}"
+            )
         key, value = parse_override(item)
         overrides[key] = value
     saved = header["config"]
@@ -85,8 +88,9 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
     return cfg
 
 
-def size_resources(cfg: dict[str, Any], cuda_available: bool, cpu_count: int, gpu_count: int | None = None
-                   ) -> dict[str, Any]:
+def size_resources(
+    cfg: dict[str, Any], cuda_available: bool, cpu_count: int, gpu_count: int | None = None
+) -> dict[str, Any]:
     """Resources for Ray: CPU cores per client, and a GPU share when CUDA is present. With
     ``engine=cohort``: the cohorts (unless ``cohorts`` says: one per GPU; on a CPU, one per
     ``client-cpus`` cores, so that they train side by side with each client's thread count as under
@@ -143,30 +147,39 @@ def check_no_run(out: Path) -> None:
 
     found = [name for name in ("metrics.jsonl", "rounds.jsonl", CHECKPOINT_NAME) if (out / name).exists()]
     if CHECKPOINT_NAME in found:
-        raise ConfigError(f"{out} already holds a run; pick another output-dir, pass --overwrite, or continue it "
-                          f"with `fedbr-run --resume {out}`")
+        raise ConfigError(
+            f"{out} already holds a run; pick another output-dir, pass --overwrite, or continue it "
+            f"with `fedbr-run --resume {out}`"
+        )
     if any((out / name).stat().st_size for name in found):
-        raise ConfigError(f"{out} already holds a run (without a checkpoint, so it cannot be resumed); pick "
-                          "another output-dir or pass --overwrite")
+        raise ConfigError(
+            f"{out} already holds a run (without a checkpoint, so it cannot be resumed); pick "
+            "another output-dir or pass --overwrite"
+        )
     if found:
-        raise ConfigError(f"{out} holds the empty files of a run that stopped before its first round (no "
-                          "checkpoint to resume from); pick another output-dir or pass --overwrite")
+        raise ConfigError(
+            f"{out} holds the empty files of a run that stopped before its first round (no "
+            "checkpoint to resume from); pick another output-dir or pass --overwrite"
+        )
 
 
 def list_keys() -> str:
     """Every strategy and component, then every key by owner: its default, choices and meaning."""
     from .registry import COMPONENTS, VARIANTS, algorithm_names, how_to_enable
 
-    lines = [f"strategies: {', '.join(algorithm_names())}",
-             *(f"  {name} = {v.base} + {' + '.join(v.components)}: {v.summary}"
-               for name, v in sorted(VARIANTS.items())),
-             f"components (strategy=fedbr fedbr-with=a,b): {', '.join(sorted(COMPONENTS))}"]
+    lines = [
+        f"strategies: {', '.join(algorithm_names())}",
+        *(f"  {name} = {v.base} + {' + '.join(v.components)}: {v.summary}" for name, v in sorted(VARIANTS.items())),
+        f"components (strategy=fedbr fedbr-with=a,b): {', '.join(sorted(COMPONENTS))}",
+    ]
     owner = object()
     for key, spec in schema().items():
         if spec.owner != owner:
             owner = spec.owner
-            lines += ["", "common keys (default) - meaning:" if owner is None else
-                      f"{owner} keys ({how_to_enable(owner)}):"]
+            lines += [
+                "",
+                "common keys (default) - meaning:" if owner is None else f"{owner} keys ({how_to_enable(owner)}):",
+            ]
         choices = f" [{'|'.join(spec.choices)}]" if spec.choices else ""
         lines.append(f"  {key} ({spec.default!r}){choices} - {spec.help}")
     return "\n".join(lines)
@@ -184,8 +197,10 @@ def check_pyproject(path: Path = PROJECT_DIR / "pyproject.toml") -> None:
         return
     table = tomllib.loads(path.read_text()).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
     if table != defaults():
-        raise ConfigError(f"{path}'s run-config table differs from the config schema (a key was added or "
-                          "changed): run `fedbr-run --write-pyproject`, then run again")
+        raise ConfigError(
+            f"{path}'s run-config table differs from the config schema (a key was added or "
+            "changed): run `fedbr-run --write-pyproject`, then run again"
+        )
 
 
 def write_pyproject(path: Path = PROJECT_DIR / "pyproject.toml") -> bool:
@@ -215,15 +230,21 @@ def write_configuration_page(path: Path = CONFIGURATION_PAGE) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedbr-run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="fedbr-run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
     parser.add_argument("--list", action="store_true", help="list strategies, components and config keys, then exit")
-    parser.add_argument("--write-pyproject", action="store_true",
-                        help="rewrite pyproject.toml's run-config table from the schema (after adding a key), "
-                             "then exit")
-    parser.add_argument("--write-docs", action="store_true",
-                        help="rewrite docs/configuration.md from the schema (after adding a key), then exit")
+    parser.add_argument(
+        "--write-pyproject",
+        action="store_true",
+        help="rewrite pyproject.toml's run-config table from the schema (after adding a key), then exit",
+    )
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="rewrite docs/configuration.md from the schema (after adding a key), then exit",
+    )
     parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then exit")
     parser.add_argument("--overwrite", action="store_true", help="reuse an output-dir that holds a run")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
@@ -239,8 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(list_keys())
         return 0
     if args.write_pyproject or args.write_docs:
-        for wanted, write, path in ((args.write_pyproject, write_pyproject, PROJECT_DIR / "pyproject.toml"),
-                                    (args.write_docs, write_configuration_page, CONFIGURATION_PAGE)):
+        for wanted, write, path in (
+            (args.write_pyproject, write_pyproject, PROJECT_DIR / "pyproject.toml"),
+            (args.write_docs, write_configuration_page, CONFIGURATION_PAGE),
+        ):
             if wanted:
                 print(f"fedbr-run: {path} {'rewritten' if write() else 'already up to date'}")
         return 0
@@ -248,8 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         if args.resume:
-            cfg = size_resources(resume_config(Path(args.resume), args.items), torch.cuda.is_available(),
-                                 os.cpu_count() or 1)
+            cfg = size_resources(
+                resume_config(Path(args.resume), args.items), torch.cuda.is_available(), os.cpu_count() or 1
+            )
         else:
             cfg = size_resources(build_config(args.items), torch.cuda.is_available(), os.cpu_count() or 1)
             cfg = prepare(cfg, args.overwrite)
@@ -260,8 +284,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(f"{k} = {v!r}" for k, v in cfg.items()))
         return 0
     out = Path(cfg["output-dir"])
-    print(f"fedbr-run: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients, "
-          f"{cfg['num-rounds']} rounds -> {out}", flush=True)
+    print(
+        f"fedbr-run: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients, "
+        f"{cfg['num-rounds']} rounds -> {out}",
+        flush=True,
+    )
     # SIGTERM must unwind like Ctrl-C so that the launcher stops the SuperLink and its children.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
@@ -271,13 +298,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fedbr-run: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"fedbr-run: interrupted; Flower processes stopped; partial run files in {out} (continue with "
-              f"`fedbr-run --resume {out}` once a checkpoint exists)", file=sys.stderr)
+        print(
+            f"fedbr-run: interrupted; Flower processes stopped; partial run files in {out} (continue with "
+            f"`fedbr-run --resume {out}` once a checkpoint exists)",
+            file=sys.stderr,
+        )
         return 130
     summary_md = out / "summary.md"
     if not summary_md.exists():
-        print(f"fedbr-run: error: the run ended without a final evaluation (did every client fail?); "
-              f"see {out / 'flower.log'}", file=sys.stderr)
+        print(
+            f"fedbr-run: error: the run ended without a final evaluation (did every client fail?); "
+            f"see {out / 'flower.log'}",
+            file=sys.stderr,
+        )
         return 1
     return print_result(out, "fedbr-run", "(metrics.jsonl, rounds.jsonl, manifest.json, summary.json, convergence.png)")
 

@@ -36,7 +36,7 @@ def by_member(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, dict
     shared, own = {}, {}
     for key, value in values.items():
         if key.startswith(PREFIX):
-            pid, name = key[len(PREFIX):].split("/", 1)
+            pid, name = key[len(PREFIX) :].split("/", 1)
             own.setdefault(int(pid), {})[name] = value
         elif key != MEMBERS:
             shared[key] = value

@@ -29,14 +29,26 @@ COMMON: dict[str, Key] = {
     "output-dir": Key("", "where the run files go; empty: runs/<strategy>-<dataset>-<time> under the server's cwd"),
     "git-commit": Key("", "code version recorded in the manifest (the CLI fills it in)"),
     # data
-    "dataset": Key("mnist5k", "dataset; synthetic: random CIFAR-size images and labels, for benchmarks",
-                   choices=("mnist5k", "mnist", "cifar10", "cifar100", "synthetic")),
-    "data-dir": Key("", "folder holding torchvision's MNIST/ or CIFAR files (not read for mnist5k); empty: "
-                        "$FEDBR_DATA_DIR, else ${XDG_CACHE_HOME:-~/.cache}/fedbr-flwr/datasets"),
-    "download": Key("auto", "a missing MNIST/CIFAR dataset: download it into the data folder (auto), or stop "
-                            "with a message (never)", choices=("auto", "never")),
-    "num-clients": Key(0, "number of clients; 0 = one per SuperNode (Flower's simulation default is 2, "
-                          "fedbr-run then starts 10)", check=NON_NEGATIVE),
+    "dataset": Key(
+        "mnist5k",
+        "dataset; synthetic: random CIFAR-size images and labels, for benchmarks",
+        choices=("mnist5k", "mnist", "cifar10", "cifar100", "synthetic"),
+    ),
+    "data-dir": Key(
+        "",
+        "folder holding torchvision's MNIST/ or CIFAR files (not read for mnist5k); empty: "
+        "$FEDBR_DATA_DIR, else ${XDG_CACHE_HOME:-~/.cache}/fedbr-flwr/datasets",
+    ),
+    "download": Key(
+        "auto",
+        "a missing MNIST/CIFAR dataset: download it into the data folder (auto), or stop with a message (never)",
+        choices=("auto", "never"),
+    ),
+    "num-clients": Key(
+        0,
+        "number of clients; 0 = one per SuperNode (Flower's simulation default is 2, fedbr-run then starts 10)",
+        check=NON_NEGATIVE,
+    ),
     "partition": Key("fedbr", "label split", choices=("fedbr", "dirichlet", "iid", "classes")),
     "alpha": Key(0.1, "Dirichlet concentration of the fedbr/dirichlet splits", check=POSITIVE),
     "classes-per-client": Key(2, "classes per client of the 'classes' (pFedHN) split", check=POSITIVE),
@@ -50,38 +62,65 @@ COMMON: dict[str, Key] = {
     "momentum": Key(0.0, "client SGD momentum", check=BELOW_ONE),
     "weight-decay": Key(0.0, "client SGD weight decay", check=NON_NEGATIVE),
     "device": Key("auto", "client training device; auto = cuda when available", choices=("auto", "cpu", "cuda")),
-    "precision": Key("fp32", "local steps in fp32, or in bf16 (weights and optimiser stay fp32): per client and "
-                             "with cohort-step=loop under autocast, a region per step; with cohort-step=vmap/graph "
-                             "every module cast to bf16 (norm layers and softmax too); both land about 3-4% of an "
-                             "update from fp32, and from each other (docs/implementation-choices.md)",
-                     choices=("fp32", "bf16")),
-    "compile": Key(False, "torch.compile the backbone's feature extractor on the clients (the first round "
-                          "pays the compilation)"),
+    "precision": Key(
+        "fp32",
+        "local steps in fp32, or in bf16 (weights and optimiser stay fp32): per client and "
+        "with cohort-step=loop under autocast, a region per step; with cohort-step=vmap/graph "
+        "every module cast to bf16 (norm layers and softmax too); both land about 3-4% of an "
+        "update from fp32, and from each other (docs/implementation-choices.md)",
+        choices=("fp32", "bf16"),
+    ),
+    "compile": Key(
+        False, "torch.compile the backbone's feature extractor on the clients (the first round pays the compilation)"
+    ),
     # server
     "fraction-fit": Key(1.0, "share of clients sampled per round", check=FRACTION),
     "weighting": Key("uniform", "averaging weights", choices=("uniform", "samples")),
     "eval-every": Key(2, "evaluate the global model every E rounds (and at the last)", check=POSITIVE),
     "global-test": Key(True, "also evaluate the global model on the dataset's test split (server side)"),
     "target-acc": Key(0.5, "threshold for 'rounds to reach' in the summary", check=FRACTION),
-    "engine": Key("clients", "simulation engine: one Flower node per client (clients), or per cohort of clients "
-                             "that one process trains (cohort; simulation only)", choices=("clients", "cohort")),
-    "cohorts": Key(0, "engine=cohort: the number of cohorts (Flower nodes); 0 = one per GPU, or on a CPU one "
-                      "per client-cpus cores", check=NON_NEGATIVE),
-    "cohort-step": Key("auto", "engine=cohort: how a cohort steps its clients: loop (one after another), vmap (all "
-                               "at once, torch.func.vmap over the clients), graph (vmap, each round's step captured "
-                               "once as a CUDA graph and replayed; GPU only), auto (vmap on a GPU when the algorithm "
-                               "has a vectorised step, else loop)", choices=("auto", "loop", "vmap", "graph")),
+    "engine": Key(
+        "clients",
+        "simulation engine: one Flower node per client (clients), or per cohort of clients "
+        "that one process trains (cohort; simulation only)",
+        choices=("clients", "cohort"),
+    ),
+    "cohorts": Key(
+        0,
+        "engine=cohort: the number of cohorts (Flower nodes); 0 = one per GPU, or on a CPU one per client-cpus cores",
+        check=NON_NEGATIVE,
+    ),
+    "cohort-step": Key(
+        "auto",
+        "engine=cohort: how a cohort steps its clients: loop (one after another), vmap (all "
+        "at once, torch.func.vmap over the clients), graph (vmap, each round's step captured "
+        "once as a CUDA graph and replayed; GPU only), auto (vmap on a GPU when the algorithm "
+        "has a vectorised step, else loop)",
+        choices=("auto", "loop", "vmap", "graph"),
+    ),
     # simulation resources (used by the CLI; recorded in the manifest)
     "client-cpus": Key(1, "CPU cores per simulated client (also its torch threads)", check=POSITIVE),
-    "client-gpus": Key(0.0, "GPU share per simulated client; the CLI picks one when CUDA is present",
-                       check=UNIT_INTERVAL),
+    "client-gpus": Key(
+        0.0, "GPU share per simulated client; the CLI picks one when CUDA is present", check=UNIT_INTERVAL
+    ),
     # faults and checkpoints
-    "min-fit-clients": Key(1, "fewest valid client updates that may change the global model; a round with fewer "
-                              "keeps it unchanged (recorded in rounds.jsonl)", check=POSITIVE),
-    "round-timeout": Key(0.0, "seconds the server waits for a round's answers; clients still busy then count as "
-                              "failed (0: wait for every client)", check=NON_NEGATIVE),
-    "checkpoint-every": Key(5, "save the server's whole state to checkpoint.npz every N rounds and at the last "
-                               "(0: never)", check=NON_NEGATIVE),
+    "min-fit-clients": Key(
+        1,
+        "fewest valid client updates that may change the global model; a round with fewer "
+        "keeps it unchanged (recorded in rounds.jsonl)",
+        check=POSITIVE,
+    ),
+    "round-timeout": Key(
+        0.0,
+        "seconds the server waits for a round's answers; clients still busy then count as "
+        "failed (0: wait for every client)",
+        check=NON_NEGATIVE,
+    ),
+    "checkpoint-every": Key(
+        5,
+        "save the server's whole state to checkpoint.npz every N rounds and at the last (0: never)",
+        check=NON_NEGATIVE,
+    ),
     "resume": Key(False, "continue the run in output-dir from its checkpoint (`fedbr-run --resume DIR` sets it)"),
 }
 
@@ -127,8 +166,10 @@ def _coerce(key: str, spec: Key, value: Any) -> Any:
             return int(value)
     elif isinstance(value, str):
         return ",".join(v.strip() for v in value.split(",")) if spec.names else value
-    raise ConfigError(f"config key '{key}' must be {'a list of names' if spec.names else _type_name(default)}, "
-                      f"got {type(value).__name__} {value!r}")
+    raise ConfigError(
+        f"config key '{key}' must be {'a list of names' if spec.names else _type_name(default)}, "
+        f"got {type(value).__name__} {value!r}"
+    )
 
 
 def _yaml_number(text: str) -> Any:
@@ -199,8 +240,7 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
     num_classes = 100 if cfg["dataset"] == "cifar100" else 10
     if cfg["partition"] == "classes" and cfg["classes-per-client"] > num_classes:
         raise ConfigError(
-            f"'classes-per-client' = {cfg['classes-per-client']} exceeds the {num_classes} classes of "
-            f"{cfg['dataset']}"
+            f"'classes-per-client' = {cfg['classes-per-client']} exceeds the {num_classes} classes of {cfg['dataset']}"
         )
     check_sampling(cfg)
     check_cohort_step(cfg)
@@ -217,11 +257,14 @@ def check_cohort_step(cfg: Mapping[str, Any]) -> None:
     if cfg["engine"] != "cohort":
         raise ConfigError(f"cohort-step={step} steps the clients of a cohort together: it needs engine=cohort")
     if step == "graph" and cfg["device"] == "cpu":
-        raise ConfigError("cohort-step=graph replays CUDA graphs: it needs device=cuda or auto on a GPU "
-                          "(on a CPU use loop or vmap)")
+        raise ConfigError(
+            "cohort-step=graph replays CUDA graphs: it needs device=cuda or auto on a GPU (on a CPU use loop or vmap)"
+        )
     if not client_class(cfg["strategy"]).vectorised:
-        raise ConfigError(f"strategy '{cfg['strategy']}' has no vectorised local step: use cohort-step=loop "
-                          "(or auto, which picks loop for it)")
+        raise ConfigError(
+            f"strategy '{cfg['strategy']}' has no vectorised local step: use cohort-step=loop "
+            "(or auto, which picks loop for it)"
+        )
 
 
 def sampled_per_round(fraction_fit: float, num_clients: int) -> int:
@@ -234,9 +277,11 @@ def check_sampling(cfg: Mapping[str, Any]) -> None:
         return
     sampled = sampled_per_round(cfg["fraction-fit"], cfg["num-clients"])
     if cfg["min-fit-clients"] > sampled:
-        raise ConfigError(f"min-fit-clients = {cfg['min-fit-clients']} but only {sampled} of the {cfg['num-clients']} "
-                          f"clients are sampled per round (fraction-fit = {cfg['fraction-fit']}): lower "
-                          "min-fit-clients or raise fraction-fit")
+        raise ConfigError(
+            f"min-fit-clients = {cfg['min-fit-clients']} but only {sampled} of the {cfg['num-clients']} "
+            f"clients are sampled per round (fraction-fit = {cfg['fraction-fit']}): lower "
+            "min-fit-clients or raise fraction-fit"
+        )
 
 
 def from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -323,8 +368,9 @@ def configuration_reference() -> str:
             heading = "Common keys" if owner is None else f"`{owner}` (with {how_to_enable(owner)})"
             lines += ["", f"## {heading}", "", "| key | type | default | values | meaning |", "|---|---|---|---|---|"]
         kind = "names" if spec.names else type(spec.default).__name__
-        values = " \\| ".join(f"`{c}`" for c in spec.choices) if spec.choices else \
-            (spec.check.message if spec.check else "")
+        values = (
+            " \\| ".join(f"`{c}`" for c in spec.choices) if spec.choices else (spec.check.message if spec.check else "")
+        )
         default = to_toml({key: spec.default}).strip().split(" = ", 1)[1]
         lines.append(f"| `{key}` | {kind} | `{default}` | {values} | {_markdown_cell(spec.help)} |")
     return "\n".join(lines) + "\n"

@@ -89,24 +89,30 @@ def data_folder(data_dir: str = "") -> Path:
 
 def _fetch_command(name: str, folder: Path) -> str:
     fetch = f"torchvision.datasets.{TORCHVISION_CLASS[name]}('{folder}', download=True)"
-    return f"python -c \"import torchvision; {fetch}\""
+    return f'python -c "import torchvision; {fetch}"'
 
 
 def _where(name: str, folder: Path) -> str:
-    return (f"Point data-dir= (or, when data-dir is empty, ${DATA_DIR_ENV}; default "
-            f"${{XDG_CACHE_HOME:-~/.cache}}/fedbr-flwr/datasets) at a folder that holds it, or fetch it into this "
-            f"one on a machine with internet access: {_fetch_command(name, folder)} (download=auto does that "
-            "itself when the machine is online)")
+    return (
+        f"Point data-dir= (or, when data-dir is empty, ${DATA_DIR_ENV}; default "
+        f"${{XDG_CACHE_HOME:-~/.cache}}/fedbr-flwr/datasets) at a folder that holds it, or fetch it into this "
+        f"one on a machine with internet access: {_fetch_command(name, folder)} (download=auto does that "
+        "itself when the machine is online)"
+    )
 
 
 def _missing(name: str, folder: Path, path: Path, reason: str) -> ConfigError:
-    return ConfigError(f"dataset '{name}' not found in data folder {folder}: no {path.relative_to(folder)} "
-                       f"({reason}). {_where(name, folder)}")
+    return ConfigError(
+        f"dataset '{name}' not found in data folder {folder}: no {path.relative_to(folder)} "
+        f"({reason}). {_where(name, folder)}"
+    )
 
 
 def _corrupt(name: str, folder: Path, path: Path, problem: str) -> ConfigError:
-    return ConfigError(f"dataset '{name}': {path} is corrupt or incomplete ({problem}): delete it, then run "
-                       f"again with download=auto, or fetch it with: {_fetch_command(name, folder)}")
+    return ConfigError(
+        f"dataset '{name}': {path} is corrupt or incomplete ({problem}): delete it, then run "
+        f"again with download=auto, or fetch it with: {_fetch_command(name, folder)}"
+    )
 
 
 def _one_line(exc: BaseException) -> str:
@@ -203,8 +209,9 @@ def load_mnist(data_dir: str = "", download: str = "auto") -> tuple[Split, Split
             x = _read_mnist_file(folder, images_path, Path(tmp), images=True)
             y = _read_mnist_file(folder, labels_path, Path(tmp), images=False)
             if len(x) != len(y):
-                raise _corrupt("mnist", folder, labels_path,
-                               f"{len(y)} labels but {images_path.name} holds {len(x)} images")
+                raise _corrupt(
+                    "mnist", folder, labels_path, f"{len(y)} labels but {images_path.name} holds {len(x)} images"
+                )
             splits.append(Split(x[:, None].copy(), y.astype(np.int64)))
     return splits[0], splits[1]
 
@@ -217,8 +224,7 @@ def load_mnist5k(seed: int = 0) -> tuple[Split, Split]:
     x = np.asarray(x, dtype=np.uint8).reshape(-1, 1, 28, 28)
     y = np.asarray(y, dtype=np.int64)
     rng = np.random.default_rng(seeds.MNIST5K_GLOBAL_TEST)  # the global test set never depends on the run seed
-    test = np.concatenate([rng.permutation(np.flatnonzero(y == c))[:MNIST5K_GLOBAL_TEST_PER_CLASS]
-                           for c in range(10)])
+    test = np.concatenate([rng.permutation(np.flatnonzero(y == c))[:MNIST5K_GLOBAL_TEST_PER_CLASS] for c in range(10)])
     train = np.setdiff1d(np.arange(len(y)), test)
     return Split(x[train], y[train]), Split(x[np.sort(test)], y[np.sort(test)])
 
@@ -273,8 +279,9 @@ def load_cifar(name: str, data_dir: str = "", download: str = "auto") -> tuple[S
         if len(x) != len(y):
             raise _corrupt(name, folder, folder / cls.base_folder, f"{files}: {len(y)} labels for {len(x)} images")
         if len(y) and (y.min() < 0 or y.max() >= INFO[name].num_classes):
-            raise _corrupt(name, folder, folder / cls.base_folder,
-                           f"{files}: labels outside 0..{INFO[name].num_classes - 1}")
+            raise _corrupt(
+                name, folder, folder / cls.base_folder, f"{files}: labels outside 0..{INFO[name].num_classes - 1}"
+            )
         splits.append(Split(x, y))
     return splits[0], splits[1]
 
@@ -383,8 +390,12 @@ PARTITION_KEYS = ("num-clients", "partition", "alpha", "classes-per-client", "se
 
 
 def make_partition(cfg: Mapping[str, Any]) -> tuple[list[np.ndarray], str]:
-    parts = _cached_partition(cfg["dataset"], _source_folder(cfg["dataset"], cfg["data-dir"]), cfg["download"],
-                              *(cfg[k] for k in PARTITION_KEYS))
+    parts = _cached_partition(
+        cfg["dataset"],
+        _source_folder(cfg["dataset"], cfg["data-dir"]),
+        cfg["download"],
+        *(cfg[k] for k in PARTITION_KEYS),
+    )
     return parts, partition_hash(parts)
 
 
@@ -392,8 +403,10 @@ def make_partition(cfg: Mapping[str, Any]) -> tuple[list[np.ndarray], str]:
 def _cached_partition(dataset, folder, download, num_clients, method, alpha, classes_each, seed):
     train, _ = load_raw(dataset, folder, download)
     if 2 * num_clients > len(train.y):
-        raise ConfigError(f"num-clients = {num_clients} but {dataset} has {len(train.y)} training samples: every "
-                          "client needs at least 2 (one to train on, one to test on)")
+        raise ConfigError(
+            f"num-clients = {num_clients} but {dataset} has {len(train.y)} training samples: every "
+            "client needs at least 2 (one to train on, one to test on)"
+        )
     parts = partition(train.y, num_clients, method, seed, alpha=alpha, classes_each=classes_each)
     empty = [i for i, p in enumerate(parts) if len(p) < 2]
     if empty:
@@ -435,8 +448,10 @@ def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.de
     n = len(train_idx)
     return ClientData(
         partition_id=partition_id,
-        x_train=x[:n].to(device), y_train=y[:n].to(device),
-        x_test=x[n:].to(device), y_test=y[n:].to(device),
+        x_train=x[:n].to(device),
+        y_train=y[:n].to(device),
+        x_test=x[n:].to(device),
+        y_test=y[n:].to(device),
         num_classes=info.num_classes,
         augment=cfg["dataset"] == "cifar100",
         border=normalised_black(info),
@@ -449,13 +464,15 @@ class PackedPartitions:
     ``x_train``/``y_train`` is a view of its rows, so the cohort's data lives on the device once and every
     member's batch of a step comes from one gather. The rows are not padded to the longest partition: Dirichlet
     partitions differ in length many times over, and padding would hold clients x longest images."""
+
     x: torch.Tensor
     y: torch.Tensor
     offsets: dict[int, int]  # partition id -> its first row
 
 
-def pack_partitions(members: Mapping[int, ClientData], device: torch.device | str
-                    ) -> tuple[dict[int, ClientData], PackedPartitions]:
+def pack_partitions(
+    members: Mapping[int, ClientData], device: torch.device | str
+) -> tuple[dict[int, ClientData], PackedPartitions]:
     """``members`` (loaded anywhere, e.g. on the host) on ``device``: their training partitions packed into one
     tensor, which their own ``x_train``/``y_train`` view."""
     x = torch.cat([d.x_train for d in members.values()]).to(device)
@@ -464,14 +481,20 @@ def pack_partitions(members: Mapping[int, ClientData], device: torch.device | st
     for pid, data in members.items():
         n = len(data.y_train)
         offsets[pid] = start
-        packed[pid] = replace(data, x_train=x[start:start + n], y_train=y[start:start + n],
-                              x_test=data.x_test.to(device), y_test=data.y_test.to(device))
+        packed[pid] = replace(
+            data,
+            x_train=x[start : start + n],
+            y_train=y[start : start + n],
+            x_test=data.x_test.to(device),
+            y_test=data.y_test.to(device),
+        )
         start += n
     return packed, PackedPartitions(x, y, offsets)
 
 
-def load_cohort_data(cfg: Mapping[str, Any], partition_ids: list[int], device: torch.device | str
-                     ) -> tuple[dict[int, ClientData], PackedPartitions]:
+def load_cohort_data(
+    cfg: Mapping[str, Any], partition_ids: list[int], device: torch.device | str
+) -> tuple[dict[int, ClientData], PackedPartitions]:
     """A cohort's clients' data on ``device``, their training partitions packed (``pack_partitions``)."""
     return pack_partitions({pid: load_client_data(cfg, pid, "cpu") for pid in partition_ids}, device)
 
@@ -496,8 +519,9 @@ def normalised_black(info: DatasetInfo) -> tuple[float, ...]:
     return tuple(normalise(torch.zeros(1, len(info.mean), 1, 1), info).flatten().tolist())
 
 
-def random_crop_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4,
-                     border: tuple[float, ...] = ()) -> torch.Tensor:
+def random_crop_flip(
+    x: torch.Tensor, generator: torch.Generator, pad: int = 4, border: tuple[float, ...] = ()
+) -> torch.Tensor:
     """Batched RandomCrop(size, padding=pad) + RandomHorizontalFlip, without a per-image loop. The
     batch is already normalised, so the padding holds ``border`` (per channel; default 0): the
     normalised black pixel that torchvision's crop-then-normalise order pads with."""
@@ -505,7 +529,7 @@ def random_crop_flip(x: torch.Tensor, generator: torch.Generator, pad: int = 4,
     padded = x.new_zeros(b, c, h + 2 * pad, w + 2 * pad)
     if border:
         padded[:] = torch.tensor(border, dtype=x.dtype, device=x.device).view(1, c, 1, 1)
-    padded[:, :, pad:pad + h, pad:pad + w] = x
+    padded[:, :, pad : pad + h, pad : pad + w] = x
     dev = x.device
     oy = torch.randint(0, 2 * pad + 1, (b,), device=dev, generator=generator)
     ox = torch.randint(0, 2 * pad + 1, (b,), device=dev, generator=generator)

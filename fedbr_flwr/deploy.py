@@ -61,28 +61,42 @@ def make_certificates(out: Path, hosts: Sequence[str], supernodes: int, days: in
 
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
-    valid = dict(not_valid_before=now - datetime.timedelta(minutes=5),
-                 not_valid_after=now + datetime.timedelta(days=days))
+    valid = dict(
+        not_valid_before=now - datetime.timedelta(minutes=5), not_valid_after=now + datetime.timedelta(days=days)
+    )
 
     def cert(subject, issuer, public_key, signing_key, extensions):
-        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
-                   .serial_number(x509.random_serial_number())
-                   .not_valid_before(valid["not_valid_before"]).not_valid_after(valid["not_valid_after"]))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(valid["not_valid_before"])
+            .not_valid_after(valid["not_valid_after"])
+        )
         for ext, critical in extensions:
             builder = builder.add_extension(ext, critical=critical)
         return builder.sign(signing_key, hashes.SHA256())
 
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedbr-flwr CA")])
-    ca_cert = cert(ca_name, ca_name, ca_key.public_key(), ca_key,
-                   [(x509.BasicConstraints(ca=True, path_length=None), True)])
+    ca_cert = cert(
+        ca_name, ca_name, ca_key.public_key(), ca_key, [(x509.BasicConstraints(ca=True, path_length=None), True)]
+    )
     server_key = ec.generate_private_key(ec.SECP384R1())
     names = [x509.IPAddress(ipaddress.ip_address(h)) if _is_ip(h) else x509.DNSName(h) for h in hosts]
-    server_cert = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]), ca_name,
-                       server_key.public_key(), ca_key, [(x509.SubjectAlternativeName(names), False)])
+    server_cert = cert(
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]),
+        ca_name,
+        server_key.public_key(),
+        ca_key,
+        [(x509.SubjectAlternativeName(names), False)],
+    )
     pem = serialization.Encoding.PEM
-    write_private(out / SERVER_KEY, server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                              serialization.NoEncryption()))
+    write_private(
+        out / SERVER_KEY, server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     (out / SERVER_CERT).write_bytes(server_cert.public_bytes(pem))
     (out / CA).write_bytes(ca_cert.public_bytes(pem))
     keys = []
@@ -91,7 +105,8 @@ def make_certificates(out: Path, hosts: Sequence[str], supernodes: int, days: in
         path = out / f"supernode-{i}"
         write_private(path, key.private_bytes(pem, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
         path.with_name(path.name + ".pub").write_bytes(
-            key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+            key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        )
         keys.append(path)
     return keys
 
@@ -118,18 +133,36 @@ def flower_tool(env: dict[str, str], name: str) -> str:
     return shutil.which(name, path=env["PATH"]) or name
 
 
-def superlink_command(env: dict[str, str], host: str, port: int, certs: Path | None, auth: bool,
-                      state_dir: Path) -> list[str]:
-    security = ["--insecure"] if certs is None else [
-        "--ssl-ca-certfile", str(certs / CA), "--ssl-certfile", str(certs / SERVER_CERT),
-        "--ssl-keyfile", str(certs / SERVER_KEY)]
+def superlink_command(
+    env: dict[str, str], host: str, port: int, certs: Path | None, auth: bool, state_dir: Path
+) -> list[str]:
+    security = (
+        ["--insecure"]
+        if certs is None
+        else [
+            "--ssl-ca-certfile",
+            str(certs / CA),
+            "--ssl-certfile",
+            str(certs / SERVER_CERT),
+            "--ssl-keyfile",
+            str(certs / SERVER_KEY),
+        ]
+    )
     if auth:
         if certs is None:
             raise ConfigError("SuperNode authentication needs TLS: give --certs (or --tls with local)")
         security.append("--enable-supernode-auth")
-    return [flower_tool(env, "flower-superlink"), *security, "--host", host, "--port", str(port),
-            "--database", str(state_dir / "superlink.db"),
-            "--disable-runtime-dependency-installation"]
+    return [
+        flower_tool(env, "flower-superlink"),
+        *security,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--database",
+        str(state_dir / "superlink.db"),
+        "--disable-runtime-dependency-installation",
+    ]
 
 
 def node_config_string(values: dict[str, object]) -> str:
@@ -137,13 +170,22 @@ def node_config_string(values: dict[str, object]) -> str:
     return " ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
 
 
-def supernode_command(env: dict[str, str], superlink: str, port: int, certs: Path | None, node_config: dict,
-                      auth_key: Path | None) -> list[str]:
+def supernode_command(
+    env: dict[str, str], superlink: str, port: int, certs: Path | None, node_config: dict, auth_key: Path | None
+) -> list[str]:
     security = ["--insecure"] if certs is None else ["--root-certificates", str(certs / CA)]
     if auth_key is not None:
         security += ["--auth-supernode-private-key", str(auth_key)]
-    return [flower_tool(env, "flower-supernode"), *security, "--superlink", superlink, "--port", str(port),
-            "--node-config", node_config_string(node_config)]
+    return [
+        flower_tool(env, "flower-supernode"),
+        *security,
+        "--superlink",
+        superlink,
+        "--port",
+        str(port),
+        "--node-config",
+        node_config_string(node_config),
+    ]
 
 
 def worker_command(address: Path) -> list[str]:
@@ -155,13 +197,19 @@ def write_connection(flwr_home: Path, address: str, certs: Path | None) -> None:
     flwr_home.mkdir(parents=True, exist_ok=True)
     security = "insecure = true" if certs is None else f'root-certificates = "{(certs / CA).resolve()}"'
     (flwr_home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{address}"\n{security}\n')
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{address}"\n{security}\n'
+    )
 
 
 def register_supernodes(env: dict[str, str], public_keys: Sequence[Path]) -> None:
     for key in public_keys:
-        res = subprocess.run([flower_tool(env, "flwr"), "supernode", "register", str(key), CONNECTION], env=env,
-                             capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [flower_tool(env, "flwr"), "supernode", "register", str(key), CONNECTION],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if res.returncode != 0:
             raise RunFailed(f"`flwr supernode register {key}` failed: {(res.stdout + res.stderr).strip()[-500:]}")
 
@@ -185,6 +233,7 @@ def deploy_env(flwr_home: Path, address: str, certs: Path | None) -> dict[str, s
 @dataclass
 class Deployment:
     """Processes started on this machine, by role; ``stop()`` ends them all with their children."""
+
     env: dict[str, str]
     log_dir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -195,8 +244,9 @@ class Deployment:
         self.commands[name] = command
         log = open(self.log_dir / f"{name}.log", "ab")
         # killed with all it starts if fedbr-deploy dies, also by SIGKILL (see watchdog.py)
-        proc = watchdog.spawn(command, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+        proc = watchdog.spawn(
+            command, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         log.close()
         self.procs[name] = proc
         return proc
@@ -220,8 +270,9 @@ def start_worker(deployment: Deployment, name: str, address: Path, gpu: str | No
 
 
 @contextmanager
-def local_deployment(out_dir: Path, num_supernodes: int, tls: bool = False, auth: bool = False,
-                     workers: bool = True) -> Iterator[Deployment]:
+def local_deployment(
+    out_dir: Path, num_supernodes: int, tls: bool = False, auth: bool = False, workers: bool = True
+) -> Iterator[Deployment]:
     """A SuperLink and ``num_supernodes`` SuperNodes (partition i of n each, with a worker unless
     ``workers=False``) on 127.0.0.1, with TLS and SuperNode authentication when asked; stopped on exit,
     also on failure. Logs and keys go to ``out_dir/deploy``."""
@@ -237,11 +288,16 @@ def local_deployment(out_dir: Path, num_supernodes: int, tls: bool = False, auth
     address = f"127.0.0.1:{port}"
     deployment = Deployment(deploy_env(home / "flwr", address, certs), log_dir)
     try:
-        superlink = deployment.start("superlink", superlink_command(deployment.env, "127.0.0.1", port, certs, auth,
-                                                                    home))
+        superlink = deployment.start(
+            "superlink", superlink_command(deployment.env, "127.0.0.1", port, certs, auth, home)
+        )
         scheme = "https" if certs else "http"
-        wait_healthy(superlink, f"{scheme}://127.0.0.1:{port}/health", log_dir / "superlink.log",
-                     verify=ssl.create_default_context(cafile=str(certs / CA)) if certs else True)
+        wait_healthy(
+            superlink,
+            f"{scheme}://127.0.0.1:{port}/health",
+            log_dir / "superlink.log",
+            verify=ssl.create_default_context(cafile=str(certs / CA)) if certs else True,
+        )
         if auth:
             register_supernodes(deployment.env, [k.with_name(k.name + ".pub") for k in keys])
         for i in range(num_supernodes):
@@ -250,8 +306,10 @@ def local_deployment(out_dir: Path, num_supernodes: int, tls: bool = False, auth
                 sock = home / f"worker-{i}.sock"
                 start_worker(deployment, f"worker-{i}", sock, None)
                 node["worker"] = str(sock)
-            deployment.start(f"supernode-{i}", supernode_command(deployment.env, address, free_port(), certs, node,
-                                                                 keys[i] if auth else None))
+            deployment.start(
+                f"supernode-{i}",
+                supernode_command(deployment.env, address, free_port(), certs, node, keys[i] if auth else None),
+            )
         yield deployment
     finally:
         deployment.stop()
@@ -271,8 +329,10 @@ def round_seconds(out_dir: Path) -> dict[str, float]:
 
     rounds, evals = read_jsonl(out_dir / "rounds.jsonl"), read_jsonl(out_dir / "metrics.jsonl")
     fit = [r["seconds"] for r in rounds[1:]] or [r["seconds"] for r in rounds]
-    return {"fit_s_per_round": float(np.median(fit)),
-            "wall_s_per_round": float(evals[-1]["wall_time"]) / max(len(rounds), 1) if evals else float("nan")}
+    return {
+        "fit_s_per_round": float(np.median(fit)),
+        "wall_s_per_round": float(evals[-1]["wall_time"]) / max(len(rounds), 1) if evals else float("nan"),
+    }
 
 
 # ---------------------------------------------------------------- command line
@@ -289,13 +349,17 @@ def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -
         settings = {normalise_key(k): v for k, v in settings_from(items).items()}
         if num_clients is not None:
             if settings.get("num-clients", 0) not in (0, num_clients):
-                raise ConfigError(f"num-clients = {settings['num-clients']} but --supernodes {num_clients}: drop "
-                                  "num-clients or make them equal")
+                raise ConfigError(
+                    f"num-clients = {settings['num-clients']} but --supernodes {num_clients}: drop "
+                    "num-clients or make them equal"
+                )
             settings["num-clients"] = num_clients
         cfg = prepare(validate(settings), overwrite=False)
     if cfg["engine"] == "cohort":
-        raise ConfigError("engine=cohort runs in simulation only (fedbr-run): a deployment has one client per "
-                          "SuperNode; drop engine=cohort (engine=clients)")
+        raise ConfigError(
+            "engine=cohort runs in simulation only (fedbr-run): a deployment has one client per "
+            "SuperNode; drop engine=cohort (engine=clients)"
+        )
     return cfg
 
 
@@ -318,9 +382,11 @@ def cmd_local(args) -> int:
     _check_supernodes(args.supernodes)
     cfg = _config(args.items, args.resume, args.supernodes)
     out = Path(cfg["output-dir"])
-    print(f"fedbr-deploy: {cfg['strategy']} on {cfg['dataset']}, {args.supernodes} SuperNodes on 127.0.0.1"
-          f"{' with TLS' if args.tls or args.auth else ''}{' and SuperNode auth' if args.auth else ''} -> {out}",
-          flush=True)
+    print(
+        f"fedbr-deploy: {cfg['strategy']} on {cfg['dataset']}, {args.supernodes} SuperNodes on 127.0.0.1"
+        f"{' with TLS' if args.tls or args.auth else ''}{' and SuperNode auth' if args.auth else ''} -> {out}",
+        flush=True,
+    )
     with runlock.hold(out), local_deployment(out, args.supernodes, args.tls, args.auth, not args.no_worker) as dep:
         submit_run(cfg, dep.env, CONNECTION, out, echo="progress")
     return _print_result(out)
@@ -397,12 +463,16 @@ def tls_mismatch(superlink: str, tls: bool) -> str | None:
     """What to fix when this SuperNode's security does not match the SuperLink's, as far as a probe tells."""
     answer = speaks_tls(superlink)
     if answer is True and not tls:
-        return (f"the SuperLink at {superlink} speaks TLS, but this SuperNode was started with --insecure: give "
-                "--certs DIR (the folder from `fedbr-deploy certs` holding its ca.crt, passed to Flower as "
-                "--root-certificates)")
+        return (
+            f"the SuperLink at {superlink} speaks TLS, but this SuperNode was started with --insecure: give "
+            "--certs DIR (the folder from `fedbr-deploy certs` holding its ca.crt, passed to Flower as "
+            "--root-certificates)"
+        )
     if answer is False and tls:
-        return (f"the SuperLink at {superlink} does not answer TLS (started with --insecure?): start both with "
-                "--certs, or both with --insecure")
+        return (
+            f"the SuperLink at {superlink} does not answer TLS (started with --insecure?): start both with "
+            "--certs, or both with --insecure"
+        )
     return None
 
 
@@ -433,7 +503,8 @@ class ConnectionWatch:
         self.failures = 0
         message = tls_mismatch(self.superlink, self.tls) or (
             f"the SuperNode keeps failing to connect to the SuperLink at {self.superlink}: is it running, are the "
-            "host and port right (--superlink HOST:PORT, the SuperLink's --port), does a firewall let it through?")
+            "host and port right (--superlink HOST:PORT, the SuperLink's --port), does a firewall let it through?"
+        )
         if message in self.shown:
             return None
         self.shown.add(message)
@@ -472,8 +543,10 @@ def cmd_superlink(args) -> int:
 
 def cmd_supernode(args) -> int:
     if args.num_partitions < 1 or not 0 <= args.partition_id < args.num_partitions:
-        raise ConfigError(f"--partition-id {args.partition_id} --num-partitions {args.num_partitions}: need "
-                          "num-partitions >= 1 and 0 <= partition-id < num-partitions")
+        raise ConfigError(
+            f"--partition-id {args.partition_id} --num-partitions {args.num_partitions}: need "
+            "num-partitions >= 1 and 0 <= partition-id < num-partitions"
+        )
     certs = _certs_arg(args)
     mismatch = tls_mismatch(args.superlink, certs is not None)
     if mismatch and certs is None:  # plaintext to a TLS SuperLink never connects
@@ -495,8 +568,13 @@ def cmd_supernode(args) -> int:
         env = dict(dep.env)
         if args.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = args.gpu
-        dep.start(name, supernode_command(env, args.superlink, args.port, certs, node,
-                                          Path(args.auth_key).resolve() if args.auth_key else None), env)
+        dep.start(
+            name,
+            supernode_command(
+                env, args.superlink, args.port, certs, node, Path(args.auth_key).resolve() if args.auth_key else None
+            ),
+            env,
+        )
     except BaseException:
         dep.stop()
         raise
@@ -507,8 +585,10 @@ def cmd_certs(args) -> int:
     if args.supernodes < 0:
         raise ConfigError(f"--supernodes {args.supernodes}: give the number of SuperNode key pairs to make (0 or more)")
     keys = make_certificates(Path(args.out), args.host or ["127.0.0.1", "localhost"], args.supernodes)
-    print(f"fedbr-deploy: wrote {args.out}/{{{CA},{SERVER_CERT},{SERVER_KEY}}} and {len(keys)} SuperNode key pair(s) "
-          f"(supernode-<i>, supernode-<i>.pub); keep the .key and private node keys secret")
+    print(
+        f"fedbr-deploy: wrote {args.out}/{{{CA},{SERVER_CERT},{SERVER_KEY}}} and {len(keys)} SuperNode key pair(s) "
+        f"(supernode-<i>, supernode-<i>.pub); keep the .key and private node keys secret"
+    )
     return 0
 
 
@@ -540,8 +620,9 @@ def cmd_compare(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedbr-deploy", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="fedbr-deploy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def security(p):
@@ -581,18 +662,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default="supernode-state", help="its worker socket and logs")
     p.set_defaults(func=cmd_supernode)
 
-    for name, func, text in (("run", cmd_run, "submit a run to a deployment and follow it"),
-                             ("local", cmd_local, "SuperLink + SuperNodes on 127.0.0.1, run, stop them all")):
+    for name, func, text in (
+        ("run", cmd_run, "submit a run to a deployment and follow it"),
+        ("local", cmd_local, "SuperLink + SuperNodes on 127.0.0.1, run, stop them all"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
         p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
         if name == "run":
             security(p)
             p.add_argument("--superlink", required=True, help="HOST:PORT")
-            p.add_argument("--echo", choices=("all", "progress", "none"), default="all",
-                           help="what to print while the run goes on: Flower's whole log (all: the only channel "
-                                "from a SuperLink on another machine), the run's events from output-dir/progress.jsonl "
-                                "(progress: when this machine sees the run folder), or nothing")
+            p.add_argument(
+                "--echo",
+                choices=("all", "progress", "none"),
+                default="all",
+                help="what to print while the run goes on: Flower's whole log (all: the only channel "
+                "from a SuperLink on another machine), the run's events from output-dir/progress.jsonl "
+                "(progress: when this machine sees the run folder), or nothing",
+            )
         else:
             p.add_argument("--supernodes", type=int, default=2)
             p.add_argument("--tls", action="store_true")

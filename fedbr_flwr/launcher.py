@@ -102,14 +102,16 @@ def flower_env(flwr_home: Path, http_port: int | None = None, control_port: int 
         env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(http_port)
     if control_port is not None:
         env["FLWR_LOCAL_CONTROL_API_PORT"] = str(control_port)
-    env.update({
-        "FLWR_HOME": str(flwr_home),
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "PYTHONUNBUFFERED": "1",
-        "RAY_DEDUP_LOGS": "0",
-    })
+    env.update(
+        {
+            "FLWR_HOME": str(flwr_home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "PYTHONUNBUFFERED": "1",
+            "RAY_DEDUP_LOGS": "0",
+        }
+    )
     # Flower starts its helpers by name: this interpreter's bin/ must come first on PATH.
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     return env
@@ -125,17 +127,28 @@ def local_superlink(log_dir: Path) -> Iterator[dict[str, str]]:
     log_file = log_dir / "superlink.log"
     command = [
         shutil.which("flower-superlink", path=env["PATH"]) or "flower-superlink",
-        "--insecure", "--simulation", "--isolation", "subprocess",
-        "--control-api-address", f"127.0.0.1:{control_port}",
-        "--fleet-api-address", f"127.0.0.1:{free_port()}",
-        "--host", "127.0.0.1", "--port", str(http_port),
-        "--database", str(flwr_home / "state.db"),
+        "--insecure",
+        "--simulation",
+        "--isolation",
+        "subprocess",
+        "--control-api-address",
+        f"127.0.0.1:{control_port}",
+        "--fleet-api-address",
+        f"127.0.0.1:{free_port()}",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(http_port),
+        "--database",
+        str(flwr_home / "state.db"),
         "--disable-runtime-dependency-installation",
-        "--log-file", str(log_file),
+        "--log-file",
+        str(log_file),
     ]
     try:
-        proc = watchdog.spawn(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+        proc = watchdog.spawn(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             wait_healthy(proc, f"http://127.0.0.1:{http_port}/health", log_file)
             yield env
@@ -164,12 +177,12 @@ def wait_healthy(proc: subprocess.Popen, url: str, log_file: Path, verify=True) 
 
 
 def federation_config(num_supernodes: int, cpus: float, gpus: float) -> str:
-    return (f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus} "
-            f"client-resources-num-gpus={gpus}")
+    return f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus} client-resources-num-gpus={gpus}"
 
 
-def run_flower(cfg: dict, num_supernodes: int, out_dir: Path, project_dir: Path = PROJECT_DIR,
-               echo: str = "progress") -> dict:
+def run_flower(
+    cfg: dict, num_supernodes: int, out_dir: Path, project_dir: Path = PROJECT_DIR, echo: str = "progress"
+) -> dict:
     """``flwr run`` the app with ``cfg`` on a fresh local simulation SuperLink; see ``submit_run``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     fed = federation_config(num_supernodes, cfg["client-cpus"], cfg["client-gpus"])
@@ -177,8 +190,15 @@ def run_flower(cfg: dict, num_supernodes: int, out_dir: Path, project_dir: Path 
         return submit_run(cfg, env, "local", out_dir, project_dir, echo, ["--federation-config", fed])
 
 
-def submit_run(cfg: dict, env: dict[str, str], connection: str, out_dir: Path, project_dir: Path = PROJECT_DIR,
-               echo: str = "progress", extra_args: list[str] | None = None) -> dict:
+def submit_run(
+    cfg: dict,
+    env: dict[str, str],
+    connection: str,
+    out_dir: Path,
+    project_dir: Path = PROJECT_DIR,
+    echo: str = "progress",
+    extra_args: list[str] | None = None,
+) -> dict:
     """``flwr run`` the app with ``cfg`` on the SuperLink that ``connection`` names in ``env``'s FLWR_HOME;
     wait for it; return the run's final status record from ``flwr ls``. Raises RunFailed when the run
     did not complete. ``echo``: "progress" (the run's events, followed in ``out_dir/progress.jsonl``, which
@@ -186,24 +206,42 @@ def submit_run(cfg: dict, env: dict[str, str], connection: str, out_dir: Path, p
     reaches a remote submitter) or "none"; the whole log is always in ``out_dir/flower.log`` (appended to
     when the run resumes)."""
     if not (project_dir / "pyproject.toml").is_file():
-        raise ConfigError(f"no pyproject.toml in {project_dir}: fedbr-run needs the project checkout "
-                          "installed with `pip install -e .`")
+        raise ConfigError(
+            f"no pyproject.toml in {project_dir}: fedbr-run needs the project checkout "
+            "installed with `pip install -e .`"
+        )
     with runlock.hold(out_dir):  # this process writes run_config.toml and flower.log
         return _submit_run(cfg, env, connection, out_dir, project_dir, echo, extra_args)
 
 
-def _submit_run(cfg: dict, env: dict[str, str], connection: str, out_dir: Path, project_dir: Path, echo: str,
-                extra_args: list[str] | None) -> dict:
+def _submit_run(
+    cfg: dict,
+    env: dict[str, str],
+    connection: str,
+    out_dir: Path,
+    project_dir: Path,
+    echo: str,
+    extra_args: list[str] | None,
+) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     run_config = out_dir / "run_config.toml"
     run_config.write_text(to_toml(cfg))
     log_path = out_dir / "flower.log"
     with open(log_path, "a" if cfg.get("resume") else "w") as log:
         flwr = shutil.which("flwr", path=env["PATH"]) or "flwr"
-        command = [flwr, "run", str(project_dir), connection, "--run-config", str(run_config), *(extra_args or []),
-                   "--stream"]
-        proc = watchdog.spawn(command, env=env, cwd=out_dir, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, bufsize=1)
+        command = [
+            flwr,
+            "run",
+            str(project_dir),
+            connection,
+            "--run-config",
+            str(run_config),
+            *(extra_args or []),
+            "--stream",
+        ]
+        proc = watchdog.spawn(
+            command, env=env, cwd=out_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
         run_id = None
         follow = Follower(out_dir / PROGRESS_FILE, _print) if echo == "progress" else contextlib.nullcontext()
         try:
@@ -236,15 +274,23 @@ def _print(text: str) -> None:
 
 def last_error(log_path: Path) -> str:
     """The last line of the Flower log that names an error, to show beside 'the run failed'."""
-    lines = [ANSI_ESCAPE.sub("", ln).strip() for ln in log_path.read_text(errors="replace").splitlines()
-             if re.search(r"Error|Exception", ln) and "Traceback" not in ln]
+    lines = [
+        ANSI_ESCAPE.sub("", ln).strip()
+        for ln in log_path.read_text(errors="replace").splitlines()
+        if re.search(r"Error|Exception", ln) and "Traceback" not in ln
+    ]
     return f": {lines[-1][:500]}" if lines else ""
 
 
 def run_status(run_id: int, env: dict[str, str], connection: str = "local") -> dict:
     flwr = shutil.which("flwr", path=env["PATH"]) or "flwr"
-    res = subprocess.run([flwr, "ls", connection, "--run-id", str(run_id), "--format", "json"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [flwr, "ls", connection, "--run-id", str(run_id), "--format", "json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     try:
         data = json.loads(res.stdout)
     except json.JSONDecodeError:

@@ -48,8 +48,10 @@ def summarize(history: list[dict], threshold: float, rounds: list[dict] | None =
     trained = {}
     if rounds:
         without = rounds_without_update(rounds)
-        trained = {"rounds_trained": len({int(r["round"]) for r in rounds}) - len(without),
-                   "rounds_without_update": without}
+        trained = {
+            "rounds_trained": len({int(r["round"]) for r in rounds}) - len(without),
+            "rounds_without_update": without,
+        }
     evals = [r for r in history if r.get("mean_acc") is not None]
     if not evals:
         return {"evaluations": 0, **trained}
@@ -89,9 +91,11 @@ def run_problem(summary: dict[str, Any]) -> str | None:
     update failed or was rejected), so its accuracy is the initial model's."""
     if "rounds_trained" in summary and summary["rounds_trained"] == 0:
         without = summary.get("rounds_without_update", [])
-        return (f"no round trained: in all {len(without)} round(s) every client failed or its update was rejected "
-                "(e.g. NaN after a too large lr), so the global model is the initial one and its accuracy is no "
-                "result; rounds.jsonl says why each update was rejected")
+        return (
+            f"no round trained: in all {len(without)} round(s) every client failed or its update was rejected "
+            "(e.g. NaN after a too large lr), so the global model is the initial one and its accuracy is no "
+            "result; rounds.jsonl says why each update was rejected"
+        )
     return None
 
 
@@ -108,8 +112,11 @@ def summary_table(summary: dict[str, Any], title: str = "") -> str:
         return text + "".join(f"\n{note}\n" for note in notes)
     reached = summary["rounds_to_target"]
     final = summary.get("final_round")
-    final_name = "final mean / worst acc (%)" if final in (None, summary["last_round"]) else \
-        f"final mean / worst acc, round {final} (%)"
+    final_name = (
+        "final mean / worst acc (%)"
+        if final in (None, summary["last_round"])
+        else f"final mean / worst acc, round {final} (%)"
+    )
     rows = [
         ("mean local-test acc, best 5 evals (%)", _pct(summary["mean_acc_best5"])),
         ("worst client acc, best 5 evals (%)", _pct(summary["worst_acc_best5"])),
@@ -142,14 +149,20 @@ def _notes(summary: dict[str, Any]) -> list[str]:
     if problem:
         notes.append(f"**Warning: {problem}.**")
     elif summary.get("rounds_without_update"):
-        notes.append(f"Warning: {len(summary['rounds_without_update'])} round(s) left the global model unchanged "
-                     "(every client failed or its update was rejected; see rounds.jsonl).")
+        notes.append(
+            f"Warning: {len(summary['rounds_without_update'])} round(s) left the global model unchanged "
+            "(every client failed or its update was rejected; see rounds.jsonl)."
+        )
     if summary.get("evaluations") and not summary.get("complete_evaluations", summary["evaluations"]):
-        notes.append("Warning: no complete evaluation: in every evaluation some client did not answer, so no "
-                     "accuracy figure is reported (metrics.jsonl holds the partial ones).")
+        notes.append(
+            "Warning: no complete evaluation: in every evaluation some client did not answer, so no "
+            "accuracy figure is reported (metrics.jsonl holds the partial ones)."
+        )
     elif summary.get("partial_evaluations"):
-        notes.append(f"Note: {len(summary['partial_evaluations'])} evaluation(s) missed a client and are not "
-                     "counted in the figures above.")
+        notes.append(
+            f"Note: {len(summary['partial_evaluations'])} evaluation(s) missed a client and are not "
+            "counted in the figures above."
+        )
     return notes
 
 

@@ -37,8 +37,9 @@ def mnist_cnn_features(in_channels: int = 1, layers_spec: list[tuple[int, int]] 
     return nn.Sequential(*layers)
 
 
-def lenet_features(in_channels: int = 1, image_size: int = 28, widths: tuple[int, int] = (16, 32),
-                   hidden: int = 64) -> nn.Sequential:
+def lenet_features(
+    in_channels: int = 1, image_size: int = 28, widths: tuple[int, int] = (16, 32), hidden: int = 64
+) -> nn.Sequential:
     """Two 3x3 convs (16, 32 channels), each -> ReLU -> GroupNorm(8) -> 2x2 max pool, then a linear layer
     to ``hidden`` features with ReLU. Sized for a CPU: about 3/4 of cnn-small's FLOPs, and it learns
     RotatedMNIST centrally in a few hundred steps where cnn-small does not (tests/test_models.py)."""
@@ -74,8 +75,15 @@ class CCTFeatures(nn.Module):
     """CCT-7/3x1: one 3x3 conv tokenizer + max pool, 7 pre-norm transformer layers (4 heads, MLP
     ratio 2), learnable positional embedding, and attention-based sequence pooling."""
 
-    def __init__(self, in_channels: int = 3, image_size: int = 32, dim: int = 256, layers: int = 7,
-                 heads: int = 4, mlp_ratio: int = 2):
+    def __init__(
+        self,
+        in_channels: int = 3,
+        image_size: int = 32,
+        dim: int = 256,
+        layers: int = 7,
+        heads: int = 4,
+        mlp_ratio: int = 2,
+    ):
         super().__init__()
         self.tokenizer = nn.Sequential(
             nn.Conv2d(in_channels, dim, 3, padding=1, bias=False),
@@ -85,8 +93,9 @@ class CCTFeatures(nn.Module):
         tokens = ((image_size + 1) // 2) ** 2
         self.pos = nn.Parameter(torch.zeros(1, tokens, dim))
         nn.init.trunc_normal_(self.pos, std=0.2)
-        block = nn.TransformerEncoderLayer(dim, heads, dim * mlp_ratio, dropout=0.0, activation="gelu",
-                                           batch_first=True, norm_first=True)
+        block = nn.TransformerEncoderLayer(
+            dim, heads, dim * mlp_ratio, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)
         self.pool_logit = nn.Linear(dim, 1)
@@ -104,8 +113,17 @@ def resnet18_gn_features(in_channels: int = 3, groups: int = 2) -> nn.Sequential
 
     net = resnet18(num_classes=10, norm_layer=lambda c: nn.GroupNorm(groups, c))
     net.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
-    return nn.Sequential(net.conv1, net.bn1, net.relu, net.layer1, net.layer2, net.layer3, net.layer4,
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    return nn.Sequential(
+        net.conv1,
+        net.bn1,
+        net.relu,
+        net.layer1,
+        net.layer2,
+        net.layer3,
+        net.layer4,
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+    )
 
 
 FEATURE_DIMS = {"cnn": 128, "cnn-small": 32, "lenet": 64, "vgg11": 512, "cct": 256, "resnet18": 512}

@@ -37,8 +37,9 @@ class RecordState(NodeState):
         return {name: array.numpy() for name, array in self.records[key].items()}
 
     def put_arrays(self, key, arrays):
-        self.records[self.prefix + key] = ArrayRecord(OrderedDict((k, Array(np.array(v, copy=True)))
-                                                                  for k, v in arrays.items()))
+        self.records[self.prefix + key] = ArrayRecord(
+            OrderedDict((k, Array(np.array(v, copy=True))) for k, v in arrays.items())
+        )
 
     def meta(self, key):
         key = self.prefix + key
@@ -82,8 +83,14 @@ class CohortClient(NumPyClient):
     (``fedbr_flwr.cohort``); each member answers
     exactly as it would on a node of its own."""
 
-    def __init__(self, algorithm: ClientAlgorithm, members: dict[int, Any], packed: Any, vectorised: bool = False,
-                 graph: bool = False):
+    def __init__(
+        self,
+        algorithm: ClientAlgorithm,
+        members: dict[int, Any],
+        packed: Any,
+        vectorised: bool = False,
+        graph: bool = False,
+    ):
         self.algorithm = algorithm
         self.members = members  # partition id -> its ClientData
         self.packed = packed  # their training partitions in one tensor (``pack_partitions``), which they view
@@ -132,8 +139,9 @@ class CohortClient(NumPyClient):
             total += n
         return payload.to_list(returned), total, metrics
 
-    def fit_together(self, parts: list[tuple[int, dict, dict]], graph: bool | None = None
-                     ) -> list[tuple[int, dict, int, dict]]:
+    def fit_together(
+        self, parts: list[tuple[int, dict, dict]], graph: bool | None = None
+    ) -> list[tuple[int, dict, int, dict]]:
         """Every member's fit with one vmapped local step for all (``fedbr_flwr.vectorised``; ``graph``, by
         default the cohort's own choice: the step captured as a CUDA graph). Each member is a shallow copy of
         the one algorithm, with its own components, so that what a member keeps between ``start_fit`` and
@@ -146,8 +154,10 @@ class CohortClient(NumPyClient):
             algorithm.components = algorithm.build_components()
             step, sampler = algorithm.start_fit(arrays, own_config)
             if not isinstance(step, FunctionalStep):
-                raise TypeError(f"cohort-step=vmap: strategy '{algorithm.cfg['strategy']}' built a "
-                                f"{type(step).__name__}, not a FunctionalStep: set vectorised = False on its client")
+                raise TypeError(
+                    f"cohort-step=vmap: strategy '{algorithm.cfg['strategy']}' built a "
+                    f"{type(step).__name__}, not a FunctionalStep: set vectorised = False on its client"
+                )
             algorithms.append(algorithm)
             members.append(Member(step, sampler, snapshot(step)))
         cfg = self.algorithm.cfg
@@ -155,8 +165,9 @@ class CohortClient(NumPyClient):
         capture = cuda_graph if (self.graph if graph is None else graph) else None
         offsets = [self.packed.offsets[pid] for pid, _, _ in parts]
         batches = PackedBatches([m.sample for m in members], offsets, self.packed.x, self.packed.y)
-        finals, stats = run_members(members, batches, cfg["local-steps"], cfg["precision"], capture,
-                                    self.algorithm.first_step_stats)
+        finals, stats = run_members(
+            members, batches, cfg["local-steps"], cfg["precision"], capture, self.algorithm.first_step_stats
+        )
         seconds = time.perf_counter() - start  # every member's fit took this long: they ran together
         results = []
         for (pid, _, _), algorithm, member, final, own in zip(parts, algorithms, members, finals, stats):
@@ -164,8 +175,9 @@ class CohortClient(NumPyClient):
             results.append((pid, *algorithm.finish_fit(member.step, own, seconds)))
         return results
 
-    def evaluate_together(self, parts: list[tuple[int, dict, dict]], max_images: int | None = None
-                          ) -> list[tuple[int, float, int, dict]]:
+    def evaluate_together(
+        self, parts: list[tuple[int, dict, dict]], max_images: int | None = None
+    ) -> list[tuple[int, float, int, dict]]:
         """Every member's evaluation with one vmapped forward pass per chunk of the test sets
         (``fedbr_flwr.vectorised.evaluate_members``), a group of members at a time (``evaluation_groups``:
         at most ``max_images`` images a forward); each member is a shallow copy, as in ``fit_together``."""
@@ -180,8 +192,9 @@ class CohortClient(NumPyClient):
                 predictor = algorithm.start_evaluate(arrays, own_config)
                 algorithms.append(algorithm)
                 states.append(module_state(predictor))
-            scores = evaluate_members(predictor, states, [a.data.x_test for a in algorithms],
-                                      [a.data.y_test for a in algorithms])
+            scores = evaluate_members(
+                predictor, states, [a.data.x_test for a in algorithms], [a.data.y_test for a in algorithms]
+            )
             for i, algorithm, state, (loss, acc) in zip(group, algorithms, states, scores):
                 load_module_state(algorithm.eval_module(), state)  # its own predictor again (DisTrans: its offset)
                 results[i] = (parts[i][0], *algorithm.finish_evaluate(loss, acc))
@@ -204,8 +217,9 @@ def cohort_members(cfg: Mapping[str, Any], cohort_id: int, num_cohorts: int) -> 
     return list(range(cohort_id, cfg["num-clients"], num_cohorts))
 
 
-def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: RecordDict
-                 ) -> FlowerClient | CohortClient:
+def build_client(
+    run_config: Mapping[str, Any], node: Mapping[str, Any], state: RecordDict
+) -> FlowerClient | CohortClient:
     """The algorithm's client for the partition named in the node config (with ``engine=cohort``: the
     clients of the cohort it names), its data on the device."""
     import torch
@@ -218,32 +232,42 @@ def build_client(run_config: Mapping[str, Any], node: Mapping[str, Any], state: 
 
     cfg = from_run_config(run_config)
     if "partition-id" not in node:
-        raise ConfigError("this SuperNode has no 'partition-id' in its node config: start it with "
-                          "--node-config \"partition-id=<i> num-partitions=<n>\"")
+        raise ConfigError(
+            "this SuperNode has no 'partition-id' in its node config: start it with "
+            '--node-config "partition-id=<i> num-partitions=<n>"'
+        )
     pid = int(node["partition-id"])
     num_partitions = int(node.get("num-partitions", cfg["num-clients"] or 0))
     if cfg["engine"] == "cohort":
         if not cfg["num-clients"]:
             raise ConfigError("engine=cohort needs num-clients: the cohorts share them out")
         if not 0 <= pid < num_partitions <= cfg["num-clients"] or cfg["cohorts"] not in (0, num_partitions):
-            raise ConfigError(f"engine=cohort with {cfg['num-clients']} clients and cohorts = {cfg['cohorts']}, but "
-                              f"this SuperNode is {pid} of {num_partitions}: start the simulation with "
-                              "num-supernodes = cohorts, at most num-clients (fedbr-run does this)")
+            raise ConfigError(
+                f"engine=cohort with {cfg['num-clients']} clients and cohorts = {cfg['cohorts']}, but "
+                f"this SuperNode is {pid} of {num_partitions}: start the simulation with "
+                "num-supernodes = cohorts, at most num-clients (fedbr-run does this)"
+            )
         torch.set_num_threads(cfg["client-cpus"])
         device = pick_device(cfg["device"])
         members, packed = load_cohort_data(cfg, cohort_members(cfg, pid, num_partitions), device)
         first = next(iter(members.values()))
         algorithm = client_class(cfg["strategy"])
         if cfg["cohort-step"] == "graph" and device.type != "cuda":
-            raise ConfigError(f"cohort-step=graph replays CUDA graphs, but this cohort's device is {device}: "
-                              "use cohort-step=vmap or loop")
-        together = cfg["cohort-step"] in ("vmap", "graph") or (cfg["cohort-step"] == "auto" and device.type == "cuda"
-                                                               and algorithm.vectorised)
-        return CohortClient(algorithm(cfg, first, device), members, packed, vectorised=together,
-                            graph=cfg["cohort-step"] == "graph")
+            raise ConfigError(
+                f"cohort-step=graph replays CUDA graphs, but this cohort's device is {device}: "
+                "use cohort-step=vmap or loop"
+            )
+        together = cfg["cohort-step"] in ("vmap", "graph") or (
+            cfg["cohort-step"] == "auto" and device.type == "cuda" and algorithm.vectorised
+        )
+        return CohortClient(
+            algorithm(cfg, first, device), members, packed, vectorised=together, graph=cfg["cohort-step"] == "graph"
+        )
     if cfg["num-clients"] and num_partitions and cfg["num-clients"] != num_partitions:
-        raise ConfigError(f"num-clients = {cfg['num-clients']} but this SuperNode was told num-partitions = "
-                          f"{num_partitions}: start the federation with num-supernodes={cfg['num-clients']}")
+        raise ConfigError(
+            f"num-clients = {cfg['num-clients']} but this SuperNode was told num-partitions = "
+            f"{num_partitions}: start the federation with num-supernodes={cfg['num-clients']}"
+        )
     cfg["num-clients"] = cfg["num-clients"] or num_partitions
     if not cfg["num-clients"]:
         raise ConfigError("num-clients is 0 and the SuperNode has no num-partitions: set one of them")
@@ -265,8 +289,9 @@ class ClientCache:
         self.runs_kept = runs_kept
         self.clients: dict[tuple[int, int, str], FlowerClient | CohortClient] = {}  # oldest runs first
 
-    def get(self, run_id: int, run_config: Mapping[str, Any], node: Mapping[str, Any],
-            state: RecordDict) -> FlowerClient | CohortClient:
+    def get(
+        self, run_id: int, run_config: Mapping[str, Any], node: Mapping[str, Any], state: RecordDict
+    ) -> FlowerClient | CohortClient:
         """The client for this message, holding ``state`` (Flower's node state, a new copy per message)."""
         settings = json.dumps({"run": dict(run_config), "node": dict(node)}, sort_keys=True, default=str)
         key = (int(run_id), int(node.get("partition-id", -1)), settings)
@@ -279,6 +304,6 @@ class ClientCache:
 
     def _forget_old_runs(self) -> None:
         runs = list(dict.fromkeys(run for run, _, _ in self.clients))
-        for old in runs[:-self.runs_kept]:
+        for old in runs[: -self.runs_kept]:
             for key in [k for k in self.clients if k[0] == old]:
                 del self.clients[key]

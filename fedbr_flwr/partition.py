@@ -63,8 +63,9 @@ def _dirichlet_over_available(concentration: np.ndarray, rng: np.random.Generato
     return q
 
 
-def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator,
-              min_size: int = 2) -> list[np.ndarray]:
+def dirichlet(
+    labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator, min_size: int = 2
+) -> list[np.ndarray]:
     """Per-class Dirichlet over clients (NIID-Bench, flwr-datasets): class c is split among clients
     in proportions p_c ~ Dir(alpha * 1). Redrawn until every client holds ``min_size`` samples, at
     most DIRICHLET_MAX_TRIES times; then the attempt with the largest smallest client is kept."""
@@ -92,8 +93,14 @@ def iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[
     return [np.sort(p).astype(np.int64) for p in np.array_split(perm, num_clients)]
 
 
-def classes_per_client(labels: np.ndarray, num_clients: int, classes_each: int, rng: np.random.Generator,
-                       share_low: float = 0.4, share_high: float = 0.6) -> list[np.ndarray]:
+def classes_per_client(
+    labels: np.ndarray,
+    num_clients: int,
+    classes_each: int,
+    rng: np.random.Generator,
+    share_low: float = 0.4,
+    share_high: float = 0.6,
+) -> list[np.ndarray]:
     """pFedHN split: client i holds classes order[(i*u + j) mod C] for j < u (order a seeded
     permutation), so every class has about the same number of holders; each class is divided among
     its holders with shares s ~ U(share_low, share_high), normalised."""
@@ -102,8 +109,7 @@ def classes_per_client(labels: np.ndarray, num_clients: int, classes_each: int, 
     if classes_each > len(classes):
         raise ValueError(f"classes_each={classes_each} exceeds the {len(classes)} classes")
     order = rng.permutation(classes)
-    held = [[order[(i * classes_each + j) % len(classes)] for j in range(classes_each)]
-            for i in range(num_clients)]
+    held = [[order[(i * classes_each + j) % len(classes)] for j in range(classes_each)] for i in range(num_clients)]
     buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for c in classes:
         holders = [i for i in range(num_clients) if c in held[i]]
@@ -117,8 +123,9 @@ def classes_per_client(labels: np.ndarray, num_clients: int, classes_each: int, 
     return [np.sort(np.concatenate(b)).astype(np.int64) if b else np.zeros(0, np.int64) for b in buckets]
 
 
-def partition(labels: np.ndarray, num_clients: int, method: str, seed: int, alpha: float = 0.1,
-              classes_each: int = 2) -> list[np.ndarray]:
+def partition(
+    labels: np.ndarray, num_clients: int, method: str, seed: int, alpha: float = 0.1, classes_each: int = 2
+) -> list[np.ndarray]:
     rng = seeds.rng("partition", seed)
     if method == "fedbr":
         return fedbr_lda(labels, num_clients, alpha, rng)
@@ -131,8 +138,9 @@ def partition(labels: np.ndarray, num_clients: int, method: str, seed: int, alph
     raise ValueError(f"unknown partition '{method}'. Valid: fedbr, dirichlet, iid, classes")
 
 
-def split_train_test(indices: np.ndarray, test_fraction: float, rng: np.random.Generator
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def split_train_test(
+    indices: np.ndarray, test_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Hold out ``test_fraction`` of a client's samples (at least one each side when possible)."""
     perm = rng.permutation(indices)
     n_test = int(round(len(perm) * test_fraction))

@@ -51,6 +51,7 @@ class Serialised:
     """Named arrays already serialised to Flower's tensor bytes, so that a message for each client can
     be assembled from parts (the global arrays, the round's, the client's own) without serialising
     any part twice."""
+
     names: list[str] = field(default_factory=list)
     tensors: list[bytes] = field(default_factory=list)
 
@@ -90,8 +91,9 @@ class Serialised:
     def to_parameters(self):
         from flwr.common import Parameters, ndarray_to_bytes
 
-        return Parameters(tensors=[ndarray_to_bytes(_names_array(self.names)), *self.tensors],
-                          tensor_type="numpy.ndarray")
+        return Parameters(
+            tensors=[ndarray_to_bytes(_names_array(self.names)), *self.tensors], tensor_type="numpy.ndarray"
+        )
 
 
 def to_parameters(arrays: Mapping[str, np.ndarray]):

@@ -43,7 +43,7 @@ def read_events(path: Path, start: int = 0) -> tuple[list[dict], int]:
             data = f.read()
     except FileNotFoundError:
         return [], start
-    complete = data[:data.rfind(b"\n") + 1]
+    complete = data[: data.rfind(b"\n") + 1]
     events = []
     for line in complete.decode(errors="replace").splitlines():
         try:

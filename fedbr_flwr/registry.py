@@ -132,8 +132,9 @@ def components_of(cfg: Mapping[str, Any]) -> tuple[str, ...]:
         close = difflib.get_close_matches(unknown[0], COMPONENTS, n=1) if unknown else []
         problem = f"names no component {', '.join(unknown)}" if unknown else "names a component twice"
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"config key '{key}' = {cfg[key]!r} {problem}.{hint} "
-                          f"Components: {', '.join(sorted(COMPONENTS))}")
+        raise ConfigError(
+            f"config key '{key}' = {cfg[key]!r} {problem}.{hint} Components: {', '.join(sorted(COMPONENTS))}"
+        )
     return built_in + listed
 
 
@@ -171,7 +172,10 @@ def how_to_enable(owner: str) -> str:
     """How a run gets ``owner``'s keys: 'strategy=fedprox, or strategy=fedbr fedbr-with=fedprox'."""
     load_all()
     ways = [f"strategy={owner}"] if owner in algorithm_names() else []
-    ways += [f"strategy={name} {key}={owner}" for name, cls in sorted(CLIENTS.items())
-             if owner in COMPONENTS and (key := getattr(cls, "component_key", None))]
+    ways += [
+        f"strategy={name} {key}={owner}"
+        for name, cls in sorted(CLIENTS.items())
+        if owner in COMPONENTS and (key := getattr(cls, "component_key", None))
+    ]
     ways += [f"strategy={name}" for name, v in sorted(VARIANTS.items()) if owner == v.base and name != owner]
     return ", or ".join(ways) or "no strategy"

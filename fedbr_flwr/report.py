@@ -86,11 +86,13 @@ def compare(out: Path, names: list[str], seeds: list[int]) -> tuple[str, list[di
             mean, std, n = _stats([s.get(key) for s in summaries.values()])
             row[column], row[f"{column}_std"], row[f"{column}_n"] = mean, std, n
         row["mean_acc_best5_per_seed"] = " / ".join(
-            "-" if s.get("mean_acc_best5") is None else f"{100 * s['mean_acc_best5']:.2f}" for s in summaries.values())
+            "-" if s.get("mean_acc_best5") is None else f"{100 * s['mean_acc_best5']:.2f}" for s in summaries.values()
+        )
         rows.append(row)
     shown = [c for c in COLUMNS if _shown(rows, c[0])]
-    header = ["run", "seeds"] + [h.replace("rounds to target", f"rounds to {100 * (target or 0):.0f}%")
-                                 for _, _, h, _ in shown]
+    header = ["run", "seeds"] + [
+        h.replace("rounds to target", f"rounds to {100 * (target or 0):.0f}%") for _, _, h, _ in shown
+    ]
     per_seed = len(seeds) > 1
     if per_seed:
         header.append(f"seed {' / '.join(map(str, seeds))}: mean acc, best 5 (%)")
@@ -128,8 +130,9 @@ def _cell(row: dict[str, Any], column: str, kind: str) -> str:
 
 def write_comparison(out: Path, names: list[str], seeds: list[int], title: str) -> str:
     table, rows = compare(out, names, seeds)
-    (out / "comparison.md").write_text(f"### {title}\n\nMean ± standard deviation over seeds "
-                                       f"{', '.join(map(str, seeds))}.\n\n{table}")
+    (out / "comparison.md").write_text(
+        f"### {title}\n\nMean ± standard deviation over seeds {', '.join(map(str, seeds))}.\n\n{table}"
+    )
     with open(out / "comparison.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -157,8 +160,13 @@ def plot_comparison(out: Path, names: list[str], seeds: list[int], path: Path, t
         colour = colours[i % len(colours)]
         rounds = sorted(mean_curves)
         ax_mean.plot(rounds, [100 * np.mean(mean_curves[r]) for r in rounds], color=colour, label=name)
-        ax_mean.fill_between(rounds, [100 * min(mean_curves[r]) for r in rounds],
-                             [100 * max(mean_curves[r]) for r in rounds], color=colour, alpha=0.15)
+        ax_mean.fill_between(
+            rounds,
+            [100 * min(mean_curves[r]) for r in rounds],
+            [100 * max(mean_curves[r]) for r in rounds],
+            color=colour,
+            alpha=0.15,
+        )
         rounds = sorted(worst_curves)
         ax_worst.plot(rounds, [100 * np.mean(worst_curves[r]) for r in rounds], ls="--", color=colour, label=name)
     format_accuracy_axes(ax_mean, "mean client", "local-test accuracy (%)")
@@ -174,9 +182,11 @@ def plot_comparison(out: Path, names: list[str], seeds: list[int], path: Path, t
 
 # ---------------------------------------------------------------- the results page
 
+
 def _begin(key: str) -> str:
-    return (f"<!-- fedbr-sweep report {key}: written by the command below from its run folders; "
-            "edits are overwritten -->")
+    return (
+        f"<!-- fedbr-sweep report {key}: written by the command below from its run folders; edits are overwritten -->"
+    )
 
 
 def _end(key: str) -> str:
@@ -191,8 +201,10 @@ def replace_section(text: str, key: str, section: str) -> str:
     if (starts, ends) == (0, 0):
         return text.rstrip("\n") + "\n\n" + block
     if (starts, ends) != (1, 1) or text.index(begin) > text.index(end):
-        raise ConfigError(f"the page's markers of section '{key}' are damaged (each must appear once, begin before "
-                          "end); repair or remove them, then write the report again")
+        raise ConfigError(
+            f"the page's markers of section '{key}' are damaged (each must appear once, begin before "
+            "end); repair or remove them, then write the report again"
+        )
     head, rest = text.split(begin, 1)
     after = rest.split(end, 1)[1]
     return head + block + (after[1:] if after.startswith("\n") else after)
@@ -211,12 +223,28 @@ def _manifests(out: Path, names: list[str], seeds: list[int]) -> list[dict[str, 
 def describe_machine(host: dict[str, Any]) -> str:
     cpu = host.get("cpu") or host.get("platform") or "unknown CPU"
     gpu = host.get("gpu")
-    return f"{host.get('cpus', '?')}-core {cpu}, " + (f"GPU {gpu}" if gpu else "no GPU" if "gpu" in host else
-                                                      "GPU not recorded")
+    return f"{host.get('cpus', '?')}-core {cpu}, " + (
+        f"GPU {gpu}" if gpu else "no GPU" if "gpu" in host else "GPU not recorded"
+    )
 
 
-SETTINGS_SHOWN = ("dataset", "model", "partition", "alpha", "classes-per-client", "rotate", "num-clients",
-                  "num-rounds", "local-steps", "batch-size", "lr", "eval-every", "target-acc", "engine", "precision")
+SETTINGS_SHOWN = (
+    "dataset",
+    "model",
+    "partition",
+    "alpha",
+    "classes-per-client",
+    "rotate",
+    "num-clients",
+    "num-rounds",
+    "local-steps",
+    "batch-size",
+    "lr",
+    "eval-every",
+    "target-acc",
+    "engine",
+    "precision",
+)
 
 
 SPLIT_KEYS = {"alpha": ("fedbr", "dirichlet"), "classes-per-client": ("classes",)}  # read by these splits only
@@ -225,38 +253,56 @@ SPLIT_KEYS = {"alpha": ("fedbr", "dirichlet"), "classes-per-client": ("classes",
 def shared_settings(configs: list[dict[str, Any]]) -> str:
     """The main settings every run of the table has in common, as key=value (a split's own key only
     where every run uses that split)."""
-    same = [k for k in SETTINGS_SHOWN if configs and all(k in c and c[k] == configs[0][k] for c in configs)
-            and all(c.get("partition") in SPLIT_KEYS.get(k, (c.get("partition"),)) for c in configs)]
-    return " ".join(f"{k}={json.dumps(configs[0][k]) if isinstance(configs[0][k], bool) else configs[0][k]}"
-                    for k in same)
+    same = [
+        k
+        for k in SETTINGS_SHOWN
+        if configs
+        and all(k in c and c[k] == configs[0][k] for c in configs)
+        and all(c.get("partition") in SPLIT_KEYS.get(k, (c.get("partition"),)) for c in configs)
+    ]
+    return " ".join(
+        f"{k}={json.dumps(configs[0][k]) if isinstance(configs[0][k], bool) else configs[0][k]}" for k in same
+    )
 
 
-def report_section(key: str, title: str, command: str, out: Path, names: list[str], seeds: list[int],
-                   plot: str) -> str:
+def report_section(key: str, title: str, command: str, out: Path, names: list[str], seeds: list[int], plot: str) -> str:
     """The section of ``key``: title, command, provenance (commit, machine, dates, wall time), the table
     over ``seeds`` and the plot (``plot``: its path relative to the page)."""
     manifests = _manifests(out, names, seeds)
     table, rows = compare(out, names, seeds)
-    commits = sorted({str(m.get("git_commit", "unknown"))[:7] + ("-dirty" if str(m.get("git_commit", "")).endswith(
-        "-dirty") else "") for m in manifests})
+    commits = sorted(
+        {
+            str(m.get("git_commit", "unknown"))[:7]
+            + ("-dirty" if str(m.get("git_commit", "")).endswith("-dirty") else "")
+            for m in manifests
+        }
+    )
     machines = sorted({describe_machine(m.get("host", {})) for m in manifests})
     days = sorted({str(m.get("started_utc", ""))[:10] for m in manifests if m.get("started_utc")})
     walls = [r["wall_time_s"] * r["wall_time_s_n"] for r in rows if r["wall_time_s"] is not None]
     runs = sum(r["seeds"] for r in rows)
-    lines = [f"## {title}", "", "```bash", command, "```", "",
-             f"- commit: {', '.join(commits) or '-'}; machine: {'; '.join(machines) or '-'}",
-             f"- runs: {runs} ({len(names)} settings x seeds {', '.join(map(str, seeds))}), started "
-             f"{' to '.join(dict.fromkeys([days[0], days[-1]])) if days else '-'}; wall time {sum(walls) / 60:.1f} min "
-             "(the runs' own clocks, from the server's start to the last evaluation; Flower's start-up is not counted)",
-             f"- settings of every run: `{shared_settings([m['config'] for m in manifests if 'config' in m])}`",
-             "- mean ± standard deviation over seeds; \"move in last fifth\": max - min of the mean curve over the "
-             "last fifth of the rounds (under 2 points: levelled off)", "",
-             table, f"![{title}]({plot})"]
+    lines = [
+        f"## {title}",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"- commit: {', '.join(commits) or '-'}; machine: {'; '.join(machines) or '-'}",
+        f"- runs: {runs} ({len(names)} settings x seeds {', '.join(map(str, seeds))}), started "
+        f"{' to '.join(dict.fromkeys([days[0], days[-1]])) if days else '-'}; wall time {sum(walls) / 60:.1f} min "
+        "(the runs' own clocks, from the server's start to the last evaluation; Flower's start-up is not counted)",
+        f"- settings of every run: `{shared_settings([m['config'] for m in manifests if 'config' in m])}`",
+        '- mean ± standard deviation over seeds; "move in last fifth": max - min of the mean curve over the '
+        "last fifth of the rounds (under 2 points: levelled off)",
+        "",
+        table,
+        f"![{title}]({plot})",
+    ]
     return "\n".join(lines) + "\n"
 
 
-def write_report(page: Path, key: str, title: str, command: str, out: Path, names: list[str],
-                 seeds: list[int]) -> Path:
+def write_report(page: Path, key: str, title: str, command: str, out: Path, names: list[str], seeds: list[int]) -> Path:
     """Write ``key``'s section of ``page`` (made if missing) and its plot in ``results/`` beside it."""
     plot = page.parent / "results" / f"{key}.png"
     plot.parent.mkdir(parents=True, exist_ok=True)

@@ -46,15 +46,19 @@ def check_output_dir(out: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except FileExistsError:
-        raise ConfigError(f"output-dir {out} cannot be used: it is a file, not a folder; pick another output-dir "
-                          "or move the file") from None
+        raise ConfigError(
+            f"output-dir {out} cannot be used: it is a file, not a folder; pick another output-dir or move the file"
+        ) from None
     except NotADirectoryError as exc:
         blocker = next((p for p in out.parents if p.is_file()), exc.filename)
-        raise ConfigError(f"output-dir {out} cannot be made: {blocker} in its path is a file, not a folder; "
-                          "pick another output-dir") from None
+        raise ConfigError(
+            f"output-dir {out} cannot be made: {blocker} in its path is a file, not a folder; pick another output-dir"
+        ) from None
     except OSError as exc:
-        raise ConfigError(f"output-dir {out} is not writable ({exc.strerror}: {exc.filename}); pick another "
-                          "output-dir or make it writable") from None
+        raise ConfigError(
+            f"output-dir {out} is not writable ({exc.strerror}: {exc.filename}); pick another "
+            "output-dir or make it writable"
+        ) from None
     finally:
         for p in made:  # deepest first
             try:
@@ -84,8 +88,13 @@ def gpu_name() -> str | None:
 
 def host_facts() -> dict[str, Any]:
     """What a results table names as its machine: platform, CPU model, cores, GPU (None: none used)."""
-    return {"platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count(), "gpu": gpu_name(),
-            "argv": sys.argv[:1]}
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "gpu": gpu_name(),
+        "argv": sys.argv[:1],
+    }
 
 
 def package_versions() -> dict[str, str]:
@@ -113,10 +122,16 @@ def git_commit(path: Path | None = None) -> str:
     """HEAD of the git checkout at ``path`` (+ '-dirty' with local changes), or '' outside one."""
     cwd = path or Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return ""
@@ -149,8 +164,7 @@ def write_text_atomically(path: Path, text: str) -> None:
 class RunRecorder:
     """Writes the run files and prints progress. Knows nothing of Flower."""
 
-    def __init__(self, cfg: Mapping[str, Any], out_dir: Path, resume_round: int | None = None,
-                 elapsed: float = 0.0):
+    def __init__(self, cfg: Mapping[str, Any], out_dir: Path, resume_round: int | None = None, elapsed: float = 0.0):
         """A new run empties the line files; a run resumed after round ``resume_round`` keeps their lines
         up to that round (later ones were written after its checkpoint) and its clock goes on from
         ``elapsed`` seconds."""
@@ -176,11 +190,16 @@ class RunRecorder:
         """A resumed run keeps the manifest of its start and adds an entry under ``resumed``."""
         if self.resume_round is not None and (self.out_dir / "manifest.json").is_file():
             manifest = json.loads((self.out_dir / "manifest.json").read_text())
-            manifest.setdefault("resumed", []).append({
-                "after_round": self.resume_round, "config": self.cfg,
-                "git_commit": self.cfg.get("git-commit") or git_commit() or "unknown", "code_hash": code_hash(),
-                "packages": package_versions(), "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            })
+            manifest.setdefault("resumed", []).append(
+                {
+                    "after_round": self.resume_round,
+                    "config": self.cfg,
+                    "git_commit": self.cfg.get("git-commit") or git_commit() or "unknown",
+                    "code_hash": code_hash(),
+                    "packages": package_versions(),
+                    "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                }
+            )
             self._write_json("manifest.json", manifest)
             return
         manifest = {
@@ -201,18 +220,28 @@ class RunRecorder:
         extras = "".join(f" | {k} {v:.4f}" for k, v in shown.items())
         failed = f" | {record['failures']} failed or rejected" if record.get("failures") else ""
         failed += " | too few updates: model unchanged" if record.get("skipped") else ""
-        self.progress.emit("round", f"round {record['round']}/{self.cfg['num-rounds']}{extras}{failed} | "
-                                    f"{record['seconds']:.2f} s/round", round=record["round"])
+        self.progress.emit(
+            "round",
+            f"round {record['round']}/{self.cfg['num-rounds']}{extras}{failed} | {record['seconds']:.2f} s/round",
+            round=record["round"],
+        )
 
     def log_eval(self, record: dict[str, Any]) -> None:
         record = {**record, "wall_time": round(self.elapsed(), 3)}
         self._append(self.metrics_path, record)
         glob = "" if record.get("global_acc") is None else f" | global {100 * record['global_acc']:.2f}%"
-        partial = "" if "clients_expected" not in record or not is_partial(record) else \
-            f" | PARTIAL: {record['clients_evaluated']} of {record['clients_expected']} clients, not in the summary"
-        self.progress.emit("eval", f"eval round {record['round']} | mean acc {100 * record['mean_acc']:.2f}% | worst "
-                                   f"{100 * record['worst_acc']:.2f}%{glob} | loss {record['loss']:.4f}{partial}",
-                           round=record["round"])
+        partial = (
+            ""
+            if "clients_expected" not in record or not is_partial(record)
+            else f" | PARTIAL: {record['clients_evaluated']} of {record['clients_expected']} clients, "
+            "not in the summary"
+        )
+        self.progress.emit(
+            "eval",
+            f"eval round {record['round']} | mean acc {100 * record['mean_acc']:.2f}% | worst "
+            f"{100 * record['worst_acc']:.2f}%{glob} | loss {record['loss']:.4f}{partial}",
+            round=record["round"],
+        )
         self._write_json("summary.json", self.summary())
 
     def summary(self) -> dict[str, Any]:

@@ -51,8 +51,10 @@ def _busy(path: Path) -> bool:
 
 
 def _error(out_dir: Path, role: str, path: Path) -> ConfigError:
-    return ConfigError(f"{out_dir} is in use by a live run: pid {_holder(path)} ({ROLES[role]}) holds {path}. "
-                       "Wait for that run to end or stop that process, or pick another output-dir")
+    return ConfigError(
+        f"{out_dir} is in use by a live run: pid {_holder(path)} ({ROLES[role]}) holds {path}. "
+        "Wait for that run to end or stop that process, or pick another output-dir"
+    )
 
 
 def check_free(out_dir: Path) -> None:

@@ -26,20 +26,38 @@ SIMULATION_PULL_INTERVAL_S = 0.02
 
 # keys a resumed run may change (the run folder and dataset may have moved; resources differ); any other
 # must equal the checkpoint's
-RESUMABLE_KEYS = ("num-rounds", "checkpoint-every", "round-timeout", "min-fit-clients", "eval-every", "output-dir",
-                  "data-dir", "download", "client-cpus", "client-gpus", "engine", "cohorts", "cohort-step",
-                  "resume", "git-commit")
+RESUMABLE_KEYS = (
+    "num-rounds",
+    "checkpoint-every",
+    "round-timeout",
+    "min-fit-clients",
+    "eval-every",
+    "output-dir",
+    "data-dir",
+    "download",
+    "client-cpus",
+    "client-gpus",
+    "engine",
+    "cohorts",
+    "cohort-step",
+    "resume",
+    "git-commit",
+)
 
 
 def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], rounds_done: int) -> None:
     changed = sorted(k for k in cfg if k not in RESUMABLE_KEYS and k in saved and saved[k] != cfg[k])
     if changed:
         diffs = ", ".join(f"{k} = {saved[k]!r} in the checkpoint, {cfg[k]!r} now" for k in changed)
-        raise ConfigError(f"cannot resume with a different config ({diffs}); only "
-                          f"{', '.join(k for k in RESUMABLE_KEYS if k not in ('resume', 'git-commit'))} may change")
+        raise ConfigError(
+            f"cannot resume with a different config ({diffs}); only "
+            f"{', '.join(k for k in RESUMABLE_KEYS if k not in ('resume', 'git-commit'))} may change"
+        )
     if cfg["num-rounds"] <= rounds_done:
-        raise ConfigError(f"the checkpoint is at round {rounds_done} and num-rounds = {cfg['num-rounds']}: nothing "
-                          "to resume (raise num-rounds to train further)")
+        raise ConfigError(
+            f"the checkpoint is at round {rounds_done} and num-rounds = {cfg['num-rounds']}: nothing "
+            "to resume (raise num-rounds to train further)"
+        )
 
 
 def build_strategy(cfg: dict):
@@ -53,8 +71,13 @@ def build_strategy(cfg: dict):
     device = pick_device(cfg["device"])
     modules = {name: m.to(device) for name, m in client_class(cfg["strategy"]).build_modules(cfg).items()}
     global_test = load_global_test(cfg) if cfg["global-test"] else None
-    recorder = RunRecorder(cfg, out_dir) if checkpoint is None else \
-        RunRecorder(cfg, out_dir, resume_round=int(checkpoint[1]["round"]), elapsed=float(checkpoint[1]["elapsed"]))
+    recorder = (
+        RunRecorder(cfg, out_dir)
+        if checkpoint is None
+        else RunRecorder(
+            cfg, out_dir, resume_round=int(checkpoint[1]["round"]), elapsed=float(checkpoint[1]["elapsed"])
+        )
+    )
     strategy = strategy_class(cfg["strategy"])(cfg, recorder, modules, global_test)
     if checkpoint is not None:
         strategy.resume_from(*checkpoint)
@@ -65,9 +88,10 @@ def server_fn(context: Context) -> ServerAppComponents:
     cfg = from_run_config(context.run_config)
     strategy = build_strategy(cfg)
     done = strategy.resumed_round
-    return ServerAppComponents(strategy=ResumedRun(strategy, done) if done else strategy,
-                               config=ServerConfig(num_rounds=cfg["num-rounds"] - done,
-                                                   round_timeout=cfg["round-timeout"] or None))
+    return ServerAppComponents(
+        strategy=ResumedRun(strategy, done) if done else strategy,
+        config=ServerConfig(num_rounds=cfg["num-rounds"] - done, round_timeout=cfg["round-timeout"] or None),
+    )
 
 
 app = ServerApp()

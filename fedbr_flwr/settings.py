@@ -49,8 +49,9 @@ def names_list(value: str) -> tuple[str, ...]:
 _KEY = "fedbr-setting"
 
 
-def setting(key: str, default: Any, help: str, *, choices: tuple | None = None, check: Check | None = None,
-            names: bool = False) -> Any:
+def setting(
+    key: str, default: Any, help: str, *, choices: tuple | None = None, check: Check | None = None, names: bool = False
+) -> Any:
     """A field of a ``Settings`` dataclass, read from run-config key ``key``."""
     return field(default=default, metadata={_KEY: (key, Key(default, help, choices, check, names=names))})
 

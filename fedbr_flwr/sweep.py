@@ -54,8 +54,9 @@ def load_sweep(path: str) -> tuple[dict[str, Any], list[int], dict[str, dict[str
         raise ConfigError(f"{path} needs a 'sweep' block with a non-empty 'runs' mapping (name: settings)")
     unknown = set(sweep) - {"seeds", "runs", "title"}
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) in 'sweep': {', '.join(sorted(unknown))} (valid: seeds, runs, "
-                          "title)")
+        raise ConfigError(
+            f"{path}: unknown key(s) in 'sweep': {', '.join(sorted(unknown))} (valid: seeds, runs, title)"
+        )
     if not isinstance(sweep.get("title", ""), str):
         raise ConfigError(f"{path}: 'sweep.title' must be a string, got {sweep['title']!r}")
     seeds = sweep.get("seeds", [data.get("seed", 0)])
@@ -72,8 +73,9 @@ def load_sweep(path: str) -> tuple[dict[str, Any], list[int], dict[str, dict[str
     return data, seeds, runs
 
 
-def plan(path: str, overrides: Sequence[str], out: Path, only: Sequence[str] | None,
-         seeds: Sequence[int] | None = None) -> list[tuple[str, int, dict[str, Any]]]:
+def plan(
+    path: str, overrides: Sequence[str], out: Path, only: Sequence[str] | None, seeds: Sequence[int] | None = None
+) -> list[tuple[str, int, dict[str, Any]]]:
     """Every (run name, seed, validated config), or a ConfigError before anything runs."""
     base, file_seeds, runs = load_sweep(path)
     seeds = list(seeds) if seeds else file_seeds
@@ -86,8 +88,7 @@ def plan(path: str, overrides: Sequence[str], out: Path, only: Sequence[str] | N
     jobs = []
     for seed in seeds:
         for name, settings in runs.items():
-            merged = {**base, **cli_overrides, **settings, "seed": seed,
-                      "output-dir": str(run_folder(out, name, seed))}
+            merged = {**base, **cli_overrides, **settings, "seed": seed, "output-dir": str(run_folder(out, name, seed))}
             try:
                 cfg = config_from_settings(merged)
             except ConfigError as exc:
@@ -109,8 +110,10 @@ def finished_with_same_config(cfg: dict[str, Any]) -> bool:
     old = json.loads(manifest.read_text())["config"]
     differs = sorted(k for k in cfg if k not in VOLATILE_KEYS and old.get(k) != cfg[k])
     if differs:
-        raise ConfigError(f"{out} holds a finished run with different settings ({', '.join(differs)}); "
-                          "pick another --out or remove that folder")
+        raise ConfigError(
+            f"{out} holds a finished run with different settings ({', '.join(differs)}); "
+            "pick another --out or remove that folder"
+        )
     return True
 
 
@@ -145,8 +148,9 @@ def report_command(argv: Sequence[str] | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedbr-sweep", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="fedbr-sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("file", help="sweep YAML file")
     parser.add_argument("overrides", nargs="*", help="key=value settings for every run")
     parser.add_argument("--out", type=Path, help="output folder (default: runs/<file name>)")
@@ -155,10 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="validate every run and list them, then exit")
     parser.add_argument("--table-only", action="store_true", help="do not run; rebuild the comparison")
     parser.add_argument("--quiet", action="store_true", help="no per-round progress")
-    parser.add_argument("--report", type=Path, metavar="PAGE",
-                        help="also write the table, its plot (in results/ beside PAGE) and the command, commit, "
-                             "machine and wall time as this sweep file's section of the markdown page PAGE; the "
-                             "page's other sections and text are kept")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        metavar="PAGE",
+        help="also write the table, its plot (in results/ beside PAGE) and the command, commit, "
+        "machine and wall time as this sweep file's section of the markdown page PAGE; the "
+        "page's other sections and text are kept",
+    )
     return parser
 
 

@@ -46,8 +46,13 @@ _OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _FROZEN_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def round_sgd(owner: nn.Module, params: Iterable[torch.Tensor], cfg: dict, lr: float | None = None,
-              weight_decay: float | None = None) -> torch.optim.SGD:
+def round_sgd(
+    owner: nn.Module,
+    params: Iterable[torch.Tensor],
+    cfg: dict,
+    lr: float | None = None,
+    weight_decay: float | None = None,
+) -> torch.optim.SGD:
     """SGD over ``params`` (of ``owner``) with the run's momentum (and lr and weight decay unless
     given), its state empty as a new optimiser's: every round starts without momentum. The object is
     built once per (owner, parameters, hyperparameters) and reused by later rounds, which clear its
@@ -59,8 +64,7 @@ def round_sgd(owner: nn.Module, params: Iterable[torch.Tensor], cfg: dict, lr: f
     per_owner = _OPTIMIZERS.setdefault(owner, {})
     optimizer = per_owner.get(key)
     if optimizer is None:
-        optimizer = per_owner[key] = torch.optim.SGD(params, lr=lr, momentum=cfg["momentum"],
-                                                     weight_decay=weight_decay)
+        optimizer = per_owner[key] = torch.optim.SGD(params, lr=lr, momentum=cfg["momentum"], weight_decay=weight_decay)
     optimizer.state.clear()
     return optimizer
 
@@ -78,8 +82,13 @@ def frozen_copy(module: nn.Module) -> nn.Module:
     return copied
 
 
-def run_local_steps(algorithm, sample: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-                    steps: int, precision: str = "fp32", first: tuple[str, ...] = ()) -> dict[str, float]:
+def run_local_steps(
+    algorithm,
+    sample: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    precision: str = "fp32",
+    first: tuple[str, ...] = (),
+) -> dict[str, float]:
     """K local steps of ``algorithm`` (a ``LocalStep``); diagnostics are averaged on the device and copied to
     the host once (``first``: see ``StepStats``).
     ``precision="bf16"``: each step runs under bf16 autocast (weights and optimiser stay fp32). One autocast
@@ -119,8 +128,10 @@ class StepStats:
 
     def of_one(self) -> dict[str, float]:
         """One client's figures (the sums hold scalars)."""
-        return {**{k: float(v) / self.steps for k, v in self.totals.items()},
-                **{k: float(v) for k, v in self.firsts.items()}}
+        return {
+            **{k: float(v) / self.steps for k, v in self.totals.items()},
+            **{k: float(v) for k, v in self.firsts.items()},
+        }
 
     def of_members(self, count: int) -> list[dict[str, float]]:
         """Each member's figures (the sums hold one value per member, a vectorised cohort's)."""
@@ -151,8 +162,8 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     loss = torch.zeros((), device=x.device)
     correct = torch.zeros((), device=x.device, dtype=torch.long)
     for start in range(0, len(y), batch_size):
-        logits = model(x[start:start + batch_size])
-        target = y[start:start + batch_size]
+        logits = model(x[start : start + batch_size])
+        target = y[start : start + batch_size]
         loss += nn.functional.cross_entropy(logits, target, reduction="sum")
         correct += (logits.argmax(1) == target).sum()
     n = max(len(y), 1)
@@ -178,24 +189,31 @@ def load_module_arrays(module: nn.Module, prefix: str, arrays: Mapping[str, np.n
         current.copy_(torch.as_tensor(new))
 
 
-def parameter_tensors(module: nn.Module, prefix: str, arrays: Mapping[str, np.ndarray],
-                      device: torch.device | None = None) -> list[torch.Tensor]:
+def parameter_tensors(
+    module: nn.Module, prefix: str, arrays: Mapping[str, np.ndarray], device: torch.device | None = None
+) -> list[torch.Tensor]:
     """Arrays named like ``module``'s state under ``prefix`` (how the server sends SCAFFOLD's c and FedCM's
     Delta) as tensors for ``module.parameters()``, in that order; buffers are not read."""
     device = device or next(module.parameters()).device
     missing = [name for name, _ in module.named_parameters() if f"{prefix}/{name}" not in arrays]
     if missing:
         raise ValueError(f"no array for {prefix}/{missing[0]} ({len(missing)} missing)")
-    return [torch.as_tensor(arrays[f"{prefix}/{name}"], dtype=p.dtype, device=device)
-            for name, p in module.named_parameters()]
+    return [
+        torch.as_tensor(arrays[f"{prefix}/{name}"], dtype=p.dtype, device=device)
+        for name, p in module.named_parameters()
+    ]
 
 
 def state_arrays(module: nn.Module, prefix: str, tensors: list[torch.Tensor]) -> dict[str, np.ndarray]:
     """The inverse of ``parameter_tensors``: per-parameter tensors named like ``module``'s state under
     ``prefix``, with zeros for buffers."""
     by_name = {name: t for (name, _), t in zip(module.named_parameters(), tensors)}
-    return {f"{prefix}/{k}": by_name[k].detach().cpu().numpy().copy() if k in by_name
-            else np.zeros(v.shape, dtype=np.float32) for k, v in module.state_dict().items()}
+    return {
+        f"{prefix}/{k}": by_name[k].detach().cpu().numpy().copy()
+        if k in by_name
+        else np.zeros(v.shape, dtype=np.float32)
+        for k, v in module.state_dict().items()
+    }
 
 
 def peak_memory_mb(device: torch.device | str) -> dict[str, float]:

@@ -45,6 +45,7 @@ class Member:
     """One client of a vectorised cohort: its step for this round, its batch stream, and its groups' values
     when the round started (copied at once: members share the live modules, which the next member's
     ``start_fit`` overwrites)."""
+
     step: FunctionalStep
     sample: BatchSampler  # its own stream, which ``PackedBatches`` draws from
     start: Params
@@ -113,8 +114,10 @@ def check_members_agree(members: list[Member]) -> None:
     for index, member in enumerate(members[1:], start=1):
         pairs = [(type(template).__name__, template, member.step)]
         if len(member.step.components) != len(template.components):
-            raise ValueError(f"cohort-step=vmap: member {index} carries {len(member.step.components)} components, "
-                             f"member 0 {len(template.components)}")
+            raise ValueError(
+                f"cohort-step=vmap: member {index} carries {len(member.step.components)} components, "
+                f"member 0 {len(template.components)}"
+            )
         pairs += [(type(c).__name__, c, own) for c, own in zip(template.components, member.step.components)]
         for name, want, got in pairs:
             where = differing_attribute(want, got, name, skipped=NOT_COMPARED)
@@ -123,7 +126,8 @@ def check_members_agree(members: list[Member]) -> None:
                     f"cohort-step=vmap: {where} differs between members 0 and {index} of a cohort, but the "
                     "vectorised step runs member 0's loss functions for every member. Pass a per-client value "
                     "that a loss reads through draw() or constants(); declare one that only draw, constants "
-                    "or adjust_gradients read in the class's per_member_state")
+                    "or adjust_gradients read in the class's per_member_state"
+                )
 
 
 def differing_attribute(want, got, path: str, skipped: tuple[str, ...] = (), depth: int = 0) -> str | None:
@@ -137,27 +141,43 @@ def differing_attribute(want, got, path: str, skipped: tuple[str, ...] = (), dep
         same = want.shape == got.shape and want.dtype == got.dtype and torch.equal(want, got)
         return None if same else path
     if isinstance(want, nn.Module):  # another module object (the live modules and frozen copies are shared)
-        want, got = dict([*want.named_parameters(), *want.named_buffers()]), \
-            dict([*got.named_parameters(), *got.named_buffers()])
+        want, got = (
+            dict([*want.named_parameters(), *want.named_buffers()]),
+            dict([*got.named_parameters(), *got.named_buffers()]),
+        )
     if isinstance(want, dict):
         if list(want) != list(got):
             return path
-        return next((d for k in want
-                     if (d := differing_attribute(want[k], got[k], f"{path}[{k!r}]", depth=depth)) is not None), None)
+        return next(
+            (d for k in want if (d := differing_attribute(want[k], got[k], f"{path}[{k!r}]", depth=depth)) is not None),
+            None,
+        )
     if isinstance(want, (list, tuple)):
         if len(want) != len(got):
             return path
-        return next((d for i, (w, g) in enumerate(zip(want, got))
-                     if (d := differing_attribute(w, g, f"{path}[{i}]", depth=depth)) is not None), None)
+        return next(
+            (
+                d
+                for i, (w, g) in enumerate(zip(want, got))
+                if (d := differing_attribute(w, g, f"{path}[{i}]", depth=depth)) is not None
+            ),
+            None,
+        )
     if isinstance(want, types.MethodType):
         return None if want.__func__ is got.__func__ else path
     if hasattr(want, "__dict__") and not isinstance(want, (types.FunctionType, type)):
         if depth >= 2:
             return None
         own = set(skipped) | set(getattr(want, "per_member_state", ()))
-        return next((d for k, v in vars(want).items() if k not in own
-                     and (d := differing_attribute(v, vars(got).get(k), f"{path}.{k}", depth=depth + 1)) is not None),
-                    None)
+        return next(
+            (
+                d
+                for k, v in vars(want).items()
+                if k not in own
+                and (d := differing_attribute(v, vars(got).get(k), f"{path}.{k}", depth=depth + 1)) is not None
+            ),
+            None,
+        )
     try:
         return None if bool(want == got) else path
     except (TypeError, ValueError, RuntimeError):
@@ -182,8 +202,9 @@ def sgd_like(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> t
     return type(optimizer)(tensors, **hyper)
 
 
-def phase_gradients(template: FunctionalStep, phase: Phase, params: Params, inputs: Inputs
-                    ) -> tuple[Params, dict[str, torch.Tensor]]:
+def phase_gradients(
+    template: FunctionalStep, phase: Phase, params: Params, inputs: Inputs
+) -> tuple[Params, dict[str, torch.Tensor]]:
     """Every member's gradients of ``phase``'s loss w.r.t. its groups, and its stats, each with a leading
     member dimension."""
     trained = {g: params[g] for g in phase.groups}
@@ -203,8 +224,11 @@ def shares_prepare(step: FunctionalStep) -> bool:
     train the last phase's groups nor adjust gradients."""
     *earlier, last = step.phases
     reads, trained_last = set(step.prepare_groups), set(last.groups)
-    return bool(earlier and reads) and reads <= trained_last and not any(
-        phase.adjust or set(phase.groups) & trained_last for phase in earlier)
+    return (
+        bool(earlier and reads)
+        and reads <= trained_last
+        and not any(phase.adjust or set(phase.groups) & trained_last for phase in earlier)
+    )
 
 
 def sgd_values(params: dict, grads: dict, momentum: dict | None, hyper: dict) -> tuple[dict, dict]:
@@ -223,8 +247,9 @@ def sgd_values(params: dict, grads: dict, momentum: dict | None, hyper: dict) ->
     return new, buffers
 
 
-def shared_prepare_gradients(template: FunctionalStep, params: Params, momentum: Params, inputs: Inputs
-                             ) -> tuple[Params, Params, Params, dict[str, torch.Tensor]]:
+def shared_prepare_gradients(
+    template: FunctionalStep, params: Params, momentum: Params, inputs: Inputs
+) -> tuple[Params, Params, Params, dict[str, torch.Tensor]]:
     """One step of every member for a step that ``shares_prepare``: ``prepare`` once (kept with its pullback),
     the earlier phases stepped inside with ``sgd_values`` on its values, then the last phase's gradients,
     through ``prepare`` by the pullback. Returns (the earlier phases' new values, their new momentum buffers,
@@ -237,6 +262,7 @@ def shared_prepare_gradients(template: FunctionalStep, params: Params, momentum:
         read = {g: params[g] for g in template.prepare_groups}
         shared, pullback = torch.func.vjp(lambda read: template.prepare({**params, **read}, inputs), read)
         for phase in earlier:
+
             def objective(trained: Params):  # called at once, in this iteration: the late binding is safe
                 loss, terms = phase.loss({**params, **trained}, inputs, shared)  # noqa: B023
                 return (-loss if phase.ascent else loss), terms  # noqa: B023
@@ -252,20 +278,27 @@ def shared_prepare_gradients(template: FunctionalStep, params: Params, momentum:
             return (-loss if last.ascent else loss), terms
 
         (direct, through_shared), terms = torch.func.grad(last_objective, argnums=(0, 1), has_aux=True)(
-            {g: params[g] for g in last.groups}, shared)
+            {g: params[g] for g in last.groups}, shared
+        )
         (through_prepare,) = pullback(through_shared)
-        grads = {g: {n: t + through_prepare[g][n] if g in through_prepare else t for n, t in named.items()}
-                 for g, named in direct.items()}
+        grads = {
+            g: {n: t + through_prepare[g][n] if g in through_prepare else t for n, t in named.items()}
+            for g, named in direct.items()
+        }
         stats.update(terms)
         return stepped, {g: b for g, b in buffers.items() if b}, grads, stats
 
     return torch.func.vmap(member)(params, momentum, inputs)
 
 
-def run_members(members: list[Member], batches: Callable[[], tuple[torch.Tensor, torch.Tensor]], steps: int,
-                precision: str = "fp32",
-                capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None,
-                first: tuple[str, ...] = ()) -> tuple[list[Params], list[dict[str, float]]]:
+def run_members(
+    members: list[Member],
+    batches: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    precision: str = "fp32",
+    capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None,
+    first: tuple[str, ...] = (),
+) -> tuple[list[Params], list[dict[str, float]]]:
     """K local steps of every member at once: each member's trained groups (views into the stacked
     tensors) and its diagnostics averaged over the steps, as ``run_local_steps`` gives one client.
     ``batches`` (``PackedBatches``): every member's batch of a step at once, as each member's ``sample`` draws it.
@@ -361,9 +394,11 @@ def copy_inputs(buffers: Inputs, inputs: Inputs) -> None:
         if value is buffer:  # stacked once, fixed for the round (``DrawStacker``)
             continue
         if value.shape != buffer.shape or value.dtype != buffer.dtype:
-            raise RuntimeError(f"cohort-step=graph: step input '{key}' changed from {tuple(buffer.shape)} "
-                               f"{buffer.dtype} to {tuple(value.shape)} {value.dtype} between steps; a captured "
-                               "step needs fixed shapes: use cohort-step=vmap")
+            raise RuntimeError(
+                f"cohort-step=graph: step input '{key}' changed from {tuple(buffer.shape)} "
+                f"{buffer.dtype} to {tuple(value.shape)} {value.dtype} between steps; a captured "
+                "step needs fixed shapes: use cohort-step=vmap"
+            )
         buffer.copy_(value)
 
 
@@ -380,8 +415,9 @@ def cuda_graph(run: Callable[[], dict]) -> tuple[dict, Callable[[], dict]]:
         with torch.cuda.graph(graph):
             output = run()
     except Exception as error:
-        raise RuntimeError(f"cohort-step=graph: the step could not be captured as a CUDA graph ({error}); "
-                           "use cohort-step=vmap") from error
+        raise RuntimeError(
+            f"cohort-step=graph: the step could not be captured as a CUDA graph ({error}); use cohort-step=vmap"
+        ) from error
 
     def replay() -> dict:
         graph.replay()
@@ -420,8 +456,13 @@ def evaluation_groups(lengths: list[int], batch_size: int = 512, max_images: int
 
 
 @torch.no_grad()
-def evaluate_members(module: nn.Module, states: list[dict[str, torch.Tensor]], xs: list[torch.Tensor],
-                     ys: list[torch.Tensor], batch_size: int = 512) -> list[tuple[float, float]]:
+def evaluate_members(
+    module: nn.Module,
+    states: list[dict[str, torch.Tensor]],
+    xs: list[torch.Tensor],
+    ys: list[torch.Tensor],
+    batch_size: int = 512,
+) -> list[tuple[float, float]]:
     """(mean cross-entropy, accuracy) of ``module`` with each member's state on that member's test set,
     every member at once: the test sets are padded to the longest and the padding is masked out."""
     module.eval()
@@ -434,8 +475,8 @@ def evaluate_members(module: nn.Module, states: list[dict[str, torch.Tensor]], x
     loss = torch.zeros(len(ys), device=y.device)
     correct = torch.zeros(len(ys), device=y.device, dtype=torch.long)
     for start in range(0, count, batch_size):
-        logits = forward(state, x[:, start:start + batch_size])
-        target, mask = y[:, start:start + batch_size], real[:, start:start + batch_size]
+        logits = forward(state, x[:, start : start + batch_size])
+        target, mask = y[:, start : start + batch_size], real[:, start : start + batch_size]
         each = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
         loss += (each * mask).sum(dim=1)
         correct += ((logits.argmax(dim=2) == target) & mask).sum(dim=1)

@@ -127,8 +127,12 @@ def serve(stream, parent: int) -> None:
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)
     if killed:
-        print(f"fedbr watchdog: the command (pid {parent}) ended without stopping its processes; killed "
-              f"{killed} left behind", file=sys.stderr, flush=True)
+        print(
+            f"fedbr watchdog: the command (pid {parent}) ended without stopping its processes; killed "
+            f"{killed} left behind",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -164,8 +168,13 @@ def _send(line: str, start: bool = True) -> None:
             read, write = os.pipe()  # not inherited by the other children (PEP 446)
             try:
                 # -I: this file alone, standard library only (no PYTHONPATH, no sitecustomize)
-                _watchdog = subprocess.Popen([sys.executable, "-I", str(Path(__file__).resolve()), str(os.getpid())],
-                                             stdin=read, stdout=subprocess.DEVNULL, cwd="/", start_new_session=True)
+                _watchdog = subprocess.Popen(
+                    [sys.executable, "-I", str(Path(__file__).resolve()), str(os.getpid())],
+                    stdin=read,
+                    stdout=subprocess.DEVNULL,
+                    cwd="/",
+                    start_new_session=True,
+                )
             finally:
                 os.close(read)
             _pipe = write

@@ -57,12 +57,22 @@ class WorkerClient(NumPyClient):
         try:
             conn = Client(self.address, family="AF_UNIX", authkey=read_key(self.address))
         except (OSError, EOFError) as exc:
-            raise RuntimeError(f"no fedbr worker answers at {self.address} ({exc}): start it with "
-                               f"`fedbr-worker --address {self.address}` (fedbr-deploy supernode does)") from None
+            raise RuntimeError(
+                f"no fedbr worker answers at {self.address} ({exc}): start it with "
+                f"`fedbr-worker --address {self.address}` (fedbr-deploy supernode does)"
+            ) from None
         with conn:
-            conn.send({"code": code_hash(), "run_id": self.context.run_id, "run_config": dict(self.context.run_config),
-                       "node_config": dict(self.context.node_config), "state": self.context.state,
-                       "method": method, "args": args})
+            conn.send(
+                {
+                    "code": code_hash(),
+                    "run_id": self.context.run_id,
+                    "run_config": dict(self.context.run_config),
+                    "node_config": dict(self.context.node_config),
+                    "state": self.context.state,
+                    "method": method,
+                    "args": args,
+                }
+            )
             try:
                 status, result, state = conn.recv()
             except EOFError:
@@ -97,8 +107,10 @@ class Worker:
 
     def handle(self, request: dict) -> Any:
         if request.get("code") != self.code:  # it runs its installed code, not the run's app bundle
-            raise RuntimeError(f"this worker runs code {self.code} but the run's app is {request.get('code')}: "
-                               "restart the worker (and its SuperNode) after installing the new version")
+            raise RuntimeError(
+                f"this worker runs code {self.code} but the run's app is {request.get('code')}: "
+                "restart the worker (and its SuperNode) after installing the new version"
+            )
         # the state is Flower's copy for this message; it is sent back after the call
         client = self.clients.get(request["run_id"], request["run_config"], request["node_config"], request["state"])
         return getattr(client, request["method"])(*request["args"])
@@ -130,9 +142,10 @@ class Worker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fedbr-worker", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--address", required=True, help="Unix socket path (give the SuperNode worker=\"<path>\")")
+    parser = argparse.ArgumentParser(
+        prog="fedbr-worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--address", required=True, help='Unix socket path (give the SuperNode worker="<path>")')
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

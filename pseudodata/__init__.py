@@ -33,9 +33,13 @@ def proxy_dataset(cfg: Mapping[str, Any]) -> str:
     return {"cifar10": "cifar100", "cifar100": "cifar10", "synthetic": "synthetic"}.get(cfg["dataset"], "mnist5k")
 
 
-def build(cfg: Mapping[str, Any], version: int, partition_ids: list[int],
-          collect_means: Callable[[dict[int, int], int], list[np.ndarray]],
-          proxy: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+def build(
+    cfg: Mapping[str, Any],
+    version: int,
+    partition_ids: list[int],
+    collect_means: Callable[[dict[int, int], int], list[np.ndarray]],
+    proxy: torch.Tensor | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """The pseudo-batch (x, uniform labels) of one version. RSM: ``collect_means({pid: count}, version)`` must
     return each listed client's means, in the order of the mapping (partition order). Mixture: B means
     of M samples of ``proxy``, seeded by (seed, version)."""

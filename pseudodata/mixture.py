@@ -23,13 +23,15 @@ def load_proxy(cfg: Mapping[str, Any]) -> torch.Tensor:
     if x.shape[1] != target.in_channels:
         x = x.mean(dim=1, keepdim=True).expand(-1, target.in_channels, -1, -1).contiguous()
     if x.shape[-1] != target.image_size:
-        x = F.interpolate(x, size=(target.image_size, target.image_size), mode="bilinear", antialias=True,
-                          align_corners=False)
+        x = F.interpolate(
+            x, size=(target.image_size, target.image_size), mode="bilinear", antialias=True, align_corners=False
+        )
     return normalise(x, target)
 
 
-def mix(x_pseudo: torch.Tensor, y_pseudo: torch.Tensor, x_local: torch.Tensor, y_local: torch.Tensor,
-        num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mix(
+    x_pseudo: torch.Tensor, y_pseudo: torch.Tensor, x_local: torch.Tensor, y_local: torch.Tensor, num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x~ = (x_p + sum_k x_k) / (K + 1), y~ = (y_p + sum_k onehot(y_k)) / (K + 1).
 
     ``x_local`` is (K, B, ...) and ``y_local`` (K, B): the K local samples mixed into each of the B

@@ -32,11 +32,17 @@ Named = dict[str, np.ndarray]
 
 class FederatedStrategy(FlowerStrategy):
     """FedAvg's behaviour: the global arrays are the (uniform or sample-weighted) mean of the returned ones."""
+
     name = ""  # set by register_strategy
     Settings = NoSettings  # an algorithm whose settings only its server reads declares them here (GroupDRO)
 
-    def __init__(self, cfg: dict[str, Any], recorder: RunRecorder, modules: dict[str, torch.nn.Module],
-                 global_test: tuple[torch.Tensor, torch.Tensor] | None):
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        recorder: RunRecorder,
+        modules: dict[str, torch.nn.Module],
+        global_test: tuple[torch.Tensor, torch.Tensor] | None,
+    ):
         self.client_class = client_class(cfg["strategy"])
         super().__init__(cfg, recorder, bool(self.client_class.state_keys))
         self.settings = settings_of(self.name).from_config(cfg)

@@ -43,19 +43,31 @@ class OffsetGenerator(nn.Module):
     embedding e, then a generator of four conv layers (two transposed, stride 2) with a Tanh output,
     cropped to the input shape and mapped affinely from [-1, 1] onto [low, high] per channel."""
 
-    def __init__(self, num_classes: int, in_channels: int, image_size: int, width: int = 64,
-                 low: torch.Tensor | None = None, high: torch.Tensor | None = None):
+    def __init__(
+        self,
+        num_classes: int,
+        in_channels: int,
+        image_size: int,
+        width: int = 64,
+        low: torch.Tensor | None = None,
+        high: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.base = -(-image_size // 4)  # ceil: two stride-2 upsamplings reach at least image_size
         self.width = width
         self.image_size = image_size
-        self.mlp = nn.Sequential(nn.Linear(num_classes, 128), nn.ReLU(),
-                                 nn.Linear(128, width * self.base * self.base), nn.ReLU())
+        self.mlp = nn.Sequential(
+            nn.Linear(num_classes, 128), nn.ReLU(), nn.Linear(128, width * self.base * self.base), nn.ReLU()
+        )
         self.generator = nn.Sequential(
-            nn.ConvTranspose2d(width, width // 2, 4, stride=2, padding=1), nn.ReLU(),
-            nn.ConvTranspose2d(width // 2, width // 4, 4, stride=2, padding=1), nn.ReLU(),
-            nn.Conv2d(width // 4, width // 4, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(width // 4, in_channels, 3, padding=1), nn.Tanh(),
+            nn.ConvTranspose2d(width, width // 2, 4, stride=2, padding=1),
+            nn.ReLU(),
+            nn.ConvTranspose2d(width // 2, width // 4, 4, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width // 4, width // 4, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width // 4, in_channels, 3, padding=1),
+            nn.Tanh(),
         )
         low = torch.full((in_channels, 1, 1), -1.0) if low is None else low.reshape(in_channels, 1, 1)
         high = torch.full((in_channels, 1, 1), 1.0) if high is None else high.reshape(in_channels, 1, 1)
@@ -64,7 +76,7 @@ class OffsetGenerator(nn.Module):
 
     def forward(self, e: torch.Tensor) -> torch.Tensor:
         h = self.mlp(e).view(len(e), self.width, self.base, self.base)
-        unit = self.generator(h)[..., :self.image_size, :self.image_size]
+        unit = self.generator(h)[..., : self.image_size, : self.image_size]
         return self.center + self.half_range * unit
 
 
@@ -95,8 +107,9 @@ def build_offset_network(info: DatasetInfo) -> OffsetGenerator:
 class OffsetAggregator:
     """Offsets returned this round -> the offset each client gets next (nothing in mode ``none``)."""
 
-    def __init__(self, mode: str, shares: np.ndarray, network: OffsetGenerator | None = None,
-                 lr: float = 1e-2, steps: int = 10):
+    def __init__(
+        self, mode: str, shares: np.ndarray, network: OffsetGenerator | None = None, lr: float = 1e-2, steps: int = 10
+    ):
         if mode not in ("none", "avg", "nn"):
             raise ValueError(f"unknown offset aggregation '{mode}'. Valid: none, avg, nn")
         if mode == "nn" and network is None:
@@ -108,8 +121,9 @@ class OffsetAggregator:
         if network is not None:
             self.optimizer = torch.optim.SGD(network.parameters(), lr=lr)
 
-    def update(self, offsets: dict[int, np.ndarray], weights: dict[int, float]) -> tuple[dict[int, np.ndarray],
-                                                                                         dict[str, float]]:
+    def update(
+        self, offsets: dict[int, np.ndarray], weights: dict[int, float]
+    ) -> tuple[dict[int, np.ndarray], dict[str, float]]:
         """Returns ({client: next offset}, diagnostics)."""
         if self.mode == "none" or not offsets:
             return {}, {}
@@ -158,8 +172,9 @@ class DisTransStrategy(FederatedStrategy):
         super().__init__(cfg, recorder, modules, global_test)  # self.model: the double-input model
         self.info = INFO[cfg["dataset"]]
         # built right after the seeded model, so that it is seeded too; unused when auto picks none
-        self.network = build_offset_network(self.info).to(self._device()) \
-            if self.settings.agg in ("nn", "auto") else None
+        self.network = (
+            build_offset_network(self.info).to(self._device()) if self.settings.agg in ("nn", "auto") else None
+        )
         self.aggregator: OffsetAggregator | None = None  # needs the class histograms: built at discovery
         self.returned_offsets: dict[int, np.ndarray] = {}  # the last offset each client sent
         self.next_offsets: dict[int, np.ndarray] = {}  # what each client receives next (avg, nn)
@@ -175,9 +190,12 @@ class DisTransStrategy(FederatedStrategy):
         s = self.settings
         mode = resolve_mode(s.agg, dh, s.dh_threshold)
         self.aggregator = OffsetAggregator(mode, class_shares(counts), self.network, s.nn_lr, s.nn_steps)
-        self.recorder.progress.emit("info", f"DisTrans: distributional heterogeneity DH = {100 * dh:.1f}%; offset "
-                                            f"aggregation '{mode}' (distrans-agg = {s.agg}, threshold "
-                                            f"{100 * s.dh_threshold:.0f}%)")
+        self.recorder.progress.emit(
+            "info",
+            f"DisTrans: distributional heterogeneity DH = {100 * dh:.1f}%; offset "
+            f"aggregation '{mode}' (distrans-agg = {s.agg}, threshold "
+            f"{100 * s.dh_threshold:.0f}%)",
+        )
         return {"distrans": {"dh": dh, "offset_agg": mode, "distrans_agg_setting": s.agg}}
 
     def aggregate(self, updates, weights):
@@ -204,7 +222,7 @@ class DisTransStrategy(FederatedStrategy):
         super().restore_state(arrays)
         for name, target in (("returned", self.returned_offsets), ("next", self.next_offsets)):
             prefix = f"distrans/{name}/"
-            target.update({int(k[len(prefix):]): v for k, v in arrays.items() if k.startswith(prefix)})
+            target.update({int(k[len(prefix) :]): v for k, v in arrays.items() if k.startswith(prefix)})
         if self.network is not None:
             load_module_arrays(self.network, "distrans/network", arrays)
 

@@ -37,11 +37,16 @@ class FedBRStrategy(FederatedStrategy):
     def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
         if self.settings.pseudo_data == "mixture" and self.proxy is None:
             self.proxy = load_proxy(self.cfg)
-        x, y = build_pseudo_data(self.cfg, server_round, list(self.federation.clients_by_pid), self.collect_rsm,
-                                 self.proxy)
-        self.recorder.progress.emit("info", f"round {server_round}: {self.settings.pseudo_data} pseudo-data, {len(x)} "
-                                            f"samples of {int(np.prod(x.shape[1:]))} inputs each, sent to clients as "
-                                            "needed", round=server_round)
+        x, y = build_pseudo_data(
+            self.cfg, server_round, list(self.federation.clients_by_pid), self.collect_rsm, self.proxy
+        )
+        self.recorder.progress.emit(
+            "info",
+            f"round {server_round}: {self.settings.pseudo_data} pseudo-data, {len(x)} "
+            f"samples of {int(np.prod(x.shape[1:]))} inputs each, sent to clients as "
+            "needed",
+            round=server_round,
+        )
         return x, y
 
     def collect_rsm(self, counts: dict[int, int], version: int) -> list[np.ndarray]:

@@ -22,8 +22,9 @@ def global_update_direction(start: np.ndarray, new: np.ndarray, lr: float, steps
 class GlobalDirection(ServerComponent):
     def __init__(self, cfg, global_arrays):
         super().__init__(cfg, global_arrays)
-        self.delta = {name[len(MODEL):]: np.zeros_like(a) for name, a in global_arrays.items()
-                      if name.startswith(MODEL)}
+        self.delta = {
+            name[len(MODEL) :]: np.zeros_like(a) for name, a in global_arrays.items() if name.startswith(MODEL)
+        }
         self.round_start: dict[str, np.ndarray] = {}
 
     def round_arrays(self, server_round, global_arrays):
@@ -31,8 +32,12 @@ class GlobalDirection(ServerComponent):
         return {f"{DELTA}/{key}": d for key, d in self.delta.items()}
 
     def after_aggregate(self, new_global):
-        self.delta = {key: global_update_direction(self.round_start[key], new_global[MODEL + key], self.cfg["lr"],
-                                                   self.cfg["local-steps"]) for key in self.delta}
+        self.delta = {
+            key: global_update_direction(
+                self.round_start[key], new_global[MODEL + key], self.cfg["lr"], self.cfg["local-steps"]
+            )
+            for key in self.delta
+        }
 
     def checkpoint_state(self):
         return {f"fedcm/delta/{key}": d for key, d in self.delta.items()}

@@ -20,10 +20,13 @@ class FedMixStrategy(FederatedStrategy):
 
     def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
         pids = sorted(self.federation.clients_by_pid)
-        answers = self.federation.request("fedmix-means", {pid: {"version": server_round} for pid in pids},
-                                          server_round, "its mean data")
+        answers = self.federation.request(
+            "fedmix-means", {pid: {"version": server_round} for pid in pids}, server_round, "its mean data"
+        )
         x = np.concatenate([answers[pid]["x"] for pid in pids]).astype(np.float32)
         y = np.concatenate([answers[pid]["y"] for pid in pids]).astype(np.float32)
-        self.recorder.progress.emit("info", f"FedMix: {len(x)} mean samples (M = {self.cfg['fedmix-m']}) from "
-                                            f"{len(pids)} clients, sent to each once")
+        self.recorder.progress.emit(
+            "info",
+            f"FedMix: {len(x)} mean samples (M = {self.cfg['fedmix-m']}) from {len(pids)} clients, sent to each once",
+        )
         return x, y

@@ -18,8 +18,9 @@ from .base import FederatedStrategy
 
 @dataclass(frozen=True)
 class GroupDROSettings(Settings):
-    eta: float = setting("groupdro-eta", 0.01, "GroupDRO: server weight step p_i <- p_i exp(eta loss_i)",
-                         check=NON_NEGATIVE)
+    eta: float = setting(
+        "groupdro-eta", 0.01, "GroupDRO: server weight step p_i <- p_i exp(eta loss_i)", check=NON_NEGATIVE
+    )
 
 
 class ClientWeights:

@@ -23,17 +23,24 @@ def update_server_control(control: np.ndarray, deltas: list[np.ndarray], num_cli
 class ScaffoldStrategy(FederatedStrategy):
     def __init__(self, cfg, recorder, modules, global_test):
         super().__init__(cfg, recorder, modules, global_test)
-        self.control = {name[len(MODEL):]: np.zeros_like(a) for name, a in self.initial_arrays().items()
-                        if name.startswith(MODEL)}
+        self.control = {
+            name[len(MODEL) :]: np.zeros_like(a) for name, a in self.initial_arrays().items() if name.startswith(MODEL)
+        }
 
     def round_arrays(self, server_round, global_arrays):
-        return {**super().round_arrays(server_round, global_arrays),
-                **{f"{CONTROL}/{key}": c for key, c in self.control.items()}}
+        return {
+            **super().round_arrays(server_round, global_arrays),
+            **{f"{CONTROL}/{key}": c for key, c in self.control.items()},
+        }
 
     def aggregate(self, updates, weights):
-        self.control = {key: update_server_control(c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in updates],
-                                                   self.cfg["num-clients"]) for key, c in self.control.items()}
-        norm = np.sqrt(sum(float((c ** 2).sum()) for c in self.control.values()))
+        self.control = {
+            key: update_server_control(
+                c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in updates], self.cfg["num-clients"]
+            )
+            for key, c in self.control.items()
+        }
+        norm = np.sqrt(sum(float((c**2).sum()) for c in self.control.values()))
         self.server_metrics = {"control-norm": float(norm)}
         return super().aggregate(updates, weights)
 

@@ -26,8 +26,11 @@ class VirtualGenerator(nn.Module):
         self.start = (width, image_size // 4, image_size // 4)
         self.project = nn.Linear(latent, width * (image_size // 4) ** 2)
         self.up = nn.Sequential(
-            nn.ReLU(), nn.ConvTranspose2d(width, width, 4, stride=2, padding=1),
-            nn.ReLU(), nn.ConvTranspose2d(width, channels, 4, stride=2, padding=1), nn.Tanh(),
+            nn.ReLU(),
+            nn.ConvTranspose2d(width, width, 4, stride=2, padding=1),
+            nn.ReLU(),
+            nn.ConvTranspose2d(width, channels, 4, stride=2, padding=1),
+            nn.Tanh(),
         )
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
@@ -35,8 +38,9 @@ class VirtualGenerator(nn.Module):
 
 
 @torch.no_grad()
-def virtual_data(num_classes: int, channels: int, image_size: int, count: int, seed: int,
-                 latent: int = 64, spread: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+def virtual_data(
+    num_classes: int, channels: int, image_size: int, count: int, seed: int, latent: int = 64, spread: float = 0.5
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` virtual samples, classes in turn: class c's latents are N(m_c, spread^2 I) with a class
     mean m_c ~ N(0, I); one untrained generator, all seeded."""
     generator = torch.Generator().manual_seed(seed)
@@ -58,8 +62,14 @@ class VHLStrategy(FederatedStrategy):
 
     def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
         info = INFO[self.cfg["dataset"]]
-        x, y = virtual_data(info.num_classes, info.in_channels, info.image_size, self.cfg["vhl-size"],
-                            seeds.seed("vhl-data", self.cfg["seed"]))
-        self.recorder.progress.emit("info", f"VHL: {len(x)} virtual samples of {info.num_classes} classes, sent to "
-                                            "each client once")
+        x, y = virtual_data(
+            info.num_classes,
+            info.in_channels,
+            info.image_size,
+            self.cfg["vhl-size"],
+            seeds.seed("vhl-data", self.cfg["seed"]),
+        )
+        self.recorder.progress.emit(
+            "info", f"VHL: {len(x)} virtual samples of {info.num_classes} classes, sent to each client once"
+        )
         return x.numpy(), y.numpy().astype(np.float32)

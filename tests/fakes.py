@@ -31,19 +31,23 @@ class InProcessProxy(ClientProxy):
 
     def get_properties(self, ins, timeout, group_id):
         from flwr.common import Code, GetPropertiesRes, Status
+
         return GetPropertiesRes(Status(Code.OK, ""), self.client.get_properties(ins.config))
 
     def get_parameters(self, ins, timeout, group_id):
         from flwr.common import Code, GetParametersRes, Status, ndarrays_to_parameters
+
         return GetParametersRes(Status(Code.OK, ""), ndarrays_to_parameters(self.client.get_parameters(ins.config)))
 
     def fit(self, ins, timeout, group_id):
         from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
         arrays, n, metrics = self.client.fit(parameters_to_ndarrays(ins.parameters), ins.config)
         return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), n, metrics)
 
     def evaluate(self, ins, timeout, group_id):
         from flwr.common import Code, EvaluateRes, Status, parameters_to_ndarrays
+
         loss, n, metrics = self.client.evaluate(parameters_to_ndarrays(ins.parameters), ins.config)
         return EvaluateRes(Status(Code.OK, ""), loss, n, metrics)
 
@@ -115,8 +119,15 @@ def in_process_federation(cfg, tmp_path):
 
 
 # measurements, not results: time, memory, and bytes (a resumed round also carries the clients' saved state)
-TIMING_KEYS = ("wall_time", "seconds", "client_fit_seconds", "client_peak_rss_mb", "client_peak_gpu_mb",
-               "bytes_down", "bytes_up")
+TIMING_KEYS = (
+    "wall_time",
+    "seconds",
+    "client_fit_seconds",
+    "client_peak_rss_mb",
+    "client_peak_gpu_mb",
+    "bytes_down",
+    "bytes_up",
+)
 
 
 def records_without_timing(path):

@@ -37,14 +37,28 @@ from fakes import FixedClientManager, InProcessProxy, run_rounds  # noqa: E402
 HERE = Path(__file__).resolve().parent
 GOLDEN_DIR = HERE / "golden"
 
-BASE = {"num-clients": 3, "num-rounds": 3, "local-steps": 2, "batch-size": 8, "eval-every": 2,
-        "checkpoint-every": 2, "global-test": False, "test-fraction": 0.05, "device": "cpu"}
+BASE = {
+    "num-clients": 3,
+    "num-rounds": 3,
+    "local-steps": 2,
+    "batch-size": 8,
+    "eval-every": 2,
+    "checkpoint-every": 2,
+    "global-test": False,
+    "test-fraction": 0.05,
+    "device": "cpu",
+}
 
 # name: settings over BASE; every strategy, FedBR's variants and ablations, and its combinations
 CASES: dict[str, dict] = {
     "fedavg": {"strategy": "fedavg", "global-test": True},
-    "fedavg-samples-momentum-sampled": {"strategy": "fedavg", "weighting": "samples", "momentum": 0.9,
-                                        "weight-decay": 1e-4, "fraction-fit": 0.67},
+    "fedavg-samples-momentum-sampled": {
+        "strategy": "fedavg",
+        "weighting": "samples",
+        "momentum": 0.9,
+        "weight-decay": 1e-4,
+        "fraction-fit": 0.67,
+    },
     "fedprox": {"strategy": "fedprox"},
     "scaffold": {"strategy": "scaffold"},
     "moon": {"strategy": "moon"},
@@ -60,20 +74,35 @@ CASES: dict[str, dict] = {
     "distrans-none": {"strategy": "distrans", "distrans-agg": "none"},
     "distrans-avg": {"strategy": "distrans", "distrans-agg": "avg", "weighting": "samples"},
     "distrans-nn": {"strategy": "distrans", "distrans-agg": "nn", "global-test": True},
-    "distrans-alternating-auto": {"strategy": "distrans", "distrans-update": "alternating",
-                                  "partition": "classes", "classes-per-client": 6},
+    "distrans-alternating-auto": {
+        "strategy": "distrans",
+        "distrans-update": "alternating",
+        "partition": "classes",
+        "classes-per-client": 6,
+    },
     "fedbr": {"strategy": "fedbr"},
     "fedbr-sampled": {"strategy": "fedbr", "fraction-fit": 0.67},
     "fedbr-mixture": {"strategy": "fedbr", "pseudo-data": "mixture"},
-    "fedbr-mixture-k0-every-round": {"strategy": "fedbr", "pseudo-data": "mixture", "mixture-k": 0,
-                                     "pseudo-refresh": "every-round"},
+    "fedbr-mixture-k0-every-round": {
+        "strategy": "fedbr",
+        "pseudo-data": "mixture",
+        "mixture-k": 0,
+        "pseudo-refresh": "every-round",
+    },
     "fedbr-rsm-every-round": {"strategy": "fedbr", "pseudo-refresh": "every-round", "pseudo-m": 5},
     "fedbr-no-balance": {"strategy": "fedbr", "fedbr-balance": False},
     "fedbr-no-contrastive": {"strategy": "fedbr", "fedbr-contrastive": False},
     "fedbr-no-max-step": {"strategy": "fedbr", "fedbr-max-step": False},
     "fedaug-mean-output": {"strategy": "fedbr", "fedbr-balance-loss": "mean-output", "fedbr-contrastive": False},
-    "fedbr-scales-widths": {"strategy": "fedbr", "fedbr-tau1-scale": 1.0, "fedbr-tau2-scale": 0.0,
-                            "fedbr-proj-hidden": 64, "fedbr-proj-out": 32, "fedbr-lambda": 0.5, "fedbr-mu": 0.2},
+    "fedbr-scales-widths": {
+        "strategy": "fedbr",
+        "fedbr-tau1-scale": 1.0,
+        "fedbr-tau2-scale": 0.0,
+        "fedbr-proj-hidden": 64,
+        "fedbr-proj-out": 32,
+        "fedbr-lambda": 0.5,
+        "fedbr-mu": 0.2,
+    },
     "fedbr+fedcm": {"strategy": "fedbr", "fedbr-with": "fedcm"},
     "fedbr+feddecorr": {"strategy": "fedbr", "fedbr-with": "feddecorr"},
     "fedbr+fedntd": {"strategy": "fedbr", "fedbr-with": "fedntd"},
@@ -91,8 +120,15 @@ RESUME_CASES: dict[str, dict] = {
     "resume-feddyn": {"strategy": "feddyn", "feddyn-alpha": 0.1},
 }
 
-TIMING_KEYS = ("wall_time", "seconds", "client_fit_seconds", "client_peak_rss_mb", "client_peak_gpu_mb",
-               "bytes_down", "bytes_up")
+TIMING_KEYS = (
+    "wall_time",
+    "seconds",
+    "client_fit_seconds",
+    "client_peak_rss_mb",
+    "client_peak_gpu_mb",
+    "bytes_down",
+    "bytes_up",
+)
 MANIFEST_KEYS = ("partition_hash", "num_partitions", "class_counts", "distributional_heterogeneity", "distrans")
 DATA_FILES = ("partition.npz", "pseudo_data.npz", "fedmix_data.npz", "vhl_data.npz", "offsets.npz")
 
@@ -153,8 +189,13 @@ def array_record(a: np.ndarray) -> dict:
     a = np.ascontiguousarray(a)
     flat = a.astype(np.float64).ravel()
     probe = np.random.default_rng(len(flat)).standard_normal(len(flat))
-    return {"shape": list(a.shape), "dtype": str(a.dtype), "sha256": hashlib.sha256(a.tobytes()).hexdigest(),
-            "norm": float(np.linalg.norm(flat)), "probe": float(flat @ probe)}
+    return {
+        "shape": list(a.shape),
+        "dtype": str(a.dtype),
+        "sha256": hashlib.sha256(a.tobytes()).hexdigest(),
+        "norm": float(np.linalg.norm(flat)),
+        "probe": float(flat @ probe),
+    }
 
 
 def lines_without_timing(path: Path) -> list[dict]:
@@ -205,12 +246,20 @@ def environment() -> dict:
 
     cpu = ""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
-    return {"torch": torch.__version__, "numpy": np.__version__, "machine": platform.machine(), "cpu": cpu,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return {
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "machine": platform.machine(),
+        "cpu": cpu,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def record(name: str, tmp: Path, **overrides) -> dict:
@@ -233,8 +282,14 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             result = record(name, Path(tmp))
         path = GOLDEN_DIR / f"{name}.json"
-        path.write_text(json.dumps({"case": name, "settings": {**CASES, **RESUME_CASES}[name], "environment": env,
-                                    **result}, indent=1, sort_keys=True) + "\n")
+        path.write_text(
+            json.dumps(
+                {"case": name, "settings": {**CASES, **RESUME_CASES}[name], "environment": env, **result},
+                indent=1,
+                sort_keys=True,
+            )
+            + "\n"
+        )
         print(f"wrote {path}", flush=True)
     return 0
 

@@ -96,8 +96,9 @@ def command_at_first_round(command: list[str]):
     """Start ``command`` in a session of its own and read its output up to its first round line; yields
     (the process, the lines it printed, its processes: pid -> start time). Whatever is left of them is
     killed on exit, also when the test fails."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     snapshot: dict[int, int] = {}
     try:
         printed = []
@@ -114,8 +115,9 @@ def command_at_first_round(command: list[str]):
         stop_all(snapshot)
 
 
-def kill_and_check_nothing_is_left(proc: subprocess.Popen, snapshot: dict[int, int], ports: set[int],
-                                   out: Path) -> None:
+def kill_and_check_nothing_is_left(
+    proc: subprocess.Popen, snapshot: dict[int, int], ports: set[int], out: Path
+) -> None:
     """SIGKILL the command's process group: within seconds none of its processes lives, none of its ports
     listens, and its run folder stops growing (nothing trains on into it)."""
     kill_group(proc)

@@ -34,7 +34,7 @@ FEDDYN_FILES = ["clients/feddyn.py", "experiments/feddyn_rotmnist5k.yaml", "stra
 def guide_files() -> dict[str, str]:
     """The files the guide's worked example shows: '`path`:' then a fenced block."""
     text = (ROOT / "docs" / "adding-an-algorithm.md").read_text()
-    section = text[text.index("## Worked example"):]
+    section = text[text.index("## Worked example") :]
     return {m.group(1): m.group(2) for m in re.finditer(r"^`([\w/.]+)`:\n\n```\w+\n(.*?)^```", section, re.M | re.S)}
 
 
@@ -59,8 +59,7 @@ def mydyn(tmp_path):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
     registry.load_all()  # what is there before the new one
-    tables = [registry.CLIENTS, registry.STRATEGIES, registry.VARIANTS, registry.COMPONENTS,
-              registry.SERVER_COMPONENTS]
+    tables = [registry.CLIENTS, registry.STRATEGIES, registry.VARIANTS, registry.COMPONENTS, registry.SERVER_COMPONENTS]
     saved = [dict(t) for t in tables]
     clients.__path__.append(str(tmp_path / "clients"))
     strategies.__path__.append(str(tmp_path / "strategies"))
@@ -110,8 +109,18 @@ def toy_data(n=16):
 
 def test_feddyn_follows_its_rule_by_hand(tmp_path):
     alpha, lr = 0.5, 0.1
-    cfg = validate({"strategy": "feddyn", "feddyn-alpha": alpha, "lr": lr, "local-steps": 1, "batch-size": 16,
-                    "num-clients": 4, "output-dir": str(tmp_path / "run"), "global-test": False})
+    cfg = validate(
+        {
+            "strategy": "feddyn",
+            "feddyn-alpha": alpha,
+            "lr": lr,
+            "local-steps": 1,
+            "batch-size": 16,
+            "num-clients": 4,
+            "output-dir": str(tmp_path / "run"),
+            "global-test": False,
+        }
+    )
     client = registry.client_class("feddyn")(cfg, toy_data(), "cpu", MemoryState())
     names = [name for name, _ in client.model.named_parameters()]
     g = {name: np.full(p.shape, 0.3, np.float32) for name, p in client.model.named_parameters()}
@@ -147,8 +156,18 @@ def test_feddyn_follows_its_rule_by_hand(tmp_path):
 
 
 def test_feddyn_runs_and_resumes_like_an_uninterrupted_run(tmp_path):
-    cfg = validate({"strategy": "feddyn", "num-clients": 3, "local-steps": 2, "batch-size": 8, "num-rounds": 4,
-                    "eval-every": 2, "checkpoint-every": 2, "global-test": False})
+    cfg = validate(
+        {
+            "strategy": "feddyn",
+            "num-clients": 3,
+            "local-steps": 2,
+            "batch-size": 8,
+            "num-rounds": 4,
+            "eval-every": 2,
+            "checkpoint-every": 2,
+            "global-test": False,
+        }
+    )
     straight, _, proxies = in_process_federation(cfg, tmp_path / "straight")
     expected = payload.from_parameters(run_rounds(straight, proxies, 4))
     assert all(np.isfinite(a).all() for a in expected.values()) and any(h.any() for h in straight.h.values())

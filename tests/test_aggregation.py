@@ -134,8 +134,7 @@ def test_fedavg_lr_is_taken_from_cfg():
     FedAvg(a, cfg).update(x, y)
     FedAvg(b, validate({"lr": 0.05})).update(x, y)
     for s, pa, pb in zip(start, a.parameters(), b.parameters()):
-        np.testing.assert_allclose((pa - s).detach().numpy(), 10 * (pb - s).detach().numpy(), rtol=1e-4,
-                                   atol=1e-7)
+        np.testing.assert_allclose((pa - s).detach().numpy(), 10 * (pb - s).detach().numpy(), rtol=1e-4, atol=1e-7)
 
 
 def test_run_local_steps_reduces_loss_and_averages_diagnostics():
@@ -191,9 +190,15 @@ def test_load_module_arrays_rejects_a_missing_name_and_a_wrong_shape():
 
 def client_data(n=5, augment=False, channels=1, size=4):
     g = torch.Generator().manual_seed(0)
-    return ClientData(partition_id=0, x_train=torch.randn(n, channels, size, size, generator=g),
-                      y_train=torch.arange(n), x_test=torch.zeros(0, channels, size, size),
-                      y_test=torch.zeros(0, dtype=torch.long), num_classes=n, augment=augment)
+    return ClientData(
+        partition_id=0,
+        x_train=torch.randn(n, channels, size, size, generator=g),
+        y_train=torch.arange(n),
+        x_test=torch.zeros(0, channels, size, size),
+        y_test=torch.zeros(0, dtype=torch.long),
+        num_classes=n,
+        augment=augment,
+    )
 
 
 def test_batch_sampler_seeded_shapes_and_replacement():
@@ -234,7 +239,7 @@ def test_batch_sampler_pads_crops_with_the_clients_border_value():
 def test_step_seed_stable_and_distinct():
     assert step_seed(0, 1, 2) == step_seed(0, 1, 2)
     assert len({step_seed(0, r, c) for r in range(5) for c in range(5)}) == 25
-    assert 0 <= step_seed(123, 4) < 2 ** 63
+    assert 0 <= step_seed(123, 4) < 2**63
 
 
 # ---------------------------------------------------------------- evaluation
@@ -248,12 +253,14 @@ def test_evaluate_with_hand_set_logits():
     y = torch.tensor([0, 1, 1, 0])  # correct, correct, wrong, wrong
     loss, acc = evaluate(model, x, y, batch_size=3)  # batches of 3 + 1
     assert acc == pytest.approx(0.5)
-    expected = np.mean([
-        -np.log(np.exp(2) / (np.exp(2) + 1)),
-        -np.log(np.exp(1) / (1 + np.exp(1))),
-        -np.log(np.exp(1) / (np.exp(3) + np.exp(1))),
-        -np.log(1 / (1 + np.exp(0.5))),
-    ])
+    expected = np.mean(
+        [
+            -np.log(np.exp(2) / (np.exp(2) + 1)),
+            -np.log(np.exp(1) / (1 + np.exp(1))),
+            -np.log(np.exp(1) / (np.exp(3) + np.exp(1))),
+            -np.log(1 / (1 + np.exp(0.5))),
+        ]
+    )
     assert loss == pytest.approx(expected, rel=1e-5)
     assert not model.training
 

@@ -188,9 +188,16 @@ def test_scaffold_strategy_averages_models_and_sends_its_control_variate(tmp_pat
     strategy = ScaffoldStrategy(cfg, RunRecorder(cfg, tmp_path), {"model": small_model()}, None)
     rng = np.random.default_rng(0)
     initial = strategy.initial_arrays()
-    updates = [{**{k: rng.standard_normal(a.shape).astype(np.float32) for k, a in initial.items()},
-                **{k.replace("model/", "control-delta/"): rng.standard_normal(a.shape).astype(np.float32)
-                   for k, a in initial.items()}} for _ in range(2)]
+    updates = [
+        {
+            **{k: rng.standard_normal(a.shape).astype(np.float32) for k, a in initial.items()},
+            **{
+                k.replace("model/", "control-delta/"): rng.standard_normal(a.shape).astype(np.float32)
+                for k, a in initial.items()
+            },
+        }
+        for _ in range(2)
+    ]
     results = [(None, fit_res(u, 10, {"partition-id": i, "loss": 1.0})) for i, u in enumerate(updates)]
     strategy.sampled = [0, 1]
     new, _ = strategy.aggregate_fit(1, results, [])
@@ -200,8 +207,9 @@ def test_scaffold_strategy_averages_models_and_sends_its_control_variate(tmp_pat
     np.testing.assert_allclose(got[first], (updates[0][first] + updates[1][first]) / 2, rtol=1e-6)
     key = first.removeprefix("model/")
     sent = strategy.round_arrays(2, got)[f"control/{key}"]
-    np.testing.assert_allclose(sent, (updates[0][f"control-delta/{key}"] + updates[1][f"control-delta/{key}"]) / 4,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        sent, (updates[0][f"control-delta/{key}"] + updates[1][f"control-delta/{key}"]) / 4, rtol=1e-6
+    )
 
 
 # ---------------------------------------------------------------- MOON
@@ -212,7 +220,7 @@ def test_moon_loss_by_hand():
     z_glob = torch.tensor([[1.0, 1.0]])  # cos = 1/sqrt(2)
     z_prev = torch.tensor([[0.0, 1.0]])  # cos = 0
     tau = 0.5
-    pos, neg = math.exp(2 ** -0.5 / tau), math.exp(0.0)
+    pos, neg = math.exp(2**-0.5 / tau), math.exp(0.0)
     assert moon_contrastive_loss(z, z_glob, z_prev, tau).item() == pytest.approx(-math.log(pos / (pos + neg)))
 
 
@@ -419,8 +427,7 @@ def test_fedcm_step_moves_along_alpha_g_plus_one_minus_alpha_delta():
 def test_fedcm_server_direction_is_the_mean_step_in_gradient_units(tmp_path):
     start, new = np.ones(3, np.float32), np.full(3, 0.5, np.float32)
     np.testing.assert_allclose(global_update_direction(start, new, lr=0.1, steps=5), 1.0)
-    cfg = cfg_of("fedcm", **{"num-clients": 2, "output-dir": str(tmp_path), "global-test": False,
-                             "local-steps": 4})
+    cfg = cfg_of("fedcm", **{"num-clients": 2, "output-dir": str(tmp_path), "global-test": False, "local-steps": 4})
     strategy = FedAvgStrategy(cfg, RunRecorder(cfg, tmp_path), {"model": small_model()}, None)
     assert [type(c) for c in strategy.components] == [GlobalDirection]  # strategy=fedcm: FedAvg + its component
     initial = strategy.initial_arrays()
@@ -454,13 +461,18 @@ def test_groupdro_weight_grows_for_the_client_with_the_highest_loss():
 
 def test_groupdro_strategy_averages_with_its_client_weights(tmp_path):
     """The weights come from each client's first-step loss (at the global model), not its round-mean loss."""
-    cfg = cfg_of("groupdro", **{"num-clients": 2, "output-dir": str(tmp_path), "global-test": False,
-                                "groupdro-eta": 1.0})
+    cfg = cfg_of(
+        "groupdro", **{"num-clients": 2, "output-dir": str(tmp_path), "global-test": False, "groupdro-eta": 1.0}
+    )
     strategy = GroupDROStrategy(cfg, RunRecorder(cfg, tmp_path), {"model": torch.nn.Linear(2, 1)}, None)
-    updates = [{"model/weight": np.zeros((1, 2), np.float32), "model/bias": np.zeros(1, np.float32)},
-               {"model/weight": np.ones((1, 2), np.float32), "model/bias": np.ones(1, np.float32)}]
-    results = [(None, fit_res(u, 10, {"partition-id": i, "first-loss": first, "loss": 5.0 - first}))
-               for i, (u, first) in enumerate(zip(updates, [0.0, math.log(3.0)]))]
+    updates = [
+        {"model/weight": np.zeros((1, 2), np.float32), "model/bias": np.zeros(1, np.float32)},
+        {"model/weight": np.ones((1, 2), np.float32), "model/bias": np.ones(1, np.float32)},
+    ]
+    results = [
+        (None, fit_res(u, 10, {"partition-id": i, "first-loss": first, "loss": 5.0 - first}))
+        for i, (u, first) in enumerate(zip(updates, [0.0, math.log(3.0)]))
+    ]
     strategy.sampled = [0, 1]
     new, _ = strategy.aggregate_fit(1, results, [])
     np.testing.assert_allclose(payload.from_parameters(new)["model/bias"], 0.75, rtol=1e-6)  # weights 1 : 3
@@ -470,9 +482,11 @@ def test_groupdro_rejects_an_update_without_its_first_step_loss(tmp_path):
     cfg = cfg_of("groupdro", **{"num-clients": 3, "output-dir": str(tmp_path), "global-test": False})
     strategy = GroupDROStrategy(cfg, RunRecorder(cfg, tmp_path), {"model": torch.nn.Linear(2, 1)}, None)
     update = {"model/weight": np.ones((1, 2), np.float32), "model/bias": np.ones(1, np.float32)}
-    results = [(None, fit_res(update, 10, {"partition-id": 0, "first-loss": 0.5})),
-               (None, fit_res(update, 10, {"partition-id": 1, "loss": 0.5})),
-               (None, fit_res(update, 10, {"partition-id": 2, "first-loss": "high"}))]
+    results = [
+        (None, fit_res(update, 10, {"partition-id": 0, "first-loss": 0.5})),
+        (None, fit_res(update, 10, {"partition-id": 1, "loss": 0.5})),
+        (None, fit_res(update, 10, {"partition-id": 2, "first-loss": "high"})),
+    ]
     strategy.sampled = [0, 1, 2]
     new, metrics = strategy.aggregate_fit(1, results, [])
     assert new is not None
@@ -489,8 +503,18 @@ def test_groupdro_clients_report_the_loss_of_their_first_step_at_the_global_mode
     from fedbr_flwr.node import build_client
     from fedbr_flwr.training import BatchSampler
 
-    cfg = cfg_of("groupdro", **{"num-clients": 2, "local-steps": 4, "lr": 0.1, "engine": "cohort", "cohorts": 1,
-                                "cohort-step": engine, "device": "cpu"})
+    cfg = cfg_of(
+        "groupdro",
+        **{
+            "num-clients": 2,
+            "local-steps": 4,
+            "lr": 0.1,
+            "engine": "cohort",
+            "cohorts": 1,
+            "cohort-step": engine,
+            "device": "cpu",
+        },
+    )
     cohort = build_client(cfg, {"partition-id": 0, "num-partitions": 1}, RecordDict())
     model = cohort.algorithm.model
     weights = cohort.algorithm.weights()
@@ -500,8 +524,11 @@ def test_groupdro_clients_report_the_loss_of_their_first_step_at_the_global_mode
         with torch.no_grad():
             wanted[pid] = F.cross_entropy(model(x), y).item()
     parts = [(pid, weights, {"server-round": 1}) for pid in cohort.members]
-    answers = cohort.fit_together(parts) if engine == "vmap" else \
-        [(pid, *cohort.member(pid).fit(arrays, config)) for pid, arrays, config in parts]
+    answers = (
+        cohort.fit_together(parts)
+        if engine == "vmap"
+        else [(pid, *cohort.member(pid).fit(arrays, config)) for pid, arrays, config in parts]
+    )
     for pid, _, _, metrics in answers:
         assert metrics["first-loss"] == pytest.approx(wanted[pid], rel=1e-4)
         assert abs(metrics["loss"] - metrics["first-loss"]) > 1e-3  # the round's mean is another figure
@@ -541,8 +568,10 @@ def test_dann_weight_scales_only_the_reversed_gradient_reaching_the_features():
         model = build_model("cnn", C, 1, 8)
         disc = build_discriminator(model.feature_dim, 16, 3)
         domain_ce = dann_loss(model, disc, x, y, 2, weight)["domain-ce"]
-        return (torch.autograd.grad(domain_ce, list(disc.parameters()), retain_graph=True),
-                torch.autograd.grad(domain_ce, list(model.features.parameters())))
+        return (
+            torch.autograd.grad(domain_ce, list(disc.parameters()), retain_graph=True),
+            torch.autograd.grad(domain_ce, list(model.features.parameters())),
+        )
 
     disc_small, feat_small = grads(0.1)
     disc_large, feat_large = grads(1.0)
@@ -562,8 +591,17 @@ def fedbr_algo(**overrides):
     g = torch.Generator().manual_seed(100)
     x_p = torch.randn(4, 1, 8, 8, generator=g)
     components = started_components(cfg, model, named_like(model, "fedcm-delta", 0.3))
-    return FedBRStep(model, cfg, FedBRClient.Settings.from_config(cfg), head, x_p, torch.full((4, C), 1.0 / C), None,
-                     seed=0, components=components)
+    return FedBRStep(
+        model,
+        cfg,
+        FedBRClient.Settings.from_config(cfg),
+        head,
+        x_p,
+        torch.full((4, C), 1.0 / C),
+        None,
+        seed=0,
+        components=components,
+    )
 
 
 def fedbr_terms(algo):
@@ -573,10 +611,13 @@ def fedbr_terms(algo):
     return {k: v.item() for k, v in algo.min_loss(algo.groups, inputs, algo.prepare(algo.groups, inputs))[1].items()}
 
 
-@pytest.mark.parametrize("method, term, weight_key, weight", [
-    ("feddecorr", "decorr", "feddecorr-weight", 0.3),
-    ("fedntd", "ntd", "fedntd-beta", 0.7),
-])
+@pytest.mark.parametrize(
+    "method, term, weight_key, weight",
+    [
+        ("feddecorr", "decorr", "feddecorr-weight", 0.3),
+        ("fedntd", "ntd", "fedntd-beta", 0.7),
+    ],
+)
 def test_each_combination_adds_exactly_its_term(method, term, weight_key, weight):
     plain = fedbr_terms(fedbr_algo())
     algo = fedbr_algo(**{"fedbr-with": method, weight_key: weight})
@@ -612,8 +653,22 @@ def test_fedbr_with_fedcm_changes_only_the_min_step_direction():
 
 
 def test_every_baseline_is_registered():
-    assert {"fedavg", "fedprox", "scaffold", "moon", "fedmix", "vhl", "feddecorr", "fedntd", "fedcm", "mixup",
-            "groupdro", "dann", "fedbr", "distrans"} <= set(algorithm_names())
+    assert {
+        "fedavg",
+        "fedprox",
+        "scaffold",
+        "moon",
+        "fedmix",
+        "vhl",
+        "feddecorr",
+        "fedntd",
+        "fedcm",
+        "mixup",
+        "groupdro",
+        "dann",
+        "fedbr",
+        "distrans",
+    } <= set(algorithm_names())
 
 
 def test_strategy_mixup_and_fedbrs_mixup_are_one_component_selected_by_name():
@@ -634,23 +689,35 @@ def test_components_are_listed_in_order_and_checked():
         validate({"strategy": "fedbr", "fedbr-with": "fedcm,fedcm"})
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"strategy": "fedprox2"}, "unknown strategy 'fedprox2'. Did you mean 'fedprox'? Valid: dann, distrans, fedavg"),
-    ({"strategy": "fedavg", "fedprox-mu": 0.1},
-     "belongs to fedprox (strategy=fedprox, or strategy=fedbr fedbr-with=fedprox), not to 'fedavg'"),
-    ({"strategy": "scaffold", "moon-mu": 0.1}, "Keys of 'scaffold': none beyond the common ones"),
-    ({"strategy": "moon", "fedprox-mu": 0.1}, "Keys of 'moon': moon-mu, moon-tau, moon-proj-hidden"),
-    ({"strategy": "fedbr", "feddecorr-weight": 0.2}, "belongs to feddecorr (strategy=feddecorr, or strategy=fedbr "
-                                                     "fedbr-with=feddecorr), not to 'fedbr'"),
-    ({"strategy": "fedbr", "fedbr-with": "fedcm", "fedntd-beta": 0.2}, "Keys of 'fedbr + fedcm': fedbr-lambda"),
-    ({"strategy": "fedavg", "mixup-alpha": 0.4},
-     "belongs to mixup (strategy=mixup, or strategy=fedbr fedbr-with=mixup)"),
-    ({"strategy": "fedbr", "fedbr-with": "moon"}, "config key 'fedbr-with' = 'moon' names no component moon"),
-    ({"strategy": "fedbr", "fedbr-with": "fedntdd"}, "Did you mean 'fedntd'?"),
-    ({"strategy": "fedavg", "groupdro-eta": 0.5}, "belongs to groupdro (strategy=groupdro)"),
-    ({"strategy": "fedmix", "fedmix-lambda": 1.0}, "must be in [0, 1)"),
-    ({"strategy": "fedprox", "fedprox-mu": "a lot"}, "must be float"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"strategy": "fedprox2"},
+            "unknown strategy 'fedprox2'. Did you mean 'fedprox'? Valid: dann, distrans, fedavg",
+        ),
+        (
+            {"strategy": "fedavg", "fedprox-mu": 0.1},
+            "belongs to fedprox (strategy=fedprox, or strategy=fedbr fedbr-with=fedprox), not to 'fedavg'",
+        ),
+        ({"strategy": "scaffold", "moon-mu": 0.1}, "Keys of 'scaffold': none beyond the common ones"),
+        ({"strategy": "moon", "fedprox-mu": 0.1}, "Keys of 'moon': moon-mu, moon-tau, moon-proj-hidden"),
+        (
+            {"strategy": "fedbr", "feddecorr-weight": 0.2},
+            "belongs to feddecorr (strategy=feddecorr, or strategy=fedbr fedbr-with=feddecorr), not to 'fedbr'",
+        ),
+        ({"strategy": "fedbr", "fedbr-with": "fedcm", "fedntd-beta": 0.2}, "Keys of 'fedbr + fedcm': fedbr-lambda"),
+        (
+            {"strategy": "fedavg", "mixup-alpha": 0.4},
+            "belongs to mixup (strategy=mixup, or strategy=fedbr fedbr-with=mixup)",
+        ),
+        ({"strategy": "fedbr", "fedbr-with": "moon"}, "config key 'fedbr-with' = 'moon' names no component moon"),
+        ({"strategy": "fedbr", "fedbr-with": "fedntdd"}, "Did you mean 'fedntd'?"),
+        ({"strategy": "fedavg", "groupdro-eta": 0.5}, "belongs to groupdro (strategy=groupdro)"),
+        ({"strategy": "fedmix", "fedmix-lambda": 1.0}, "must be in [0, 1)"),
+        ({"strategy": "fedprox", "fedprox-mu": "a lot"}, "must be float"),
+    ],
+)
 def test_bad_strategy_settings_stop_with_what_is_valid(overrides, message):
     with pytest.raises(ConfigError, match=_escape(message)):
         validate(overrides)
@@ -658,6 +725,7 @@ def test_bad_strategy_settings_stop_with_what_is_valid(overrides, message):
 
 def _escape(text):
     import re
+
     return re.escape(text)
 
 
@@ -670,16 +738,41 @@ def test_combination_keys_belong_to_fedbr_only_with_that_combination():
 # ---------------------------------------------------------------- two rounds of every strategy, in-process
 
 
-@pytest.mark.parametrize("name, extra", [
-    ("fedprox", {}), ("scaffold", {}), ("moon", {}), ("fedmix", {}), ("vhl", {"vhl-size": 50}),
-    ("feddecorr", {}), ("fedntd", {}), ("fedcm", {}), ("mixup", {}), ("groupdro", {}), ("dann", {}),
-    ("fedbr", {"fedbr-with": "fedcm"}), ("fedbr", {"fedbr-with": "feddecorr"}), ("fedbr", {"fedbr-with": "fedntd"}),
-    ("fedbr", {"fedbr-with": "mixup"}), ("fedbr", {"fedbr-with": "fedprox"}),
-    ("fedbr", {"fedbr-with": "mixup,fedntd,fedcm"}),  # combinations compose: one batch transform, one term, FedCM
-])
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("fedprox", {}),
+        ("scaffold", {}),
+        ("moon", {}),
+        ("fedmix", {}),
+        ("vhl", {"vhl-size": 50}),
+        ("feddecorr", {}),
+        ("fedntd", {}),
+        ("fedcm", {}),
+        ("mixup", {}),
+        ("groupdro", {}),
+        ("dann", {}),
+        ("fedbr", {"fedbr-with": "fedcm"}),
+        ("fedbr", {"fedbr-with": "feddecorr"}),
+        ("fedbr", {"fedbr-with": "fedntd"}),
+        ("fedbr", {"fedbr-with": "mixup"}),
+        ("fedbr", {"fedbr-with": "fedprox"}),
+        ("fedbr", {"fedbr-with": "mixup,fedntd,fedcm"}),  # combinations compose: one batch transform, one term, FedCM
+    ],
+)
 def test_two_rounds_in_process(tmp_path, name, extra):
-    cfg = validate({"strategy": name, "num-clients": 3, "local-steps": 2, "batch-size": 8, "num-rounds": 2,
-                    "eval-every": 1, "global-test": False, **extra})
+    cfg = validate(
+        {
+            "strategy": name,
+            "num-clients": 3,
+            "local-steps": 2,
+            "batch-size": 8,
+            "num-rounds": 2,
+            "eval-every": 1,
+            "global-test": False,
+            **extra,
+        }
+    )
     strategy, clients, proxies = in_process_federation(cfg, tmp_path)
     final = payload.from_parameters(run_rounds(strategy, proxies, 2))
     assert list(final) == strategy.global_names and all(np.isfinite(a).all() for a in final.values())

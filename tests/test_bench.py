@@ -11,8 +11,9 @@ from fedbr_flwr.cli import config_from_settings
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedbr", "distrans"])
 def test_bare_loop_runs_the_clients_fit_and_averages(strategy, monkeypatch):
-    cfg = config_from_settings({"strategy": strategy, "num-clients": 2, "local-steps": 1, "batch-size": 4,
-                                "device": "cpu"})
+    cfg = config_from_settings(
+        {"strategy": strategy, "num-clients": 2, "local-steps": 1, "batch-size": 4, "device": "cpu"}
+    )
     fits = []
     original = bench.client_class(strategy).fit
 
@@ -28,8 +29,9 @@ def test_bare_loop_runs_the_clients_fit_and_averages(strategy, monkeypatch):
 
 
 def test_step_benchmark_times_both_algorithms_on_synthetic_cifar_shapes():
-    cfg = config_from_settings({"dataset": "cifar10", "data-dir": "unused", "model": "cnn", "batch-size": 2,
-                                "device": "cpu"})
+    cfg = config_from_settings(
+        {"dataset": "cifar10", "data-dir": "unused", "model": "cnn", "batch-size": 2, "device": "cpu"}
+    )
     torch.manual_seed(0)
     t = bench.step_seconds(cfg, steps=1, repeats=1)
     assert set(t) == {"fedavg", "fedbr", "distrans"} and all(v > 0 for v in t.values())
@@ -43,8 +45,24 @@ def test_step_benchmark_needs_no_data_dir(capsys):
 
 def test_cohort_step_benchmark_times_loop_and_vmap_and_graph_only_on_cuda(capsys, tmp_path):
     out = tmp_path / "cohort.json"
-    assert bench.main(["--cohort-step", "--rounds", "1", "--json", str(out), "device=cpu", "num-clients=2",
-                       "local-steps=1", "batch-size=4", "model=cnn-small", "strategy=fedbr"]) == 0
+    assert (
+        bench.main(
+            [
+                "--cohort-step",
+                "--rounds",
+                "1",
+                "--json",
+                str(out),
+                "device=cpu",
+                "num-clients=2",
+                "local-steps=1",
+                "batch-size=4",
+                "model=cnn-small",
+                "strategy=fedbr",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| loop (clients one after another) |" in printed and "| vmap (all clients at once) |" in printed
     assert "graph" not in printed  # a CPU has no CUDA graphs
@@ -54,8 +72,12 @@ def test_cohort_step_benchmark_times_loop_and_vmap_and_graph_only_on_cuda(capsys
 
 
 def test_cohort_step_benchmark_without_its_dataset_stops_with_a_message(capsys, tmp_path):
-    assert bench.main(["--cohort-step", "dataset=mnist", f"data-dir={tmp_path}", "download=never",
-                       "num-clients=2", "device=cpu"]) == 2
+    assert (
+        bench.main(
+            ["--cohort-step", "dataset=mnist", f"data-dir={tmp_path}", "download=never", "num-clients=2", "device=cpu"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("fedbr-bench: error: dataset 'mnist' not found") and "Traceback" not in err
 

@@ -18,18 +18,39 @@ from fakes import in_process_federation, records_without_timing, run_rounds
 
 
 def run_cfg(name, **extra):
-    return validate({"strategy": name, "num-clients": 3, "local-steps": 2, "batch-size": 8, "num-rounds": 4,
-                     "eval-every": 2, "checkpoint-every": 2, "global-test": False, **extra})
+    return validate(
+        {
+            "strategy": name,
+            "num-clients": 3,
+            "local-steps": 2,
+            "batch-size": 8,
+            "num-rounds": 4,
+            "eval-every": 2,
+            "checkpoint-every": 2,
+            "global-test": False,
+            **extra,
+        }
+    )
 
 
 # every piece of state a checkpoint must carry: server (SCAFFOLD c, FedCM Delta, GroupDRO p, DisTrans
 # offsets and network, broadcast data) and client (SCAFFOLD c_i, MOON's last model, DisTrans offset)
-@pytest.mark.parametrize("name, extra", [
-    ("fedavg", {"global-test": True}), ("scaffold", {}), ("fedcm", {}), ("groupdro", {}), ("moon", {}),
-    ("distrans", {"distrans-agg": "nn"}), ("distrans", {"distrans-agg": "none"}),
-    ("fedbr", {}), ("fedbr", {"fedbr-with": "fedcm", "pseudo-refresh": "every-round"}),
-    ("fedmix", {}), ("vhl", {"vhl-size": 50}),
-])
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("fedavg", {"global-test": True}),
+        ("scaffold", {}),
+        ("fedcm", {}),
+        ("groupdro", {}),
+        ("moon", {}),
+        ("distrans", {"distrans-agg": "nn"}),
+        ("distrans", {"distrans-agg": "none"}),
+        ("fedbr", {}),
+        ("fedbr", {"fedbr-with": "fedcm", "pseudo-refresh": "every-round"}),
+        ("fedmix", {}),
+        ("vhl", {"vhl-size": 50}),
+    ],
+)
 def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, name, extra):
     cfg = run_cfg(name, **extra)
     straight, _, proxies = in_process_federation(cfg, tmp_path / "straight")

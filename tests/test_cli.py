@@ -37,8 +37,9 @@ def test_malformed_yaml(capsys, tmp_path):
 
 def test_missing_dataset_names_the_path(capsys, tmp_path):
     missing = tmp_path / "nowhere"
-    code, _, err = run_cli(capsys, "dataset=mnist", f"data-dir={missing}", "download=never",
-                           f"output-dir={tmp_path / 'o'}")
+    code, _, err = run_cli(
+        capsys, "dataset=mnist", f"data-dir={missing}", "download=never", f"output-dir={tmp_path / 'o'}"
+    )
     assert code == 2
     assert str(missing) in err and "data-dir" in err and "FEDBR_DATA_DIR" in err
 
@@ -72,8 +73,7 @@ def test_too_many_cpus_per_client_is_refused():
 
 def test_dry_run_resolves_absolute_paths_and_sizes(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, out, _ = run_cli(capsys, "--dry-run", "seed=3",
-                           "output-dir=rel/out")
+    code, out, _ = run_cli(capsys, "--dry-run", "seed=3", "output-dir=rel/out")
     assert code == 0
     assert f"output-dir = '{tmp_path / 'rel' / 'out'}'" in out
     assert "num-clients = 10" in out  # 0 = one per SuperNode; fedbr-run starts 10
@@ -101,12 +101,19 @@ def test_list_shows_strategies_and_keys(capsys):
     assert "fedbr keys (strategy=fedbr):\n  fedbr-lambda (1.0)" in out and "mixup-alpha (0.2)" in out
 
 
-@pytest.mark.parametrize("files, says, not_says", [
-    # what `fedbr-deploy local --supernodes 0` used to leave: empty line files and no checkpoint
-    ({"metrics.jsonl": "", "rounds.jsonl": ""}, "empty files of a run that stopped before its first round", "--resume"),
-    ({"rounds.jsonl": '{"round": 1}\n'}, "without a checkpoint, so it cannot be resumed", "--resume"),
-    ({"metrics.jsonl": '{"round": 5}\n', "checkpoint.npz": "x"}, "`fedbr-run --resume", None),
-])
+@pytest.mark.parametrize(
+    "files, says, not_says",
+    [
+        # what `fedbr-deploy local --supernodes 0` used to leave: empty line files and no checkpoint
+        (
+            {"metrics.jsonl": "", "rounds.jsonl": ""},
+            "empty files of a run that stopped before its first round",
+            "--resume",
+        ),
+        ({"rounds.jsonl": '{"round": 1}\n'}, "without a checkpoint, so it cannot be resumed", "--resume"),
+        ({"metrics.jsonl": '{"round": 5}\n', "checkpoint.npz": "x"}, "`fedbr-run --resume", None),
+    ],
+)
 def test_a_used_folder_offers_resume_only_when_there_is_a_checkpoint(capsys, tmp_path, files, says, not_says):
     for name, text in files.items():
         (tmp_path / name).write_text(text)
@@ -116,19 +123,27 @@ def test_a_used_folder_offers_resume_only_when_there_is_a_checkpoint(capsys, tmp
     assert run_cli(capsys, f"output-dir={tmp_path}", "--dry-run", "--overwrite")[0] == 0
 
 
-@pytest.mark.parametrize("role, holder", [("launcher", "the command that started it"),
-                                          ("writer", "its ServerApp, which writes the run files")])
+@pytest.mark.parametrize(
+    "role, holder",
+    [("launcher", "the command that started it"), ("writer", "its ServerApp, which writes the run files")],
+)
 def test_a_folder_locked_by_a_live_process_is_refused_and_a_dead_ones_lock_is_not(capsys, tmp_path, role, holder):
     import subprocess
     import sys
     from pathlib import Path
 
     (tmp_path / "checkpoint.npz").write_text("not read: the lock is checked first")
-    holding = ("import sys, time\nfrom pathlib import Path\nfrom fedbr_flwr import runlock\n"
-               f"with runlock.hold(Path(sys.argv[1]), role={role!r}):\n"
-               "    print('held', flush=True)\n    time.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-c", holding, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(cli.__file__).resolve().parent.parent)
+    holding = (
+        "import sys, time\nfrom pathlib import Path\nfrom fedbr_flwr import runlock\n"
+        f"with runlock.hold(Path(sys.argv[1]), role={role!r}):\n"
+        "    print('held', flush=True)\n    time.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", holding, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(cli.__file__).resolve().parent.parent,
+    )
     try:
         assert proc.stdout.readline().strip() == "held"
         for args in (["--resume", str(tmp_path)], [f"output-dir={tmp_path}", "--overwrite", "--dry-run"]):

@@ -38,8 +38,9 @@ def test_the_cohort_engine_gives_exactly_the_golden_runs(path, tmp_path):
     close_json(got["metrics"], want["metrics"], "metrics", exact)
 
 
-@pytest.mark.parametrize("first, then", [({}, COHORTS), (COHORTS, {})],
-                         ids=["clients-then-cohort", "cohort-then-clients"])
+@pytest.mark.parametrize(
+    "first, then", [({}, COHORTS), (COHORTS, {})], ids=["clients-then-cohort", "cohort-then-clients"]
+)
 @pytest.mark.parametrize("name", ["resume-scaffold", "resume-moon"])
 def test_a_run_stopped_under_one_engine_resumes_under_the_other(name, first, then, tmp_path):
     """Per-client state travels through the checkpoint, not through the engine's nodes."""
@@ -55,8 +56,9 @@ def test_a_run_stopped_under_one_engine_resumes_under_the_other(name, first, the
 
 
 def test_a_cohort_hosts_every_kth_client_and_reports_each_as_a_client_of_its_own():
-    cfg = validate({"num-clients": 5, "engine": "cohort", "cohorts": 2, "local-steps": 1, "batch-size": 4,
-                    "device": "cpu"})
+    cfg = validate(
+        {"num-clients": 5, "engine": "cohort", "cohorts": 2, "local-steps": 1, "batch-size": 4, "device": "cpu"}
+    )
     assert cohort_members(cfg, 0, 2) == [0, 2, 4] and cohort_members(cfg, 1, 2) == [1, 3]
     node = build_client(cfg, {"partition-id": 1, "num-partitions": 2}, RecordDict())
     assert isinstance(node, CohortClient) and sorted(node.members) == [1, 3]
@@ -68,8 +70,19 @@ def test_a_cohort_hosts_every_kth_client_and_reports_each_as_a_client_of_its_own
 
 
 def test_one_message_per_cohort_carries_the_global_arrays_once_and_each_members_own(tmp_path):
-    cfg = validate({"strategy": "distrans", "distrans-agg": "avg", "num-clients": 3, "engine": "cohort",
-                    "cohorts": 2, "local-steps": 1, "batch-size": 4, "global-test": False, "device": "cpu"})
+    cfg = validate(
+        {
+            "strategy": "distrans",
+            "distrans-agg": "avg",
+            "num-clients": 3,
+            "engine": "cohort",
+            "cohorts": 2,
+            "local-steps": 1,
+            "batch-size": 4,
+            "global-test": False,
+            "device": "cpu",
+        }
+    )
     strategy = build_strategy({**cfg, "output-dir": str(tmp_path)})
     nodes = [build_client(cfg, {"partition-id": c, "num-partitions": 2}, RecordDict()) for c in range(2)]
     proxies = [InProcessProxy(n, f"cohort-{c}") for c, n in enumerate(nodes)]
@@ -91,8 +104,18 @@ def test_one_message_per_cohort_carries_the_global_arrays_once_and_each_members_
 
 
 def cohort_strategy(tmp_path):
-    cfg = validate({"num-clients": 4, "engine": "cohort", "cohorts": 2, "local-steps": 1, "batch-size": 4,
-                    "global-test": False, "device": "cpu", "output-dir": str(tmp_path)})
+    cfg = validate(
+        {
+            "num-clients": 4,
+            "engine": "cohort",
+            "cohorts": 2,
+            "local-steps": 1,
+            "batch-size": 4,
+            "global-test": False,
+            "device": "cpu",
+            "output-dir": str(tmp_path),
+        }
+    )
     strategy = build_strategy(cfg)
     nodes = [build_client(cfg, {"partition-id": c, "num-partitions": 2}, RecordDict()) for c in range(2)]
     proxies = [InProcessProxy(n, f"cohort-{c}") for c, n in enumerate(nodes)]
@@ -111,7 +134,8 @@ def test_a_members_nan_update_is_rejected_and_its_cohort_mates_are_averaged_in(t
     strategy.aggregate_fit(1, results, [])
     record = json.loads((tmp_path / "rounds.jsonl").read_text())
     assert record["clients"] == 3 and record["rejected"] == [
-        {"partition": 2, "reason": f"array '{first.removeprefix('member/2/')}' holds NaN or Inf"}]
+        {"partition": 2, "reason": f"array '{first.removeprefix('member/2/')}' holds NaN or Inf"}
+    ]
     assert all(np.isfinite(a).all() for a in strategy.latest.values())
 
 
@@ -152,10 +176,13 @@ def test_a_deployment_refuses_the_cohort_engine(capsys, tmp_path):
     assert "engine=cohort runs in simulation only" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("node, message", [
-    ({"partition-id": 0, "num-partitions": 3}, "cohorts = 2, but this SuperNode is 0 of 3"),
-    ({"partition-id": 2, "num-partitions": 2}, "this SuperNode is 2 of 2"),
-])
+@pytest.mark.parametrize(
+    "node, message",
+    [
+        ({"partition-id": 0, "num-partitions": 3}, "cohorts = 2, but this SuperNode is 0 of 3"),
+        ({"partition-id": 2, "num-partitions": 2}, "this SuperNode is 2 of 2"),
+    ],
+)
 def test_a_cohort_node_outside_the_configured_cohorts_stops_with_a_clear_message(node, message):
     cfg = validate({"num-clients": 4, "engine": "cohort", "cohorts": 2, "device": "cpu"})
     with pytest.raises(ConfigError, match=message):

@@ -39,16 +39,19 @@ def test_unknown_key_suggests_close_match():
     assert "Did you mean 'num-rounds'" in msg
 
 
-@pytest.mark.parametrize("overrides, words", [
-    ({"lr": "fast"}, ["'lr'", "float", "'fast'"]),
-    ({"num-rounds": 2.5}, ["'num-rounds'", "int"]),
-    ({"rotate": "yes"}, ["'rotate'", "bool"]),
-    ({"rotate": 1}, ["'rotate'", "bool"]),
-    ({"num-rounds": True}, ["'num-rounds'", "int"]),
-    ({"seed": False}, ["'seed'", "int"]),
-    ({"lr": True}, ["'lr'", "float"]),
-    ({"dataset": 5}, ["'dataset'", "str"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"lr": "fast"}, ["'lr'", "float", "'fast'"]),
+        ({"num-rounds": 2.5}, ["'num-rounds'", "int"]),
+        ({"rotate": "yes"}, ["'rotate'", "bool"]),
+        ({"rotate": 1}, ["'rotate'", "bool"]),
+        ({"num-rounds": True}, ["'num-rounds'", "int"]),
+        ({"seed": False}, ["'seed'", "int"]),
+        ({"lr": True}, ["'lr'", "float"]),
+        ({"dataset": 5}, ["'dataset'", "str"]),
+    ],
+)
 def test_wrong_types(overrides, words):
     with pytest.raises(ConfigError) as err:
         validate(overrides)
@@ -74,17 +77,20 @@ def test_choices_enforced():
         validate({"partition": "shards"})
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ({"alpha": 0}, "alpha"),
-    ({"alpha": -1.0}, "alpha"),
-    ({"fraction-fit": 1.5}, "fraction-fit"),
-    ({"fraction-fit": 0}, "fraction-fit"),
-    ({"test-fraction": 1.0}, "test-fraction"),
-    ({"momentum": 1.0}, "momentum"),
-    ({"num-rounds": 0}, "num-rounds"),
-    ({"seed": -1}, "seed"),
-    ({"client-gpus": 2.0}, "client-gpus"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ({"alpha": 0}, "alpha"),
+        ({"alpha": -1.0}, "alpha"),
+        ({"fraction-fit": 1.5}, "fraction-fit"),
+        ({"fraction-fit": 0}, "fraction-fit"),
+        ({"test-fraction": 1.0}, "test-fraction"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"num-rounds": 0}, "num-rounds"),
+        ({"seed": -1}, "seed"),
+        ({"client-gpus": 2.0}, "client-gpus"),
+    ],
+)
 def test_checks_enforced(overrides, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
         validate(overrides)
@@ -142,15 +148,18 @@ def test_resolved_model():
 # ---------------------------------------------------------------- overrides
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("lr=0.01", ("lr", 0.01)),
-    ("rotate=false", ("rotate", False)),
-    ("dataset=mnist", ("dataset", "mnist")),
-    ("num-rounds=5", ("num-rounds", 5)),
-    ("output-dir=", ("output-dir", "")),
-    ("data-dir=/a=b", ("data-dir", "/a=b")),
-    (" seed =3", ("seed", 3)),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("lr=0.01", ("lr", 0.01)),
+        ("rotate=false", ("rotate", False)),
+        ("dataset=mnist", ("dataset", "mnist")),
+        ("num-rounds=5", ("num-rounds", 5)),
+        ("output-dir=", ("output-dir", "")),
+        ("data-dir=/a=b", ("data-dir", "/a=b")),
+        (" seed =3", ("seed", 3)),
+    ],
+)
 def test_parse_override(text, expected):
     key, value = parse_override(text)
     assert (key, value) == expected

@@ -211,7 +211,7 @@ def test_random_crop_flip_is_a_crop_of_the_padded_input():
         matches = []
         for oy in range(9):
             for ox in range(9):
-                crop = padded[i, :, oy:oy + 8, ox:ox + 8]
+                crop = padded[i, :, oy : oy + 8, ox : ox + 8]
                 for flip in (False, True):
                     cand = crop.flip(-1) if flip else crop
                     if torch.equal(cand, out[i]):
@@ -246,7 +246,7 @@ def test_random_crop_flip_covers_offsets_and_flips():
     for i in range(len(out)):
         for oy in range(5):
             for ox in range(5):
-                crop = padded[:, oy:oy + 4, ox:ox + 4]
+                crop = padded[:, oy : oy + 4, ox : ox + 4]
                 if torch.equal(crop, out[i]):
                     seen.add((oy, ox, False))
                 if torch.equal(crop.flip(-1), out[i]):

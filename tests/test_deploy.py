@@ -26,8 +26,17 @@ from fakes import records_without_timing
 
 
 def small_run(out, **overrides):
-    cfg = validate({"strategy": "fedavg", "num-clients": 2, "num-rounds": 2, "local-steps": 3, "eval-every": 2,
-                    "output-dir": str(out), **overrides})
+    cfg = validate(
+        {
+            "strategy": "fedavg",
+            "num-clients": 2,
+            "num-rounds": 2,
+            "local-steps": 3,
+            "eval-every": 2,
+            "output-dir": str(out),
+            **overrides,
+        }
+    )
     return prepare(cfg, overwrite=False)
 
 
@@ -45,8 +54,9 @@ def kill_now(proc):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("tls, caller_fails", [(False, False), (True, True)],
-                         ids=["insecure", "tls-and-auth-then-the-caller-fails"])
+@pytest.mark.parametrize(
+    "tls, caller_fails", [(False, False), (True, True)], ids=["insecure", "tls-and-auth-then-the-caller-fails"]
+)
 def test_two_rounds_of_fedavg_on_a_superlink_and_two_supernodes(tmp_path, tls, caller_fails):
     """Every process the deployment started is stopped when the caller's block ends, and when it raises
     (here after its run, so that the run's own processes are there to stop too)."""
@@ -82,8 +92,10 @@ def test_a_client_killed_mid_round_is_recorded_and_the_run_completes(tmp_path):
     cfg = small_run(out, **{"local-steps": 20, "round-timeout": 20.0})
     outcome = {}
     with deploy.local_deployment(out, 2) as dep:
-        runner = threading.Thread(target=lambda: outcome.update(status=submit_run(cfg, dep.env, deploy.CONNECTION, out,
-                                                                                  echo="none")), daemon=True)
+        runner = threading.Thread(
+            target=lambda: outcome.update(status=submit_run(cfg, dep.env, deploy.CONNECTION, out, echo="none")),
+            daemon=True,
+        )
         runner.start()
         deadline = time.time() + 240
         while not read_jsonl(out / "rounds.jsonl"):
@@ -107,8 +119,15 @@ def test_a_client_killed_mid_round_is_recorded_and_the_run_completes(tmp_path):
 def test_a_killed_run_resumed_from_its_checkpoint_ends_like_an_uninterrupted_one(tmp_path):
     # killed at its first checkpoint (round 2), so that two of the four rounds run after the resume; a round takes
     # seconds here, so the kill lands well before the run could end (checked below)
-    settings = ["num-rounds=4", "checkpoint-every=2", "eval-every=2", "local-steps=4", "num-clients=3",
-                "global-test=false", "--quiet"]
+    settings = [
+        "num-rounds=4",
+        "checkpoint-every=2",
+        "eval-every=2",
+        "local-steps=4",
+        "num-clients=3",
+        "global-test=false",
+        "--quiet",
+    ]
     run = [sys.executable, "-m", "fedbr_flwr.cli", *settings]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     subprocess.run([*run, f"output-dir={straight}"], check=True, timeout=600)
@@ -134,12 +153,15 @@ def test_a_killed_run_resumed_from_its_checkpoint_ends_like_an_uninterrupted_one
     assert [r["after_round"] for r in manifest["resumed"]] == [resumed_from]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["run", "--superlink", "127.0.0.1:8000"], "give --certs DIR"),
-    (["superlink", "--insecure", "--auth"], "SuperNode authentication needs TLS"),
-    (["run", "--superlink", "127.0.0.1:8000", "--certs", "/nonexistent"], "lacks ca.crt"),
-    (["local", "num-clients=3", "--supernodes", "2"], "num-clients = 3 but --supernodes 2"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--superlink", "127.0.0.1:8000"], "give --certs DIR"),
+        (["superlink", "--insecure", "--auth"], "SuperNode authentication needs TLS"),
+        (["run", "--superlink", "127.0.0.1:8000", "--certs", "/nonexistent"], "lacks ca.crt"),
+        (["local", "num-clients=3", "--supernodes", "2"], "num-clients = 3 but --supernodes 2"),
+    ],
+)
 def test_deploy_command_errors_are_one_clear_message(capsys, args, message):
     assert deploy.main(args) == 2
     assert message in capsys.readouterr().err
@@ -161,8 +183,9 @@ def test_certificates_name_the_hosts_and_node_keys_are_openssh(tmp_path):
 
 
 def test_round_seconds_reads_the_fit_phase_after_discovery_and_the_wall_time_per_round(tmp_path):
-    (tmp_path / "rounds.jsonl").write_text("".join(json.dumps({"round": r, "seconds": s}) + "\n"
-                                                   for r, s in [(1, 30.0), (2, 2.0), (3, 4.0), (4, 3.0)]))
+    (tmp_path / "rounds.jsonl").write_text(
+        "".join(json.dumps({"round": r, "seconds": s}) + "\n" for r, s in [(1, 30.0), (2, 2.0), (3, 4.0), (4, 3.0)])
+    )
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"round": 4, "wall_time": 50.0}) + "\n")
     assert deploy.round_seconds(tmp_path) == {"fit_s_per_round": 3.0, "wall_s_per_round": 12.5}
 
@@ -177,8 +200,11 @@ def test_supernode_data_dir_overrides_the_runs_and_gpu_pins_the_worker(tmp_path,
     from fedbr_flwr.node import build_client
 
     with pytest.raises(ConfigError, match="/node/own/data"):  # the node's folder is the one read
-        build_client({"dataset": "mnist", "data-dir": "/run/data", "num-clients": 2},
-                     {"partition-id": 0, "num-partitions": 2, "data-dir": "/node/own/data"}, RecordDict())
+        build_client(
+            {"dataset": "mnist", "data-dir": "/run/data", "num-clients": 2},
+            {"partition-id": 0, "num-partitions": 2, "data-dir": "/node/own/data"},
+            RecordDict(),
+        )
 
     seen = {}
 
@@ -207,8 +233,18 @@ def test_sigkill_of_fedbr_deploy_local_stops_every_process_and_removes_its_tempo
     import procs
 
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "fedbr_flwr.deploy", "local", "--supernodes", "2", "num-rounds=200",
-               "local-steps=2", "batch-size=8", f"output-dir={out}"]
+    command = [
+        sys.executable,
+        "-m",
+        "fedbr_flwr.deploy",
+        "local",
+        "--supernodes",
+        "2",
+        "num-rounds=200",
+        "local-steps=2",
+        "batch-size=8",
+        f"output-dir={out}",
+    ]
     with procs.command_at_first_round(command) as (proc, printed, snapshot):
         home = Path(re.search(r"--address (\S+)/worker-0\.sock", "".join(printed)).group(1))
         ports = procs.listening(snapshot)
@@ -221,6 +257,7 @@ def test_sigkill_of_fedbr_deploy_local_stops_every_process_and_removes_its_tempo
 def no_process(monkeypatch):
     """Starting a process (a worker, a SuperNode, a local deployment) fails the test: the command must stop
     before that."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a process was started")
 
@@ -228,16 +265,25 @@ def no_process(monkeypatch):
     monkeypatch.setattr(deploy, "local_deployment", refuse)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["local", "--supernodes", "0"], "--supernodes 0: a run needs at least one SuperNode"),
-    (["local", "--supernodes", "-2"], "--supernodes -2: a run needs at least one SuperNode"),
-    (["supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "5", "--num-partitions", "2"],
-     "--partition-id 5 --num-partitions 2: need num-partitions >= 1 and 0 <= partition-id < num-partitions"),
-    (["supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "-1", "--num-partitions", "2"],
-     "0 <= partition-id < num-partitions"),
-    (["supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "0", "--num-partitions", "0"],
-     "need num-partitions >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["local", "--supernodes", "0"], "--supernodes 0: a run needs at least one SuperNode"),
+        (["local", "--supernodes", "-2"], "--supernodes -2: a run needs at least one SuperNode"),
+        (
+            ["supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "5", "--num-partitions", "2"],
+            "--partition-id 5 --num-partitions 2: need num-partitions >= 1 and 0 <= partition-id < num-partitions",
+        ),
+        (
+            ["supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "-1", "--num-partitions", "2"],
+            "0 <= partition-id < num-partitions",
+        ),
+        (
+            ["supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "0", "--num-partitions", "0"],
+            "need num-partitions >= 1",
+        ),
+    ],
+)
 def test_impossible_node_counts_stop_before_any_process_starts(tmp_path, capsys, no_process, args, message):
     args = [*args, f"output-dir={tmp_path / 'run'}"] if args[0] == "local" else [*args, "--state-dir", str(tmp_path)]
     assert deploy.main(args) == 2
@@ -299,6 +345,7 @@ def tls_server(tmp_path):
 @pytest.fixture
 def plain_server():
     """A plaintext server that answers anything with an HTTP error."""
+
     def refuse(conn):
         conn.recv(1024)
         conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
@@ -307,10 +354,23 @@ def plain_server():
         yield address
 
 
-def test_an_insecure_supernode_for_a_tls_superlink_says_to_give_the_certificates(tmp_path, capsys, no_process,
-                                                                               tls_server):
-    code = deploy.main(["supernode", "--insecure", "--superlink", tls_server, "--partition-id", "0",
-                        "--num-partitions", "1", "--state-dir", str(tmp_path / "node")])
+def test_an_insecure_supernode_for_a_tls_superlink_says_to_give_the_certificates(
+    tmp_path, capsys, no_process, tls_server
+):
+    code = deploy.main(
+        [
+            "supernode",
+            "--insecure",
+            "--superlink",
+            tls_server,
+            "--partition-id",
+            "0",
+            "--num-partitions",
+            "1",
+            "--state-dir",
+            str(tmp_path / "node"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert f"the SuperLink at {tls_server} speaks TLS, but this SuperNode was started with --insecure" in err
@@ -331,8 +391,10 @@ def test_repeated_connection_failures_in_a_supernode_log_give_a_hint(tmp_path, t
     assert "speaks TLS, but this SuperNode was started with --insecure" in watch()
     fail(3)
     assert watch() is None  # said once
-    for superlink, tls, says in [(plain_server, True, "does not answer TLS (started with --insecure?)"),
-                                 ("127.0.0.1:9", False, "keeps failing to connect to the SuperLink at 127.0.0.1:9")]:
+    for superlink, tls, says in [
+        (plain_server, True, "does not answer TLS (started with --insecure?)"),
+        ("127.0.0.1:9", False, "keeps failing to connect to the SuperLink at 127.0.0.1:9"),
+    ]:
         watch = deploy.ConnectionWatch(log, superlink, tls)
         fail(3)
         assert says in watch()

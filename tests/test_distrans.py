@@ -153,10 +153,18 @@ def test_class_shares_are_each_clients_fraction_of_every_class():
     np.testing.assert_allclose(shares, [[0.75, 0, 0.25], [0.25, 0, 0.75]])
 
 
-@pytest.mark.parametrize("mode, dh, expected", [
-    ("auto", 0.5, "none"), ("auto", 0.8, "none"), ("auto", 0.49, "nn"), ("auto", 0.0, "nn"),
-    ("avg", 0.9, "avg"), ("none", 0.0, "none"), ("nn", 1.0, "nn"),
-])
+@pytest.mark.parametrize(
+    "mode, dh, expected",
+    [
+        ("auto", 0.5, "none"),
+        ("auto", 0.8, "none"),
+        ("auto", 0.49, "nn"),
+        ("auto", 0.0, "nn"),
+        ("avg", 0.9, "avg"),
+        ("none", 0.0, "none"),
+        ("nn", 1.0, "nn"),
+    ],
+)
 def test_auto_picks_none_at_or_above_the_threshold_and_nn_below(mode, dh, expected):
     assert resolve_mode(mode, dh, 0.5) == expected
 
@@ -277,8 +285,18 @@ def test_evaluation_applies_each_clients_own_offset():
 
 
 def make_strategy(tmp_path, agg, counts, **overrides):
-    cfg = validate({"strategy": "distrans", "output-dir": str(tmp_path), "global-test": False, "batch-size": 8,
-                    "num-clients": len(counts), "local-steps": 2, "distrans-agg": agg, **overrides})
+    cfg = validate(
+        {
+            "strategy": "distrans",
+            "output-dir": str(tmp_path),
+            "global-test": False,
+            "batch-size": 8,
+            "num-clients": len(counts),
+            "local-steps": 2,
+            "distrans-agg": agg,
+            **overrides,
+        }
+    )
     torch.manual_seed(0)
     strategy = DisTransStrategy(cfg, RunRecorder(cfg, tmp_path), DisTransClient.build_modules(cfg), None)
     strategy.federation.clients_by_pid = {pid: None for pid in range(len(counts))}
@@ -368,13 +386,16 @@ def test_global_test_sees_the_mean_of_the_returned_offsets(tmp_path):
 # ---------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"strategy": "fedavg", "distrans-agg": "nn"}, "belongs to distrans"),
-    ({"strategy": "distrans", "distrans-agg": "mean"}, "not one of: auto, none, avg, nn"),
-    ({"strategy": "distrans", "distrans-alpha": 1.0}, r"in \(0, 1\)"),
-    ({"strategy": "distrans", "distrans-update": "joint"}, "simultaneous, alternating"),
-    ({"strategy": "fedbr", "distrans-offset-lr": 0.1}, "belongs to distrans"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"strategy": "fedavg", "distrans-agg": "nn"}, "belongs to distrans"),
+        ({"strategy": "distrans", "distrans-agg": "mean"}, "not one of: auto, none, avg, nn"),
+        ({"strategy": "distrans", "distrans-alpha": 1.0}, r"in \(0, 1\)"),
+        ({"strategy": "distrans", "distrans-update": "joint"}, "simultaneous, alternating"),
+        ({"strategy": "fedbr", "distrans-offset-lr": 0.1}, "belongs to distrans"),
+    ],
+)
 def test_bad_distrans_settings_stop_with_a_clear_message(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(overrides)

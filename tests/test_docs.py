@@ -13,8 +13,12 @@ from fedbr_flwr.config import ConfigError, configuration_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-PARSERS = {"fedbr-run": cli.build_parser, "fedbr-sweep": sweep.build_parser, "fedbr-bench": bench.build_parser,
-           "fedbr-deploy": deploy.build_parser}
+PARSERS = {
+    "fedbr-run": cli.build_parser,
+    "fedbr-sweep": sweep.build_parser,
+    "fedbr-bench": bench.build_parser,
+    "fedbr-deploy": deploy.build_parser,
+}
 PLACEHOLDER = re.compile(r"\.\.\.|<[^>]+>|/path/to")  # `data-dir=...`, `runs/<folder>`: the reader's own value
 
 
@@ -32,8 +36,13 @@ def shell_commands(text: str) -> list[tuple[str, bool]]:
     return [(c, whole) for c, whole in found if c.split(" ", 1)[0] in PARSERS]
 
 
-DOCUMENTED = sorted({(page.relative_to(ROOT).as_posix(), command, whole) for page in PAGES
-                     for command, whole in shell_commands(page.read_text())})
+DOCUMENTED = sorted(
+    {
+        (page.relative_to(ROOT).as_posix(), command, whole)
+        for page in PAGES
+        for command, whole in shell_commands(page.read_text())
+    }
+)
 
 
 def flags_of(parser, argv: list[str]) -> set[str]:
@@ -59,13 +68,17 @@ def test_a_documented_command_parses_and_its_settings_are_valid(page, command, w
     monkeypatch.chdir(ROOT)
     tool, *argv = shlex.split(command)
     if not whole:  # a part of a command in prose: its flags must exist
-        unknown = [a.split("=")[0] for a in argv if a.startswith("--")
-                   and a.split("=")[0] not in flags_of(PARSERS[tool](), argv)]
+        unknown = [
+            a.split("=")[0]
+            for a in argv
+            if a.startswith("--") and a.split("=")[0] not in flags_of(PARSERS[tool](), argv)
+        ]
         assert not unknown, f"{page}: `{command}` names flags {tool} does not have: {unknown}"
         return
     try:
-        args = PARSERS[tool]().parse_intermixed_args(argv) if tool != "fedbr-deploy" else \
-            PARSERS[tool]().parse_args(argv)
+        args = (
+            PARSERS[tool]().parse_intermixed_args(argv) if tool != "fedbr-deploy" else PARSERS[tool]().parse_args(argv)
+        )
     except SystemExit:
         pytest.fail(f"{page}: `{command}` does not parse with {tool}'s flags today")
     files = [a for a in argv if a.endswith(".yaml") and not PLACEHOLDER.search(a)]
@@ -85,8 +98,7 @@ def test_a_documented_command_parses_and_its_settings_are_valid(page, command, w
 
 def test_the_configuration_reference_is_the_schemas():
     page = ROOT / "docs" / "configuration.md"
-    assert page.read_text() == configuration_reference(), \
-        "docs/configuration.md is stale: run `fedbr-run --write-docs`"
+    assert page.read_text() == configuration_reference(), "docs/configuration.md is stale: run `fedbr-run --write-docs`"
 
 
 def test_the_configuration_reference_lists_every_key_once():

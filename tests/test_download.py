@@ -84,9 +84,14 @@ def test_file_datasets_load_from_the_default_folder_without_data_dir(monkeypatch
     np.testing.assert_array_equal(train.y, arrays["train-labels-idx1-ubyte"])
 
 
-@pytest.mark.parametrize("name, missing", [("mnist", "MNIST/raw/train-images-idx3-ubyte.gz"),
-                                           ("cifar10", "cifar-10-batches-py/data_batch_1"),
-                                           ("cifar100", "cifar-100-python/train")])
+@pytest.mark.parametrize(
+    "name, missing",
+    [
+        ("mnist", "MNIST/raw/train-images-idx3-ubyte.gz"),
+        ("cifar10", "cifar-10-batches-py/data_batch_1"),
+        ("cifar100", "cifar-100-python/train"),
+    ],
+)
 def test_download_never_on_an_empty_folder_says_where_and_how(monkeypatch, tmp_path, name, missing):
     empty = tmp_path / "empty"
     monkeypatch.setenv("FEDBR_DATA_DIR", str(empty))
@@ -95,8 +100,10 @@ def test_download_never_on_an_empty_folder_says_where_and_how(monkeypatch, tmp_p
     msg = one_line_error(err)
     assert str(empty) in msg and missing in msg
     assert "FEDBR_DATA_DIR" in msg and "data-dir=" in msg and "download=never" in msg
-    assert f"torchvision.datasets.{cifar_class(name).__name__ if name != 'mnist' else 'MNIST'}('{empty}', " \
-           "download=True)" in msg
+    assert (
+        f"torchvision.datasets.{cifar_class(name).__name__ if name != 'mnist' else 'MNIST'}('{empty}', "
+        "download=True)" in msg
+    )
     assert not empty.exists()  # never: nothing written
 
 
@@ -235,18 +242,32 @@ def _truncate(path: Path) -> None:
 
 CORRUPTIONS = {
     # name: (files written gzipped?, how to damage the folder, the file the message must name)
-    "truncated train-images gz": (True, lambda raw: _truncate(raw / "train-images-idx3-ubyte.gz"),
-                                  "train-images-idx3-ubyte.gz"),
-    "truncated t10k-images gz": (True, lambda raw: _truncate(raw / "t10k-images-idx3-ubyte.gz"),
-                                 "t10k-images-idx3-ubyte.gz"),
-    "garbage gz": (True, lambda raw: (raw / "t10k-labels-idx1-ubyte.gz").write_bytes(os.urandom(300)),
-                   "t10k-labels-idx1-ubyte.gz"),
-    "empty file": (True, lambda raw: (raw / "train-labels-idx1-ubyte.gz").write_bytes(b""),
-                   "train-labels-idx1-ubyte.gz"),
+    "truncated train-images gz": (
+        True,
+        lambda raw: _truncate(raw / "train-images-idx3-ubyte.gz"),
+        "train-images-idx3-ubyte.gz",
+    ),
+    "truncated t10k-images gz": (
+        True,
+        lambda raw: _truncate(raw / "t10k-images-idx3-ubyte.gz"),
+        "t10k-images-idx3-ubyte.gz",
+    ),
+    "garbage gz": (
+        True,
+        lambda raw: (raw / "t10k-labels-idx1-ubyte.gz").write_bytes(os.urandom(300)),
+        "t10k-labels-idx1-ubyte.gz",
+    ),
+    "empty file": (
+        True,
+        lambda raw: (raw / "train-labels-idx1-ubyte.gz").write_bytes(b""),
+        "train-labels-idx1-ubyte.gz",
+    ),
     "truncated raw idx": (False, lambda raw: _truncate(raw / "train-images-idx3-ubyte"), "train-images-idx3-ubyte"),
-    "t10k labels over train labels": (True, lambda raw: shutil.copy(raw / "t10k-labels-idx1-ubyte.gz",
-                                                                    raw / "train-labels-idx1-ubyte.gz"),
-                                      "train-labels-idx1-ubyte.gz"),
+    "t10k labels over train labels": (
+        True,
+        lambda raw: shutil.copy(raw / "t10k-labels-idx1-ubyte.gz", raw / "train-labels-idx1-ubyte.gz"),
+        "train-labels-idx1-ubyte.gz",
+    ),
 }
 
 
@@ -292,12 +313,15 @@ def _pickle_garbage(path: Path) -> None:
 
 
 @pytest.mark.parametrize("md5_matches", [False, True], ids=["md5-differs", "md5-matches"])
-@pytest.mark.parametrize("name, culprit, damage", [
-    ("cifar10", "data_batch_3", _truncate),
-    ("cifar10", "test_batch", _pickle_garbage),
-    ("cifar100", "train", _truncate),
-    ("cifar100", "meta", _pickle_garbage),
-])
+@pytest.mark.parametrize(
+    "name, culprit, damage",
+    [
+        ("cifar10", "data_batch_3", _truncate),
+        ("cifar10", "test_batch", _pickle_garbage),
+        ("cifar100", "train", _truncate),
+        ("cifar100", "meta", _pickle_garbage),
+    ],
+)
 def test_corrupt_cifar_file_stops_naming_it(monkeypatch, tmp_path, name, culprit, damage, md5_matches):
     write_cifar(tmp_path, name)
     trust_cifar(monkeypatch, tmp_path, name)
@@ -350,8 +374,12 @@ FULL_MNIST_SHA256 = {
     "test.y": "2fd8de6bdb8d11780b4b96dc57847bcfe6953f7c32aa48bfcd8237c3b7847243",
 }
 FULL_MNIST_PARTITIONS = {
-    (10, "iid"): "0e7d9bd1a1c885c3", (10, "dirichlet"): "a8edad320e2f9029", (10, "fedbr"): "3eb12ab991351f74",
-    (100, "iid"): "41337c4c76faf188", (100, "dirichlet"): "a7f6232393a3683f", (100, "fedbr"): "9ad3ceaa3f2e2fa5",
+    (10, "iid"): "0e7d9bd1a1c885c3",
+    (10, "dirichlet"): "a8edad320e2f9029",
+    (10, "fedbr"): "3eb12ab991351f74",
+    (100, "iid"): "41337c4c76faf188",
+    (100, "dirichlet"): "a7f6232393a3683f",
+    (100, "fedbr"): "9ad3ceaa3f2e2fa5",
 }
 
 
@@ -367,8 +395,9 @@ def test_full_mnist_arrays_and_partitions_are_unchanged(full_mnist_folder, monke
     train, test = dataset.load_raw("mnist", full_mnist_folder, "never")
     arrays = {"train.x": train.x, "train.y": train.y, "test.x": test.x, "test.y": test.y}
     assert train.x.shape == (60000, 1, 28, 28) and test.x.shape == (10000, 1, 28, 28)
-    assert {k: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for k, a in arrays.items()} \
-        == FULL_MNIST_SHA256
+    assert {
+        k: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for k, a in arrays.items()
+    } == FULL_MNIST_SHA256
     assert train.x.dtype == np.uint8 and train.y.dtype == np.int64
     monkeypatch.setenv("FEDBR_DATA_DIR", full_mnist_folder)  # the same through the default folder
     for (num_clients, method), expected in FULL_MNIST_PARTITIONS.items():
@@ -388,8 +417,7 @@ def test_the_manifest_records_the_servers_data_folder(monkeypatch, tmp_path):
     trust_mnist(monkeypatch, raw)
     monkeypatch.setenv("FEDBR_DATA_DIR", str(tmp_path / "env"))
     out = tmp_path / "run"
-    strategy, manager = make_strategy(out, [FakeProxy("a", 0), FakeProxy("b", 1)], dataset="mnist",
-                                      download="never")
+    strategy, manager = make_strategy(out, [FakeProxy("a", 0), FakeProxy("b", 1)], dataset="mnist", download="never")
     strategy.configure_fit(1, payload.to_parameters({}), manager)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["data_folder"] == str(tmp_path / "env")

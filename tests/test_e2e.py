@@ -37,8 +37,17 @@ def flower_processes() -> set[int]:
 def test_two_rounds_two_clients_write_the_run_files(tmp_path, capsys):
     before = flower_processes()
     out = tmp_path / "run"
-    code = cli.main(["num-clients=2", "num-rounds=2", "local-steps=2", "batch-size=16", "eval-every=1",
-                     f"output-dir={out}", "--quiet"])
+    code = cli.main(
+        [
+            "num-clients=2",
+            "num-rounds=2",
+            "local-steps=2",
+            "batch-size=16",
+            "eval-every=1",
+            f"output-dir={out}",
+            "--quiet",
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0
     assert "mean local-test acc" in printed  # the summary table
@@ -72,27 +81,41 @@ def test_failed_run_raises_with_the_reason_and_leaves_no_process(tmp_path):
     assert flower_processes() <= before
 
 
-@pytest.mark.parametrize("extra", [
-    # RSM sent once, to each client the first time it is sampled; with seed 0 client 1 is sampled in
-    # rounds 1 and 2, so round 2 trains from the copy it kept in its context.state
-    ["fraction-fit=0.5", "num-rounds=3"],
-    # the mixture refreshed every round, and two components through Flower's messages: FedCM's Delta (a
-    # server component's arrays beside FedBR's) and Mixup (local only)
-    ["pseudo-data=mixture", "pseudo-refresh=every-round", "fedbr-with=fedcm,mixup", "num-rounds=2"],
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # RSM sent once, to each client the first time it is sampled; with seed 0 client 1 is sampled in
+        # rounds 1 and 2, so round 2 trains from the copy it kept in its context.state
+        ["fraction-fit=0.5", "num-rounds=3"],
+        # the mixture refreshed every round, and two components through Flower's messages: FedCM's Delta (a
+        # server component's arrays beside FedBR's) and Mixup (local only)
+        ["pseudo-data=mixture", "pseudo-refresh=every-round", "fedbr-with=fedcm,mixup", "num-rounds=2"],
+    ],
+)
 def test_fedbr_run_completes_and_records_its_terms(tmp_path, extra):
     before = flower_processes()
     out = tmp_path / "run"
-    code = cli.main(["strategy=fedbr", "num-clients=2", "local-steps=2", "batch-size=8", "eval-every=1",
-                     f"output-dir={out}", "--quiet", *extra])
+    code = cli.main(
+        [
+            "strategy=fedbr",
+            "num-clients=2",
+            "local-steps=2",
+            "batch-size=8",
+            "eval-every=1",
+            f"output-dir={out}",
+            "--quiet",
+            *extra,
+        ]
+    )
     assert code == 0
     rounds = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == list(range(1, len(rounds) + 1)) and len(rounds) >= 2
     assert all({"ce", "balance", "con", "con-max", "loss"} <= set(r["train"]) for r in rounds)
     assert all(r["failures"] == 0 and r["clients"] >= 1 and np.isfinite(r["train"]["loss"]) for r in rounds)
     pseudo = np.load(out / "pseudo_data.npz")
-    assert pseudo["x"].shape == (8, 1, 28, 28) and int(pseudo["version"]) == (len(rounds) if "mixture" in extra[0]
-                                                                               else 1)
+    assert pseudo["x"].shape == (8, 1, 28, 28) and int(pseudo["version"]) == (
+        len(rounds) if "mixture" in extra[0] else 1
+    )
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in metrics] == [r["round"] for r in rounds]
     assert json.loads((out / "manifest.json").read_text())["config"]["strategy"] == "fedbr"
@@ -100,16 +123,31 @@ def test_fedbr_run_completes_and_records_its_terms(tmp_path, extra):
     assert flower_processes() <= before
 
 
-@pytest.mark.parametrize("classes_each, dh, mode", [
-    (10, 0.0, "nn"),  # both clients hold every class
-    (5, 1.0, "none"),  # two disjoint halves of the classes
-])
+@pytest.mark.parametrize(
+    "classes_each, dh, mode",
+    [
+        (10, 0.0, "nn"),  # both clients hold every class
+        (5, 1.0, "none"),  # two disjoint halves of the classes
+    ],
+)
 def test_distrans_run_completes_at_two_dh_levels(tmp_path, classes_each, dh, mode):
     before = flower_processes()
     out = tmp_path / "run"
-    code = cli.main(["strategy=distrans", "num-clients=2", "num-rounds=2", "local-steps=2", "batch-size=8",
-                     "eval-every=1", "partition=classes", f"classes-per-client={classes_each}", "rotate=false",
-                     f"output-dir={out}", "--quiet"])
+    code = cli.main(
+        [
+            "strategy=distrans",
+            "num-clients=2",
+            "num-rounds=2",
+            "local-steps=2",
+            "batch-size=8",
+            "eval-every=1",
+            "partition=classes",
+            f"classes-per-client={classes_each}",
+            "rotate=false",
+            f"output-dir={out}",
+            "--quiet",
+        ]
+    )
     assert code == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["distrans"] == {"dh": dh, "offset_agg": mode, "distrans_agg_setting": "auto"}
@@ -139,14 +177,33 @@ def test_distrans_run_completes_at_two_dh_levels(tmp_path, classes_each, dh, mod
 # processes (the fedbr-with runs of test_fedbr_run_completes_and_records_its_terms: mixup, and fedcm, whose
 # server part sends its Delta through the same round_arrays hook as scaffold's c); what each computes is
 # pinned by the golden runs (test_golden.py), which build the clients on the simulation's own path.
-@pytest.mark.parametrize("strategy, extra", [
-    ("scaffold", []), ("moon", []), ("fedmix", []), ("vhl", ["vhl-size=40"]), ("groupdro", []), ("dann", []),
-])
+@pytest.mark.parametrize(
+    "strategy, extra",
+    [
+        ("scaffold", []),
+        ("moon", []),
+        ("fedmix", []),
+        ("vhl", ["vhl-size=40"]),
+        ("groupdro", []),
+        ("dann", []),
+    ],
+)
 def test_every_baseline_completes_a_flower_run(tmp_path, strategy, extra):
     before = flower_processes()
     out = tmp_path / "run"
-    code = cli.main([f"strategy={strategy}", "num-clients=2", "num-rounds=2", "local-steps=2", "batch-size=8",
-                     "eval-every=1", f"output-dir={out}", "--quiet", *extra])
+    code = cli.main(
+        [
+            f"strategy={strategy}",
+            "num-clients=2",
+            "num-rounds=2",
+            "local-steps=2",
+            "batch-size=8",
+            "eval-every=1",
+            f"output-dir={out}",
+            "--quiet",
+            *extra,
+        ]
+    )
     assert code == 0
     rounds = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2]
@@ -220,11 +277,31 @@ def test_a_killed_cohort_run_resumes_rejects_a_nan_member_and_equals_the_client_
 
     before = flower_processes()
     out = tmp_path / "run"
-    settings = ["strategy=diverging-client-1", "num-clients=3", "num-rounds=4", "local-steps=2", "batch-size=8",
-                "eval-every=1", "checkpoint-every=2", "global-test=false"]
-    proc = subprocess.Popen([sys.executable, "-m", "fedbr_flwr.cli", *settings, "engine=cohort", "cohorts=2",
-                             "client-cpus=1", f"output-dir={out}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    settings = [
+        "strategy=diverging-client-1",
+        "num-clients=3",
+        "num-rounds=4",
+        "local-steps=2",
+        "batch-size=8",
+        "eval-every=1",
+        "checkpoint-every=2",
+        "global-test=false",
+    ]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedbr_flwr.cli",
+            *settings,
+            "engine=cohort",
+            "cohorts=2",
+            "client-cpus=1",
+            f"output-dir={out}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         printed = []
         for line in proc.stdout:
@@ -265,8 +342,16 @@ def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_fol
 
     before = flower_processes()
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "fedbr_flwr.cli", "num-clients=2", "num-rounds=200", "local-steps=2",
-               "batch-size=8", f"output-dir={out}"]
+    command = [
+        sys.executable,
+        "-m",
+        "fedbr_flwr.cli",
+        "num-clients=2",
+        "num-rounds=200",
+        "local-steps=2",
+        "batch-size=8",
+        f"output-dir={out}",
+    ]
     with procs.command_at_first_round(command) as (proc, _, snapshot):
         ports = procs.listening(snapshot)
         homes = {Path(a).parent for p in snapshot for a in _cmdline(p) if "fedbr-flwr-home-" in a}

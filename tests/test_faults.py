@@ -44,23 +44,39 @@ def last_round(tmp_path):
     return json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])
 
 
-@pytest.mark.parametrize("arrays, reason", [
-    ({"model/weight": np.full((2, 2), np.nan, np.float32), "model/bias": np.zeros(2, np.float32)},
-     "array 'model/weight' holds NaN or Inf"),
-    ({"model/weight": np.zeros((2, 2), np.float32), "model/bias": np.array([0.0, np.inf], np.float32)},
-     "array 'model/bias' holds NaN or Inf"),
-    ({"model/weight": np.zeros((2, 3), np.float32), "model/bias": np.zeros(2, np.float32)},
-     "array 'model/weight' has shape (2, 3), expected (2, 2)"),
-    ({"model/weight": np.zeros((2, 2), np.float32)}, "missing arrays model/bias (1 of 2)"),
-    ({**arrays_of(0.0), "head/weight": np.zeros(2, np.float32)}, "unexpected arrays head/weight"),
-    ([np.zeros((2, 2), np.float32), np.zeros(2, np.float32)], "not a named payload: the first array does not name"),
-])
+@pytest.mark.parametrize(
+    "arrays, reason",
+    [
+        (
+            {"model/weight": np.full((2, 2), np.nan, np.float32), "model/bias": np.zeros(2, np.float32)},
+            "array 'model/weight' holds NaN or Inf",
+        ),
+        (
+            {"model/weight": np.zeros((2, 2), np.float32), "model/bias": np.array([0.0, np.inf], np.float32)},
+            "array 'model/bias' holds NaN or Inf",
+        ),
+        (
+            {"model/weight": np.zeros((2, 3), np.float32), "model/bias": np.zeros(2, np.float32)},
+            "array 'model/weight' has shape (2, 3), expected (2, 2)",
+        ),
+        ({"model/weight": np.zeros((2, 2), np.float32)}, "missing arrays model/bias (1 of 2)"),
+        ({**arrays_of(0.0), "head/weight": np.zeros(2, np.float32)}, "unexpected arrays head/weight"),
+        ([np.zeros((2, 2), np.float32), np.zeros(2, np.float32)], "not a named payload: the first array does not name"),
+    ],
+)
 def test_a_bad_update_is_rejected_logged_and_never_averaged_in(tmp_path, arrays, reason):
     strategy, proxies, _ = strategy_with_round_started(tmp_path)
-    bad = fit_res(arrays, 1) if isinstance(arrays, dict) else \
-        FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 10, {"loss": 1.0, "partition-id": 1})
-    results = [(proxies[0], fit_res(arrays_of(1.0), 0)), (proxies[1], bad),
-               (proxies[2], fit_res(arrays_of(3.0), 2)), (proxies[3], fit_res(arrays_of(5.0), 3))]
+    bad = (
+        fit_res(arrays, 1)
+        if isinstance(arrays, dict)
+        else FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 10, {"loss": 1.0, "partition-id": 1})
+    )
+    results = [
+        (proxies[0], fit_res(arrays_of(1.0), 0)),
+        (proxies[1], bad),
+        (proxies[2], fit_res(arrays_of(3.0), 2)),
+        (proxies[3], fit_res(arrays_of(5.0), 3)),
+    ]
     params, _ = strategy.aggregate_fit(1, results, [])
     for layer in payload.from_parameters(params).values():
         np.testing.assert_allclose(layer, 3.0)  # the mean of 1, 3 and 5: the bad update is not in it
@@ -89,8 +105,11 @@ def test_failed_and_missing_clients_are_recorded_and_the_round_goes_on(tmp_path)
 
 def test_fewer_valid_updates_than_min_fit_clients_keep_the_global_model(tmp_path):
     strategy, proxies, global_arrays = strategy_with_round_started(tmp_path, **{"min-fit-clients": 3})
-    results = [(proxies[0], fit_res(arrays_of(2.0), 0)), (proxies[1], fit_res(arrays_of(np.nan), 1)),
-               (proxies[2], fit_res(arrays_of(4.0), 2))]
+    results = [
+        (proxies[0], fit_res(arrays_of(2.0), 0)),
+        (proxies[1], fit_res(arrays_of(np.nan), 1)),
+        (proxies[2], fit_res(arrays_of(4.0), 2)),
+    ]
     params, _ = strategy.aggregate_fit(1, results, [RuntimeError("timeout")])
     assert params is None
     record = last_round(tmp_path)
@@ -102,14 +121,16 @@ def test_fewer_valid_updates_than_min_fit_clients_keep_the_global_model(tmp_path
 
 def test_scaffold_update_without_its_control_variate_change_is_rejected(tmp_path):
     model = torch.nn.Linear(2, 2)
-    strategy, proxies, global_arrays = strategy_with_round_started(tmp_path, ScaffoldStrategy, model,
-                                                                   strategy="scaffold")
+    strategy, proxies, global_arrays = strategy_with_round_started(
+        tmp_path, ScaffoldStrategy, model, strategy="scaffold"
+    )
     moved = {name: a + 1 for name, a in global_arrays.items()}
     good = {**moved, **{name.replace("model/", "control-delta/"): np.ones_like(a) for name, a in global_arrays.items()}}
     results = [(proxies[0], fit_res(good, 0)), (proxies[1], fit_res(moved, 1))]
     strategy.aggregate_fit(1, results, [])
     assert last_round(tmp_path)["rejected"] == [
-        {"partition": 1, "reason": "missing arrays control-delta/weight, control-delta/bias (2 of 4)"}]
+        {"partition": 1, "reason": "missing arrays control-delta/weight, control-delta/bias (2 of 4)"}
+    ]
     # c moved by client 0's change only: 1/N with N = 4 clients
     for c in strategy.control.values():
         np.testing.assert_allclose(c, 0.25)
@@ -118,22 +139,31 @@ def test_scaffold_update_without_its_control_variate_change_is_rejected(tmp_path
 # ---------------------------------------------------------------- bad input stops before anything runs
 
 
-@pytest.mark.parametrize("content, args, message", [
-    ("lr: [0.1\n", [], "is not valid YAML"),
-    ("lr: 0.1\nlearning_rate: 0.2\n", [], "unknown config key 'learning_rate'"),
-    ("", ["lr=fast"], "config key 'lr' must be float, got str 'fast'"),
-    ("", ["alpha=0"], "config key 'alpha' = 0.0 must be > 0"),
-    ("", ["alpha=-0.5"], "config key 'alpha' = -0.5 must be > 0"),
-    ("", ["num-clients=10", "fraction-fit=0.3", "min-fit-clients=4"],
-     "min-fit-clients = 4 but only 3 of the 10 clients are sampled per round"),
-    ("", ["min-fit-clients=11"], "min-fit-clients = 11 but only 10 of the 10 clients"),
-    ("", ["strategy=fedbr", "pseudo-size=16", "batch-size=32"], "pseudo-size = 16 but batch-size = 32"),
-    ("", ["strategy=fedbr", "moon-mu=2"], "config key 'moon-mu' belongs to moon (strategy=moon), not to 'fedbr'"),
-    ("", ["strategy=fedbr", "mixup=true"],
-     "config key 'mixup' is gone: FedBR on the Mixup backbone is fedbr-with=mixup"),
-    ("", ["checkpoint-every=-1"], "config key 'checkpoint-every' = -1 must be >= 0"),
-    ("", ["num-clients=20000"], "num-clients = 20000 but mnist5k has 4500 training samples"),
-])
+@pytest.mark.parametrize(
+    "content, args, message",
+    [
+        ("lr: [0.1\n", [], "is not valid YAML"),
+        ("lr: 0.1\nlearning_rate: 0.2\n", [], "unknown config key 'learning_rate'"),
+        ("", ["lr=fast"], "config key 'lr' must be float, got str 'fast'"),
+        ("", ["alpha=0"], "config key 'alpha' = 0.0 must be > 0"),
+        ("", ["alpha=-0.5"], "config key 'alpha' = -0.5 must be > 0"),
+        (
+            "",
+            ["num-clients=10", "fraction-fit=0.3", "min-fit-clients=4"],
+            "min-fit-clients = 4 but only 3 of the 10 clients are sampled per round",
+        ),
+        ("", ["min-fit-clients=11"], "min-fit-clients = 11 but only 10 of the 10 clients"),
+        ("", ["strategy=fedbr", "pseudo-size=16", "batch-size=32"], "pseudo-size = 16 but batch-size = 32"),
+        ("", ["strategy=fedbr", "moon-mu=2"], "config key 'moon-mu' belongs to moon (strategy=moon), not to 'fedbr'"),
+        (
+            "",
+            ["strategy=fedbr", "mixup=true"],
+            "config key 'mixup' is gone: FedBR on the Mixup backbone is fedbr-with=mixup",
+        ),
+        ("", ["checkpoint-every=-1"], "config key 'checkpoint-every' = -1 must be >= 0"),
+        ("", ["num-clients=20000"], "num-clients = 20000 but mnist5k has 4500 training samples"),
+    ],
+)
 def test_bad_input_stops_before_training_with_one_message(tmp_path, capsys, content, args, message):
     config = tmp_path / "exp.yaml"
     config.write_text(content)

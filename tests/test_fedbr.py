@@ -45,8 +45,17 @@ def make_algorithm(seed=0, **overrides):
     g = torch.Generator().manual_seed(seed + 100)  # the same pseudo-data whether or not a head was built
     x_p = torch.randn(B, 1, 8, 8, generator=g)
     pool = (torch.randn(20, 1, 8, 8, generator=g), torch.randint(0, C, (20,), generator=g))
-    return FedBRStep(model, cfg, FedBRClient.Settings.from_config(cfg), head, x_p, torch.full((B, C), 1.0 / C), pool,
-                     seed=seed, components=started_components(cfg, model, seed=seed + 1))
+    return FedBRStep(
+        model,
+        cfg,
+        FedBRClient.Settings.from_config(cfg),
+        head,
+        x_p,
+        torch.full((B, C), 1.0 / C),
+        pool,
+        seed=seed,
+        components=started_components(cfg, model, seed=seed + 1),
+    )
 
 
 def build_head(cfg, feature_dim):
@@ -112,8 +121,10 @@ def test_projection_head_widths():
     head = ProjectionHead(128, hidden=64, out=32)
     assert [m.out_features for m in head.net if isinstance(m, torch.nn.Linear)] == [64, 64, 32]
     assert build_head(fedbr_cfg(**{"fedbr-contrastive": False}), 128) is None
-    assert count_parameters(build_head(fedbr_cfg(**{"fedbr-proj-hidden": 64}), 128)) == \
-        128 * 64 + 64 + 64 * 64 + 64 + 64 * 128 + 128
+    assert (
+        count_parameters(build_head(fedbr_cfg(**{"fedbr-proj-hidden": 64}), 128))
+        == 128 * 64 + 64 + 64 * 64 + 64 + 64 * 128 + 128
+    )
 
 
 # ---------------------------------------------------------------- max and min steps
@@ -217,8 +228,15 @@ def test_fedbr_reports_how_far_theta_moved_in_a_round():
     cfg = fedbr_cfg(**{"local-steps": 3})
     client = FedBRClient(cfg, client_data(0, 0.0), torch.device("cpu"))
     x_p = torch.randn(B, 1, 8, 8)
-    step = FedBRStep(client.model, cfg, client.settings, client.modules["head"], x_p, torch.full((B, C), 1.0 / C),
-                     (client.data.x_train, client.data.y_train))
+    step = FedBRStep(
+        client.model,
+        cfg,
+        client.settings,
+        client.modules["head"],
+        x_p,
+        torch.full((B, C), 1.0 / C),
+        (client.data.x_train, client.data.y_train),
+    )
     start = clone_params(client.modules["head"])
     for _ in range(3):
         step.update(*local_batch())
@@ -248,8 +266,9 @@ def test_without_max_step_theta_keeps_its_value_and_the_terms_are_unchanged():
     stats = algo.update(x, y)
     assert "con-max" not in stats and "con" in stats
     assert same(head_before, clone_params(algo.head))
-    assert terms_of(make_algorithm(**{"fedbr-max-step": False}), x, y) == \
-        pytest.approx(terms_of(make_algorithm(), x, y), rel=1e-6)
+    assert terms_of(make_algorithm(**{"fedbr-max-step": False}), x, y) == pytest.approx(
+        terms_of(make_algorithm(), x, y), rel=1e-6
+    )
 
 
 def test_mixup_mixes_the_local_batch_and_its_labels():
@@ -265,8 +284,9 @@ def test_mixup_mixes_the_local_batch_and_its_labels():
     assert torch.equal(local.y_b, y[perm]) and torch.equal(local.y, y)
     terms = terms_at(algo, inputs)
     logits = algo.model(local.x)
-    ce = local.lam * torch.nn.functional.cross_entropy(logits, y) + \
-        (1 - local.lam) * torch.nn.functional.cross_entropy(logits, local.y_b)
+    ce = local.lam * torch.nn.functional.cross_entropy(logits, y) + (1 - local.lam) * torch.nn.functional.cross_entropy(
+        logits, local.y_b
+    )
     assert terms["ce"].item() == pytest.approx(ce.item(), rel=1e-5)
     plain = terms_of(make_algorithm(), x, y)
     assert terms["balance"].item() == pytest.approx(plain["balance"], rel=1e-5)  # pseudo-data untouched
@@ -348,14 +368,17 @@ def test_pseudo_payload_round_trips():
 # ---------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"strategy": "fedavg", "fedbr-mu": 1.0}, r"belongs to fedbr \(strategy=fedbr\), not to .fedavg."),
-    ({"strategy": "fedbr", "fedbr-balance": False, "fedbr-contrastive": False}, "use strategy=fedavg"),
-    ({"strategy": "fedbr", "fedbr-contrastive": False, "fedbr-max-step": False}, "only applies"),
-    ({"strategy": "fedbr", "pseudo-size": 16, "batch-size": 32}, "must be equal"),
-    ({"strategy": "fedbr", "pseudo-data": "mix"}, "not one of"),
-    ({"strategy": "fedbr", "fedbr-mu": -1}, ">= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"strategy": "fedavg", "fedbr-mu": 1.0}, r"belongs to fedbr \(strategy=fedbr\), not to .fedavg."),
+        ({"strategy": "fedbr", "fedbr-balance": False, "fedbr-contrastive": False}, "use strategy=fedavg"),
+        ({"strategy": "fedbr", "fedbr-contrastive": False, "fedbr-max-step": False}, "only applies"),
+        ({"strategy": "fedbr", "pseudo-size": 16, "batch-size": 32}, "must be equal"),
+        ({"strategy": "fedbr", "pseudo-data": "mix"}, "not one of"),
+        ({"strategy": "fedbr", "fedbr-mu": -1}, ">= 0"),
+    ],
+)
 def test_bad_fedbr_settings_stop_with_a_clear_message(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(overrides)
@@ -390,8 +413,17 @@ class ClientProxyOf(OfflineProxy):
 
 
 def make_fedbr_strategy(tmp_path, num_clients=3, **overrides):
-    cfg = validate({"strategy": "fedbr", "output-dir": str(tmp_path), "global-test": False, "batch-size": 8,
-                    "num-clients": num_clients, "local-steps": 2, **overrides})
+    cfg = validate(
+        {
+            "strategy": "fedbr",
+            "output-dir": str(tmp_path),
+            "global-test": False,
+            "batch-size": 8,
+            "num-clients": num_clients,
+            "local-steps": 2,
+            **overrides,
+        }
+    )
     torch.manual_seed(0)
     strategy = FedBRStrategy(cfg, RunRecorder(cfg, tmp_path), FedBRClient.build_modules(cfg), None)
     clients = [FedBRClient(cfg, client_data(pid, offset=10.0 * pid), "cpu") for pid in range(num_clients)]
@@ -440,8 +472,10 @@ def test_strategy_averages_phi_omega_and_theta(tmp_path):
     rng = np.random.default_rng(0)
     updates = [{k: rng.standard_normal(a.shape).astype(a.dtype) for k, a in initial.items()} for _ in range(3)]
     sizes = [10, 20, 70]
-    results = [(None, FitRes(Status(Code.OK, ""), payload.to_parameters(u), s,
-                             {"partition-id": i, "pseudo-version": 1})) for i, (u, s) in enumerate(zip(updates, sizes))]
+    results = [
+        (None, FitRes(Status(Code.OK, ""), payload.to_parameters(u), s, {"partition-id": i, "pseudo-version": 1}))
+        for i, (u, s) in enumerate(zip(updates, sizes))
+    ]
     strategy.sampled = [0, 1, 2]
     new, _ = strategy.aggregate_fit(1, results[::-1], [])
     got = payload.from_parameters(new)
@@ -452,8 +486,10 @@ def test_strategy_averages_phi_omega_and_theta(tmp_path):
     head = build_head(strategy.cfg, 128)
     load_module_arrays(head, "head", got)
     head_names = [n for n in initial if n.startswith("head/")]
-    np.testing.assert_allclose(module_arrays("head", head)[head_names[0]],
-                               weighted_mean([[u[n] for n in head_names] for u in updates], sizes)[0])
+    np.testing.assert_allclose(
+        module_arrays("head", head)[head_names[0]],
+        weighted_mean([[u[n] for n in head_names] for u in updates], sizes)[0],
+    )
 
 
 def test_mixture_pseudo_data_comes_from_the_proxy_dataset(tmp_path):

@@ -49,8 +49,9 @@ def test_client_files_know_nothing_of_flower(path):
     assert not [m for m in imports(path) if m == "flwr" or m.startswith("flwr.")]
 
 
-@pytest.mark.parametrize("path", sorted([*(ROOT / "clients").glob("*.py"), *(ROOT / "strategies").glob("*.py")]),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted([*(ROOT / "clients").glob("*.py"), *(ROOT / "strategies").glob("*.py")]), ids=lambda p: p.name
+)
 def test_algorithms_see_named_arrays_never_flower_lists(path):
     assert not calls(path) & {"parameters_to_ndarrays", "ndarrays_to_parameters", "flatten", "unflatten"}
 
@@ -66,11 +67,13 @@ def test_one_npz_codec_and_named_seed_streams():
             assert "default_rng([" not in text and "step_seed" not in text, path
 
 
-def test_no_class_of_the_strategy_base_is_over_150_lines():
+def test_no_class_of_the_strategy_base_is_over_120_statements():
+    """Counted in statements, not lines, so that the formatter's line breaks do not move the bound."""
     for path in [ROOT / "strategies" / "base.py", *(ROOT / "fedbr_flwr" / "server").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
-                assert node.end_lineno - node.lineno + 1 <= 150, f"{path.name}: {node.name}"
+                statements = sum(isinstance(n, ast.stmt) for n in ast.walk(node))
+                assert statements <= 120, f"{path.name}: {node.name} has {statements} statements"
 
 
 def run_python(code: str) -> str:
@@ -82,16 +85,31 @@ def test_the_worker_and_the_client_app_import_no_circle_and_the_client_app_no_to
     assert run_python("import sys, fedbr_flwr.client_app; print('torch' in sys.modules)").strip() == "False"
 
 
-USER_FACING = ("README.md", "pyproject.toml", "docs", "experiments", "fedbr_flwr", "clients", "strategies",
-               "pseudodata")
+USER_FACING = (
+    "README.md",
+    "pyproject.toml",
+    "docs",
+    "experiments",
+    "fedbr_flwr",
+    "clients",
+    "strategies",
+    "pseudodata",
+)
 
 
 def test_nothing_a_user_runs_or_reads_points_outside_the_repository():
     """Users clone the repository alone: no README, doc, experiment file or code names the workshop beside it."""
-    files = [p for name in USER_FACING for p in ([ROOT / name] if (ROOT / name).is_file() else
-                                                 sorted((ROOT / name).rglob("*")))
-             if p.is_file() and p.suffix in (".md", ".toml", ".yaml", ".yml", ".py", ".sh")]
+    files = [
+        p
+        for name in USER_FACING
+        for p in ([ROOT / name] if (ROOT / name).is_file() else sorted((ROOT / name).rglob("*")))
+        if p.is_file() and p.suffix in (".md", ".toml", ".yaml", ".yml", ".py", ".sh")
+    ]
     assert len(files) > 50
-    offenders = [f"{p.relative_to(ROOT)}:{i}" for p in files
-                 for i, line in enumerate(p.read_text().splitlines(), 1) if "../shared" in line]
+    offenders = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in files
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "../shared" in line
+    ]
     assert not offenders, offenders

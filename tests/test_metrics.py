@@ -15,8 +15,10 @@ GLOBAL = [0.25, 0.50, 0.58, 0.70, 0.69, 0.81, 0.77, 0.60]
 
 
 def history():
-    return [{"round": 2 * (i + 1), "mean_acc": m, "worst_acc": w, "global_acc": g, "wall_time": 1.5 * (i + 1)}
-            for i, (m, w, g) in enumerate(zip(MEAN, WORST, GLOBAL))]
+    return [
+        {"round": 2 * (i + 1), "mean_acc": m, "worst_acc": w, "global_acc": g, "wall_time": 1.5 * (i + 1)}
+        for i, (m, w, g) in enumerate(zip(MEAN, WORST, GLOBAL))
+    ]
 
 
 def test_summarize_best5_and_finals():

@@ -56,8 +56,9 @@ def test_partition_hash_depends_on_boundaries():
 def test_skew_grows_as_alpha_falls(method):
     labels = balanced_labels()
     alphas = (100, 1, 0.1, 0.01)
-    skews = [np.mean([label_skew(labels, partition(labels, 10, method, seed=s, alpha=a)) for s in range(5)])
-             for a in alphas]
+    skews = [
+        np.mean([label_skew(labels, partition(labels, 10, method, seed=s, alpha=a)) for s in range(5)]) for a in alphas
+    ]
     assert all(x <= y for x, y in zip(skews, skews[1:])), skews
     assert skews[-1] > 0.6, skews
     # fedbr's q ~ Dir(alpha * p) has concentration 10 per class at alpha=100 and clients of 100 samples:

@@ -27,8 +27,10 @@ from fakes import OfflineProxy
 
 def strict_json(text: str):
     """json.loads that refuses NaN and Infinity, as strict readers (jq, JavaScript) do."""
+
     def refuse(token):
         raise ValueError(f"non-standard JSON token {token}")
+
     return json.loads(text, parse_constant=refuse)
 
 
@@ -46,12 +48,21 @@ def no_flower(*args, **kwargs):
 @pytest.mark.parametrize("damage", ["truncated", "cut-at-the-end", "empty", "random-bytes"])
 def test_a_damaged_checkpoint_stops_resume_with_one_line_and_exit_2(tmp_path, capsys, monkeypatch, damage):
     monkeypatch.setattr(cli, "run_flower", no_flower)
-    save_checkpoint(tmp_path, {"global/model/w": np.arange(4096, dtype=np.float32)},
-                    {"round": 2, "config": validate({"num-rounds": 4}), "elapsed": 1.0})
+    save_checkpoint(
+        tmp_path,
+        {"global/model/w": np.arange(4096, dtype=np.float32)},
+        {"round": 2, "config": validate({"num-rounds": 4}), "elapsed": 1.0},
+    )
     path = tmp_path / CHECKPOINT_NAME
     whole = path.read_bytes()
-    path.write_bytes({"truncated": whole[:len(whole) // 2], "cut-at-the-end": whole[:-7], "empty": b"",
-                      "random-bytes": np.random.default_rng(0).bytes(4096)}[damage])
+    path.write_bytes(
+        {
+            "truncated": whole[: len(whole) // 2],
+            "cut-at-the-end": whole[:-7],
+            "empty": b"",
+            "random-bytes": np.random.default_rng(0).bytes(4096),
+        }[damage]
+    )
     assert cli.main(["--resume", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("fedbr-run: error: ")
@@ -62,10 +73,18 @@ def test_a_damaged_checkpoint_stops_resume_with_one_line_and_exit_2(tmp_path, ca
 # ---------------------------------------------------------------- 4: non-finite settings; no round trained
 
 
-@pytest.mark.parametrize("key, value, extra", [
-    ("lr", ".inf", {}), ("weight-decay", ".inf", {}), ("round-timeout", ".inf", {}), ("momentum", "-.inf", {}),
-    ("fedbr-lambda", ".inf", {"strategy": "fedbr"}), ("lr", "1e999", {}), ("lr", ".nan", {}),
-])
+@pytest.mark.parametrize(
+    "key, value, extra",
+    [
+        ("lr", ".inf", {}),
+        ("weight-decay", ".inf", {}),
+        ("round-timeout", ".inf", {}),
+        ("momentum", "-.inf", {}),
+        ("fedbr-lambda", ".inf", {"strategy": "fedbr"}),
+        ("lr", "1e999", {}),
+        ("lr", ".nan", {}),
+    ],
+)
 def test_non_finite_floats_in_yaml_stop_with_the_key_named(tmp_path, capsys, monkeypatch, key, value, extra):
     monkeypatch.setattr(cli, "run_flower", no_flower)
     config = tmp_path / "exp.yaml"
@@ -92,8 +111,16 @@ def eval_res(pid, acc, loss=1.0):
 
 def small_run(tmp_path, clients=2, **overrides):
     """A FedAvg strategy over ``clients`` fake clients, discovered, Flower-free."""
-    cfg = validate({"output-dir": str(tmp_path), "global-test": False, "num-clients": clients,
-                    "checkpoint-every": 0, "eval-every": 1, **overrides})
+    cfg = validate(
+        {
+            "output-dir": str(tmp_path),
+            "global-test": False,
+            "num-clients": clients,
+            "checkpoint-every": 0,
+            "eval-every": 1,
+            **overrides,
+        }
+    )
     strategy = FedAvgStrategy(cfg, RunRecorder(cfg, tmp_path), {"model": torch.nn.Linear(2, 2)}, None)
     proxies = [OfflineProxy(f"node-{i}") for i in range(clients)]
     strategy.federation.clients_by_pid = dict(enumerate(proxies))
@@ -141,10 +168,27 @@ def run_that_trained_nothing(cfg, nodes, out, echo):
     """In place of Flower: write the files of a run in which every update was rejected."""
     recorder = RunRecorder(cfg, out)
     for r in range(1, cfg["num-rounds"] + 1):
-        recorder.log_round({"round": r, "clients": 0, "failures": 2, "skipped": True, "train": {}, "seconds": 0.1,
-                            "rejected": [{"partition": 0, "reason": "array 'model/w' holds NaN or Inf"}]})
-        recorder.log_eval({"round": r, "mean_acc": 0.209, "worst_acc": 0.2, "loss": math.nan,
-                           "clients_evaluated": 2, "clients_expected": 2})
+        recorder.log_round(
+            {
+                "round": r,
+                "clients": 0,
+                "failures": 2,
+                "skipped": True,
+                "train": {},
+                "seconds": 0.1,
+                "rejected": [{"partition": 0, "reason": "array 'model/w' holds NaN or Inf"}],
+            }
+        )
+        recorder.log_eval(
+            {
+                "round": r,
+                "mean_acc": 0.209,
+                "worst_acc": 0.2,
+                "loss": math.nan,
+                "clients_evaluated": 2,
+                "clients_expected": 2,
+            }
+        )
     recorder.finalize()
 
 
@@ -239,13 +283,42 @@ def test_the_output_dir_check_leaves_no_folder_behind(tmp_path, capsys):
 def test_a_diverged_round_is_written_as_strict_json_with_null(tmp_path):
     cfg = validate({"output-dir": str(tmp_path), "num-rounds": 2, "eval-every": 1})
     recorder = RunRecorder(cfg, tmp_path)
-    recorder.log_round({"round": 1, "clients": 2, "failures": 0, "train": {"loss": math.nan, "grad-norm": math.inf},
-                        "seconds": 0.1, "server": {"drift": -math.inf}})
-    recorder.log_eval({"round": 1, "mean_acc": 0.1, "worst_acc": 0.1, "pooled_acc": 0.1, "loss": math.nan,
-                       "global_acc": 0.1, "global_loss": math.inf, "train": {"loss": math.nan},
-                       "per_client_acc": {"0": 0.1}, "clients_evaluated": 1, "clients_expected": 1})
-    recorder.log_eval({"round": 2, "mean_acc": 0.3, "worst_acc": 0.2, "loss": 1.0, "global_acc": None,
-                       "clients_evaluated": 1, "clients_expected": 1})
+    recorder.log_round(
+        {
+            "round": 1,
+            "clients": 2,
+            "failures": 0,
+            "train": {"loss": math.nan, "grad-norm": math.inf},
+            "seconds": 0.1,
+            "server": {"drift": -math.inf},
+        }
+    )
+    recorder.log_eval(
+        {
+            "round": 1,
+            "mean_acc": 0.1,
+            "worst_acc": 0.1,
+            "pooled_acc": 0.1,
+            "loss": math.nan,
+            "global_acc": 0.1,
+            "global_loss": math.inf,
+            "train": {"loss": math.nan},
+            "per_client_acc": {"0": 0.1},
+            "clients_evaluated": 1,
+            "clients_expected": 1,
+        }
+    )
+    recorder.log_eval(
+        {
+            "round": 2,
+            "mean_acc": 0.3,
+            "worst_acc": 0.2,
+            "loss": 1.0,
+            "global_acc": None,
+            "clients_evaluated": 1,
+            "clients_expected": 1,
+        }
+    )
     recorder.finalize()
     metrics = strict_lines(tmp_path / "metrics.jsonl")
     assert metrics[0]["loss"] is None and metrics[0]["global_loss"] is None and metrics[0]["train"]["loss"] is None
@@ -260,9 +333,11 @@ def test_a_diverged_round_is_written_as_strict_json_with_null(tmp_path):
 
 
 def test_readers_treat_null_as_missing(tmp_path):
-    history = [{"round": 1, "mean_acc": None, "worst_acc": None, "loss": None},
-               {"round": 2, "mean_acc": 0.4, "worst_acc": None, "pooled_acc": None, "global_acc": None},
-               {"round": 3, "mean_acc": 0.5, "worst_acc": 0.3, "global_acc": 0.45}]
+    history = [
+        {"round": 1, "mean_acc": None, "worst_acc": None, "loss": None},
+        {"round": 2, "mean_acc": 0.4, "worst_acc": None, "pooled_acc": None, "global_acc": None},
+        {"round": 3, "mean_acc": 0.5, "worst_acc": 0.3, "global_acc": 0.45},
+    ]
     s = summarize(history, 0.45)
     assert s["evaluations"] == 2 and s["best_mean_acc"] == 0.5 and s["worst_acc_best5"] == 0.3
     assert s["rounds_to_target"] == 3 and s["global_acc_best5"] == 0.45
@@ -302,8 +377,10 @@ def test_a_partial_evaluation_is_flagged_and_never_the_best(tmp_path):
 
 
 def test_a_partial_last_evaluation_leaves_the_final_figures_to_the_last_complete_one():
-    history = [{"round": 2, "mean_acc": 0.3, "worst_acc": 0.2, "clients_evaluated": 2, "clients_expected": 2},
-               {"round": 4, "mean_acc": 0.9, "worst_acc": 0.9, "clients_evaluated": 1, "clients_expected": 2}]
+    history = [
+        {"round": 2, "mean_acc": 0.3, "worst_acc": 0.2, "clients_evaluated": 2, "clients_expected": 2},
+        {"round": 4, "mean_acc": 0.9, "worst_acc": 0.9, "clients_evaluated": 1, "clients_expected": 2},
+    ]
     s = summarize(history, 0.5)
     assert s["final_round"] == 2 and s["final_mean_acc"] == 0.3 and s["last_round"] == 4
     assert s["rounds_to_target"] is None  # only the partial evaluation reached it

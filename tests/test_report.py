@@ -19,15 +19,28 @@ def fake_run(folder, accs, target=0.5, pooled=None, commit="abc1234def", day="20
     folder.mkdir(parents=True, exist_ok=True)
     history = [{"round": 2 * (i + 1), "mean_acc": a, "worst_acc": a / 2} for i, a in enumerate(accs)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
-    config = {"dataset": "mnist5k", "model": "lenet", "num-rounds": 2 * len(accs), "lr": 0.05, "rotate": True,
-              **(cfg or {})}
-    (folder / "manifest.json").write_text(json.dumps({"config": config, "git_commit": commit, "host": HOST,
-                                                      "started_utc": f"{day}T10:00:00+00:00"}))
+    config = {
+        "dataset": "mnist5k",
+        "model": "lenet",
+        "num-rounds": 2 * len(accs),
+        "lr": 0.05,
+        "rotate": True,
+        **(cfg or {}),
+    }
+    (folder / "manifest.json").write_text(
+        json.dumps({"config": config, "git_commit": commit, "host": HOST, "started_utc": f"{day}T10:00:00+00:00"})
+    )
     best5 = sorted(accs, reverse=True)[:5]
-    summary = {"mean_acc_best5": sum(best5) / len(best5), "worst_acc_best5": sum(best5) / len(best5) / 2,
-               "final_mean_acc": accs[-1], "final_worst_acc": accs[-1] / 2,
-               "rounds_to_target": next((r["round"] for r in history if r["mean_acc"] >= target), None),
-               "target_acc": target, "wall_time_s": wall, "last_round": history[-1]["round"]}
+    summary = {
+        "mean_acc_best5": sum(best5) / len(best5),
+        "worst_acc_best5": sum(best5) / len(best5) / 2,
+        "final_mean_acc": accs[-1],
+        "final_worst_acc": accs[-1] / 2,
+        "rounds_to_target": next((r["round"] for r in history if r["mean_acc"] >= target), None),
+        "target_acc": target,
+        "wall_time_s": wall,
+        "last_round": history[-1]["round"],
+    }
     if pooled is not None:
         summary["pooled_acc_best5"] = pooled
     (folder / "summary.json").write_text(json.dumps(summary))
@@ -77,9 +90,21 @@ def test_the_comparison_plot_holds_a_mean_and_a_worst_client_panel(tmp_path, mon
     fake_run(out / "FedBR" / "seed0", [0.3, 0.7])
     drawn = {}
     close = plt.close
-    monkeypatch.setattr(plt, "close", lambda fig: (drawn.update(
-        {ax.get_title(): {line.get_label(): (list(line.get_ydata()), line.get_linestyle()) for line in ax.get_lines()}
-         for ax in fig.axes}), close(fig)))
+    monkeypatch.setattr(
+        plt,
+        "close",
+        lambda fig: (
+            drawn.update(
+                {
+                    ax.get_title(): {
+                        line.get_label(): (list(line.get_ydata()), line.get_linestyle()) for line in ax.get_lines()
+                    }
+                    for ax in fig.axes
+                }
+            ),
+            close(fig),
+        ),
+    )
     report.plot_comparison(out, ["FedAvg", "FedBR"], [0, 1], out / "c.png", "t")
     assert drawn["mean client"]["FedAvg"][0] == pytest.approx([30.0, 70.0])
     assert drawn["mean client"]["FedBR"] == (pytest.approx([30.0, 70.0]), "-")
@@ -98,13 +123,16 @@ def test_a_section_is_appended_then_replaced_and_the_rest_of_the_page_kept():
 
 
 def swap_markers(text, key):
-    return text.replace(report._begin(key), "@").replace(report._end(key), report._begin(key)).replace(
-        "@", report._end(key))
+    return (
+        text.replace(report._begin(key), "@")
+        .replace(report._end(key), report._begin(key))
+        .replace("@", report._end(key))
+    )
 
 
-@pytest.mark.parametrize("damage", [lambda t, k: t.replace(report._end(k), ""),
-                                    lambda t, k: t + report._begin(k) + "\n",
-                                    swap_markers])
+@pytest.mark.parametrize(
+    "damage", [lambda t, k: t.replace(report._end(k), ""), lambda t, k: t + report._begin(k) + "\n", swap_markers]
+)
 def test_damaged_markers_stop_the_report(damage):
     page = report.replace_section("# Results\n", "a", "## A\n")
     with pytest.raises(ConfigError, match="markers of section 'a' are damaged"):
@@ -116,8 +144,13 @@ def test_sweep_report_writes_the_section_with_its_provenance_and_again_identical
     out, page = tmp_path / "out", tmp_path / "docs" / "results.md"
     for name, accs in (("FedAvg", [0.3, 0.5]), ("FedBR_no_max", [0.4, 0.6])):
         for seed in (0, 1):
-            fake_run(out / name / f"seed{seed}", accs, day=f"2026-11-2{4 + seed}", wall=60.0,
-                     cfg={"num-clients": 2, "lr": 0.05})
+            fake_run(
+                out / name / f"seed{seed}",
+                accs,
+                day=f"2026-11-2{4 + seed}",
+                wall=60.0,
+                cfg={"num-clients": 2, "lr": 0.05},
+            )
     argv = [path, "--out", str(out), "--table-only", "--report", str(page)]
     assert sweep.main(argv) == 0
     text = page.read_text()

@@ -43,11 +43,21 @@ def fit_rounds(cfg: dict, get_client, rounds: int = 2) -> list[list[np.ndarray]]
     return returned
 
 
-@pytest.mark.parametrize("settings", [
-    {"strategy": "fedavg"}, {"strategy": "fedbr"}, {"strategy": "fedbr", "fedbr-with": "fedntd"},
-    {"strategy": "fedbr", "pseudo-data": "mixture", "proxy-dataset": "mnist5k"}, {"strategy": "moon"},
-    {"strategy": "fedntd"}, {"strategy": "dann"}, {"strategy": "distrans"}, {"strategy": "fedprox"},
-], ids=lambda s: "-".join(str(v) for v in s.values()))
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"strategy": "fedavg"},
+        {"strategy": "fedbr"},
+        {"strategy": "fedbr", "fedbr-with": "fedntd"},
+        {"strategy": "fedbr", "pseudo-data": "mixture", "proxy-dataset": "mnist5k"},
+        {"strategy": "moon"},
+        {"strategy": "fedntd"},
+        {"strategy": "dann"},
+        {"strategy": "distrans"},
+        {"strategy": "fedprox"},
+    ],
+    ids=lambda s: "-".join(str(v) for v in s.values()),
+)
 def test_a_client_reused_across_rounds_trains_as_a_new_client_each_round_would(settings):
     """Simulation and worker keep one client per partition (model, optimisers, frozen copies); a new
     client per message, as Flower would build, must give the same arrays to the last bit."""
@@ -121,8 +131,14 @@ def step_losses(precision: str, strategy: str, steps: int = 4) -> list[float]:
     """The training loss of each of ``steps`` local steps of one client in one round (one fit)."""
     from fedbr_flwr.training import run_local_steps
 
-    config = run_config(strategy=strategy, precision=precision, momentum=0.0, lr=0.05, model="cnn-small",
-                        **{"local-steps": steps, "batch-size": 32})
+    config = run_config(
+        strategy=strategy,
+        precision=precision,
+        momentum=0.0,
+        lr=0.05,
+        model="cnn-small",
+        **{"local-steps": steps, "batch-size": 32},
+    )
     torch.manual_seed(0)
     client = build_client(config, NODE, RecordDict())
     algorithm = client.algorithm
@@ -150,8 +166,17 @@ def test_compiled_feature_extractor_keeps_the_losses_of_eager_fp32():
 
 
 def test_a_round_records_the_bytes_of_its_messages_and_the_clients_peak_memory(tmp_path):
-    cfg = config_from_settings({"strategy": "fedbr", "num-clients": 3, "local-steps": 1, "batch-size": 8,
-                                "device": "cpu", "eval-every": 5, "global-test": False})
+    cfg = config_from_settings(
+        {
+            "strategy": "fedbr",
+            "num-clients": 3,
+            "local-steps": 1,
+            "batch-size": 8,
+            "device": "cpu",
+            "eval-every": 5,
+            "global-test": False,
+        }
+    )
     strategy, clients, proxies = in_process_federation(cfg, tmp_path)
     run_rounds(strategy, proxies, 2)
     first, second = read_jsonl(tmp_path / "rounds.jsonl")
@@ -177,11 +202,15 @@ def test_synthetic_data_is_cifar_shaped_balanced_and_the_same_everywhere():
 def test_the_suite_covers_each_shape_for_fedavg_fedbr_and_distrans_with_the_users_overrides():
     configs = bench.suite_configs(["num-clients=3", "local-steps=7"], list(bench.SUITE))
     got = [(shape, c["strategy"], c["dataset"], bench.resolved_model(c), c["batch-size"]) for shape, c in configs]
-    assert got == [(shape, strategy, dataset, model, batch)
-                   for shape, dataset, model, batch in [("rotmnist-cnn", "mnist5k", "cnn", 64),
-                                                        ("cifar-vgg11", "synthetic", "vgg11", 32),
-                                                        ("cifar-cct", "synthetic", "cct", 32)]
-                   for strategy in ("fedavg", "fedbr", "distrans")]
+    assert got == [
+        (shape, strategy, dataset, model, batch)
+        for shape, dataset, model, batch in [
+            ("rotmnist-cnn", "mnist5k", "cnn", 64),
+            ("cifar-vgg11", "synthetic", "vgg11", 32),
+            ("cifar-cct", "synthetic", "cct", 32),
+        ]
+        for strategy in ("fedavg", "fedbr", "distrans")
+    ]
     assert all(c["num-clients"] == 3 and c["local-steps"] == 7 for _, c in configs)
     with pytest.raises(ConfigError, match="unknown shape"):
         bench.suite_configs([], ["cifar-vgg16"])
@@ -201,13 +230,27 @@ def test_the_scale_cases_are_cohort_runs_of_many_clients_sampling_ten_each_round
 
 def test_the_suite_table_prints_the_ratios_and_rates_of_what_was_measured(capsys):
     def row(strategy, bare, flower, cohort, step):
-        return {"shape": "s", "strategy": strategy, "batch_size": 4, "bare_s_per_round": bare,
-                "flower_s_per_round": flower, "ratio": flower / bare, "cohort_s_per_round": cohort,
-                "cohort_ratio": cohort / bare, "tflops": {"bare": 2.0 / bare, "clients": 2.0 / flower,
-                                                          "cohort": 2.0 / cohort},
-                "client_peak_mb": 100.0, "cohort_peak_mb": 400.0, "bare_peak_mb": 300.0, "precision": "bf16",
-                "memory": "host RSS", "bytes_per_round": 2e6, "clients": 2, "local_steps": 3,
-                "step_s": {"fedavg": 0.1, "fedbr": step, "distrans": 0.2}}
+        return {
+            "shape": "s",
+            "strategy": strategy,
+            "batch_size": 4,
+            "bare_s_per_round": bare,
+            "flower_s_per_round": flower,
+            "ratio": flower / bare,
+            "cohort_s_per_round": cohort,
+            "cohort_ratio": cohort / bare,
+            "tflops": {"bare": 2.0 / bare, "clients": 2.0 / flower, "cohort": 2.0 / cohort},
+            "client_peak_mb": 100.0,
+            "cohort_peak_mb": 400.0,
+            "bare_peak_mb": 300.0,
+            "precision": "bf16",
+            "memory": "host RSS",
+            "bytes_per_round": 2e6,
+            "clients": 2,
+            "local_steps": 3,
+            "step_s": {"fedavg": 0.1, "fedbr": step, "distrans": 0.2},
+        }
+
     rows = [row("fedavg", 1.0, 1.5, 1.25, 0.15), row("fedbr", 3.0, 3.3, 3.0, 0.15)]
     bench.print_suite_table(rows, "NVIDIA H100 80GB")
     out = capsys.readouterr().out
@@ -265,8 +308,25 @@ def test_the_suite_runs_flower_and_the_bare_loop_and_prints_the_table(tmp_path, 
 
     json_path = tmp_path / "suite.json"
     items = ["num-clients=2", "local-steps=1"]
-    assert bench.main(["--suite", "--shapes", "rotmnist-cnn", "--strategies", "fedbr", *items,
-                       "--rounds", "1", "--steps", "1", "--json", str(json_path)]) == 0
+    assert (
+        bench.main(
+            [
+                "--suite",
+                "--shapes",
+                "rotmnist-cnn",
+                "--strategies",
+                "fedbr",
+                *items,
+                "--rounds",
+                "1",
+                "--steps",
+                "1",
+                "--json",
+                str(json_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| rotmnist-cnn | fedbr | 64 |" in out
     [fedbr] = json.loads(json_path.read_text())["rows"]

@@ -49,8 +49,11 @@ def test_sampling_is_seeded_by_round_and_independent_of_node_ids(tmp_path):
     pids = [[strategy.federation.pid_by_cid[proxy.cid] for proxy, _ in p] for p in picks]
     assert all(len(set(p)) == 10 for p in pids) and pids[0] != pids[1]
     # another run whose nodes got other ids samples the same partitions
-    other, manager2 = make_strategy(tmp_path / "b", [FakeProxy(f"x{i}", i) for i in reversed(range(100))],
-                                    **{"fraction-fit": 0.1, "num-clients": 100})
+    other, manager2 = make_strategy(
+        tmp_path / "b",
+        [FakeProxy(f"x{i}", i) for i in reversed(range(100))],
+        **{"fraction-fit": 0.1, "num-clients": 100},
+    )
     again = other.configure_fit(1, payload.to_parameters({}), manager2)
     assert [other.federation.pid_by_cid[p.cid] for p, _ in again] == pids[0]
     assert picks[0][0][1].config["server-round"] == 1

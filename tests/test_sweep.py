@@ -38,15 +38,18 @@ def test_plan_orders_settings_file_then_command_line_then_run_then_seed(tmp_path
     assert [(n, s) for n, s, _ in only] == [("FedAvg", 5)]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("num-rounds: 1\n", "needs a 'sweep' block"),
-    ("sweep:\n  runs: {A: {strategy: nope}}\n", "run 'A' \\(seed 0\\): unknown strategy 'nope'"),
-    ("sweep:\n  seeds: 3\n  runs: {A: {}}\n", "must be a list"),
-    ("sweep:\n  runs: {A: {}}\n  seed: [1]\n", "unknown key"),
-    ("sweep:\n  title: [a]\n  runs: {A: {}}\n", "'sweep.title' must be a string"),
-    ("sweep:\n  runs: {'a b': {}, 'a/b': {}}\n", "must differ"),
-    ("sweep:\n  runs: {A: {strategy: fedavg, fedbr-mu: 2.0}}\n", r"belongs to fedbr \(strategy=fedbr\)"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("num-rounds: 1\n", "needs a 'sweep' block"),
+        ("sweep:\n  runs: {A: {strategy: nope}}\n", "run 'A' \\(seed 0\\): unknown strategy 'nope'"),
+        ("sweep:\n  seeds: 3\n  runs: {A: {}}\n", "must be a list"),
+        ("sweep:\n  runs: {A: {}}\n  seed: [1]\n", "unknown key"),
+        ("sweep:\n  title: [a]\n  runs: {A: {}}\n", "'sweep.title' must be a string"),
+        ("sweep:\n  runs: {'a b': {}, 'a/b': {}}\n", "must differ"),
+        ("sweep:\n  runs: {A: {strategy: fedavg, fedbr-mu: 2.0}}\n", r"belongs to fedbr \(strategy=fedbr\)"),
+    ],
+)
 def test_bad_sweep_files_stop_before_any_run(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         sweep.plan(write(tmp_path, text), [], tmp_path / "out", None)
@@ -63,10 +66,19 @@ def fake_run(folder, cfg, accs, target=0.5, last_round=None):
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
     (folder / "manifest.json").write_text(json.dumps({"config": cfg}))
     reached = next((r["round"] for r in history if r["mean_acc"] >= target), None)
-    (folder / "summary.json").write_text(json.dumps({
-        "mean_acc_best5": max(accs), "worst_acc_best5": max(accs) / 2, "final_mean_acc": accs[-1],
-        "rounds_to_target": reached, "target_acc": target, "wall_time_s": 10.0,
-        "last_round": last_round or history[-1]["round"]}))
+    (folder / "summary.json").write_text(
+        json.dumps(
+            {
+                "mean_acc_best5": max(accs),
+                "worst_acc_best5": max(accs) / 2,
+                "final_mean_acc": accs[-1],
+                "rounds_to_target": reached,
+                "target_acc": target,
+                "wall_time_s": 10.0,
+                "last_round": last_round or history[-1]["round"],
+            }
+        )
+    )
 
 
 def test_finished_runs_are_kept_and_a_different_one_is_refused(tmp_path):
@@ -94,10 +106,15 @@ def test_a_sweep_runs_each_job_in_order_then_keeps_them(tmp_path, capsys, monkey
     path = write(tmp_path)
     out = tmp_path / "out"
     assert sweep.main([path, "--out", str(out), "--quiet"]) == 0
-    assert [r[:4] for r in ran] == [("fedavg", 0, 2, "none"), ("fedbr", 0, 2, "none"), ("fedavg", 1, 2, "none"),
-                                    ("fedbr", 1, 2, "none")]
-    assert [r[4] for r in ran] == [out.resolve() / name / f"seed{seed}"
-                                   for seed in (0, 1) for name in ("FedAvg", "FedBR_no_max")]
+    assert [r[:4] for r in ran] == [
+        ("fedavg", 0, 2, "none"),
+        ("fedbr", 0, 2, "none"),
+        ("fedavg", 1, 2, "none"),
+        ("fedbr", 1, 2, "none"),
+    ]
+    assert [r[4] for r in ran] == [
+        out.resolve() / name / f"seed{seed}" for seed in (0, 1) for name in ("FedAvg", "FedBR_no_max")
+    ]
     table = (out / "comparison.md").read_text()
     assert "| FedAvg | 2 |" in table and "| FedBR no max | 2 |" in table
     capsys.readouterr()

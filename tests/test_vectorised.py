@@ -28,11 +28,14 @@ from fakes import FixedClientManager, InProcessProxy, run_rounds
 
 REL = 1e-4  # the final weights and the logged figures, relative
 UPDATE_REL = 0.02  # the final weights' difference relative to how far the 3 rounds moved them
-ENGINES = {"loop": {"engine": "cohort", "cohorts": 2, "cohort-step": "loop"},  # cohort 0: clients 0 and 2
-           "vmap": {"engine": "cohort", "cohorts": 2, "cohort-step": "vmap"},
-           "graph": {"engine": "cohort", "cohorts": 2, "cohort-step": "graph"}}  # on CUDA only
-CASES = {name: s for name, s in {**golden.CASES, **golden.RESUME_CASES}.items()
-         if client_class(s["strategy"]).vectorised}
+ENGINES = {
+    "loop": {"engine": "cohort", "cohorts": 2, "cohort-step": "loop"},  # cohort 0: clients 0 and 2
+    "vmap": {"engine": "cohort", "cohorts": 2, "cohort-step": "vmap"},
+    "graph": {"engine": "cohort", "cohorts": 2, "cohort-step": "graph"},
+}  # on CUDA only
+CASES = {
+    name: s for name, s in {**golden.CASES, **golden.RESUME_CASES}.items() if client_class(s["strategy"]).vectorised
+}
 CASES["fedbr-momentum-decay"] = {"strategy": "fedbr", "momentum": 0.9, "weight-decay": 1e-3}  # the head's SGD in vmap
 
 
@@ -44,9 +47,11 @@ def federation(settings: dict, engine: str, out: Path, rounds: int = 3) -> dict:
     lr = 0.01 * settings.pop("lr-scale", 1.0)
     cfg = golden.case_config({"model": "cnn-small", **settings, "lr": lr, "num-rounds": 3, **ENGINES[engine]})
     final = golden.federate(cfg, out, rounds)
-    return {"global": golden.global_arrays(final),
-            "metrics": golden.lines_without_timing(out / "metrics.jsonl"),
-            "rounds": golden.lines_without_timing(out / "rounds.jsonl")}
+    return {
+        "global": golden.global_arrays(final),
+        "metrics": golden.lines_without_timing(out / "metrics.jsonl"),
+        "rounds": golden.lines_without_timing(out / "rounds.jsonl"),
+    }
 
 
 def update_difference(got: list[np.ndarray], want: list[np.ndarray], start: list[np.ndarray]) -> float:
@@ -126,7 +131,7 @@ class Lockstep(InProcessProxy):
             names = [n for n in want if n.startswith(prefix)]
             for group in (names, [n for n in names if "offset" in n]):
                 if group:
-                    self.compare(group, got, want, {n: sent.get(n, sent.get(n[len(prefix):])) for n in group})
+                    self.compare(group, got, want, {n: sent.get(n, sent.get(n[len(prefix) :])) for n in group})
         close_lines(without_timing(metrics_got), without_timing(metrics_want), "fit metrics")
         close_lines(without_timing(metrics_got), without_timing(metrics_want), "fit metrics")
         return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(payload.to_list(want)), n_want, metrics_want)
@@ -135,12 +140,15 @@ class Lockstep(InProcessProxy):
         """The arrays ``names`` of one member: ||vmap - loop|| against how far the loop's fit moved them (from
         what the server sent to all or to this member, such as DisTrans' offset with agg avg or nn; an array it
         did not send, such as SCAFFOLD's change of c_i, from zero)."""
-        flat = [np.concatenate([np.ravel(arrays[n]).astype(np.float64) for n in names])
-                for arrays in (got, want, {n: start[n] if start[n] is not None else 0 * want[n] for n in names})]
+        flat = [
+            np.concatenate([np.ravel(arrays[n]).astype(np.float64) for n in names])
+            for arrays in (got, want, {n: start[n] if start[n] is not None else 0 * want[n] for n in names})
+        ]
         difference, moved = np.linalg.norm(flat[0] - flat[1]), np.linalg.norm(flat[1] - flat[2])
         self.ratios.append(difference / max(moved, 1e-30))
-        assert difference <= STEP_REL_ANY * moved + 1e-12, \
+        assert difference <= STEP_REL_ANY * moved + 1e-12, (
             f"{names[0]} (+{len(names) - 1}): {difference:.3g} against a move of {moved:.3g}"
+        )
 
     def evaluate(self, ins, timeout, group_id):
         from flwr.common import Code, EvaluateRes, Status
@@ -178,41 +186,52 @@ def lockstep_federation(settings: dict, out: Path) -> None:
     lr = 0.01 * settings.pop("lr-scale", 1.0)
     resumed = settings.pop("resume-case", False)
     ratios: list[float] = []
-    cfg = golden.case_config({"model": "cnn-small", **settings, "lr": lr, **LOCKSTEP,
-                              **({"num-rounds": 4} if resumed else {})})
+    cfg = golden.case_config(
+        {"model": "cnn-small", **settings, "lr": lr, **LOCKSTEP, **({"num-rounds": 4} if resumed else {})}
+    )
 
     def run(cfg, rounds):
         strategy, _ = golden.build_server(cfg, out)
-        proxies = [Lockstep(client, f"node-{1000 + pid}", ratios)
-                   for pid, client in enumerate(golden.build_clients(cfg))]
+        proxies = [
+            Lockstep(client, f"node-{1000 + pid}", ratios) for pid, client in enumerate(golden.build_clients(cfg))
+        ]
         run_rounds(strategy, proxies, rounds, FixedClientManager(proxies), strategy.initialize_parameters(None))
 
     run(cfg, 3)
     if resumed:
         run({**cfg, "resume": True}, 2)
     above = [r for r in ratios if r > STEP_REL]
-    assert ratios and len(above) <= RARE * len(ratios), f"{len(above)} of {len(ratios)} fits differ by more " \
+    assert ratios and len(above) <= RARE * len(ratios), (
+        f"{len(above)} of {len(ratios)} fits differ by more "
         f"than {STEP_REL} of their move: {', '.join(f'{r:.2g}' for r in above)}"
+    )
 
 
-LOCKSTEP_CASES = {**{name: s for name, s in golden.CASES.items() if client_class(s["strategy"]).vectorised},
-                  **{name: {**s, "resume-case": True} for name, s in golden.RESUME_CASES.items()
-                     if client_class(s["strategy"]).vectorised},
-                  "fedbr-momentum-decay": {"strategy": "fedbr", "momentum": 0.9, "weight-decay": 1e-3},
-                  "scaffold-momentum": {"strategy": "scaffold", "momentum": 0.9},
-                  "dann-momentum": {"strategy": "dann", "momentum": 0.9},
-                  "distrans-nn-momentum": {"strategy": "distrans", "distrans-agg": "nn", "momentum": 0.9},
-                  "distrans-alternating-momentum": {"strategy": "distrans", "distrans-update": "alternating",
-                                                    "distrans-agg": "none", "momentum": 0.9},
-                  "fedbr+fedprox": {"strategy": "fedbr", "fedbr-with": "fedprox"},
-                  "fedbr+several": {"strategy": "fedbr", "fedbr-with": "fedprox,fedcm,feddecorr,fedntd,mixup",
-                                    "momentum": 0.9},
-                  "fedbr-mixture+several": {"strategy": "fedbr", "pseudo-data": "mixture",
-                                            "fedbr-with": "fedcm,mixup"},
-                  "moon-partial": {"strategy": "moon", "fraction-fit": 0.5, "num-clients": 4},
-                  "fedbr-six-members": {"strategy": "fedbr", "num-clients": 6, "fraction-fit": 0.67},
-                  "fedbr-lenet": {"strategy": "fedbr", "model": "lenet"},
-                  "moon-lenet": {"strategy": "moon", "model": "lenet"}}
+LOCKSTEP_CASES = {
+    **{name: s for name, s in golden.CASES.items() if client_class(s["strategy"]).vectorised},
+    **{
+        name: {**s, "resume-case": True}
+        for name, s in golden.RESUME_CASES.items()
+        if client_class(s["strategy"]).vectorised
+    },
+    "fedbr-momentum-decay": {"strategy": "fedbr", "momentum": 0.9, "weight-decay": 1e-3},
+    "scaffold-momentum": {"strategy": "scaffold", "momentum": 0.9},
+    "dann-momentum": {"strategy": "dann", "momentum": 0.9},
+    "distrans-nn-momentum": {"strategy": "distrans", "distrans-agg": "nn", "momentum": 0.9},
+    "distrans-alternating-momentum": {
+        "strategy": "distrans",
+        "distrans-update": "alternating",
+        "distrans-agg": "none",
+        "momentum": 0.9,
+    },
+    "fedbr+fedprox": {"strategy": "fedbr", "fedbr-with": "fedprox"},
+    "fedbr+several": {"strategy": "fedbr", "fedbr-with": "fedprox,fedcm,feddecorr,fedntd,mixup", "momentum": 0.9},
+    "fedbr-mixture+several": {"strategy": "fedbr", "pseudo-data": "mixture", "fedbr-with": "fedcm,mixup"},
+    "moon-partial": {"strategy": "moon", "fraction-fit": 0.5, "num-clients": 4},
+    "fedbr-six-members": {"strategy": "fedbr", "num-clients": 6, "fraction-fit": 0.67},
+    "fedbr-lenet": {"strategy": "fedbr", "model": "lenet"},
+    "moon-lenet": {"strategy": "moon", "model": "lenet"},
+}
 
 
 @pytest.mark.parametrize("name", sorted(LOCKSTEP_CASES))
@@ -245,8 +264,16 @@ def cohort_of(settings: dict, members: int = 3, phase_index: int = 0):
     from fedbr_flwr.node import build_client
     from fedbr_flwr.vectorised import Member, snapshot
 
-    cfg = {"num-clients": members, "engine": "cohort", "cohorts": 1, "cohort-step": "vmap", "device": "cpu",
-           "batch-size": 4, "local-steps": 2, **settings}
+    cfg = {
+        "num-clients": members,
+        "engine": "cohort",
+        "cohorts": 1,
+        "cohort-step": "vmap",
+        "device": "cpu",
+        "batch-size": 4,
+        "local-steps": 2,
+        **settings,
+    }
     cohort = build_client(cfg, {"partition-id": 0, "num-partitions": 1}, RecordDict())
     weights = cohort.algorithm.weights()
     fit_config = bench.bare_fit_config(validate(cfg), {pid: copy.copy(cohort.member(pid)) for pid in cohort.members})
@@ -280,8 +307,9 @@ def test_the_vmapped_offset_gradient_is_each_members_own(update, model):
     """DisTrans: each member's gradient on its own offset, under vmap, is the one its own autograd gives (an
     offset moves by ~1e-7 of the model's weights a round: a dropped or shared offset gradient would hide
     under any whole-model tolerance)."""
-    members, own, draws = cohort_of({"strategy": "distrans", "model": model, "distrans-agg": "none",
-                                     "distrans-update": update})
+    members, own, draws = cohort_of(
+        {"strategy": "distrans", "model": model, "distrans-agg": "none", "distrans-update": update}
+    )
     offsets = [m.start["offset"]["t"] for m in members]
     assert not torch.equal(offsets[0], offsets[1])  # each member has its own offset
     for got, want in zip(vmapped_phase_gradients(members, draws), own):
@@ -323,8 +351,10 @@ def test_every_backbone_trains_under_vmap_as_each_member_alone(backbone, strateg
         def shrink(x):
             return torch.nn.functional.interpolate(x, size=(8, 8), mode="bilinear", align_corners=False)
 
-        shrunk = {pid: dataclasses.replace(d, x_train=shrink(d.x_train).contiguous(), x_test=shrink(d.x_test))
-                  for pid, d in loaded.items()}
+        shrunk = {
+            pid: dataclasses.replace(d, x_train=shrink(d.x_train).contiguous(), x_test=shrink(d.x_test))
+            for pid, d in loaded.items()
+        }
         return dataset.pack_partitions(shrunk, device)
 
     load_cohort_data = dataset.load_cohort_data
@@ -347,9 +377,22 @@ def replay_eagerly(run):
     return run(), run
 
 
-GRAPH_CASES = {name: CASES[name] for name in ("fedbr", "fedbr-momentum-decay", "fedbr-mixture", "fedbr+fedcm",
-                                              "fedbr+mixup", "scaffold", "moon", "dann", "vhl",
-                                              "distrans-alternating-auto", "fedmix")}
+GRAPH_CASES = {
+    name: CASES[name]
+    for name in (
+        "fedbr",
+        "fedbr-momentum-decay",
+        "fedbr-mixture",
+        "fedbr+fedcm",
+        "fedbr+mixup",
+        "scaffold",
+        "moon",
+        "dann",
+        "vhl",
+        "distrans-alternating-auto",
+        "fedmix",
+    )
+}
 GRAPH_CASES["fedbr-bf16"] = {**CASES["fedbr"], "precision": "bf16"}
 
 
@@ -365,8 +408,9 @@ def test_a_replayed_step_on_fixed_input_buffers_trains_as_the_vmapped_step(name,
     settings = {**GRAPH_CASES[name], "local-steps": 3}
     want = federation(settings, "vmap", tmp_path / "vmap")
     monkeypatch.setattr(vectorised, "cuda_graph", replay_eagerly)
-    monkeypatch.setattr(node.CohortClient, "fit_together",
-                        functools.partialmethod(node.CohortClient.fit_together, graph=True))
+    monkeypatch.setattr(
+        node.CohortClient, "fit_together", functools.partialmethod(node.CohortClient.fit_together, graph=True)
+    )
     got = federation(settings, "vmap", tmp_path / "replayed")
     for a, b in zip(got["global"], want["global"], strict=True):
         np.testing.assert_array_equal(a, b)
@@ -393,9 +437,11 @@ def test_the_functional_sgd_is_torchs():
     from fedbr_flwr.vectorised import sgd_values
 
     torch.manual_seed(0)
-    for hyper in ({"momentum": 0.0, "weight_decay": 0.0, "nesterov": False},
-                  {"momentum": 0.9, "weight_decay": 1e-2, "nesterov": False},
-                  {"momentum": 0.9, "weight_decay": 0.0, "nesterov": True}):
+    for hyper in (
+        {"momentum": 0.0, "weight_decay": 0.0, "nesterov": False},
+        {"momentum": 0.9, "weight_decay": 1e-2, "nesterov": False},
+        {"momentum": 0.9, "weight_decay": 0.0, "nesterov": True},
+    ):
         p = torch.randn(5, requires_grad=True)
         optimizer = torch.optim.SGD([p], lr=0.1, dampening=0.0, **hyper)
         values, buffers = {"p": p.detach().clone()}, None
@@ -403,8 +449,7 @@ def test_the_functional_sgd_is_torchs():
             g = torch.randn(5)
             p.grad = g.clone()
             optimizer.step()
-            values, buffers = sgd_values(values, {"p": g}, buffers,
-                                         {**optimizer.param_groups[0]})
+            values, buffers = sgd_values(values, {"p": g}, buffers, {**optimizer.param_groups[0]})
             buffers = buffers or None
             torch.testing.assert_close(values["p"], p.detach(), rtol=1e-6, atol=1e-7)
 
@@ -420,8 +465,9 @@ def test_a_step_input_that_changes_shape_stops_a_captured_step():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("name", ("fedbr", "fedbr-momentum-decay", "fedbr-bf16", "scaffold",
-                                  "distrans-alternating-auto"))
+@pytest.mark.parametrize(
+    "name", ("fedbr", "fedbr-momentum-decay", "fedbr-bf16", "scaffold", "distrans-alternating-auto")
+)
 def test_the_cuda_graph_step_trains_as_the_vmapped_step(name, tmp_path):
     settings = {**GRAPH_CASES[name], "local-steps": 3, "device": "cuda"}
     start = federation(settings, "vmap", tmp_path / "start", rounds=0)["global"]
@@ -462,9 +508,13 @@ def test_bf16_training_stays_near_fp32_on_both_paths(name, tmp_path):
     differently, agree to bf16 rounding. Measured: 3-4% of the update each, both ways."""
     settings = {**CASES[name], "local-steps": 4}
     start = federation(settings, "loop", tmp_path / "start", rounds=0)["global"]
-    runs = {(engine, precision): federation({**settings, "precision": precision}, engine,
-                                            tmp_path / f"{engine}-{precision}")["global"]
-            for engine in ("loop", "vmap") for precision in ("fp32", "bf16")}
+    runs = {
+        (engine, precision): federation(
+            {**settings, "precision": precision}, engine, tmp_path / f"{engine}-{precision}"
+        )["global"]
+        for engine in ("loop", "vmap")
+        for precision in ("fp32", "bf16")
+    }
     for engine in ("loop", "vmap"):
         assert 1e-3 < update_difference(runs[engine, "bf16"], runs[engine, "fp32"], start) < 0.06, engine
     assert update_difference(runs["vmap", "bf16"], runs["loop", "bf16"], start) < 0.06
@@ -502,8 +552,14 @@ def test_auto_vmaps_on_a_gpu_only():
 
     from fedbr_flwr.node import build_client
 
-    run_config = {"num-clients": 4, "engine": "cohort", "cohorts": 2, "device": "cpu", "local-steps": 1,
-                  "batch-size": 4}
+    run_config = {
+        "num-clients": 4,
+        "engine": "cohort",
+        "cohorts": 2,
+        "device": "cpu",
+        "local-steps": 1,
+        "batch-size": 4,
+    }
     node = {"partition-id": 0, "num-partitions": 2}
     assert not build_client(run_config, node, RecordDict()).vectorised  # auto on a CPU: the loop
     assert build_client({**run_config, "cohort-step": "vmap"}, node, RecordDict()).vectorised
@@ -538,10 +594,19 @@ def packed_members(augment: bool = False):
     from fedbr_flwr.dataset import ClientData, pack_partitions
 
     g = torch.Generator().manual_seed(0)
-    loaded = {pid: ClientData(pid, torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g),
-                              torch.randn(2, 3, 8, 8, generator=g), torch.randint(0, 10, (2,), generator=g),
-                              10, augment, (-1.0, -2.0, -3.0))
-              for pid, n in ((4, 5), (7, 11), (9, 2))}
+    loaded = {
+        pid: ClientData(
+            pid,
+            torch.randn(n, 3, 8, 8, generator=g),
+            torch.randint(0, 10, (n,), generator=g),
+            torch.randn(2, 3, 8, 8, generator=g),
+            torch.randint(0, 10, (2,), generator=g),
+            10,
+            augment,
+            (-1.0, -2.0, -3.0),
+        )
+        for pid, n in ((4, 5), (7, 11), (9, 2))
+    }
     members, packed = pack_partitions(loaded, "cpu")
     return loaded, members, packed
 
@@ -565,8 +630,12 @@ def test_packed_batches_are_each_members_own_stream(augment):
 
     _, members, packed = packed_members(augment)
     alone = [BatchSampler(data, 4, seed=pid) for pid, data in members.items()]
-    together = PackedBatches([BatchSampler(data, 4, seed=pid) for pid, data in members.items()],
-                             list(packed.offsets.values()), packed.x, packed.y)
+    together = PackedBatches(
+        [BatchSampler(data, 4, seed=pid) for pid, data in members.items()],
+        list(packed.offsets.values()),
+        packed.x,
+        packed.y,
+    )
     for _ in range(3):
         x, y = together()
         for i, sampler in enumerate(alone):
@@ -622,11 +691,22 @@ def test_a_cohorts_members_draw_a_step_with_few_operations():
             Count.calls += 1
             return func(*args, **(kwargs or {}))
 
-    loaded = {pid: ClientData(pid, torch.randn(20, 1, 4, 4), torch.randint(0, 10, (20,)), torch.zeros(1, 1, 4, 4),
-                              torch.zeros(1, dtype=torch.long), 10, False) for pid in range(10)}
+    loaded = {
+        pid: ClientData(
+            pid,
+            torch.randn(20, 1, 4, 4),
+            torch.randint(0, 10, (20,)),
+            torch.zeros(1, 1, 4, 4),
+            torch.zeros(1, dtype=torch.long),
+            10,
+            False,
+        )
+        for pid in range(10)
+    }
     members, packed = pack_partitions(loaded, "cpu")
-    batches = PackedBatches([BatchSampler(d, 8, seed=pid) for pid, d in members.items()],
-                            list(packed.offsets.values()), packed.x, packed.y)
+    batches = PackedBatches(
+        [BatchSampler(d, 8, seed=pid) for pid, d in members.items()], list(packed.offsets.values()), packed.x, packed.y
+    )
     stack = DrawStacker()
     with Count():
         inputs = stack([{"x": xi, "y": yi} for xi, yi in stack.split(*batches())])
@@ -653,8 +733,16 @@ def test_a_cohort_evaluates_its_members_in_groups_as_each_alone():
 
     from fedbr_flwr.node import build_client
 
-    run_config = {"num-clients": 6, "engine": "cohort", "cohorts": 1, "device": "cpu", "cohort-step": "vmap",
-                  "model": "cnn-small", "partition": "dirichlet", "alpha": 0.5}
+    run_config = {
+        "num-clients": 6,
+        "engine": "cohort",
+        "cohorts": 1,
+        "device": "cpu",
+        "cohort-step": "vmap",
+        "model": "cnn-small",
+        "partition": "dirichlet",
+        "alpha": 0.5,
+    }
     cohort = build_client(run_config, {"partition-id": 0, "num-partitions": 1}, RecordDict())
     parts = [(pid, cohort.algorithm.weights(), {"server-round": 1}) for pid in cohort.members]
     assert len({len(cohort.members[pid].y_test) for pid, _, _ in parts}) > 1
@@ -688,8 +776,11 @@ def test_a_step_whose_losses_would_read_another_members_state_is_refused():
     model = build_model("cnn-small", 10, 1, 8)
     members = [Member(SupervisedStep(model, cfg, [ClientScale(cfg, v)]), None, {}) for v in (1.0, 1.0, 2.0)]
     check_members_agree(members[:2])
-    with pytest.raises(ValueError, match=r"ClientScale.scale differs between members 0 and 2 .* draw\(\) or "
-                                         r"constants\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ClientScale.scale differs between members 0 and 2 .* draw\(\) or "
+        r"constants\(\)",
+    ):
         check_members_agree(members)
     ClientScale.per_member_state = ("scale",)
     check_members_agree(members)

@@ -40,8 +40,13 @@ def sleepers() -> dict[int, int]:
 
 def test_sigkill_of_the_command_kills_what_it_started_and_removes_its_folders(tmp_path):
     bystander = subprocess.Popen(["sleep", "8889"], start_new_session=True)  # not the command's: must survive
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True,
-                              cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        start_new_session=True,
+    )
     started: dict[int, int] = {}
     try:
         home = Path(parent.stdout.readline().strip())
@@ -66,8 +71,7 @@ def test_sigkill_of_the_command_kills_what_it_started_and_removes_its_folders(tm
         bystander.wait()
 
 
-def test_a_temporary_folder_whose_owner_and_watchdog_both_died_is_removed_by_the_next_command(tmp_path,
-                                                                                               monkeypatch):
+def test_a_temporary_folder_whose_owner_and_watchdog_both_died_is_removed_by_the_next_command(tmp_path, monkeypatch):
     """kill -9 of the command *and* its watchdog leaves the folder; the next command with that prefix removes
     it, and keeps those of live commands and folders that are not ours."""
     import tempfile

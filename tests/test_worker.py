@@ -15,10 +15,15 @@ RUN_CONFIG = {"strategy": "scaffold", "num-clients": 2, "local-steps": 2, "batch
 
 
 def request(method, *args, run_id=1, pid=0, state=None, code=None):
-    return {"code": code or code_hash(), "run_id": run_id, "run_config": RUN_CONFIG,
-            "node_config": {"partition-id": pid, "num-partitions": 2},
-            "state": state if state is not None else RecordDict(),
-            "method": method, "args": args}
+    return {
+        "code": code or code_hash(),
+        "run_id": run_id,
+        "run_config": RUN_CONFIG,
+        "node_config": {"partition-id": pid, "num-partitions": 2},
+        "state": state if state is not None else RecordDict(),
+        "method": method,
+        "args": args,
+    }
 
 
 def test_worker_reuses_a_runs_client_and_forgets_old_runs():
@@ -44,8 +49,13 @@ def test_client_app_forwards_to_the_worker_and_gets_flowers_state_back(tmp_path)
         if (tmp_path / "w.sock").exists():
             break
         threading.Event().wait(0.05)
-    context = Context(run_id=7, node_id=1, node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(),
-                      run_config=RUN_CONFIG)
+    context = Context(
+        run_id=7,
+        node_id=1,
+        node_config={"partition-id": 1, "num-partitions": 2},
+        state=RecordDict(),
+        run_config=RUN_CONFIG,
+    )
     client = WorkerClient(address, context)
     assert client.get_properties({})["partition-id"] == 1
     weights = payload.from_list(client.get_parameters({}))

@@ -43,19 +43,36 @@ class Checkpointer:
         start = time.perf_counter()
         if self.clients_have_state:
             self.collect_client_states()
-        arrays = {**{f"global/{k}": v for k, v in global_arrays.items()}, **strategy_state, **rng_state(),
-                  **{f"client-state/{pid}": codec.to_uint8(b) for pid, b in self.client_states.items()}}
-        header = {"round": server_round, "config": self.cfg, "elapsed": self.recorder.elapsed(),
-                  "git_commit": self.cfg.get("git-commit", ""), "code_hash": code_hash(),
-                  "utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        arrays = {
+            **{f"global/{k}": v for k, v in global_arrays.items()},
+            **strategy_state,
+            **rng_state(),
+            **{f"client-state/{pid}": codec.to_uint8(b) for pid, b in self.client_states.items()},
+        }
+        header = {
+            "round": server_round,
+            "config": self.cfg,
+            "elapsed": self.recorder.elapsed(),
+            "git_commit": self.cfg.get("git-commit", ""),
+            "code_hash": code_hash(),
+            "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
         path = save_checkpoint(self.recorder.out_dir, arrays, header)
-        self.recorder.progress.emit("checkpoint", f"round {server_round}: checkpoint saved to {path} "
-                                                  f"({time.perf_counter() - start:.2f} s)", round=server_round)
+        self.recorder.progress.emit(
+            "checkpoint",
+            f"round {server_round}: checkpoint saved to {path} ({time.perf_counter() - start:.2f} s)",
+            round=server_round,
+        )
 
     def collect_client_states(self) -> None:
         """Ask every client for its own state; a client that cannot answer keeps the state it last sent."""
-        answers = self.federation.request("client-state", {pid: {} for pid in self.federation.clients_by_pid}, 0,
-                                          "its state for the checkpoint", required=False)
+        answers = self.federation.request(
+            "client-state",
+            {pid: {} for pid in self.federation.clients_by_pid},
+            0,
+            "its state for the checkpoint",
+            required=False,
+        )
         for pid, arrays in answers.items():
             self.client_states[pid] = arrays["state"].tobytes()
 
@@ -65,10 +82,13 @@ class Checkpointer:
         self.resumed_round = int(header["round"])
         missing = [n for n in names if f"global/{n}" not in arrays]
         if missing:
-            raise ConfigError(f"the checkpoint has no global array {missing[0]} ({len(missing)} missing): it was "
-                              "written by another algorithm or version")
-        self.client_states = {int(k.split("/")[1]): v.tobytes() for k, v in arrays.items()
-                              if k.startswith("client-state/")}
+            raise ConfigError(
+                f"the checkpoint has no global array {missing[0]} ({len(missing)} missing): it was "
+                "written by another algorithm or version"
+            )
+        self.client_states = {
+            int(k.split("/")[1]): v.tobytes() for k, v in arrays.items() if k.startswith("client-state/")
+        }
         self.pending = dict(self.client_states)
         self._to_restore = arrays
         return {n: arrays[f"global/{n}"] for n in names}
@@ -79,8 +99,9 @@ class Checkpointer:
         arrays, self._to_restore = self._to_restore, None
         restore_strategy(arrays)
         set_rng_state(arrays)
-        self.recorder.progress.emit("info", f"resumed after round {self.resumed_round} from "
-                                            f"{self.recorder.out_dir / 'checkpoint.npz'}")
+        self.recorder.progress.emit(
+            "info", f"resumed after round {self.resumed_round} from {self.recorder.out_dir / 'checkpoint.npz'}"
+        )
 
     def config_for(self, pid: int) -> dict[str, Any]:
         return {"client-state": self.pending[pid]} if pid in self.pending else {}

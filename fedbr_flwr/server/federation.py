@@ -54,25 +54,33 @@ class Federation:
             if num >= (expected or 1):
                 break
             if time.monotonic() > deadline:
-                raise ConfigError(f"num-clients = {expected} but only {num} SuperNodes connected within "
-                                  f"{timeout_s} s; start it with num-supernodes={expected} (fedbr-run does this)")
+                raise ConfigError(
+                    f"num-clients = {expected} but only {num} SuperNodes connected within "
+                    f"{timeout_s} s; start it with num-supernodes={expected} (fedbr-run does this)"
+                )
             log.info("[fedbr] %d of %d SuperNodes connected; waiting", num, expected)
             client_manager.wait_for(num + 1, timeout=min(10, timeout_s))
         if expected and num != expected:
-            raise ConfigError(f"num-clients = {expected} but the federation has {num} SuperNodes; "
-                              f"start it with num-supernodes={expected} (fedbr-run does this)")
+            raise ConfigError(
+                f"num-clients = {expected} but the federation has {num} SuperNodes; "
+                f"start it with num-supernodes={expected} (fedbr-run does this)"
+            )
         if sorted(self.clients_by_pid) != list(range(num)):
             raise ConfigError(f"partition ids must be 0..{num - 1}, got {sorted(self.clients_by_pid)}")
         if len(hashes) != 1:
-            raise ConfigError(f"clients built different partitions (hashes {sorted(hashes)}): check that every "
-                              "SuperNode has the same dataset files and run config")
+            raise ConfigError(
+                f"clients built different partitions (hashes {sorted(hashes)}): check that every "
+                "SuperNode has the same dataset files and run config"
+            )
         self.partition_hash = hashes.pop()
 
     def _add(self, proxy: ClientProxy, props: dict, expected: int) -> str:
         if expected and int(props.get("num-partitions", expected)) != expected:
-            raise ConfigError(f"num-clients = {expected} but SuperNode {proxy.cid} was started with "
-                              f"num-partitions = {props['num-partitions']}: start the federation with "
-                              f"num-supernodes={expected} (fedbr-run does this)")
+            raise ConfigError(
+                f"num-clients = {expected} but SuperNode {proxy.cid} was started with "
+                f"num-partitions = {props['num-partitions']}: start the federation with "
+                f"num-supernodes={expected} (fedbr-run does this)"
+            )
         if cohort.MEMBERS in props:  # a cohort's node: each member reports as a client of its own would
             self.members_by_cid[proxy.cid] = cohort.members_of(props)
             _, own = cohort.by_member(props)
@@ -130,8 +138,9 @@ class Federation:
             return {}
         return {"class_counts": counts.tolist(), "distributional_heterogeneity": heterogeneity_from_counts(counts)}
 
-    def request(self, name: str, args: dict[int, dict[str, Any]], group: int, what: str, required: bool = True
-                ) -> dict[int, payload.Named]:
+    def request(
+        self, name: str, args: dict[int, dict[str, Any]], group: int, what: str, required: bool = True
+    ) -> dict[int, payload.Named]:
         """Send each listed client the named request ``name`` with its arguments, in parallel; return the
         arrays each answered. ``what`` names them in errors. With ``required=False`` a client that fails
         is logged and left out instead of raising."""

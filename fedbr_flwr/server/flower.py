@@ -54,12 +54,17 @@ class FlowerStrategy(Strategy):
             self.update_spec = {**{n: tuple(a.shape) for n, a in sent.items()}, **self.returned_shapes()}
         self.before_round(server_round)
         self.sampled = self.federation.sample(server_round)
-        common = payload.Serialised.from_parameters(parameters) + \
-            payload.Serialised.of(self.round_arrays(server_round, sent))
-        parts = {pid: (payload.Serialised.of(self.client_arrays(pid)), self.fit_config(server_round, pid))
-                 for pid in self.sampled}
-        instructions = [(proxy, FitIns(params, config))
-                        for proxy, params, config in routing.messages(self.federation, common, parts)]
+        common = payload.Serialised.from_parameters(parameters) + payload.Serialised.of(
+            self.round_arrays(server_round, sent)
+        )
+        parts = {
+            pid: (payload.Serialised.of(self.client_arrays(pid)), self.fit_config(server_round, pid))
+            for pid in self.sampled
+        }
+        instructions = [
+            (proxy, FitIns(params, config))
+            for proxy, params, config in routing.messages(self.federation, common, parts)
+        ]
         self._round["bytes_down"] = sum(payload_bytes(ins.parameters, ins.config) for _, ins in instructions)
         return instructions
 
@@ -74,16 +79,30 @@ class FlowerStrategy(Strategy):
         self.server_metrics = {}
         skipped = len(accepted) < self.cfg["min-fit-clients"]
         if skipped:
-            self.recorder.progress.emit("error", f"round {server_round}: {len(accepted)} valid update(s), "
-                                                 f"min-fit-clients = {self.cfg['min-fit-clients']}: the global model "
-                                                 "is unchanged", round=server_round)
+            self.recorder.progress.emit(
+                "error",
+                f"round {server_round}: {len(accepted)} valid update(s), "
+                f"min-fit-clients = {self.cfg['min-fit-clients']}: the global model "
+                "is unchanged",
+                round=server_round,
+            )
             self.latest = self.round_global if self.round_global is not None else self.latest
         else:
             self.latest = self.aggregate(accepted, self.aggregation_weights(accepted))
             self.after_aggregate(self.latest)
-        record = round_record(server_round, accepted, len(failures), missing, errors, rejected, skipped,
-                              time.perf_counter() - self._round["start"], self._round["bytes_down"],
-                              sum(payload.nbytes(r.parameters) for _, r in results), self.server_metrics)
+        record = round_record(
+            server_round,
+            accepted,
+            len(failures),
+            missing,
+            errors,
+            rejected,
+            skipped,
+            time.perf_counter() - self._round["start"],
+            self._round["bytes_down"],
+            sum(payload.nbytes(r.parameters) for _, r in results),
+            self.server_metrics,
+        )
         self._last_train = record["train"]
         self.recorder.log_round(record)
         return (None if skipped else payload.to_parameters(self.latest)), self._last_train
@@ -92,11 +111,19 @@ class FlowerStrategy(Strategy):
         if not self.is_eval_round(server_round):
             self.end_round(server_round)  # Flower calls no aggregate_evaluate this round
             return []
-        parts = {pid: (payload.Serialised.of(self.client_arrays(pid)),
-                       {"server-round": server_round, **self.checkpointer.config_for(pid)})
-                 for pid in self.federation.clients_by_pid}
-        return [(proxy, EvaluateIns(params, config)) for proxy, params, config
-                in routing.messages(self.federation, payload.Serialised.from_parameters(parameters), parts)]
+        parts = {
+            pid: (
+                payload.Serialised.of(self.client_arrays(pid)),
+                {"server-round": server_round, **self.checkpointer.config_for(pid)},
+            )
+            for pid in self.federation.clients_by_pid
+        }
+        return [
+            (proxy, EvaluateIns(params, config))
+            for proxy, params, config in routing.messages(
+                self.federation, payload.Serialised.from_parameters(parameters), parts
+            )
+        ]
 
     def aggregate_evaluate(self, server_round: int, results: list, failures: list):
         answers = routing.evaluate_answers(self.federation, results)
@@ -106,8 +133,14 @@ class FlowerStrategy(Strategy):
             self.recorder.progress.emit("error", f"round {server_round}: no client returned an evaluation")
             self.end_round(server_round)
             return None, {}
-        record = eval_record(server_round, answers, len(failures), sorted(self.federation.clients_by_pid),
-                             self._last_train, self._global_result.get(server_round, (None, None)))
+        record = eval_record(
+            server_round,
+            answers,
+            len(failures),
+            sorted(self.federation.clients_by_pid),
+            self._last_train,
+            self._global_result.get(server_round, (None, None)),
+        )
         self.recorder.log_eval(record)
         self.end_round(server_round)
         if server_round == self.cfg["num-rounds"]:
@@ -142,8 +175,9 @@ class FlowerStrategy(Strategy):
                 self.checkpointer.answered(a.pid)
             else:
                 rejected.append({"partition": a.pid, "reason": problem})
-                self.recorder.progress.emit("warning", f"round {server_round}: update of client {a.pid} rejected: "
-                                                       f"{problem}", round=server_round)
+                self.recorder.progress.emit(
+                    "warning", f"round {server_round}: update of client {a.pid} rejected: {problem}", round=server_round
+                )
         return accepted, rejected
 
     def _discover(self, client_manager: ClientManager) -> None:
@@ -156,13 +190,16 @@ class FlowerStrategy(Strategy):
             self.recorder.progress.emit("warning", f"partition not saved ({exc})")
             server_hash = self.federation.partition_hash
         if server_hash != self.federation.partition_hash:
-            raise ConfigError(f"the clients' partition (hash {self.federation.partition_hash}) differs from the "
-                              f"server's ({server_hash}): check that both use the same dataset files and config")
+            raise ConfigError(
+                f"the clients' partition (hash {self.federation.partition_hash}) differs from the "
+                f"server's ({server_hash}): check that both use the same dataset files and config"
+            )
         extra = self.after_discovery()
         if self.cfg["dataset"] in FILE_DATASETS:  # where this machine read it (clients resolve their own)
             extra = {"data_folder": str(data_folder(self.cfg["data-dir"])), **extra}
-        self.recorder.write_manifest(partition_hash=server_hash, num_partitions=num,
-                                     **self.federation.partition_stats(), **extra)
+        self.recorder.write_manifest(
+            partition_hash=server_hash, num_partitions=num, **self.federation.partition_stats(), **extra
+        )
         self.recorder.progress.emit("start", f"{num} clients found; writing run files to {self.recorder.out_dir}")
 
 

@@ -12,31 +12,53 @@ from .updates import ClientUpdate, mean_metrics
 def peak_client_memory(metrics: list[dict]) -> dict[str, float]:
     """The largest peak memory any client process reported this round (keys as in rounds.jsonl)."""
     names = {"peak-rss-mb": "client_peak_rss_mb", "peak-gpu-mb": "client_peak_gpu_mb"}
-    return {name: max(m[key] for m in metrics if key in m)
-            for key, name in names.items() if any(key in m for m in metrics)}
+    return {
+        name: max(m[key] for m in metrics if key in m) for key, name in names.items() if any(key in m for m in metrics)
+    }
 
 
-def round_record(server_round: int, accepted: list[ClientUpdate], failures: int, missing: list[int],
-                 errors: list[str], rejected: list[dict], skipped: bool, seconds: float, bytes_down: int,
-                 bytes_up: int, server_metrics: dict[str, float]) -> dict[str, Any]:
+def round_record(
+    server_round: int,
+    accepted: list[ClientUpdate],
+    failures: int,
+    missing: list[int],
+    errors: list[str],
+    rejected: list[dict],
+    skipped: bool,
+    seconds: float,
+    bytes_down: int,
+    bytes_up: int,
+    server_metrics: dict[str, float],
+) -> dict[str, Any]:
     """One rounds.jsonl line: who was averaged in, what failed and why, the training means, time and
     traffic, and what the strategy measured (``server``)."""
-    faults = {"failed_clients": missing, "errors": errors, "rejected": rejected} if missing or errors or rejected \
-        else {}
+    faults = (
+        {"failed_clients": missing, "errors": errors, "rejected": rejected} if missing or errors or rejected else {}
+    )
     return {
-        "round": server_round, "clients": len(accepted), "failures": failures + len(rejected),
-        **faults, **({"skipped": True} if skipped else {}),
-        "train": mean_metrics([u.metrics for u in accepted]), "seconds": round(seconds, 4),
+        "round": server_round,
+        "clients": len(accepted),
+        "failures": failures + len(rejected),
+        **faults,
+        **({"skipped": True} if skipped else {}),
+        "train": mean_metrics([u.metrics for u in accepted]),
+        "seconds": round(seconds, 4),
         "client_fit_seconds": max((u.metrics.get("fit-seconds", 0.0) for u in accepted), default=0.0),
-        "bytes_down": bytes_down, "bytes_up": bytes_up,
+        "bytes_down": bytes_down,
+        "bytes_up": bytes_up,
         **peak_client_memory([u.metrics for u in accepted]),
         **({"server": server_metrics} if server_metrics else {}),
     }
 
 
-def eval_record(server_round: int, results: list[tuple[int, float, int, float]], failures: int,
-                all_pids: list[int], train: dict[str, float], global_result: tuple[float | None, float | None]
-                ) -> dict[str, Any]:
+def eval_record(
+    server_round: int,
+    results: list[tuple[int, float, int, float]],
+    failures: int,
+    all_pids: list[int],
+    train: dict[str, float],
+    global_result: tuple[float | None, float | None],
+) -> dict[str, Any]:
     """One metrics.jsonl line from (partition id, loss, test samples, accuracy) of each client that answered.
     ``clients_evaluated`` of ``clients_expected`` says whether it is complete: the accuracies of an
     evaluation some client missed are over the others only (the summary does not count it)."""

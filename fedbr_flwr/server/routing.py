@@ -17,6 +17,7 @@ from .federation import Federation
 @dataclass
 class Answer:
     """One client's answer to a fit: its arrays by name (or why they could not be read)."""
+
     pid: int
     arrays: payload.Named
     num_examples: int
@@ -24,15 +25,21 @@ class Answer:
     problem: str | None = None
 
 
-def messages(federation: Federation, common: payload.Serialised,
-             parts: dict[int, tuple[payload.Serialised, dict[str, Any]]]) -> list[tuple[ClientProxy, Parameters, dict]]:
+def messages(
+    federation: Federation, common: payload.Serialised, parts: dict[int, tuple[payload.Serialised, dict[str, Any]]]
+) -> list[tuple[ClientProxy, Parameters, dict]]:
     """The messages that carry ``common`` plus each client's own arrays and config, in partition order."""
     out = []
     for proxy, pids in federation.group(sorted(parts)):
         if federation.is_cohort(proxy):
             own = [parts[pid][0].prefixed(cohort.member_key(pid, "")) for pid in pids]
-            out.append((proxy, payload.Serialised.joined([common, *own]).to_parameters(),
-                        cohort.join_configs({p: parts[p][1] for p in pids})))
+            out.append(
+                (
+                    proxy,
+                    payload.Serialised.joined([common, *own]).to_parameters(),
+                    cohort.join_configs({p: parts[p][1] for p in pids}),
+                )
+            )
         else:
             (pid,) = pids
             out.append((proxy, (common + parts[pid][0]).to_parameters(), parts[pid][1]))
@@ -56,8 +63,9 @@ def fit_answers(federation: Federation, results: list) -> list[Answer]:
                 n = int(metrics.pop("num-examples", 0))
                 answers.append(Answer(pid, own_arrays.get(pid, {}), n, metrics, problem))
         else:
-            answers.append(Answer(federation.pid_of(proxy, res.metrics), arrays, res.num_examples, dict(res.metrics),
-                                  problem))
+            answers.append(
+                Answer(federation.pid_of(proxy, res.metrics), arrays, res.num_examples, dict(res.metrics), problem)
+            )
     return sorted(answers, key=lambda a: a.pid)  # a fixed order keeps float sums, and so runs, repeatable
 
 
@@ -67,11 +75,14 @@ def evaluate_answers(federation: Federation, results: list) -> list[tuple[int, f
     for proxy, res in results:
         if federation.is_cohort(proxy):
             _, own = cohort.by_member(res.metrics)
-            answers += [(pid, float(own[pid]["loss"]), int(own[pid]["num-examples"]), float(own[pid]["accuracy"]))
-                        for pid in cohort.members_of(res.metrics)]
+            answers += [
+                (pid, float(own[pid]["loss"]), int(own[pid]["num-examples"]), float(own[pid]["accuracy"]))
+                for pid in cohort.members_of(res.metrics)
+            ]
         else:
-            answers.append((federation.pid_of(proxy, res.metrics), res.loss, res.num_examples,
-                            float(res.metrics["accuracy"])))
+            answers.append(
+                (federation.pid_of(proxy, res.metrics), res.loss, res.num_examples, float(res.metrics["accuracy"]))
+            )
     return sorted(answers)
 
 

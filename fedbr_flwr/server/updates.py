@@ -17,6 +17,7 @@ NOT_TRAINING_METRICS = ("partition-id", "fit-seconds", "peak-rss-mb", "peak-gpu-
 @dataclass
 class ClientUpdate:
     """What one client returned from a fit: its arrays by name, its number of training samples and metrics."""
+
     pid: int
     arrays: Named
     num_examples: int
@@ -47,16 +48,22 @@ def named_mean(named: list[Mapping[str, np.ndarray]], weights: list[float], name
     return dict(zip(names, weighted_mean([[arrays[n] for n in names] for arrays in named], weights)))
 
 
-def update_problem(arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]] | None,
-                   metrics: Mapping[str, Any], required_metrics: tuple[str, ...] = ()) -> str | None:
+def update_problem(
+    arrays: Mapping[str, np.ndarray],
+    expected: Mapping[str, tuple[int, ...]] | None,
+    metrics: Mapping[str, Any],
+    required_metrics: tuple[str, ...] = (),
+) -> str | None:
     """Why a client's update must not be averaged in, or None when it may be (``expected``: the names
     and shapes it must hold, None: not known; ``required_metrics``: metrics the server reads, which must
     be numbers)."""
     if expected is not None:
         missing = [n for n in expected if n not in arrays]
         if missing:
-            return f"missing arrays {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} " \
-                   f"({len(missing)} of {len(expected)})"
+            return (
+                f"missing arrays {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+                f"({len(missing)} of {len(expected)})"
+            )
         extra = [n for n in arrays if n not in expected]
         if extra:
             return f"unexpected arrays {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}"
@@ -65,8 +72,9 @@ def update_problem(arrays: Mapping[str, np.ndarray], expected: Mapping[str, tupl
             return f"array '{name}' has shape {tuple(a.shape)}, expected {tuple(expected[name])}"
         if a.dtype.kind in "fc" and not np.isfinite(a).all():
             return f"array '{name}' holds NaN or Inf"
-    absent = [k for k in required_metrics
-              if not isinstance(metrics.get(k), (int, float)) or isinstance(metrics.get(k), bool)]
+    absent = [
+        k for k in required_metrics if not isinstance(metrics.get(k), (int, float)) or isinstance(metrics.get(k), bool)
+    ]
     if absent:
         return f"metric '{absent[0]}' is missing or not a number"
     bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
@@ -77,6 +85,10 @@ def update_problem(arrays: Mapping[str, np.ndarray], expected: Mapping[str, tupl
 
 def mean_metrics(metrics: list[dict]) -> dict[str, float]:
     """The mean of each training metric over the clients that reported it (bookkeeping left out)."""
-    keys = {k for m in metrics for k in m
-            if k not in NOT_TRAINING_METRICS and not k.endswith("-version") and isinstance(m[k], (int, float))}
+    keys = {
+        k
+        for m in metrics
+        for k in m
+        if k not in NOT_TRAINING_METRICS and not k.endswith("-version") and isinstance(m[k], (int, float))
+    }
     return {k: float(np.mean([m[k] for m in metrics if k in m])) for k in sorted(keys)}
