@@ -88,7 +88,7 @@ def dann_loss(
 ) -> dict[str, torch.Tensor]:
     """CE + the discriminator's domain CE on reversed features: its gradient trains the discriminator at
     full weight and reaches the features times -weight."""
-    params = {"model": dict(model.named_parameters()), "discriminator": dict(discriminator.named_parameters())}
+    params: Params = {"model": dict(model.named_parameters()), "discriminator": dict(discriminator.named_parameters())}
     return dann_terms(model, discriminator, params, x, y, torch.full_like(y, domain), weight)
 
 

@@ -16,6 +16,7 @@ fedprox): each adds its own term, batch transform or gradient change, in the lis
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import numpy as np
 import torch
@@ -187,6 +188,16 @@ def pair_cosines(
     )
 
 
+T = TypeVar("T")
+
+
+def required(value: T | None, what: str) -> T:
+    """``value``, which the settings in use guarantee; None means the step was built without it."""
+    if value is None:
+        raise RuntimeError(f"FedBR's step was built without {what}")
+    return value
+
+
 # ---------------------------------------------------------------- the local step
 
 
@@ -241,7 +252,7 @@ class FedBRStep(FunctionalStep):
 
     @torch.no_grad()
     def global_feature(self, x_p: torch.Tensor) -> torch.Tensor:
-        return self.global_features(x_p)
+        return required(self.global_features, "the frozen global feature extractor (component 2)")(x_p)
 
     def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         """The local batch (transformed by the components, e.g. mixed by Mixup) and the pseudo-batch
@@ -249,7 +260,7 @@ class FedBRStep(FunctionalStep):
         global features "z_g"."""
         x_p, y_p = self.x_p, self.y_p
         if self.mix_k:
-            pool_x, pool_y = self.local_pool
+            pool_x, pool_y = required(self.local_pool, "the client's local samples (mixture-k > 0)")
             idx = torch.randint(0, len(pool_y), (self.mix_k, len(x_p)), device=pool_y.device, generator=self.generator)
             x_p, y_p = mix(x_p, y_p, pool_x[idx], pool_y[idx], self.num_classes)
         inputs = {**self.transform(Batch(x, y)).tensors(), "x_p": x_p, "y_p": y_p}
@@ -263,9 +274,12 @@ class FedBRStep(FunctionalStep):
         z = call(self.model.features, params["model"], "features", torch.cat([inputs["x"], inputs["x_p"]]))
         return {"z_l": z[:n], "z_p": z[n:]}
 
-    def projections(self, head: dict, z_p: torch.Tensor, z_g: torch.Tensor, z_l: torch.Tensor) -> list[torch.Tensor]:
-        projected = call(self.head, head, "", torch.cat([z_p, z_g, z_l]))  # one call
-        return list(projected.split([len(z_p), len(z_g), len(z_l)]))
+    def projections(
+        self, head: dict, z_p: torch.Tensor, z_g: torch.Tensor, z_l: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        projected = call(required(self.head, "the projection head"), head, "", torch.cat([z_p, z_g, z_l]))  # one call
+        p_p, p_g, p_l = projected.split([len(z_p), len(z_g), len(z_l)])
+        return p_p, p_g, p_l
 
     def max_loss(self, params, inputs, shared) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """L_con w.r.t. theta only (features detached); the phase ascends it."""
@@ -337,8 +351,9 @@ class FedBRClient(ClientAlgorithm):
         """Beside the step's terms: how far theta moved this round (||theta_end - theta_start||)."""
         returned, metrics = super().after_fit(step)
         if self.settings.contrastive:
-            moved = sum(((p.detach() - p0) ** 2).sum() for p, p0 in zip(step.head.parameters(), step.head_start))
-            metrics = {**metrics, "head-update-norm": float(torch.sqrt(moved))}
+            head = required(step.head, "the projection head")
+            moved = sum(((p.detach() - p0) ** 2).sum() for p, p0 in zip(head.parameters(), step.head_start))
+            metrics = {**metrics, "head-update-norm": float(torch.sqrt(cast(torch.Tensor, moved)))}
         return returned, metrics
 
     def make_step(self, server_round: int, config: dict) -> FedBRStep:

@@ -68,4 +68,4 @@ class ScaffoldClient(ClientAlgorithm):
         self.state.put_arrays(
             CONTROL_KEY, {name: c.cpu().numpy().copy() for (name, _), c in zip(self.model.named_parameters(), new)}
         )
-        return state_arrays(self.model, CONTROL_DELTA, torch._foreach_sub(new, step.c_local)), {}
+        return state_arrays(self.model, CONTROL_DELTA, list(torch._foreach_sub(new, step.c_local))), {}

@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 import torch
@@ -180,7 +180,7 @@ class LocalStep:
     diagnostics. Subclasses set up their extra state in ``__init__``; the SGD optimiser over the model
     is built (or reused) with its state empty."""
 
-    def __init__(self, model: nn.Module, cfg: dict, components: list[LocalComponent] = ()):
+    def __init__(self, model: Any, cfg: dict, components: Sequence[LocalComponent] = ()):
         self.model = model
         self.cfg = cfg
         self.components = list(components)
@@ -286,7 +286,7 @@ class FunctionalStep(LocalStep):
             self.optimizers[group].zero_grad(set_to_none=True)
         (-loss if phase.ascent else loss).backward(inputs=[p for g in phase.groups for p in self.groups[g].values()])
         if phase.adjust:
-            self.adjust_gradients([p.grad for p in self.groups["model"].values()])
+            self.adjust_gradients(cast(list[torch.Tensor], [p.grad for p in self.groups["model"].values()]))
         for group in phase.groups:
             self.optimizers[group].step()
         return {k: v.detach() for k, v in stats.items()}
@@ -380,7 +380,8 @@ class ClientAlgorithm:
         self.device = torch.device(device)
         self.settings = self.Settings.from_config(cfg)
         self.modules = {k: m.to(self.device) for k, m in self.build_modules(cfg, cfg["compile"]).items()}
-        self.model = self.modules["model"]
+        # a SplitModel, or a model around one with its own features and classifier (DisTrans): duck-typed
+        self.model: Any = self.modules["model"]
         self.components = self.build_components()
 
     def build_components(self) -> list[LocalComponent]:
@@ -397,7 +398,7 @@ class ClientAlgorithm:
     def make_step(self, server_round: int, config: dict) -> LocalStep:
         raise NotImplementedError
 
-    def after_fit(self, step: LocalStep) -> tuple[Named, dict[str, float]]:
+    def after_fit(self, step: Any) -> tuple[Named, dict[str, float]]:  # step: what make_step returned
         """Arrays returned beside the modules', and metrics beside the step's; also where per-client state
         is kept for the next round."""
         return {}, {}

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 
@@ -39,6 +39,7 @@ from .config import ConfigError, resolved_model
 from .dataset import INFO, load_client_data, load_cohort_data
 from .launcher import RunFailed, run_flower
 from .metrics import read_jsonl
+from .model import SplitModel
 from .registry import client_class
 from .server.updates import named_mean
 from .server_app import build_strategy
@@ -116,7 +117,7 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     fedbr_cfg = {**cfg, "strategy": "fedbr"}
     torch.manual_seed(cfg["seed"])
     fedbr_modules = {k: m.to(device) for k, m in FedBRClient.build_modules(fedbr_cfg, cfg["compile"]).items()}
-    model, head = fedbr_modules["model"], fedbr_modules.get("head")
+    model, head = cast(SplitModel, fedbr_modules["model"]), fedbr_modules.get("head")
     shape = (cfg["batch-size"], info.in_channels, info.image_size, info.image_size)
     x, x_p = torch.randn(shape, device=device), torch.randn(shape, device=device)
     y = torch.randint(0, info.num_classes, (cfg["batch-size"],), device=device)
@@ -147,7 +148,7 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
 
     for algorithm in algorithms.values():
         timed(algorithm, 3)  # warm-up: allocator, kernels
-    times = {name: [] for name in algorithms}
+    times: dict[str, list[float]] = {name: [] for name in algorithms}
     for _ in range(repeats):
         for name, algorithm in algorithms.items():
             times[name].append(timed(algorithm, steps))

@@ -14,7 +14,8 @@ import numpy as np
 
 def encode(arrays: Mapping[str, np.ndarray], compressed: bool = False) -> bytes:
     buffer = io.BytesIO()
-    (np.savez_compressed if compressed else np.savez)(buffer, **arrays)
+    save = np.savez_compressed if compressed else np.savez
+    save(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as the allow_pickle flag
     return buffer.getvalue()
 
 

@@ -33,7 +33,8 @@ def join_members(pids: list[int]) -> str:
 
 def by_member(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     """(what all members share, {pid: what is that member's own}) of a cohort message's arrays or config."""
-    shared, own = {}, {}
+    shared: dict[str, Any] = {}
+    own: dict[int, dict[str, Any]] = {}
     for key, value in values.items():
         if key.startswith(PREFIX):
             pid, name = key[len(PREFIX) :].split("/", 1)

@@ -206,6 +206,7 @@ def load_mnist(data_dir: str = "", download: str = "auto") -> tuple[Split, Split
         for prefix in ("train", "t10k"):
             images_path = sources[f"{prefix}-images-idx3-ubyte"]
             labels_path = sources[f"{prefix}-labels-idx1-ubyte"]
+            assert images_path is not None and labels_path is not None  # absent ones stopped above
             x = _read_mnist_file(folder, images_path, Path(tmp), images=True)
             y = _read_mnist_file(folder, labels_path, Path(tmp), images=False)
             if len(x) != len(y):
@@ -506,7 +507,7 @@ def load_global_test(cfg: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor
     info = INFO[cfg["dataset"]]
     _, test = load_raw(cfg["dataset"], cfg["data-dir"], cfg["download"])
     n = len(test.y)
-    angles = np.zeros(n)
+    angles: np.ndarray = np.zeros(n)
     if cfg["rotate"] and cfg["dataset"] in ("mnist5k", "mnist"):
         angles = ROTATION_STEP * (np.arange(n) % ROTATION_DOMAINS)
     elif cfg["rotate"] and cfg["dataset"] == "cifar10":

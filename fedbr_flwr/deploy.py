@@ -301,7 +301,7 @@ def local_deployment(
         if auth:
             register_supernodes(deployment.env, [k.with_name(k.name + ".pub") for k in keys])
         for i in range(num_supernodes):
-            node = {"partition-id": i, "num-partitions": num_supernodes}
+            node: dict[str, int | str] = {"partition-id": i, "num-partitions": num_supernodes}
             if workers:
                 sock = home / f"worker-{i}.sock"
                 start_worker(deployment, f"worker-{i}", sock, None)
@@ -407,9 +407,10 @@ def cmd_run(args) -> int:
 
 def cmd_register(args) -> int:
     certs = _certs_arg(args)
-    keys = [Path(k) for k in args.keys] or sorted(certs.glob("supernode-*.pub"))
+    keys = [Path(k) for k in args.keys] or (sorted(certs.glob("supernode-*.pub")) if certs else [])
     if not keys:
-        raise ConfigError(f"no public keys given and none in {certs}")
+        where = f"none in {certs}" if certs else "--insecure names no certificate folder to take them from"
+        raise ConfigError(f"no public keys given and {where}")
     home = watchdog.temp_dir("fedbr-deploy-")
     try:
         register_supernodes(deploy_env(home, args.superlink, certs), keys)
@@ -483,7 +484,7 @@ class ConnectionWatch:
 
     def __init__(self, log_path: Path, superlink: str, tls: bool):
         self.log_path, self.superlink, self.tls = log_path, superlink, tls
-        self.failures, self.shown = 0, set()
+        self.failures, self.shown = 0, set[str]()
         try:  # the log is appended to: lines of an earlier SuperNode in this state-dir do not count
             self.offset = log_path.stat().st_size
         except OSError:

@@ -246,6 +246,7 @@ def _submit_run(
         follow = Follower(out_dir / PROGRESS_FILE, _print) if echo == "progress" else contextlib.nullcontext()
         try:
             with follow:
+                assert proc.stdout is not None  # started with stdout=PIPE
                 for line in proc.stdout:
                     log.write(line)
                     log.flush()

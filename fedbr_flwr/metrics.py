@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
-def mean_of_best(values: Iterable[float], k: int = 5) -> float | None:
+def mean_of_best(values: Iterable[float | None], k: int = 5) -> float | None:
     vals = sorted((v for v in values if v is not None), reverse=True)[:k]
     return sum(vals) / len(vals) if vals else None
 

@@ -130,6 +130,7 @@ FEATURE_DIMS = {"cnn": 128, "cnn-small": 32, "lenet": 64, "vgg11": 512, "cct": 2
 
 
 def build_model(name: str, num_classes: int, in_channels: int, image_size: int) -> SplitModel:
+    features: nn.Module
     if name in CNN_LAYERS:
         features = mnist_cnn_features(in_channels, CNN_LAYERS[name])
     elif name == "lenet":

@@ -70,7 +70,8 @@ def dirichlet(
     in proportions p_c ~ Dir(alpha * 1). Redrawn until every client holds ``min_size`` samples, at
     most DIRICHLET_MAX_TRIES times; then the attempt with the largest smallest client is kept."""
     labels = np.asarray(labels)
-    best, best_min = None, -1
+    best: list[np.ndarray] = []
+    best_min = -1
     for _ in range(DIRICHLET_MAX_TRIES):
         buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         for c in np.unique(labels):

@@ -15,10 +15,16 @@ import difflib
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 from .errors import ConfigError
-from .settings import Key, NoSettings, names_list
+from .settings import Key, NoSettings, Settings, names_list
+
+if TYPE_CHECKING:  # for the annotations only: the registry imports no algorithm code
+    from strategies.base import FederatedStrategy
+
+    from .algorithm import ClientAlgorithm, LocalComponent
+    from .server.components import ServerComponent
 
 T = TypeVar("T")
 DEFAULT = "fedavg"
@@ -31,21 +37,21 @@ class Variant:
     summary: str
 
 
-CLIENTS: dict[str, type] = {}
-STRATEGIES: dict[str, type] = {}
+CLIENTS: dict[str, type[ClientAlgorithm]] = {}
+STRATEGIES: dict[str, type[FederatedStrategy]] = {}
 VARIANTS: dict[str, Variant] = {}
-COMPONENTS: dict[str, type] = {}
-SERVER_COMPONENTS: dict[str, type] = {}
+COMPONENTS: dict[str, type[LocalComponent]] = {}
+SERVER_COMPONENTS: dict[str, type[ServerComponent]] = {}
 PACKAGES = ("clients", "strategies")
 _loaded = False
 
 
-def _register(table: dict[str, type], name: str) -> Callable[[T], T]:
+def _register(table: dict[str, Any], name: str) -> Callable[[T], T]:
     def decorator(cls: T) -> T:
         if name in table and table[name] is not cls:
             raise ValueError(f"'{name}' is registered twice: {table[name]} and {cls}")
         table[name] = cls
-        cls.name = name
+        cls.name = name  # type: ignore[attr-defined]  # every registered class has a name
         return cls
 
     return decorator
@@ -99,22 +105,22 @@ def _base(name: str) -> str:
     return VARIANTS[name].base if name in VARIANTS else name
 
 
-def client_class(name: str) -> type:
+def client_class(name: str) -> type[ClientAlgorithm]:
     load_all()
     return CLIENTS.get(_base(name), CLIENTS[DEFAULT])
 
 
-def strategy_class(name: str) -> type:
+def strategy_class(name: str) -> type[FederatedStrategy]:
     load_all()
     return STRATEGIES.get(_base(name), STRATEGIES[DEFAULT])
 
 
-def component_class(name: str) -> type:
+def component_class(name: str) -> type[LocalComponent]:
     load_all()
     return COMPONENTS[name]
 
 
-def server_component_class(name: str) -> type | None:
+def server_component_class(name: str) -> type[ServerComponent] | None:
     load_all()
     return SERVER_COMPONENTS.get(name)
 
@@ -125,8 +131,10 @@ def components_of(cfg: Mapping[str, Any]) -> tuple[str, ...]:
     load_all()
     name = cfg["strategy"]
     built_in = VARIANTS[name].components if name in VARIANTS else ()
-    key = getattr(client_class(name), "component_key", None)
-    listed = names_list(cfg[key]) if key else ()
+    key = client_class(name).component_key
+    if not key:
+        return built_in
+    listed = names_list(cfg[key])
     unknown = [c for c in listed if c not in COMPONENTS]
     if unknown or len(set(listed)) != len(listed):
         close = difflib.get_close_matches(unknown[0], COMPONENTS, n=1) if unknown else []
@@ -145,7 +153,7 @@ def active_owners(cfg: Mapping[str, Any]) -> list[str]:
     return list(dict.fromkeys(owners + list(components_of(cfg))))
 
 
-def settings_of(owner: str) -> type:
+def settings_of(owner: str) -> type[Settings]:
     """The Settings class of an algorithm (declared by its client or its strategy) or a component."""
     load_all()
     if owner in COMPONENTS:

@@ -151,7 +151,7 @@ def plot_comparison(out: Path, names: list[str], seeds: list[int], path: Path, t
     import numpy as np
 
     fig, (ax_mean, ax_worst) = plt.subplots(1, 2, figsize=(11.0, 4.6), sharey=True)
-    colours = plt.get_cmap("tab20" if len(names) > 10 else "tab10").colors
+    colours = plt.get_cmap("tab20" if len(names) > 10 else "tab10").colors  # type: ignore[attr-defined]
     for i, name in enumerate(names):
         mean_curves = seed_curves(out, name, seeds, "mean_acc")
         worst_curves = seed_curves(out, name, seeds, "worst_acc")

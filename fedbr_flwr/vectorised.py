@@ -95,8 +95,10 @@ class DrawStacker:
         for key in draws[0]:
             values = [d[key] for d in draws]
             seen = known.get(key)
-            same = seen is not None and all(v is s for v, s in zip(values, seen[0]))
-            out[key] = seen[1] if same else torch.stack(values)
+            if seen is not None and all(v is s for v, s in zip(values, seen[0])):
+                out[key] = seen[1]
+            else:
+                out[key] = torch.stack(values)
             self.known[key] = (values, out[key])
         return out
 
@@ -112,7 +114,7 @@ def check_members_agree(members: list[Member]) -> None:
     per-client streams by nature (a loss cannot draw under vmap)."""
     template = members[0].step
     for index, member in enumerate(members[1:], start=1):
-        pairs = [(type(template).__name__, template, member.step)]
+        pairs: list[tuple[str, object, object]] = [(type(template).__name__, template, member.step)]
         if len(member.step.components) != len(template.components):
             raise ValueError(
                 f"cohort-step=vmap: member {index} carries {len(member.step.components)} components, "
@@ -260,7 +262,7 @@ def shared_prepare_gradients(
     def member(params: Params, momentum: Params, inputs: Inputs):
         params, stepped, buffers, stats = dict(params), {}, {}, {}
         read = {g: params[g] for g in template.prepare_groups}
-        shared, pullback = torch.func.vjp(lambda read: template.prepare({**params, **read}, inputs), read)
+        shared, pullback = torch.func.vjp(lambda read: template.prepare({**params, **read}, inputs), read)[:2]
         for phase in earlier:
 
             def objective(trained: Params):  # called at once, in this iteration: the late binding is safe
@@ -445,7 +447,8 @@ def evaluation_groups(lengths: list[int], batch_size: int = 512, max_images: int
     so that little is padded, and each group's forward holding at most ``max_images`` images (its members x
     its chunk, up to ``batch_size`` each), so that a cohort of 1000 clients does not run every member's test
     set through one forward (the paper's CNN holds about 0.2 MB a layer an image)."""
-    groups, group = [], []
+    groups: list[list[int]] = []
+    group: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
         chunk = min(batch_size, max(lengths[i], 1))  # the longest so far: the group's chunk
         if group and (len(group) + 1) * chunk > max_images:

@@ -46,7 +46,7 @@ def proc_stat(pid: int) -> tuple[int, int, int] | None:
 
 def proc_table() -> dict[int, tuple[int, int, int]]:
     """Every live (not zombie) process: pid -> ``proc_stat``."""
-    table = {}
+    table: dict[int, tuple[int, int, int]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -159,7 +159,7 @@ def _send(line: str, start: bool = True) -> None:
             _registered[line] = None
         else:
             _registered.pop(f"{'add' if verb == 'del' else 'path'} {arg}", None)
-        if _pipe is not None and _watchdog.poll() is not None:
+        if _pipe is not None and (_watchdog is None or _watchdog.poll() is not None):
             os.close(_pipe)
             _pipe = None
         if _pipe is None:

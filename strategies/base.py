@@ -24,7 +24,7 @@ from fedbr_flwr.registry import client_class, components_of, server_component_cl
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.flower import FlowerStrategy
 from fedbr_flwr.server.updates import ClientUpdate, named_mean
-from fedbr_flwr.settings import NoSettings
+from fedbr_flwr.settings import NoSettings, Settings
 from fedbr_flwr.training import module_arrays
 
 Named = dict[str, np.ndarray]
@@ -34,7 +34,8 @@ class FederatedStrategy(FlowerStrategy):
     """FedAvg's behaviour: the global arrays are the (uniform or sample-weighted) mean of the returned ones."""
 
     name = ""  # set by register_strategy
-    Settings = NoSettings  # an algorithm whose settings only its server reads declares them here (GroupDRO)
+    # an algorithm whose settings only its server reads declares them here (GroupDRO)
+    Settings: type[Settings] = NoSettings
 
     def __init__(
         self,
@@ -116,14 +117,23 @@ class FederatedStrategy(FlowerStrategy):
         """(x, y) to broadcast as ``self.shared``; called before round 1 and whenever ``shared_is_stale``."""
         raise NotImplementedError
 
+    def shared_data(self) -> SharedData:
+        """``self.shared``, for the hooks that run only where a strategy broadcasts data."""
+        if self.shared is None:
+            raise RuntimeError(f"{type(self).__name__} broadcasts no data: self.shared is None")
+        return self.shared
+
     def shared_is_stale(self, server_round: int) -> bool:
-        return self.shared.arrays is None
+        return self.shared_data().arrays is None
 
     def refresh_shared_data(self, server_round: int) -> None:
         """Build the broadcast data anew; it is saved as <name>_data.npz in the run folder."""
         x, y = self.make_shared_data(server_round)
-        self.shared.publish(x, y, server_round)
-        codec.write(self.recorder.out_dir / f"{self.shared.name}_data.npz", {"x": x, "y": y, "version": server_round})
+        shared = self.shared_data()
+        shared.publish(x, y, server_round)
+        codec.write(
+            self.recorder.out_dir / f"{shared.name}_data.npz", {"x": x, "y": y, "version": np.asarray(server_round)}
+        )
 
     def checkpoint_state(self) -> Named:
         """What a checkpoint holds beyond the global arrays; subclasses add theirs to this."""

@@ -15,7 +15,7 @@ client i's offset as 'offset'; clients return the model's arrays and their offse
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -135,8 +135,13 @@ class OffsetAggregator:
         before, after = self.fit(offsets)
         return self.predict(), {"offset-nn-loss-before": before, "offset-nn-loss-after": after}
 
+    def _network(self) -> OffsetGenerator:
+        if self.network is None:
+            raise RuntimeError("offset aggregation 'nn' needs the aggregation network")
+        return self.network
+
     def _device(self) -> torch.device:
-        return next(self.network.parameters()).device
+        return next(self._network().parameters()).device
 
     def fit(self, offsets: dict[int, np.ndarray]) -> tuple[float, float]:
         """Regression of h(e_i) onto the returned offsets; the MSE before the first and after the last step."""
@@ -144,22 +149,24 @@ class OffsetAggregator:
         device = self._device()
         e = torch.as_tensor(self.shares[pids], device=device)
         target = torch.as_tensor(np.stack([offsets[p] for p in pids]), dtype=torch.float32, device=device)
-        self.network.train()
+        network = self._network()
+        network.train()
         before = None
         for _ in range(self.steps):
-            loss = F.mse_loss(self.network(e), target)
+            loss = F.mse_loss(network(e), target)
             before = float(loss.detach()) if before is None else before
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
         with torch.no_grad():
-            after = float(F.mse_loss(self.network(e), target))
-        return before, after
+            after = float(F.mse_loss(network(e), target))
+        return (after if before is None else before), after  # steps >= 1: before is set
 
     @torch.no_grad()
     def predict(self) -> dict[int, np.ndarray]:
-        self.network.eval()
-        out = self.network(torch.as_tensor(self.shares, device=self._device())).cpu().numpy()
+        network = self._network()
+        network.eval()
+        out = network(torch.as_tensor(self.shares, device=self._device())).cpu().numpy()
         return {pid: out[pid] for pid in range(len(out))}
 
 
@@ -240,4 +247,4 @@ class DisTransStrategy(FederatedStrategy):
         else:
             t = np.zeros(self.returned_shapes()[OFFSET], dtype=np.float32)
         t = torch.as_tensor(t, dtype=torch.float32, device=self._device())
-        return self.client_class.with_offset(self.model, t)
+        return cast(Any, self.client_class).with_offset(self.model, t)  # DisTrans' client: the model with t

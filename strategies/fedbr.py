@@ -32,7 +32,7 @@ class FedBRStrategy(FederatedStrategy):
         self.proxy: torch.Tensor | None = None  # the public proxy dataset (mixture), loaded once
 
     def shared_is_stale(self, server_round: int) -> bool:
-        return self.shared.arrays is None or self.settings.pseudo_refresh == "every-round"
+        return self.shared_data().arrays is None or self.settings.pseudo_refresh == "every-round"
 
     def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
         if self.settings.pseudo_data == "mixture" and self.proxy is None:

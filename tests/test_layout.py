@@ -72,7 +72,10 @@ def test_no_class_of_the_strategy_base_is_over_120_statements():
     for path in [ROOT / "strategies" / "base.py", *(ROOT / "fedbr_flwr" / "server").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
-                statements = sum(isinstance(n, ast.stmt) for n in ast.walk(node))
+                statements = sum(  # a bare annotation declares a type, it runs nothing
+                    isinstance(n, ast.stmt) and not (isinstance(n, ast.AnnAssign) and n.value is None)
+                    for n in ast.walk(node)
+                )
                 assert statements <= 120, f"{path.name}: {node.name} has {statements} statements"
 
 

@@ -5,6 +5,7 @@ that every node built the same partition, seeded sampling, and named requests to
 from __future__ import annotations
 
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -43,7 +44,7 @@ class Federation:
         nodes that may still be starting (deployment)."""
         timeout_s = DISCOVERY_TIMEOUT_S if timeout_s is None else timeout_s
         expected = self.cfg["num-clients"]
-        client_manager.wait_for(1, timeout=timeout_s)
+        client_manager.wait_for(1, timeout=math.ceil(timeout_s))
         deadline = time.monotonic() + timeout_s
         hashes = set()
         while True:
@@ -59,7 +60,7 @@ class Federation:
                     f"{timeout_s} s; start it with num-supernodes={expected} (fedbr-run does this)"
                 )
             log.info("[fedbr] %d of %d SuperNodes connected; waiting", num, expected)
-            client_manager.wait_for(num + 1, timeout=min(10, timeout_s))
+            client_manager.wait_for(num + 1, timeout=math.ceil(min(10, timeout_s)))
         if expected and num != expected:
             raise ConfigError(
                 f"num-clients = {expected} but the federation has {num} SuperNodes; "

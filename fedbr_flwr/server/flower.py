@@ -6,8 +6,9 @@ types (Parameters, FitRes, ClientProxy) stop here: the hooks see partition ids, 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from flwr.common import EvaluateIns, FitIns, Parameters
 from flwr.server.client_manager import ClientManager
 from flwr.server.strategy import Strategy
@@ -25,6 +26,25 @@ from .updates import ClientUpdate, update_problem
 
 class FlowerStrategy(Strategy):
     required_metrics: tuple[str, ...] = ()  # fit metrics the strategy reads (GroupDRO's first-loss)
+
+    # What the algorithm layer (strategies/base.py, FederatedStrategy) provides and this adapter calls:
+    # declared here for the type checker, defined there with FedAvg's behaviour.
+    model: torch.nn.Module
+    global_test: tuple[torch.Tensor, torch.Tensor] | None
+    initial_arrays: Callable[[], payload.Named]
+    returned_shapes: Callable[[], dict[str, tuple[int, ...]]]
+    before_round: Callable[[int], None]
+    round_arrays: Callable[[int, payload.Named], payload.Named]
+    client_arrays: Callable[[int], payload.Named]
+    fit_config: Callable[[int, int], dict[str, Any]]
+    after_answers: Callable[[dict[int, dict]], None]
+    aggregation_weights: Callable[[list[ClientUpdate]], list[float]]
+    aggregate: Callable[[list[ClientUpdate], list[float]], payload.Named]
+    after_aggregate: Callable[[payload.Named], None]
+    after_discovery: Callable[[], dict[str, Any]]
+    global_test_module: Callable[[], torch.nn.Module]
+    checkpoint_state: Callable[[], payload.Named]
+    restore_state: Callable[[payload.Named], None]
 
     def __init__(self, cfg: dict[str, Any], recorder, clients_have_state: bool):
         self.cfg = cfg
@@ -105,7 +125,9 @@ class FlowerStrategy(Strategy):
         )
         self._last_train = record["train"]
         self.recorder.log_round(record)
-        return (None if skipped else payload.to_parameters(self.latest)), self._last_train
+        if skipped or self.latest is None:
+            return None, self._last_train
+        return payload.to_parameters(self.latest), self._last_train
 
     def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: ClientManager):
         if not self.is_eval_round(server_round):

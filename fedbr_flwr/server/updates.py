@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -43,7 +43,7 @@ def weighted_mean(arrays: list[list[np.ndarray]], weights: list[float]) -> list[
     return out
 
 
-def named_mean(named: list[Mapping[str, np.ndarray]], weights: list[float], names: list[str]) -> Named:
+def named_mean(named: Sequence[Mapping[str, np.ndarray]], weights: list[float], names: list[str]) -> Named:
     """``weighted_mean`` of the arrays called ``names`` in each of ``named``."""
     return dict(zip(names, weighted_mean([[arrays[n] for n in names] for arrays in named], weights)))
 
