@@ -434,6 +434,15 @@ def save_partition(cfg: Mapping[str, Any], path: Path) -> str:
     return make_partition(cfg)[1]
 
 
+def partition_sizes(cfg: Mapping[str, Any]) -> dict[int, tuple[int, int]]:
+    """Every client's (training, local test) sample counts, from the server's own partition."""
+    sizes = {}
+    for pid in range(cfg["num-clients"]):
+        train, test = client_indices(cfg, pid)
+        sizes[pid] = (len(train), len(test))
+    return sizes
+
+
 def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.device | str) -> ClientData:
     """This client's train/test tensors on ``device``. The node's client cache (``fedbr_flwr.node``)
     keeps them with the client that uses them, for as long as it keeps that client."""

@@ -31,6 +31,9 @@ class Federation:
         self.pid_by_cid: dict[str, int] = {}  # a node of one client: that client
         self.members_by_cid: dict[str, list[int]] = {}  # a cohort's node (engine=cohort): its clients
         self.class_counts: dict[int, np.ndarray] = {}  # each client's training samples per class
+        # each client's (training, local test) samples: what its discovery answer said, replaced by the
+        # server's own partition where the server holds the dataset; replies are checked against them
+        self.sizes: dict[int, tuple[int, int]] = {}
         self.partition_hash = ""
 
     @property
@@ -87,9 +90,11 @@ class Federation:
             _, own = cohort.by_member(props)
             for pid in self.members_by_cid[proxy.cid]:
                 self._add_client(proxy, pid, own[pid].get("class-counts"))
+                self._add_sizes(pid, own[pid])
         else:
             self.pid_by_cid[proxy.cid] = int(props["partition-id"])
             self._add_client(proxy, int(props["partition-id"]), props.get("class-counts"))
+            self._add_sizes(int(props["partition-id"]), props)
         return props["partition-hash"]
 
     def _add_client(self, proxy: ClientProxy, pid: int, class_counts: str | None) -> None:
@@ -98,6 +103,12 @@ class Federation:
         self.clients_by_pid[pid] = proxy
         if class_counts is not None:
             self.class_counts[pid] = np.array(str(class_counts).split(","), dtype=np.int64)
+
+    def _add_sizes(self, pid: int, props: dict) -> None:
+        try:
+            self.sizes[pid] = (int(props["num-train"]), int(props["num-test"]))
+        except (KeyError, TypeError, ValueError):
+            pass  # unknown: replies are checked against the server's own partition, or not at all
 
     def is_cohort(self, proxy: ClientProxy | None) -> bool:
         return proxy is not None and proxy.cid in self.members_by_cid

@@ -8,20 +8,21 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from flwr.common import EvaluateIns, FitIns, Parameters
 from flwr.server.client_manager import ClientManager
 from flwr.server.strategy import Strategy
 
 from .. import payload
-from ..dataset import FILE_DATASETS, data_folder, save_partition
+from ..dataset import FILE_DATASETS, data_folder, partition_sizes, save_partition
 from ..errors import ConfigError
 from ..training import evaluate, load_module_arrays
 from . import routing
 from .checkpointing import Checkpointer
 from .federation import Federation
 from .recording import eval_record, round_record
-from .updates import ClientUpdate, update_problem
+from .updates import ClientUpdate, count_problem, evaluation_problem, update_problem
 
 
 class FlowerStrategy(Strategy):
@@ -54,6 +55,7 @@ class FlowerStrategy(Strategy):
         self.latest: payload.Named | None = None  # the global arrays after the last finished round
         self.round_global: payload.Named | None = None  # the global arrays sent this round
         self.update_spec: dict[str, tuple[int, ...]] | None = None  # names and shapes each update must hold
+        self.update_dtypes: dict[str, np.dtype] | None = None  # and the dtype of each
         self.sampled: list[int] = []  # partition ids sent fit instructions this round
         self.server_metrics: dict[str, float] = {}  # what aggregate() measured this round (recorded with it)
         self._round: dict[str, Any] = {"start": time.perf_counter(), "bytes_down": 0}  # the round's start and bytes
@@ -72,6 +74,11 @@ class FlowerStrategy(Strategy):
         self._round = {"start": time.perf_counter(), "bytes_down": 0}
         if self.update_spec is None:
             self.update_spec = {**{n: tuple(a.shape) for n, a in sent.items()}, **self.returned_shapes()}
+            # what was sent comes back as it went; the other returned arrays are float32, like the model's
+            self.update_dtypes = {
+                **{n: np.dtype(np.float32) for n in self.returned_shapes()},
+                **{n: a.dtype for n, a in sent.items()},
+            }
         self.before_round(server_round)
         self.sampled = self.federation.sample(server_round)
         common = payload.Serialised.from_parameters(parameters) + payload.Serialised.of(
@@ -148,7 +155,7 @@ class FlowerStrategy(Strategy):
         ]
 
     def aggregate_evaluate(self, server_round: int, results: list, failures: list):
-        answers = routing.evaluate_answers(self.federation, results)
+        answers, rejected = self._screen_evaluations(server_round, routing.evaluate_answers(self.federation, results))
         for pid, *_ in answers:
             self.checkpointer.answered(pid)
         if not answers:
@@ -163,6 +170,8 @@ class FlowerStrategy(Strategy):
             self._last_train,
             self._global_result.get(server_round, (None, None)),
         )
+        if rejected:
+            record["eval_rejected"] = rejected
         self.recorder.log_eval(record)
         self.end_round(server_round)
         if server_round == self.cfg["num-rounds"]:
@@ -191,7 +200,11 @@ class FlowerStrategy(Strategy):
         """Updates that may be averaged in, and the rejected ones with their reason."""
         accepted, rejected = [], []
         for a in answers:
-            problem = a.problem or update_problem(a.arrays, self.update_spec, a.metrics, self.required_metrics)
+            problem = (
+                a.problem
+                or count_problem(a.num_examples, self.known_size(a.pid, 0), "training samples")
+                or update_problem(a.arrays, self.update_spec, a.metrics, self.required_metrics, self.update_dtypes)
+            )
             if problem is None:
                 accepted.append(ClientUpdate(a.pid, a.arrays, a.num_examples, a.metrics))
                 self.checkpointer.answered(a.pid)
@@ -202,12 +215,37 @@ class FlowerStrategy(Strategy):
                 )
         return accepted, rejected
 
+    def known_size(self, pid: int, which: int) -> int | None:
+        """Client ``pid``'s training (``which`` 0) or local test (1) sample count, where known."""
+        sizes = self.federation.sizes.get(pid)
+        return None if sizes is None else sizes[which]
+
+    def _screen_evaluations(
+        self, server_round: int, answers: list[routing.Evaluation]
+    ) -> tuple[list[tuple[int, float, int, float]], list[dict]]:
+        """(partition id, loss, test samples, accuracy) of the evaluations that may be counted, and the
+        others with their reason: left out, so that the evaluation counts as missing those clients."""
+        valid, rejected = [], []
+        for a in answers:
+            problem = evaluation_problem(a.loss, a.num_examples, a.accuracy, self.known_size(a.pid, 1))
+            if problem is None:
+                valid.append((a.pid, float(a.loss), int(a.num_examples), float(a.accuracy)))
+            else:
+                rejected.append({"partition": a.pid, "reason": problem})
+                self.recorder.progress.emit(
+                    "warning",
+                    f"round {server_round}: evaluation of client {a.pid} not counted: it {problem}",
+                    round=server_round,
+                )
+        return valid, rejected
+
     def _discover(self, client_manager: ClientManager) -> None:
         self.federation.discover(client_manager)
         num = len(self.federation.clients_by_pid)
         self.cfg["num-clients"] = self.recorder.cfg["num-clients"] = num
         try:
             server_hash = save_partition(self.cfg, self.recorder.out_dir / "partition.npz")
+            self.federation.sizes = partition_sizes(self.cfg)  # the server's own, not what clients said
         except ConfigError as exc:  # a deployed server may lack the dataset files: record what clients said
             self.recorder.progress.emit("warning", f"partition not saved ({exc})")
             server_hash = self.federation.partition_hash

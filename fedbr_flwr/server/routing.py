@@ -20,9 +20,19 @@ class Answer:
 
     pid: int
     arrays: payload.Named
-    num_examples: int
+    num_examples: Any  # as reported: checked (a whole number within the client's size) before use
     metrics: dict[str, Any] = field(default_factory=dict)
     problem: str | None = None
+
+
+@dataclass
+class Evaluation:
+    """One client's answer to an evaluation, as reported (checked before it is counted)."""
+
+    pid: int
+    loss: Any
+    num_examples: Any
+    accuracy: Any
 
 
 def messages(
@@ -58,9 +68,9 @@ def fit_answers(federation: Federation, results: list) -> list[Answer]:
         if federation.is_cohort(proxy):
             _, own_arrays = cohort.by_member(arrays)
             _, own_metrics = cohort.by_member(res.metrics)
-            for pid in cohort.members_of(res.metrics):
+            for pid in reported_members(federation, proxy, res.metrics):
                 metrics = dict(own_metrics.get(pid, {}))
-                n = int(metrics.pop("num-examples", 0))
+                n = metrics.pop("num-examples", None)
                 answers.append(Answer(pid, own_arrays.get(pid, {}), n, metrics, problem))
         else:
             answers.append(
@@ -69,21 +79,31 @@ def fit_answers(federation: Federation, results: list) -> list[Answer]:
     return sorted(answers, key=lambda a: a.pid)  # a fixed order keeps float sums, and so runs, repeatable
 
 
-def evaluate_answers(federation: Federation, results: list) -> list[tuple[int, float, int, float]]:
-    """(partition id, loss, test samples, accuracy) of every client in the evaluate results, in partition order."""
+def evaluate_answers(federation: Federation, results: list) -> list[Evaluation]:
+    """Every client's evaluation in the evaluate results, as reported, in partition order (a missing
+    value is None, for the check to refuse)."""
     answers = []
     for proxy, res in results:
         if federation.is_cohort(proxy):
             _, own = cohort.by_member(res.metrics)
-            answers += [
-                (pid, float(own[pid]["loss"]), int(own[pid]["num-examples"]), float(own[pid]["accuracy"]))
-                for pid in cohort.members_of(res.metrics)
-            ]
+            for pid in reported_members(federation, proxy, res.metrics):
+                mine = own.get(pid, {})
+                answers.append(Evaluation(pid, mine.get("loss"), mine.get("num-examples"), mine.get("accuracy")))
         else:
-            answers.append(
-                (federation.pid_of(proxy, res.metrics), res.loss, res.num_examples, float(res.metrics["accuracy"]))
-            )
-    return sorted(answers)
+            pid = federation.pid_of(proxy, res.metrics)
+            answers.append(Evaluation(pid, res.loss, res.num_examples, res.metrics.get("accuracy")))
+    return sorted(answers, key=lambda a: a.pid)
+
+
+def reported_members(federation: Federation, proxy: ClientProxy, metrics: dict) -> list[int]:
+    """The members a cohort's reply speaks for: those it names that this node hosts, each once. A reply
+    that names none readably speaks for none (its sampled members then count as not answered)."""
+    try:
+        named = cohort.members_of(metrics)
+    except (KeyError, ValueError):
+        return []
+    hosted = set(federation.members_by_cid.get(proxy.cid, []))
+    return [pid for pid in dict.fromkeys(named) if pid in hosted]
 
 
 def describe_failure(federation: Federation, failure: Any) -> str:

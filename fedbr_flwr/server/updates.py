@@ -48,15 +48,20 @@ def named_mean(named: Sequence[Mapping[str, np.ndarray]], weights: list[float], 
     return dict(zip(names, weighted_mean([[arrays[n] for n in names] for arrays in named], weights)))
 
 
+NUMERIC_KINDS = "biuf"  # bool, integer, unsigned, float: what an array in an update may hold at all
+
+
 def update_problem(
     arrays: Mapping[str, np.ndarray],
     expected: Mapping[str, tuple[int, ...]] | None,
     metrics: Mapping[str, Any],
     required_metrics: tuple[str, ...] = (),
+    dtypes: Mapping[str, np.dtype] | None = None,
 ) -> str | None:
     """Why a client's update must not be averaged in, or None when it may be (``expected``: the names
     and shapes it must hold, None: not known; ``required_metrics``: metrics the server reads, which must
-    be numbers)."""
+    be numbers; ``dtypes``: the dtype each named array must have, exactly: a cast would change the model
+    of every client)."""
     if expected is not None:
         missing = [n for n in expected if n not in arrays]
         if missing:
@@ -68,9 +73,13 @@ def update_problem(
         if extra:
             return f"unexpected arrays {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}"
     for name, a in arrays.items():
+        if a.dtype.kind not in NUMERIC_KINDS:
+            return f"array '{name}' holds {a.dtype} values, not real numbers"
+        if dtypes is not None and name in dtypes and a.dtype != dtypes[name]:
+            return f"array '{name}' has dtype {a.dtype}, expected {dtypes[name]}"
         if expected is not None and tuple(a.shape) != tuple(expected[name]):
             return f"array '{name}' has shape {tuple(a.shape)}, expected {tuple(expected[name])}"
-        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
             return f"array '{name}' holds NaN or Inf"
     absent = [
         k for k in required_metrics if not isinstance(metrics.get(k), (int, float)) or isinstance(metrics.get(k), bool)
@@ -81,6 +90,41 @@ def update_problem(
     if bad:
         return f"metrics {', '.join(bad)} are NaN or Inf"
     return None
+
+
+def count_problem(n: Any, known: int | None, what: str) -> str | None:
+    """Why a reported sample count is not believable: not a whole number, below 1, or above the
+    ``known`` size of the client's partition (None: not known)."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        return f"reports {what} {short(n)}, not a whole number"
+    if n < 1:
+        return f"reports {n} {what}"
+    if known is not None and n > known:
+        return f"reports {n} {what}, but its partition holds {known}"
+    return None
+
+
+def is_real(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def evaluation_problem(loss: Any, n: Any, accuracy: Any, known_test: int | None) -> str | None:
+    """Why a client's evaluation must not be counted: a loss that is no number or below 0 (NaN and Inf
+    pass: a diverged model has them, and they are written as null), an accuracy that is not a finite
+    number in [0, 1], or a test-sample count it cannot have."""
+    if not is_real(loss) or loss < 0:
+        return f"reports loss {short(loss)}, not a number >= 0"
+    if not is_real(accuracy) or not math.isfinite(accuracy):
+        return f"reports accuracy {short(accuracy)}, not a finite number"
+    if not 0.0 <= accuracy <= 1.0:
+        return f"reports accuracy {accuracy}, outside [0, 1]"
+    return count_problem(n, known_test, "test samples")
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """A value as an error message quotes it: its repr, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def mean_metrics(metrics: list[dict]) -> dict[str, float]:

@@ -1,0 +1,153 @@
+"""One hostile or broken client cannot break a federation: every reply is checked against what the server
+expects before anything uses it (dtype, sample counts, evaluation figures), a failing one is left out with
+its reason in the run files, and none raises out of the server. The replies of one client of three are
+tampered with, in process, round after round."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fedbr_flwr import payload
+from fedbr_flwr.config import validate
+from fedbr_flwr.server.updates import count_problem, evaluation_problem, update_problem
+
+from fakes import InProcessProxy, in_process_federation, run_rounds
+
+CFG = {
+    "strategy": "fedavg",
+    "num-clients": 3,
+    "num-rounds": 2,
+    "local-steps": 1,
+    "batch-size": 8,
+    "eval-every": 1,
+    "global-test": False,
+    "test-fraction": 0.05,
+    "weighting": "samples",
+}
+HOSTILE = 1  # the partition whose replies are tampered with
+
+
+class Tampered(InProcessProxy):
+    """A client whose fit or evaluation reply is changed by ``fit`` / ``evaluate`` before it is sent."""
+
+    def __init__(self, proxy, fit=None, evaluate=None):
+        super().__init__(proxy.client, proxy.cid)
+        self.change_fit, self.change_evaluate = fit, evaluate
+
+    def fit(self, ins, timeout, group_id):
+        res = super().fit(ins, timeout, group_id)
+        if self.change_fit:
+            arrays, res.num_examples = self.change_fit(payload.from_parameters(res.parameters), res.num_examples)
+            res.parameters = payload.to_parameters(arrays)
+        return res
+
+    def evaluate(self, ins, timeout, group_id):
+        res = super().evaluate(ins, timeout, group_id)
+        if self.change_evaluate:
+            self.change_evaluate(res)
+        return res
+
+
+def federation(tmp_path, **tamper):
+    strategy, _, proxies = in_process_federation(validate(CFG), tmp_path)
+    proxies[HOSTILE] = strategy.federation.clients_by_pid[HOSTILE] = Tampered(proxies[HOSTILE], **tamper)
+    final = payload.from_parameters(run_rounds(strategy, proxies, CFG["num-rounds"]))
+    rounds = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return final, rounds, evals
+
+
+def arrays_as(dtype):
+    return lambda arrays, n: ({k: a.astype(dtype) for k, a in arrays.items()}, n)
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (arrays_as(np.int64), "has dtype int64, expected float32"),
+        (arrays_as(np.float16), "has dtype float16, expected float32"),
+        (arrays_as(np.float64), "has dtype float64, expected float32"),
+        (arrays_as(np.complex64), "holds complex64 values, not real numbers"),
+        (lambda arrays, n: ({k: np.full(a.shape, "x") for k, a in arrays.items()}, n), "not real numbers"),
+        (lambda arrays, n: (arrays, 10**15), "reports 1000000000000000 training samples, but its partition holds"),
+        (lambda arrays, n: (arrays, -5), "reports -5 training samples"),
+    ],
+    ids=["int64", "float16", "float64", "complex", "str", "huge-count", "negative-count"],
+)
+def test_a_tampered_update_is_rejected_with_its_reason_and_the_others_averaged(tmp_path, change, reason):
+    final, rounds, evals = federation(tmp_path, fit=change)
+    for record in rounds:
+        assert [r["partition"] for r in record["rejected"]] == [HOSTILE] and reason in record["rejected"][0]["reason"]
+        assert not record.get("skipped")
+    assert all(a.dtype == np.float32 and np.isfinite(a).all() for a in final.values())
+    assert all(0 <= e["mean_acc"] <= 1 and e["clients_evaluated"] == 3 for e in evals)
+
+
+def set_metric(name, value):
+    def change(res):
+        if value is None:
+            res.metrics.pop(name)
+        else:
+            res.metrics[name] = value
+
+    return change
+
+
+def set_count(n):
+    def change(res):
+        res.num_examples = n
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (set_metric("accuracy", 5.0), "reports accuracy 5.0, outside [0, 1]"),
+        (set_metric("accuracy", -3.0), "reports accuracy -3.0, outside [0, 1]"),
+        (set_metric("accuracy", float("nan")), "reports accuracy nan, not a finite number"),
+        (set_metric("accuracy", None), "reports accuracy None, not a finite number"),
+        (set_metric("accuracy", "high"), "reports accuracy 'high', not a finite number"),
+        (set_count(10**9), "reports 1000000000 test samples, but its partition holds"),
+        (set_count(0), "reports 0 test samples"),
+    ],
+    ids=["acc-5", "acc-minus-3", "acc-nan", "acc-missing", "acc-str", "huge-test-count", "no-test-samples"],
+)
+def test_a_tampered_evaluation_is_not_counted_and_the_evaluation_is_partial(tmp_path, change, reason):
+    _, rounds, evals = federation(tmp_path, evaluate=change)
+    for record in evals:
+        assert [r["partition"] for r in record["eval_rejected"]] == [HOSTILE]
+        assert reason in record["eval_rejected"][0]["reason"]
+        assert record["clients_evaluated"] == 2 and record["clients_expected"] == 3
+        assert str(HOSTILE) not in record["per_client_acc"]
+        assert 0 <= record["worst_acc"] <= record["mean_acc"] <= 1 and 0 <= record["pooled_acc"] <= 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["complete_evaluations"] == 0 and summary["mean_acc_best5"] is None  # partial ones do not count
+
+
+def test_a_diverged_models_nan_loss_is_still_an_evaluation():
+    assert evaluation_problem(float("nan"), 5, 0.1, 10) is None
+    assert evaluation_problem(float("inf"), 5, 0.1, 10) is None
+    assert "loss -1.0" in evaluation_problem(-1.0, 5, 0.1, 10)
+
+
+def test_counts_are_whole_numbers_within_the_known_size():
+    assert count_problem(400, 400, "training samples") is None
+    assert count_problem(np.int64(3), None, "x") is None
+    assert "not a whole number" in count_problem(3.0, 400, "training samples")
+    assert "not a whole number" in count_problem(True, 400, "training samples")
+    assert "holds 400" in count_problem(401, 400, "training samples")
+
+
+def test_an_error_message_quotes_a_long_value_cut_short():
+    reason = count_problem("x" * 10_000_000, None, "training samples")
+    assert len(reason) < 120 and reason.endswith("..., not a whole number")
+
+
+def test_update_dtypes_are_checked_exactly_and_before_finiteness():
+    spec, dtypes = {"w": (2,)}, {"w": np.dtype(np.float32)}
+    assert update_problem({"w": np.zeros(2, np.float32)}, spec, {}, (), dtypes) is None
+    assert "dtype int32" in update_problem({"w": np.zeros(2, np.int32)}, spec, {}, (), dtypes)
+    assert "not real numbers" in update_problem({"w": np.array(["a", "b"])}, spec, {}, (), None)
+    assert "NaN or Inf" in update_problem({"w": np.array([np.nan, 0], np.float32)}, spec, {}, (), dtypes)
