@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, quoted
 from .settings import BELOW_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, UNIT_INTERVAL, Key
 
 __all__ = ["COMMON", "ConfigError", "Key", "defaults", "schema", "validate"]
@@ -157,18 +157,20 @@ def _coerce(key: str, spec: Key, value: Any) -> Any:
     elif isinstance(default, float):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):  # YAML's .inf / .nan, or 1e999
-                raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
+                raise ConfigError(f"config key '{key}' must be a finite number, got {quoted(value)}")
             return float(value)
     elif isinstance(default, int):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not INT64_MIN <= value <= INT64_MAX:  # Flower's run config carries 64-bit integers
+                raise ConfigError(f"config key '{key}' = {quoted(value)} does not fit a 64-bit integer")
+            return value
     elif isinstance(value, str):
         return ",".join(v.strip() for v in value.split(",")) if spec.names else value
     raise ConfigError(
         f"config key '{key}' must be {'a list of names' if spec.names else _type_name(default)}, "
-        f"got {type(value).__name__} {value!r}"
+        f"got {type(value).__name__} {quoted(value)}"
     )
 
 
@@ -189,7 +191,7 @@ def unknown_key(raw_key: str, keys: Mapping[str, Key]) -> ConfigError:
         return ConfigError(f"config key '{raw_key}' is gone: {REPLACED[key]}")
     close = difflib.get_close_matches(key, keys, n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
-    return ConfigError(f"unknown config key '{raw_key}'.{hint} Valid keys: {', '.join(keys)}")
+    return ConfigError(f"unknown config key {quoted(raw_key)}.{hint} Valid keys: {', '.join(keys)}")
 
 
 def validate(overrides: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -204,9 +206,9 @@ def validate(overrides: Mapping[str, Any], base: Mapping[str, Any] | None = None
     for key, spec in keys.items():
         v = cfg[key]
         if spec.choices is not None and v not in spec.choices:
-            raise ConfigError(f"config key '{key}' = {v!r} is not one of: {', '.join(spec.choices)}")
+            raise ConfigError(f"config key '{key}' = {quoted(v)} is not one of: {', '.join(spec.choices)}")
         if spec.check is not None and not spec.check(v):
-            raise ConfigError(f"config key '{key}' = {v!r} must be {spec.check.message}")
+            raise ConfigError(f"config key '{key}' = {quoted(v)} must be {spec.check.message}")
     _check_consistency(cfg)
     _check_ownership(cfg, overrides, keys)
     return cfg
@@ -236,7 +238,7 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
     if cfg["strategy"] not in names:
         close = difflib.get_close_matches(cfg["strategy"], names, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"unknown strategy '{cfg['strategy']}'.{hint} Valid: {', '.join(names)}")
+        raise ConfigError(f"unknown strategy {quoted(cfg['strategy'])}.{hint} Valid: {', '.join(names)}")
     num_classes = 100 if cfg["dataset"] == "cifar100" else 10
     if cfg["partition"] == "classes" and cfg["classes-per-client"] > num_classes:
         raise ConfigError(
@@ -290,14 +292,49 @@ def from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
     return validate({k: v for k, v in run_config.items() if normalise_key(k) in keys})
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+YAML_MAX_BYTES = 1 << 20  # an experiment file is a few dozen lines
+YAML_MAX_DEPTH = 20
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """YAML's safe loader without anchors and aliases (a few hundred bytes of nested aliases expand to
+    gigabytes) and with a bounded nesting depth (a deep list would exhaust Python's stack)."""
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError("anchors and aliases (& and *) are not supported here; write the values out")
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > YAML_MAX_DEPTH:
+                raise yaml.YAMLError(f"nested deeper than {YAML_MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=BoundedLoader)  # noqa: S506  (a safe loader, bounded)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"experiment file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        if not path.is_file():
+            raise ConfigError(f"experiment file not found: {quoted(str(path), 300)}")
+        if path.stat().st_size > YAML_MAX_BYTES:
+            raise ConfigError(
+                f"{path} holds {path.stat().st_size} bytes; an experiment file may hold at most {YAML_MAX_BYTES}"
+            )
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text; save the experiment file as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {quoted(str(path), 300)}: {exc.strerror}") from None
+    try:
+        data = read_yaml(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"{path} is not valid YAML: {str(exc)[:500]}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -311,7 +348,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override '{text}' must look like key=value")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = read_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     if value is None:

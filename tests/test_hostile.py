@@ -151,3 +151,46 @@ def test_update_dtypes_are_checked_exactly_and_before_finiteness():
     assert "dtype int32" in update_problem({"w": np.zeros(2, np.int32)}, spec, {}, (), dtypes)
     assert "not real numbers" in update_problem({"w": np.array(["a", "b"])}, spec, {}, (), None)
     assert "NaN or Inf" in update_problem({"w": np.array([np.nan, 0], np.float32)}, spec, {}, (), dtypes)
+
+
+# ---------------------------------------------------------------- configuration input is bounded
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('a: &a ["x", "x", "x"]\nb: &b [*a, *a, *a]\nc: [*b, *b, *b]\n', "anchors and aliases"),
+        ("x: " + "[" * 5000 + "]" * 5000 + "\n", "nested deeper than 20 levels"),
+    ],
+    ids=["alias-bomb", "deep-list"],
+)
+def test_a_hostile_yaml_file_stops_with_one_line(tmp_path, capsys, text, message):
+    from fedbr_flwr import cli
+
+    path = tmp_path / "e.yaml"
+    path.write_text(text)
+    assert cli.main([str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1 and len(err) < 800
+
+
+def test_a_file_that_is_not_utf8_or_too_large_stops_with_one_line(tmp_path, capsys):
+    from fedbr_flwr import cli
+    from fedbr_flwr.config import YAML_MAX_BYTES
+
+    path = tmp_path / "e.yaml"
+    path.write_bytes("num-rounds: 1\n".encode("utf-16"))
+    assert cli.main([str(path), "--dry-run"]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
+    path.write_text("# padding\n" * (YAML_MAX_BYTES // 10 + 1))
+    assert cli.main([str(path), "--dry-run"]) == 2
+    assert "may hold at most" in capsys.readouterr().err
+
+
+def test_numbers_must_fit_and_quoted_values_are_cut(capsys):
+    from fedbr_flwr import cli
+
+    assert cli.main(["seed=123456789012345678901", "--dry-run"]) == 2
+    assert "does not fit a 64-bit integer" in capsys.readouterr().err
+    assert cli.main(["strategy=" + "x" * 1_000_000, "--dry-run"]) == 2
+    assert len(capsys.readouterr().err) < 1000
