@@ -22,7 +22,7 @@ from . import routing
 from .checkpointing import Checkpointer
 from .federation import Federation
 from .recording import eval_record, round_record
-from .updates import ClientUpdate, count_problem, evaluation_problem, update_problem
+from .updates import ClientUpdate, count_problem, known_size, screen_evaluations, update_problem
 
 
 class FlowerStrategy(Strategy):
@@ -155,7 +155,15 @@ class FlowerStrategy(Strategy):
         ]
 
     def aggregate_evaluate(self, server_round: int, results: list, failures: list):
-        answers, rejected = self._screen_evaluations(server_round, routing.evaluate_answers(self.federation, results))
+        answers, rejected = screen_evaluations(
+            routing.evaluate_answers(self.federation, results), self.federation.sizes
+        )
+        for r in rejected:
+            self.recorder.progress.emit(
+                "warning",
+                f"round {server_round}: evaluation of client {r['partition']} not counted: it {r['reason']}",
+                round=server_round,
+            )
         for pid, *_ in answers:
             self.checkpointer.answered(pid)
         if not answers:
@@ -202,7 +210,7 @@ class FlowerStrategy(Strategy):
         for a in answers:
             problem = (
                 a.problem
-                or count_problem(a.num_examples, self.known_size(a.pid, 0), "training samples")
+                or count_problem(a.num_examples, known_size(self.federation.sizes, a.pid, 0), "training samples")
                 or update_problem(a.arrays, self.update_spec, a.metrics, self.required_metrics, self.update_dtypes)
             )
             if problem is None:
@@ -214,30 +222,6 @@ class FlowerStrategy(Strategy):
                     "warning", f"round {server_round}: update of client {a.pid} rejected: {problem}", round=server_round
                 )
         return accepted, rejected
-
-    def known_size(self, pid: int, which: int) -> int | None:
-        """Client ``pid``'s training (``which`` 0) or local test (1) sample count, where known."""
-        sizes = self.federation.sizes.get(pid)
-        return None if sizes is None else sizes[which]
-
-    def _screen_evaluations(
-        self, server_round: int, answers: list[routing.Evaluation]
-    ) -> tuple[list[tuple[int, float, int, float]], list[dict]]:
-        """(partition id, loss, test samples, accuracy) of the evaluations that may be counted, and the
-        others with their reason: left out, so that the evaluation counts as missing those clients."""
-        valid, rejected = [], []
-        for a in answers:
-            problem = evaluation_problem(a.loss, a.num_examples, a.accuracy, self.known_size(a.pid, 1))
-            if problem is None:
-                valid.append((a.pid, float(a.loss), int(a.num_examples), float(a.accuracy)))
-            else:
-                rejected.append({"partition": a.pid, "reason": problem})
-                self.recorder.progress.emit(
-                    "warning",
-                    f"round {server_round}: evaluation of client {a.pid} not counted: it {problem}",
-                    round=server_round,
-                )
-        return valid, rejected
 
     def _discover(self, client_manager: ClientManager) -> None:
         self.federation.discover(client_manager)

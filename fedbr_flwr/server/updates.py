@@ -121,6 +121,27 @@ def evaluation_problem(loss: Any, n: Any, accuracy: Any, known_test: int | None)
     return count_problem(n, known_test, "test samples")
 
 
+def known_size(sizes: Mapping[int, tuple[int, int]], pid: int, which: int) -> int | None:
+    """Client ``pid``'s training (``which`` 0) or local test (1) sample count, where known."""
+    return sizes[pid][which] if pid in sizes else None
+
+
+def screen_evaluations(
+    answers: Sequence[Any], sizes: Mapping[int, tuple[int, int]]
+) -> tuple[list[tuple[int, float, int, float]], list[dict[str, Any]]]:
+    """(partition id, loss, test samples, accuracy) of the evaluations (each with ``pid``, ``loss``,
+    ``num_examples`` and ``accuracy`` as reported) that may be counted, and the others with their reason:
+    left out, so that the evaluation counts as missing those clients."""
+    valid, rejected = [], []
+    for a in answers:
+        problem = evaluation_problem(a.loss, a.num_examples, a.accuracy, known_size(sizes, a.pid, 1))
+        if problem is None:
+            valid.append((a.pid, float(a.loss), int(a.num_examples), float(a.accuracy)))
+        else:
+            rejected.append({"partition": a.pid, "reason": problem})
+    return valid, rejected
+
+
 def short(value: Any, limit: int = 60) -> str:
     """A value as an error message quotes it: its repr, cut to ``limit`` characters."""
     text = repr(value)
