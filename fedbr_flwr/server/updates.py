@@ -9,6 +9,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..errors import quoted
+
 Named = dict[str, np.ndarray]
 # bookkeeping, not averaged (nor are "*-version")
 NOT_TRAINING_METRICS = ("partition-id", "fit-seconds", "peak-rss-mb", "peak-gpu-mb")
@@ -96,7 +98,7 @@ def count_problem(n: Any, known: int | None, what: str) -> str | None:
     """Why a reported sample count is not believable: not a whole number, below 1, or above the
     ``known`` size of the client's partition (None: not known)."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        return f"reports {what} {short(n)}, not a whole number"
+        return f"reports {what} {quoted(n, 60)}, not a whole number"
     if n < 1:
         return f"reports {n} {what}"
     if known is not None and n > known:
@@ -113,9 +115,9 @@ def evaluation_problem(loss: Any, n: Any, accuracy: Any, known_test: int | None)
     pass: a diverged model has them, and they are written as null), an accuracy that is not a finite
     number in [0, 1], or a test-sample count it cannot have."""
     if not is_real(loss) or loss < 0:
-        return f"reports loss {short(loss)}, not a number >= 0"
+        return f"reports loss {quoted(loss, 60)}, not a number >= 0"
     if not is_real(accuracy) or not math.isfinite(accuracy):
-        return f"reports accuracy {short(accuracy)}, not a finite number"
+        return f"reports accuracy {quoted(accuracy, 60)}, not a finite number"
     if not 0.0 <= accuracy <= 1.0:
         return f"reports accuracy {accuracy}, outside [0, 1]"
     return count_problem(n, known_test, "test samples")
@@ -140,12 +142,6 @@ def screen_evaluations(
         else:
             rejected.append({"partition": a.pid, "reason": problem})
     return valid, rejected
-
-
-def short(value: Any, limit: int = 60) -> str:
-    """A value as an error message quotes it: its repr, cut to ``limit`` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def mean_metrics(metrics: list[dict]) -> dict[str, float]:
