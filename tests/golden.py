@@ -32,7 +32,7 @@ KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENA
 for _name, _value in KERNELS.items():
     os.environ.setdefault(_name, _value)
 
-from fakes import FixedClientManager, InProcessProxy, run_rounds  # noqa: E402
+from fakes import TIMING_KEYS, FixedClientManager, InProcessProxy, run_rounds  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 GOLDEN_DIR = HERE / "golden"
@@ -120,15 +120,6 @@ RESUME_CASES: dict[str, dict] = {
     "resume-feddyn": {"strategy": "feddyn", "feddyn-alpha": 0.1},
 }
 
-TIMING_KEYS = (
-    "wall_time",
-    "seconds",
-    "client_fit_seconds",
-    "client_peak_rss_mb",
-    "client_peak_gpu_mb",
-    "bytes_down",
-    "bytes_up",
-)
 MANIFEST_KEYS = ("partition_hash", "num_partitions", "class_counts", "distributional_heterogeneity", "distrans")
 DATA_FILES = ("partition.npz", "pseudo_data.npz", "fedmix_data.npz", "vhl_data.npz", "offsets.npz")
 
