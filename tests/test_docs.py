@@ -120,3 +120,58 @@ def test_relative_links_point_at_files_that_exist(page):
 def test_no_page_a_user_reads_points_into_the_workshop():
     for page in PAGES:
         assert "../shared" not in page.read_text(), page
+
+
+# ---------------------------------------------------------------- equations beside their code
+
+CODE_REFERENCE = re.compile(r"\[`([A-Za-z_][\w.]*)`\]\(([^)\s#]+\.py)\): `([^`]+)`")
+ALGORITHM_PAGES = sorted((ROOT / "docs" / "algorithms").glob("*.md"))
+
+
+def definition_source(path: Path, dotted: str) -> str | None:
+    """The source of the function or class ``dotted`` ("name" or "Class.method") in ``path``; None if absent."""
+    import ast
+
+    source = path.read_text()
+    scope: list = ast.parse(source).body
+    node = None
+    for part in dotted.split("."):
+        node = next(
+            (n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part),
+            None,
+        )
+        if node is None:
+            return None
+        scope = node.body
+    return ast.get_source_segment(source, node)
+
+
+def quoted_code_problem(page: Path, symbol: str, target: str, fragment: str) -> str | None:
+    """Why the page's "[`symbol`](target): `fragment`" does not hold (None when the fragment is in that
+    definition, whitespace aside)."""
+    path = (page.parent / target).resolve()
+    if not path.is_file():
+        return f"{target} does not exist"
+    body = definition_source(path, symbol)
+    if body is None:
+        return f"{target} defines no {symbol}"
+    if re.sub(r"\s+", "", fragment) not in re.sub(r"\s+", "", body):
+        return f"{symbol} in {target} no longer contains `{fragment}`"
+    return None
+
+
+@pytest.mark.parametrize("page", ALGORITHM_PAGES, ids=[p.name for p in ALGORITHM_PAGES])
+def test_each_equation_quotes_the_code_that_computes_it(page):
+    references = CODE_REFERENCE.findall(page.read_text())
+    assert len(references) >= 8, f"{page.name}: the equations table quotes too little code"
+    problems = [p for ref in references if (p := quoted_code_problem(page, *ref))]
+    assert not problems, f"{page.relative_to(ROOT)}: " + "; ".join(problems)
+
+
+def test_a_quoted_fragment_that_drifted_is_caught():
+    page = ROOT / "docs" / "algorithms" / "fedbr.md"
+    target = "../../fedbr_flwr/losses.py"
+    assert quoted_code_problem(page, "soft_cross_entropy", target, "-(target * F.log_softmax(logits, dim=1))") is None
+    assert "no longer contains" in quoted_code_problem(page, "soft_cross_entropy", target, "F.softmax(logits)")
+    assert "defines no" in quoted_code_problem(page, "hard_cross_entropy", target, "x")
+    assert "does not exist" in quoted_code_problem(page, "f", "../../nowhere.py", "x")
