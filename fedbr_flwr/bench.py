@@ -34,12 +34,13 @@ from typing import Sequence, cast
 import torch
 
 from .broadcast import SharedData
-from .cli import build_config, size_resources, supernodes
+from .cli import build_config, size_for_runtime, size_resources, supernodes
 from .config import ConfigError, resolved_model
 from .dataset import INFO, load_client_data, load_cohort_data
 from .launcher import RunFailed, run_flower
 from .metrics import read_jsonl
 from .model import SplitModel
+from .raycluster import requested_address
 from .registry import client_class
 from .server.updates import named_mean
 from .server_app import build_strategy
@@ -265,8 +266,11 @@ def compare(cfg: dict, rounds: int) -> dict:
 
 
 def cohort_config(cfg: dict) -> dict:
-    """The same run on the cohort engine, sized as ``fedbr-run engine=cohort`` sizes it on this machine."""
+    """The same run on the cohort engine, sized as ``fedbr-run engine=cohort`` sizes it on this machine (or on
+    the Ray cluster it joins: ``ray-address``)."""
     plain = {**cfg, "engine": "cohort", "cohorts": 0, "client-cpus": 1, "client-gpus": 0.0}
+    if requested_address(plain["ray-address"]):
+        return size_for_runtime(plain)
     return size_resources(plain, torch.cuda.is_available(), os.cpu_count() or 1, torch.cuda.device_count())
 
 

@@ -81,7 +81,8 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
         key, value = parse_override(item)
         overrides[key] = value
     saved = header["config"]
-    cfg = validate({**saved, **overrides, "resume": True, "output-dir": str(out_dir)})
+    here = {"ray-address": ""}  # where it runs now: the resume command's choice, not the checkpoint's
+    cfg = validate({**saved, **here, **overrides, "resume": True, "output-dir": str(out_dir)})
     check_resumable(saved, cfg, int(header["round"]))
     cfg["git-commit"] = git_commit(PROJECT_DIR) or "unknown"
     print(f"fedbr-run: resuming {out_dir} after round {header['round']} of {cfg['num-rounds']}", flush=True)
@@ -89,15 +90,22 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
 
 
 def size_resources(
-    cfg: dict[str, Any], cuda_available: bool, cpu_count: int, gpu_count: int | None = None
+    cfg: dict[str, Any],
+    cuda_available: bool,
+    cpu_count: int,
+    gpu_count: int | None = None,
+    node_cpus: int | None = None,
 ) -> dict[str, Any]:
     """Resources for Ray: CPU cores per client, and a GPU share when CUDA is present. With
     ``engine=cohort``: the cohorts (unless ``cohorts`` says: one per GPU; on a CPU, one per
     ``client-cpus`` cores, so that they train side by side with each client's thread count as under
-    engine=clients), each with its share of the cores and the GPUs."""
+    engine=clients), each with its share of the cores and the GPUs. On a joined cluster the counts are
+    the cluster's, and no client asks for more cores than its largest node has (``node_cpus``)."""
     cfg = dict(cfg)
-    if cfg["client-cpus"] > cpu_count:
-        raise ConfigError(f"client-cpus = {cfg['client-cpus']} but this machine has {cpu_count} cores")
+    node_cpus = node_cpus or cpu_count
+    if cfg["client-cpus"] > node_cpus:
+        where = "this machine has" if node_cpus == cpu_count else "the cluster's largest node has"
+        raise ConfigError(f"client-cpus = {cfg['client-cpus']} but {where} {node_cpus} cores")
     if cfg["client-gpus"] > 0 and not cuda_available:
         raise ConfigError("client-gpus > 0 but torch sees no CUDA device (Ray would find no actor to place)")
     if cfg["device"] == "cuda" and not cuda_available:
@@ -107,12 +115,32 @@ def size_resources(
     gpus = (gpu_count if gpu_count is not None else 1) if cuda_available and cfg["device"] != "cpu" else 0
     if cfg["engine"] == "cohort":
         cfg["cohorts"] = min(cfg["cohorts"] or gpus or max(1, cpu_count // cfg["client-cpus"]), cfg["num-clients"])
-        cfg["client-cpus"] = max(cfg["client-cpus"], cpu_count // cfg["cohorts"])
+        cfg["client-cpus"] = min(max(cfg["client-cpus"], cpu_count // cfg["cohorts"]), node_cpus)
         if gpus and cfg["client-gpus"] == 0:
             cfg["client-gpus"] = min(1.0, gpus / cfg["cohorts"])
     elif gpus and cfg["client-gpus"] == 0:
         cfg["client-gpus"] = 1.0 / min(cfg["num-clients"], MAX_CLIENTS_PER_GPU)
     return cfg
+
+
+def size_for_runtime(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``size_resources`` for the Ray runtime the run will use: this machine's cores and GPUs, or those of the
+    running cluster it joins (``ray-address``, else ``RAY_ADDRESS``), whose resolved address it records."""
+    import torch
+
+    from .raycluster import describe, requested_address
+
+    address = requested_address(cfg["ray-address"])
+    if address is None:
+        return size_resources(cfg, torch.cuda.is_available(), os.cpu_count() or 1)
+    cluster = describe(address)
+    print(
+        f"fedbr-run: joining the Ray cluster at {cluster.address}: {cluster.nodes} node(s), {cluster.cpus} "
+        f"CPU(s), {cluster.gpus} GPU(s)",
+        flush=True,
+    )
+    joined = {**cfg, "ray-address": cluster.address}
+    return size_resources(joined, cluster.gpus > 0, cluster.cpus, cluster.gpus, cluster.largest_node_cpus)
 
 
 def supernodes(cfg: dict[str, Any]) -> int:
@@ -268,15 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"fedbr-run: {path} {'rewritten' if write() else 'already up to date'}")
         return 0
     try:
-        import torch
-
         if args.resume:
-            cfg = size_resources(
-                resume_config(Path(args.resume), args.items), torch.cuda.is_available(), os.cpu_count() or 1
-            )
+            cfg = size_for_runtime(resume_config(Path(args.resume), args.items))
         else:
-            cfg = size_resources(build_config(args.items), torch.cuda.is_available(), os.cpu_count() or 1)
-            cfg = prepare(cfg, args.overwrite)
+            cfg = prepare(size_for_runtime(build_config(args.items)), args.overwrite)
     except ConfigError as exc:
         print(f"fedbr-run: error: {exc}", file=sys.stderr)
         return 2

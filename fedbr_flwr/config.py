@@ -103,6 +103,12 @@ COMMON: dict[str, Key] = {
     "client-gpus": Key(
         0.0, "GPU share per simulated client; the CLI picks one when CUDA is present", check=UNIT_INTERVAL
     ),
+    "ray-address": Key(
+        "",
+        "simulation: the running Ray cluster to join (host:port of its head, or auto for the one `ray start` "
+        "left on this machine); empty: the RAY_ADDRESS environment variable if set, else a private Ray runtime "
+        "(local forces that)",
+    ),
     # faults and checkpoints
     "min-fit-clients": Key(
         1,

@@ -22,6 +22,7 @@ from . import runlock, watchdog
 from .config import to_toml
 from .errors import ConfigError
 from .progress import PROGRESS_FILE, Follower
+from .raycluster import ray_environment, requested_address
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 SUPERLINK_START_TIMEOUT_S = 60
@@ -118,12 +119,13 @@ def flower_env(flwr_home: Path, http_port: int | None = None, control_port: int 
 
 
 @contextmanager
-def local_superlink(log_dir: Path) -> Iterator[dict[str, str]]:
+def local_superlink(log_dir: Path, ray_address: str | None = None) -> Iterator[dict[str, str]]:
     """A simulation SuperLink on free ports with its own FLWR_HOME; yields the environment in which
-    ``flwr`` commands talk to it, and stops it with all its children on exit."""
+    ``flwr`` commands talk to it, and stops it with all its children on exit. Its simulations use a private
+    Ray runtime, or join the running cluster at ``ray_address`` (``fedbr_flwr.raycluster``)."""
     flwr_home = watchdog.temp_dir("fedbr-flwr-home-")  # removed also if this process is killed
     http_port, control_port = free_port(), free_port()
-    env = flower_env(flwr_home, http_port, control_port)
+    env = {**flower_env(flwr_home, http_port, control_port), **ray_environment(ray_address)}
     log_file = log_dir / "superlink.log"
     command = [
         shutil.which("flower-superlink", path=env["PATH"]) or "flower-superlink",
@@ -186,7 +188,7 @@ def run_flower(
     """``flwr run`` the app with ``cfg`` on a fresh local simulation SuperLink; see ``submit_run``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     fed = federation_config(num_supernodes, cfg["client-cpus"], cfg["client-gpus"])
-    with runlock.hold(out_dir), local_superlink(out_dir) as env:
+    with runlock.hold(out_dir), local_superlink(out_dir, requested_address(cfg["ray-address"])) as env:
         return submit_run(cfg, env, "local", out_dir, project_dir, echo, ["--federation-config", fed])
 
 

@@ -19,6 +19,7 @@ from flwr.common import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from . import cohort, payload
 from .algorithm import ClientAlgorithm, FunctionalStep, NodeState
+from .raycluster import NODE, worker_node
 
 
 class RecordState(NodeState):
@@ -68,7 +69,7 @@ class FlowerClient(NumPyClient):
 
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
         arrays, n, metrics = self.algorithm.fit(payload.from_list(parameters), config)
-        return payload.to_list(arrays), n, metrics
+        return payload.to_list(arrays), n, {**metrics, NODE: worker_node()}
 
     def evaluate(self, parameters: list[np.ndarray], config: dict) -> tuple[float, int, dict]:
         return self.algorithm.evaluate(payload.from_list(parameters), config)
@@ -132,7 +133,7 @@ class CohortClient(NumPyClient):
         return [(pid, *getattr(self.member(pid), method)(arrays, own_config)) for pid, arrays, own_config in parts]
 
     def fit(self, parameters: list[np.ndarray], config: dict) -> tuple[list[np.ndarray], int, dict]:
-        returned, metrics, total = {}, {cohort.MEMBERS: config[cohort.MEMBERS]}, 0
+        returned, metrics, total = {}, {cohort.MEMBERS: config[cohort.MEMBERS], NODE: worker_node()}, 0
         for pid, named, n, own in self.each_member(self.split(parameters, config), self.fit_together, "fit"):
             returned.update(cohort.join_arrays({pid: named}))
             metrics.update({cohort.member_key(pid, k): v for k, v in {**own, "num-examples": n}.items()})

@@ -40,6 +40,7 @@ RESUMABLE_KEYS = (
     "engine",
     "cohorts",
     "cohort-step",
+    "ray-address",
     "resume",
     "git-commit",
 )

@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .cli import config_from_settings, finished_run_problem, prepare, size_resources, supernodes
+from .cli import config_from_settings, finished_run_problem, prepare, size_for_runtime, supernodes
 from .config import ConfigError, load_yaml, parse_override
 from .launcher import RunFailed, run_flower
 from .report import run_folder, write_comparison, write_report
 
-VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus")  # may differ between machines or sessions
+VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address")  # may differ between machines or sessions
 
 
 def sweep_title(path: str) -> str | None:
@@ -118,12 +117,10 @@ def finished_with_same_config(cfg: dict[str, Any]) -> bool:
 
 
 def run_all(jobs: list[tuple[str, int, dict[str, Any]]], quiet: bool) -> dict[tuple[str, int], str]:
-    import torch
-
     status = {}
     for i, (name, seed, cfg) in enumerate(jobs, 1):
         label = f"[{i}/{len(jobs)}] {name} seed {seed}"
-        cfg = prepare(size_resources(cfg, torch.cuda.is_available(), os.cpu_count() or 1), overwrite=True)
+        cfg = prepare(size_for_runtime(cfg), overwrite=True)
         if finished_with_same_config(cfg):
             print(f"fedbr-sweep: {label}: already finished in {cfg['output-dir']}; kept", flush=True)
             status[(name, seed)] = "kept"

@@ -127,6 +127,9 @@ TIMING_KEYS = (
     "client_peak_gpu_mb",
     "bytes_down",
     "bytes_up",
+    "nodes",  # the host or Ray node each fit ran on
+    "node_peak_rss_mb",
+    "node_peak_gpu_mb",
 )
 
 

@@ -129,6 +129,7 @@ class FlowerStrategy(Strategy):
             self._round["bytes_down"],
             sum(payload.nbytes(r.parameters) for _, r in results),
             self.server_metrics,
+            routing.placement(answers),
         )
         self._last_train = record["train"]
         self.recorder.log_round(record)

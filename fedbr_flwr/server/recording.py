@@ -17,6 +17,18 @@ def peak_client_memory(metrics: list[dict]) -> dict[str, float]:
     }
 
 
+def peak_memory_by_node(nodes: dict[str, list[int]], accepted: list[ClientUpdate]) -> dict[str, dict[str, float]]:
+    """With clients on more than one node: each node's largest peak memory reported this round."""
+    if len(nodes) < 2:
+        return {}
+    by_pid = {u.pid: u.metrics for u in accepted}
+    out: dict[str, dict[str, float]] = {}
+    for node, pids in nodes.items():
+        for name, value in peak_client_memory([by_pid[p] for p in pids if p in by_pid]).items():
+            out.setdefault(f"node_{name.removeprefix('client_')}", {})[node] = value
+    return out
+
+
 def round_record(
     server_round: int,
     accepted: list[ClientUpdate],
@@ -29,9 +41,10 @@ def round_record(
     bytes_down: int,
     bytes_up: int,
     server_metrics: dict[str, float],
+    nodes: dict[str, list[int]] | None = None,
 ) -> dict[str, Any]:
     """One rounds.jsonl line: who was averaged in, what failed and why, the training means, time and
-    traffic, and what the strategy measured (``server``)."""
+    traffic, where each answering client's fit ran (``nodes``), and what the strategy measured (``server``)."""
     faults = (
         {"failed_clients": missing, "errors": errors, "rejected": rejected} if missing or errors or rejected else {}
     )
@@ -47,6 +60,7 @@ def round_record(
         "bytes_down": bytes_down,
         "bytes_up": bytes_up,
         **peak_client_memory([u.metrics for u in accepted]),
+        **({"nodes": nodes, **peak_memory_by_node(nodes, accepted)} if nodes else {}),
         **({"server": server_metrics} if server_metrics else {}),
     }
 

@@ -11,6 +11,7 @@ from flwr.common import Parameters
 from flwr.server.client_proxy import ClientProxy
 
 from .. import cohort, payload
+from ..raycluster import NODE, reported_node
 from .federation import Federation
 
 
@@ -23,6 +24,7 @@ class Answer:
     num_examples: Any  # as reported: checked (a whole number within the client's size) before use
     metrics: dict[str, Any] = field(default_factory=dict)
     problem: str | None = None
+    node: str | None = None  # where it says its work ran
 
 
 @dataclass
@@ -65,18 +67,27 @@ def fit_answers(federation: Federation, results: list) -> list[Answer]:
             problem = None
         except payload.PayloadError as exc:
             arrays, problem = {}, f"not a named payload: {exc}"
+        node = reported_node(res.metrics.get(NODE))
         if federation.is_cohort(proxy):
             _, own_arrays = cohort.by_member(arrays)
             _, own_metrics = cohort.by_member(res.metrics)
             for pid in reported_members(federation, proxy, res.metrics):
                 metrics = dict(own_metrics.get(pid, {}))
                 n = metrics.pop("num-examples", None)
-                answers.append(Answer(pid, own_arrays.get(pid, {}), n, metrics, problem))
+                answers.append(Answer(pid, own_arrays.get(pid, {}), n, metrics, problem, node))
         else:
-            answers.append(
-                Answer(federation.pid_of(proxy, res.metrics), arrays, res.num_examples, dict(res.metrics), problem)
-            )
+            metrics = {k: v for k, v in res.metrics.items() if k != NODE}
+            pid = federation.pid_of(proxy, res.metrics)
+            answers.append(Answer(pid, arrays, res.num_examples, metrics, problem, node))
     return sorted(answers, key=lambda a: a.pid)  # a fixed order keeps float sums, and so runs, repeatable
+
+
+def placement(answers: list[Answer]) -> dict[str, list[int]]:
+    """{node: the clients whose fit ran there} of a round's answers (those that named no node: "unknown")."""
+    nodes: dict[str, list[int]] = {}
+    for answer in answers:
+        nodes.setdefault(answer.node or "unknown", []).append(answer.pid)
+    return nodes
 
 
 def evaluate_answers(federation: Federation, results: list) -> list[Evaluation]:
