@@ -219,7 +219,8 @@ def test_cohorts_spread_over_both_nodes_equal_a_private_run_and_leave_the_cluste
     joined, private = tmp_path / "joined", tmp_path / "private"
     assert cli.main([*RUN, f"ray-address={address}", f"output-dir={joined}"]) == 0
     manifest = json.loads((joined / "manifest.json").read_text())
-    assert manifest["config"]["ray-address"] == address and manifest["config"]["cohorts"] == 2
+    port = address.rsplit(":", 1)[1]  # Ray resolves 127.0.0.1 to this machine's address
+    assert manifest["config"]["ray-address"].endswith(f":{port}") and manifest["config"]["cohorts"] == 2
     used = {node for record in rounds_of(joined) for node in record["nodes"]}
     assert used == set(node_ids), (used, node_ids)
     assert alive_nodes(address) == node_ids  # the run disconnected; it did not stop the cluster
@@ -250,3 +251,32 @@ def test_a_resumed_run_runs_where_the_resume_command_says(tmp_path, monkeypatch)
     save_checkpoint(tmp_path, {}, {"round": 2, "config": validate({"num-rounds": 4, "ray-address": "10.0.0.5:6379"})})
     assert cli.resume_config(tmp_path, [])["ray-address"] == ""
     assert cli.resume_config(tmp_path, ["ray-address=auto"])["ray-address"] == "auto"
+
+
+@pytest.mark.e2e
+def test_a_node_that_dies_mid_run_fails_its_clients_and_the_run_goes_on(tmp_path, two_nodes):
+    """The second node is killed (its `ray start` and every process of its session) after round 2: its cohort's
+    clients are recorded as failed, with one line naming Ray's reason; the other cohort's clients keep training
+    on the head to the last round; the head lives on. Runs last: it leaves the cluster one node short."""
+    address, node_ids, nodes = two_nodes
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "fedbr_flwr.cli", *RUN[:-1], "num-rounds=5", f"ray-address={address}"]
+    proc = subprocess.Popen(
+        [*command, f"output-dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        printed = []
+        for line in proc.stdout:
+            printed.append(line)
+            if "round 2/5" in line:
+                stop_node(nodes[1])
+        assert proc.wait(timeout=300) == 0, "".join(printed[-30:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rounds = rounds_of(out)
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5] and rounds[0]["clients"] == 4
+    after = rounds[3:]  # round 3 may still have been under way on the dying node
+    assert all(r["clients"] == 2 and len(r["failed_clients"]) == 2 for r in after), after
+    assert all("\n" not in e and "Actor" in e for r in after for e in r["errors"]), after
+    assert {node for r in after for node in r["nodes"]} == {alive_nodes(address)[0]}

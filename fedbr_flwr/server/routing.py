@@ -118,11 +118,16 @@ def reported_members(federation: Federation, proxy: ClientProxy, metrics: dict) 
 
 
 def describe_failure(federation: Federation, failure: Any) -> str:
+    """One line (at most 500 characters) saying who failed and why: Ray's multi-line errors are folded."""
     if isinstance(failure, BaseException):
-        return f"{type(failure).__name__}: {failure}"[:500]
+        return one_line(f"{type(failure).__name__}: {failure}")
     proxy, res = failure
     if federation.is_cohort(proxy):
         who = f"cohort of clients {cohort.join_members(federation.members_by_cid[proxy.cid])}"
     else:
         who = f"client {federation.pid_by_cid.get(proxy.cid, proxy.cid)}"
-    return f"{who}: {res.status.message}"[:500]
+    return one_line(f"{who}: {res.status.message}")
+
+
+def one_line(text: str, limit: int = 500) -> str:
+    return " ".join(str(text).split())[:limit]
