@@ -494,6 +494,16 @@ SCALE = (
 )
 
 
+def peak_by_node(records: list[dict], key: str) -> dict[str, float]:
+    """Each node's largest peak memory over the rounds (``key``: client_peak_rss_mb or client_peak_gpu_mb), when
+    the clients ran on more than one node (a Ray cluster)."""
+    peaks: dict[str, float] = {}
+    for record in records:
+        for node, mb in record.get(key.replace("client_", "node_"), {}).items():
+            peaks[node] = max(peaks.get(node, 0.0), mb)
+    return peaks
+
+
 def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | None) -> int:
     """Many clients on one machine with engine=cohort: seconds per round and the cohort's peak memory."""
     rows = []
@@ -515,18 +525,20 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
                 "s_per_round": statistics.median(r["seconds"] for r in records),
                 "peak_mb": max(r.get(key, 0.0) for r in records),
                 "memory": key,
+                "peak_mb_by_node": peak_by_node(records, key),
                 "total_s_incl_startup": total,
             }
         )
     device = _device_name(cfg, threads)
     print(
-        f"\n| case | strategy | cohorts | s/round (median) | peak MB ({rows[0]['memory']}) | run incl. start-up s |"
-        "\n|---|---|---|---|---|---|"
+        f"\n| case | strategy | cohorts | s/round (median) | peak MB ({rows[0]['memory']}) | peak MB by node "
+        "| run incl. start-up s |\n|---|---|---|---|---|---|---|"
     )
     for r in rows:
+        by_node = ", ".join(f"{node[:8]}: {mb:.0f}" for node, mb in sorted(r["peak_mb_by_node"].items())) or "-"
         print(
             f"| {r['case']} | {r['strategy']} | {r['cohorts']} | {r['s_per_round']:.3f} | {r['peak_mb']:.0f} | "
-            f"{r['total_s_incl_startup']:.1f} |"
+            f"{by_node} | {r['total_s_incl_startup']:.1f} |"
         )
     print(f"device: {device}")
     if json_path:

@@ -101,3 +101,26 @@ def test_the_scale_benchmark_takes_a_cohort_step(monkeypatch, capsys):
     assert bench.main(["--scale", "cohort-step=vmap", "--rounds", "1"]) == 0
     assert seen == [("cohort", "vmap", 100, 0.1), ("cohort", "vmap", 1000, 0.01)]
     assert "| 1000 clients, 1% a round | fedavg |" in capsys.readouterr().out
+
+
+def test_the_scale_benchmark_reports_each_nodes_peak_memory(monkeypatch, capsys):
+    """On a Ray cluster each round records its nodes' peaks; the table shows each node's largest over the rounds."""
+
+    def fake_rounds(cfg, rounds, out):
+        records = [
+            {
+                "seconds": 1.0,
+                "client_peak_rss_mb": 300.0,
+                "node_peak_rss_mb": {"aaaaaaaaaa": 300.0, "bbbbbbbbbb": 250.0},
+            },
+            {
+                "seconds": 1.0,
+                "client_peak_rss_mb": 320.0,
+                "node_peak_rss_mb": {"aaaaaaaaaa": 280.0, "bbbbbbbbbb": 320.0},
+            },
+        ]
+        return records, 2.0
+
+    monkeypatch.setattr(bench, "flower_round_seconds", fake_rounds)
+    assert bench.main(["--scale", "--rounds", "2"]) == 0
+    assert "| 320 | aaaaaaaa: 300, bbbbbbbb: 320 |" in capsys.readouterr().out
