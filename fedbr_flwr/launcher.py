@@ -13,15 +13,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from . import runlock, watchdog
 from .config import to_toml
 from .errors import ConfigError
-from .progress import PROGRESS_FILE, Follower
+from .progress import PROGRESS_FILE, SUMMARY_EVENT, Follower
 from .raycluster import ray_environment, requested_address
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -65,9 +66,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM a process and everything it started (also children that left its session), then
-    SIGKILL whatever is still alive after ``grace_s``."""
-    pids = [proc.pid] + descendants(proc.pid)
+    """SIGTERM a process and everything it started (also children that left its session, and the members of
+    sessions its descendants lead, whose parent may have died first), then SIGKILL whatever is still alive
+    after ``grace_s``."""
+    pids = [proc.pid, *sorted(watchdog.with_sessions({proc.pid}, watchdog.proc_table()) - {proc.pid})]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
@@ -189,7 +191,9 @@ def run_flower(
     out_dir.mkdir(parents=True, exist_ok=True)
     fed = federation_config(num_supernodes, cfg["client-cpus"], cfg["client-gpus"])
     with runlock.hold(out_dir), local_superlink(out_dir, requested_address(cfg["ray-address"])) as env:
-        return submit_run(cfg, env, "local", out_dir, project_dir, echo, ["--federation-config", fed])
+        return submit_run(
+            cfg, env, "local", out_dir, project_dir, echo, ["--federation-config", fed], end_at_summary=True
+        )
 
 
 def submit_run(
@@ -200,6 +204,7 @@ def submit_run(
     project_dir: Path = PROJECT_DIR,
     echo: str = "progress",
     extra_args: list[str] | None = None,
+    end_at_summary: bool = False,
 ) -> dict:
     """``flwr run`` the app with ``cfg`` on the SuperLink that ``connection`` names in ``env``'s FLWR_HOME;
     wait for it; return the run's final status record from ``flwr ls``. Raises RunFailed when the run
@@ -213,7 +218,7 @@ def submit_run(
             "installed with `pip install -e .`"
         )
     with runlock.hold(out_dir):  # this process writes run_config.toml and flower.log
-        return _submit_run(cfg, env, connection, out_dir, project_dir, echo, extra_args)
+        return _submit_run(cfg, env, connection, out_dir, project_dir, echo, extra_args, end_at_summary)
 
 
 def _submit_run(
@@ -224,6 +229,7 @@ def _submit_run(
     project_dir: Path,
     echo: str,
     extra_args: list[str] | None,
+    end_at_summary: bool,
 ) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     run_config = out_dir / "run_config.toml"
@@ -245,7 +251,17 @@ def _submit_run(
             command, env=env, cwd=out_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         )
         run_id = None
-        follow = Follower(out_dir / PROGRESS_FILE, _print) if echo == "progress" else contextlib.nullcontext()
+        finished = threading.Event()
+        follow: Any = contextlib.nullcontext()
+        if echo == "progress" or end_at_summary:
+
+            def on_event(event: dict) -> None:
+                if end_at_summary and event.get("kind") == SUMMARY_EVENT:
+                    finished.set()
+
+            follow = Follower(out_dir / PROGRESS_FILE, _print if echo == "progress" else None, on_event=on_event)
+        if end_at_summary:
+            threading.Thread(target=stop_when_finished, args=(proc, finished), daemon=True).start()
         try:
             with follow:
                 assert proc.stdout is not None  # started with stdout=PIPE
@@ -264,10 +280,23 @@ def _submit_run(
             watchdog.unwatch(proc.pid)
     if run_id is None:
         raise RunFailed(f"`flwr run` did not start a run (exit code {proc.returncode}); see {log_path}")
+    if finished.is_set():  # the ServerApp wrote its last event: every run file is complete
+        return {"run-id": run_id, "status": "finished:completed"}
     status = run_status(run_id, env, connection)
     if status.get("status") != "finished:completed":
         raise RunFailed(f"run {run_id} ended as '{status.get('status')}'{last_error(log_path)}; see {log_path}")
     return status
+
+
+def stop_when_finished(proc: subprocess.Popen, finished: threading.Event, grace_s: float = 1.0) -> None:
+    """Once the ServerApp has written its last event, give Flower ``grace_s`` to stream its last log lines,
+    then stop ``flwr run`` instead of waiting for Flower's orderly shut-down of the simulation (seconds of
+    Ray shutting down, then ``flwr ls``): the caller stops the SuperLink and everything under it."""
+    finished.wait()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        stop_tree(proc, grace_s=1.0)
 
 
 def _print(text: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from . import jsonsafe
 
+SUMMARY_EVENT = "summary"  # the last event of a run that ended normally (run files complete)
 PROGRESS_FILE = "progress.jsonl"
 LEVELS = {"warning": logging.WARNING, "error": logging.ERROR}  # every other kind is logged as INFO
 log = logging.getLogger("flwr")
@@ -57,8 +58,15 @@ class Follower:
     """Prints each new event's message while a run goes on (``with Follower(path, print): ...``); only
     events written after it started count, so a resumed run's older ones are not printed again."""
 
-    def __init__(self, path: Path, write: Callable[[str], None], poll_s: float = 0.1):
-        self.path, self.write, self.poll_s = Path(path), write, poll_s
+    def __init__(
+        self,
+        path: Path,
+        write: Callable[[str], None] | None,
+        poll_s: float = 0.1,
+        on_event: Callable[[dict], None] | None = None,
+    ):
+        """``write``: where each event's message goes (None: nowhere); ``on_event``: called with each event."""
+        self.path, self.write, self.poll_s, self.on_event = Path(path), write, poll_s, on_event
         self.offset = self.path.stat().st_size if self.path.exists() else 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -81,4 +89,7 @@ class Follower:
             self.offset = 0
         events, self.offset = read_events(self.path, self.offset)
         for event in events:
-            self.write(f"[fedbr] {event['message']}")
+            if self.write is not None:
+                self.write(f"[fedbr] {event['message']}")
+            if self.on_event is not None:
+                self.on_event(event)

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from . import jsonsafe
 from .errors import ConfigError
 from .metrics import is_partial, plot_history, read_jsonl, run_problem, summarize, summary_table
-from .progress import Progress
+from .progress import SUMMARY_EVENT, Progress
 
 PACKAGES = ("flwr", "torch", "torchvision", "numpy", "ray", "mlxtend", "pyyaml", "matplotlib")
 CODE_PACKAGES = ("fedbr_flwr", "clients", "strategies", "pseudodata")
@@ -257,7 +257,7 @@ class RunRecorder:
         problem = run_problem(summary)
         if problem:
             self.progress.emit("error", problem)
-        self.progress.emit("summary", f"run files in {self.out_dir}")
+        self.progress.emit(SUMMARY_EVENT, f"run files in {self.out_dir}")  # the launcher stops Flower on it
         log.info("%s", summary_table(summary, self.title))  # for flower.log; fedbr-run prints summary.md itself
         return summary
 

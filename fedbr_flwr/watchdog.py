@@ -66,9 +66,23 @@ def doomed(roots: dict[int, tuple[int, bool]], table: dict[int, tuple[int, int, 
     for pid, (_, sid, start) in table.items():
         if sid in sessions and start >= sessions[sid]:
             out.add(pid)
-    out = with_descendants(out, table)
+    out = with_sessions(out, table)
     out.discard(os.getpid())
     return out
+
+
+def with_sessions(pids: set[int], table: dict[int, tuple[int, int, int]]) -> set[int]:
+    """``pids``, their descendants, and every process of a session that one of them leads, with its
+    descendants, until nothing is added: a process whose parent died (Ray's workers after their raylet, for
+    one) still counts through its session."""
+    out = with_descendants(pids, table)
+    while True:
+        leaders = {pid: table[pid][2] for pid in out if pid in table and table[pid][1] == pid}
+        members = {pid for pid, (_, sid, start) in table.items() if sid in leaders and start >= leaders[sid]}
+        grown = with_descendants(out | members, table)
+        if grown == out:
+            return out
+        out = grown
 
 
 def with_descendants(pids: set[int], table: dict[int, tuple[int, int, int]]) -> set[int]:

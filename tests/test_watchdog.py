@@ -92,3 +92,41 @@ def test_a_temporary_folder_whose_owner_and_watchdog_both_died_is_removed_by_the
         assert (made / watchdog.OWNER_FILE).read_text().split()[0] == str(os.getpid())
     finally:
         watchdog.unwatch_path(made)
+
+
+def test_a_process_whose_parent_died_is_still_found_through_the_session_its_ancestor_leads():
+    """pid -> (parent, session, start). 10 starts 20, which leads session 20 and started 21 and 22; 21 died,
+    so 23 (its child) now has parent 1 but is still in session 20. 30 is someone else's."""
+    from fedbr_flwr.watchdog import with_descendants, with_sessions
+
+    table = {
+        10: (1, 10, 100),
+        20: (10, 20, 101),
+        22: (20, 20, 102),
+        23: (1, 20, 103),
+        30: (1, 30, 104),
+        31: (1, 20, 50),  # in a session 20 of before the leader started: a reused session id, not ours
+    }
+    assert with_descendants({10}, table) == {10, 20, 22}
+    assert with_sessions({10}, table) == {10, 20, 22, 23}
+
+
+def test_the_launcher_stops_flower_once_the_server_app_wrote_its_last_event():
+    """Flower's orderly shut-down of a finished simulation takes seconds: the launcher stops it instead."""
+    import threading
+
+    from fedbr_flwr.launcher import stop_when_finished
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    finished = threading.Event()
+    thread = threading.Thread(target=stop_when_finished, args=(proc, finished, 0.2))
+    thread.start()
+    try:
+        time.sleep(0.5)
+        assert proc.poll() is None  # not before the event
+        finished.set()
+        thread.join(timeout=10)
+        assert proc.poll() is not None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
