@@ -735,27 +735,13 @@ def test_combination_keys_belong_to_fedbr_only_with_that_combination():
     assert validate({"strategy": "mixup", "mixup-alpha": 0.4})["mixup-alpha"] == 0.4
 
 
-# ---------------------------------------------------------------- two rounds of every strategy, in-process
+# ---------------------------------------------------------------- two rounds, in-process, of what no golden case runs
+# (every strategy and the other combinations are golden cases: tests/golden.py, recorded bit for bit)
 
 
 @pytest.mark.parametrize(
     "name, extra",
     [
-        ("fedprox", {}),
-        ("scaffold", {}),
-        ("moon", {}),
-        ("fedmix", {}),
-        ("vhl", {"vhl-size": 50}),
-        ("feddecorr", {}),
-        ("fedntd", {}),
-        ("fedcm", {}),
-        ("mixup", {}),
-        ("groupdro", {}),
-        ("dann", {}),
-        ("fedbr", {"fedbr-with": "fedcm"}),
-        ("fedbr", {"fedbr-with": "feddecorr"}),
-        ("fedbr", {"fedbr-with": "fedntd"}),
-        ("fedbr", {"fedbr-with": "mixup"}),
         ("fedbr", {"fedbr-with": "fedprox"}),
         ("fedbr", {"fedbr-with": "mixup,fedntd,fedcm"}),  # combinations compose: one batch transform, one term, FedCM
     ],
@@ -802,14 +788,15 @@ def central_accuracy(model: torch.nn.Module, steps: int, lr: float, batch: int =
         return (model(x_test).argmax(1) == y_test).float().mean().item()
 
 
-def test_moon_diagnostic_its_projection_head_slows_central_training_at_the_cpu_budget():
-    """Why MOON stays near chance in the CPU runs: trained centrally for the steps a client takes in the
-    CPU table's runs, the CNN with MOON's projection layers between features and classifier (MOON's
-    architecture, default initialisation) learns much less than the CNN alone. Run with -s to see both."""
+def test_moon_diagnostic_its_projection_layers_cost_little_central_training_on_the_lenet():
+    """Whether MOON's architecture explains its slower CPU results: trained centrally for 200 steps of 32 at
+    lr 0.05 (the CPU results' lr), the LeNet those results use, with MOON's projection layers between features
+    and classifier (default initialisation), ends within 2 points of the LeNet alone. (On the paper's CNN the
+    same layers cost over 10 points, which is why this was asked.) Run with -s to see both."""
     torch.manual_seed(0)
-    backbone = build_model("cnn", 10, 1, 28)
+    backbone = build_model("lenet", 10, 1, 28)
     torch.manual_seed(0)
-    with_head = moon_model(build_model("cnn", 10, 1, 28), MoonSettings.from_config(validate({"strategy": "moon"})))
+    with_head = moon_model(build_model("lenet", 10, 1, 28), MoonSettings.from_config(validate({"strategy": "moon"})))
     alone, moon = central_accuracy(backbone, 200, 0.05), central_accuracy(with_head, 200, 0.05)
-    print(f"\ncentral, 200 SGD steps of 32 at lr 0.05: CNN {alone:.3f}, CNN + MOON's projection layers {moon:.3f}")
-    assert alone > moon + 0.1
+    print(f"\ncentral, 200 SGD steps of 32 at lr 0.05: LeNet {alone:.3f}, LeNet + MOON's projection layers {moon:.3f}")
+    assert alone > 0.9 and abs(alone - moon) < 0.02
