@@ -156,6 +156,8 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
         cfg["output-dir"] = str(Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}")
     out = Path(cfg["output-dir"]).expanduser().resolve()
     check_free(out)  # also with --overwrite: a live run (or one left running) is writing there
+    if cfg["resume"]:
+        check_resume_key(out)
     if not overwrite:
         check_no_run(out)
     cfg["output-dir"] = str(out)
@@ -165,8 +167,33 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
     check_pyproject()
     if cfg["num-clients"]:  # 0 (a deployment: one client per SuperNode) is checked when the nodes are known
         make_partition(cfg)  # fails here, before Flower starts, on a missing dataset or an impossible split
+    check_proxy_dataset(cfg)
     check_output_dir(out)  # a file in its place, no permission: a message now, not a traceback from Flower
     return cfg
+
+
+def check_resume_key(out: Path) -> None:
+    """``resume = true`` in a fresh run's settings: a ConfigError now (the run would fail inside Flower),
+    saying whether there is a checkpoint and how to continue from it."""
+    from .checkpoint import load_checkpoint
+
+    load_checkpoint(out)  # none: "no checkpoint to resume from"
+    raise ConfigError(
+        f"resume = true is set by `fedbr-run --resume`; to continue the run in {out}, use "
+        f"`fedbr-run --resume {out}` (it takes the config from the checkpoint)"
+    )
+
+
+def check_proxy_dataset(cfg: dict[str, Any]) -> None:
+    """Mixture pseudo-data reads a public proxy dataset on the server: a missing one stops the command now,
+    before Flower starts, with the dataset's own message (read once here; the server reads it again)."""
+    if cfg["pseudo-data"] != "mixture":
+        return
+    from pseudodata import proxy_dataset
+
+    from .dataset import load_raw
+
+    load_raw(proxy_dataset(cfg), cfg["data-dir"], cfg["download"])
 
 
 def check_no_run(out: Path) -> None:

@@ -185,3 +185,25 @@ def test_resume_without_a_checkpoint_or_with_a_changed_config_stops_with_a_messa
     assert "cannot resume with a different config (lr = 0.05 in the checkpoint, 0.5 now)" in capsys.readouterr().err
     assert cli.main(["--resume", str(tmp_path), "experiments/quickstart.yaml"]) == 2
     assert "give only key=value overrides" in capsys.readouterr().err
+
+
+def test_prerequisites_that_would_fail_inside_flower_stop_the_command_first(tmp_path, capsys, monkeypatch):
+    """`resume=true` as a setting, and mixture pseudo-data whose proxy dataset is missing, used to fail only
+    after Flower had started (exit 1, files written): now exit 2, one line, nothing written."""
+    out = tmp_path / "run"
+    assert cli.main(["resume=true", "num-clients=2", "num-rounds=1", f"output-dir={out}"]) == 2
+    assert "no checkpoint to resume from" in capsys.readouterr().err and not out.exists()
+
+    from fedbr_flwr.checkpoint import save_checkpoint
+
+    (tmp_path / "old").mkdir()
+    save_checkpoint(tmp_path / "old", {}, {"round": 1, "config": validate({"num-rounds": 4})})
+    assert cli.main(["resume=true", "num-clients=2", f"output-dir={tmp_path / 'old'}"]) == 2
+    assert f"fedbr-run --resume {tmp_path / 'old'}" in capsys.readouterr().err
+
+    empty = tmp_path / "no-datasets"
+    empty.mkdir()
+    settings = ["strategy=fedbr", "pseudo-data=mixture", "proxy-dataset=cifar10", "num-clients=2", "num-rounds=1"]
+    assert cli.main([*settings, f"data-dir={empty}", "download=never", f"output-dir={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dataset 'cifar10' not found" in err[0] and not out.exists()
