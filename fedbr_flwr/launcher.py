@@ -207,7 +207,8 @@ def submit_run(
     end_at_summary: bool = False,
 ) -> dict:
     """``flwr run`` the app with ``cfg`` on the SuperLink that ``connection`` names in ``env``'s FLWR_HOME;
-    wait for it; return the run's final status record from ``flwr ls``. Raises RunFailed when the run
+    wait for it; return the run's final status record from ``flwr ls`` (``end_at_summary``: once the ServerApp
+    has written its last event, stop Flower and count the run completed without asking). Raises RunFailed when the run
     did not complete. ``echo``: "progress" (the run's events, followed in ``out_dir/progress.jsonl``, which
     the ServerApp writes: this machine must see the run folder), "all" (Flower's whole log, which also
     reaches a remote submitter) or "none"; the whole log is always in ``out_dir/flower.log`` (appended to
@@ -292,7 +293,9 @@ def stop_when_finished(proc: subprocess.Popen, finished: threading.Event, grace_
     """Once the ServerApp has written its last event, give Flower ``grace_s`` to stream its last log lines,
     then stop ``flwr run`` instead of waiting for Flower's orderly shut-down of the simulation (seconds of
     Ray shutting down, then ``flwr ls``): the caller stops the SuperLink and everything under it."""
-    finished.wait()
+    while not finished.wait(0.5):
+        if proc.poll() is not None:  # ended without the event (a failed run): nothing to stop
+            return
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
