@@ -4,6 +4,7 @@ both engines (``engine=clients``: a Flower node per client; ``engine=cohort``: a
 
     fedbr-bench --suite                          # FedAvg, FedBR, DisTrans on the three shapes below
     fedbr-bench --scale                          # 100 clients at 10%, 1000 at 1%, engine=cohort
+    fedbr-bench --startup 3                      # where a whole fedbr-run's seconds go, per phase
     fedbr-bench --suite num-clients=10 local-steps=50 precision=bf16   # the paper's round, on a GPU
     fedbr-bench experiments/fedavg_rotmnist5k.yaml --rounds 3          # one config
     fedbr-bench --step batch-size=64                # one FedBR / DisTrans local step / one FedAvg step
@@ -582,6 +583,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="engine=cohort with 100 clients at fraction-fit 0.1 and 1000 at 0.01: s/round and peak memory",
     )
+    parser.add_argument(
+        "--startup",
+        type=int,
+        metavar="N",
+        help="N whole `fedbr-run` processes per engine, interleaved, on a fixed workload (the items apply on "
+        "top): seconds per phase, from the command's start to its end (fedbr_flwr/startup.py)",
+    )
     return parser
 
 
@@ -607,6 +615,11 @@ def run_mode(args: argparse.Namespace, threads: int) -> int:
         )
     if args.scale:
         return scale_main(args.items, args.rounds, threads, args.json)
+    if args.startup:
+        from .startup import startup_main
+
+        build_config([*args.items])  # a bad key stops here, not in the first run
+        return startup_main(args.items, args.startup, ("cohort", "clients"), args.json)
     cfg = size_resources(build_config(args.items), torch.cuda.is_available(), threads)
     if args.step:  # reads no files (synthetic inputs of the dataset's shapes)
         return step_main(cfg, args.steps, threads, args.json)

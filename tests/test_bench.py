@@ -82,7 +82,7 @@ def test_cohort_step_benchmark_without_its_dataset_stops_with_a_message(capsys, 
     assert err.startswith("fedbr-bench: error: dataset 'mnist' not found") and "Traceback" not in err
 
 
-@pytest.mark.parametrize("mode", ["--suite", "--scale", "--step", "--cohort-step", None])
+@pytest.mark.parametrize("mode", ["--suite", "--scale", "--step", "--cohort-step", "--startup=1", None])
 def test_every_mode_refuses_an_unknown_key_with_a_message(mode, capsys):
     assert bench.main([*([mode] if mode else []), "no-such-key=1"]) == 2
     err = capsys.readouterr().err
@@ -124,3 +124,21 @@ def test_the_scale_benchmark_reports_each_nodes_peak_memory(monkeypatch, capsys)
     monkeypatch.setattr(bench, "flower_round_seconds", fake_rounds)
     assert bench.main(["--scale", "--rounds", "2"]) == 0
     assert "| 320 | aaaaaaaa: 300, bbbbbbbb: 320 |" in capsys.readouterr().out
+
+
+def test_the_startup_profile_splits_a_run_at_its_milestones():
+    from fedbr_flwr.startup import SHUTDOWN, phases
+
+    lines = [
+        (2.0, "fedbr-run: fedavg on mnist5k, 10 clients, 20 rounds -> /x"),
+        (6.0, "Using SuperLink: local (127.0.0.1:1)"),
+        (7.5, "INFO :      Starting Flower Simulation"),
+        (12.0, "INFO :      Starting Flower ServerApp, config: num_rounds=20"),
+        (20.0, "INFO :      [fedbr] 10 clients found; writing run files to /x"),
+        (20.5, "INFO :      [fedbr] round 1/20 | loss 2.0"),
+        (30.0, "INFO :      [fedbr] round 20/20 | loss 1.0"),
+        (30.6, "INFO :      [fedbr] run files in /x"),
+    ]
+    got = phases(lines, total=32.0)
+    assert list(got.values()) == pytest.approx([2.0, 4.0, 1.5, 4.5, 8.0, 10.0, 0.6, 1.4])
+    assert got[SHUTDOWN] == pytest.approx(1.4)
