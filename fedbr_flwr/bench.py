@@ -43,6 +43,7 @@ from .metrics import read_jsonl
 from .model import SplitModel
 from .raycluster import requested_address
 from .registry import client_class
+from .server.recording import node_key
 from .server.updates import named_mean
 from .server_app import build_strategy
 from .training import autocast, peak_memory_mb, pick_device
@@ -500,7 +501,7 @@ def peak_by_node(records: list[dict], key: str) -> dict[str, float]:
     the clients ran on more than one node (a Ray cluster)."""
     peaks: dict[str, float] = {}
     for record in records:
-        for node, mb in record.get(key.replace("client_", "node_"), {}).items():
+        for node, mb in record.get(node_key(key), {}).items():
             peaks[node] = max(peaks.get(node, 0.0), mb)
     return peaks
 
@@ -618,7 +619,7 @@ def run_mode(args: argparse.Namespace, threads: int) -> int:
     if args.startup:
         from .startup import startup_main
 
-        build_config([*args.items])  # a bad key stops here, not in the first run
+        build_config(args.items)  # a bad key stops here, not in the first run
         return startup_main(args.items, args.startup, ("cohort", "clients"), args.json)
     cfg = size_resources(build_config(args.items), torch.cuda.is_available(), threads)
     if args.step:  # reads no files (synthetic inputs of the dataset's shapes)

@@ -40,36 +40,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    return children
-
-
 def descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (Linux /proc), deepest last."""
-    children = _children_map()
-    out, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.append(child)
-            stack.append(child)
-    return out
+    """All live descendants of ``pid`` (Linux /proc)."""
+    return sorted(watchdog.with_descendants({pid}, watchdog.proc_table()) - {pid})
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid``, its descendants, and the members of sessions they lead (whose parent may have died first)."""
+    return [pid, *sorted(watchdog.with_sessions({pid}, watchdog.proc_table()) - {pid})]
 
 
 def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     """SIGTERM a process and everything it started (also children that left its session, and the members of
     sessions its descendants lead, whose parent may have died first), then SIGKILL whatever is still alive
     after ``grace_s``."""
-    pids = [proc.pid, *sorted(watchdog.with_sessions({proc.pid}, watchdog.proc_table()) - {proc.pid})]
+    pids = process_tree(proc.pid)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
@@ -78,7 +63,7 @@ def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     deadline = time.time() + grace_s
     while time.time() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.1)
-    for pid in pids + descendants(proc.pid):
+    for pid in dict.fromkeys(pids + process_tree(proc.pid)):  # and whatever started during the grace
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -91,11 +76,7 @@ def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except OSError:
-        return False
+    return watchdog.proc_stat(pid) is not None  # None: gone, or a zombie
 
 
 def flower_env(flwr_home: Path, http_port: int | None = None, control_port: int | None = None) -> dict[str, str]:
@@ -256,11 +237,12 @@ def _submit_run(
         follow: Any = contextlib.nullcontext()
         if echo == "progress" or end_at_summary:
 
-            def on_event(event: dict) -> None:
-                if end_at_summary and event.get("kind") == SUMMARY_EVENT:
+            def mark_finished(event: dict) -> None:
+                if event.get("kind") == SUMMARY_EVENT:
                     finished.set()
 
-            follow = Follower(out_dir / PROGRESS_FILE, _print if echo == "progress" else None, on_event=on_event)
+            write = _print if echo == "progress" else None
+            follow = Follower(out_dir / PROGRESS_FILE, write, on_event=mark_finished if end_at_summary else None)
         if end_at_summary:
             threading.Thread(target=stop_when_finished, args=(proc, finished), daemon=True).start()
         try:

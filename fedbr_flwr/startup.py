@@ -69,8 +69,9 @@ def phases(lines: list[tuple[float, str]], total: float) -> dict[str, float]:
 
 def steady_round_seconds(out_dir: Path) -> float:
     """The median seconds of the rounds after the first (rounds.jsonl)."""
-    records = [json.loads(line) for line in (out_dir / "rounds.jsonl").read_text().splitlines()]
-    return statistics.median(r["seconds"] for r in records if r["round"] > 1)
+    from .metrics import read_jsonl
+
+    return statistics.median(r["seconds"] for r in read_jsonl(out_dir / "rounds.jsonl") if r["round"] > 1)
 
 
 def startup_main(items: Sequence[str], repeats: int, engines: Sequence[str], json_path: Path | None) -> int:

@@ -18,6 +18,7 @@ import pytest
 
 from fedbr_flwr import cli, raycluster
 from fedbr_flwr.errors import ConfigError
+from fedbr_flwr.launcher import free_port
 from fedbr_flwr.server.recording import round_record
 from fedbr_flwr.server.routing import Answer, placement
 from fedbr_flwr.server.updates import ClientUpdate
@@ -40,9 +41,7 @@ def test_flower_is_told_to_start_a_private_runtime_unless_the_run_joins_one():
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # free: nothing listens there
 
 
 def test_a_cluster_that_does_not_answer_is_one_line_within_seconds():
@@ -113,10 +112,6 @@ def test_both_engines_name_the_node_in_a_fit_reply(tmp_path):
 
 
 # ---------------------------------------------------------------- a two-node cluster on 127.0.0.1
-
-
-def free_port() -> int:
-    return closed_port()
 
 
 def ray_bin() -> str:

@@ -17,6 +17,11 @@ def peak_client_memory(metrics: list[dict]) -> dict[str, float]:
     }
 
 
+def node_key(client_key: str) -> str:
+    """The rounds.jsonl key of a per-node figure: client_peak_rss_mb -> node_peak_rss_mb."""
+    return "node_" + client_key.removeprefix("client_")
+
+
 def peak_memory_by_node(nodes: dict[str, list[int]], accepted: list[ClientUpdate]) -> dict[str, dict[str, float]]:
     """With clients on more than one node: each node's largest peak memory reported this round."""
     if len(nodes) < 2:
@@ -25,7 +30,7 @@ def peak_memory_by_node(nodes: dict[str, list[int]], accepted: list[ClientUpdate
     out: dict[str, dict[str, float]] = {}
     for node, pids in nodes.items():
         for name, value in peak_client_memory([by_pid[p] for p in pids if p in by_pid]).items():
-            out.setdefault(f"node_{name.removeprefix('client_')}", {})[node] = value
+            out.setdefault(node_key(name), {})[node] = value
     return out
 
 
