@@ -5,6 +5,7 @@ both engines (``engine=clients``: a Flower node per client; ``engine=cohort``: a
     fedbr-bench --suite                          # FedAvg, FedBR, DisTrans on the three shapes below
     fedbr-bench --scale                          # 100 clients at 10%, 1000 at 1%, engine=cohort
     fedbr-bench --startup 3                      # where a whole fedbr-run's seconds go, per phase
+    fedbr-bench --sweep-startup 2                # the fixed seconds of each run of a 3-run sweep
     fedbr-bench --suite num-clients=10 local-steps=50 precision=bf16   # the paper's round, on a GPU
     fedbr-bench experiments/fedavg_rotmnist5k.yaml --rounds 3          # one config
     fedbr-bench --step batch-size=64                # one FedBR / DisTrans local step / one FedAvg step
@@ -53,16 +54,29 @@ def bare_loop_round_seconds(cfg: dict, rounds: int) -> tuple[list[float], float]
     """The reference: every client's ``fit`` (the same local-step code Flower calls) one after
     another in this process, then the same averaging; no messages, no processes. What a client returns
     and takes back is averaged and sent back with the model (DisTrans: the offsets, as
-    ``distrans-agg=avg`` does). Returns the timed rounds' seconds and this process's peak memory in MB
-    (GPU on CUDA, else RSS)."""
+    ``distrans-agg=avg`` does). Returns the timed rounds' seconds (after one untimed round) and this
+    process's peak memory in MB (GPU on CUDA, else RSS)."""
     device = pick_device(cfg["device"])
+    times, _, _ = bare_loop(cfg, rounds + 1, device)
+    peak = peak_memory_mb(device)
+    return times[1:], peak.get("peak-gpu-mb", peak["peak-rss-mb"])
+
+
+def bare_loop(
+    cfg: dict, rounds: int, device: torch.device, on_start=None, on_round=None
+) -> tuple[list[float], list, dict]:
+    """``rounds`` rounds of the bare loop (see ``bare_loop_round_seconds``); ``on_start()`` once the clients are
+    built, ``on_round(round, seconds)`` after each. Returns each round's seconds, the clients and the last
+    global arrays."""
     with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:  # the server's seeded initial weights
         global_arrays = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
     client_cls = client_class(cfg["strategy"])
     clients = [client_cls(cfg, load_client_data(cfg, pid, device), device) for pid in range(cfg["num-clients"])]
     fit_config = bare_fit_config(cfg, clients)
+    if on_start:
+        on_start()
     times = []
-    for server_round in range(1, rounds + 2):
+    for server_round in range(1, rounds + 1):
         start = time.perf_counter()
         updates, sizes = [], []
         for client in clients:
@@ -73,10 +87,10 @@ def bare_loop_round_seconds(cfg: dict, rounds: int) -> tuple[list[float], float]
         global_arrays = named_mean(updates, sizes, names)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if server_round > 1:
-            times.append(time.perf_counter() - start)
-    peak = peak_memory_mb(device)
-    return times, peak.get("peak-gpu-mb", peak["peak-rss-mb"])
+        times.append(time.perf_counter() - start)
+        if on_round:
+            on_round(server_round, times[-1])
+    return times, clients, global_arrays
 
 
 def bare_fit_config(cfg: dict, clients: list | dict):
@@ -588,8 +602,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--startup",
         type=int,
         metavar="N",
-        help="N whole `fedbr-run` processes per engine, interleaved, on a fixed workload (the items apply on "
-        "top): seconds per phase, from the command's start to its end (fedbr_flwr/startup.py)",
+        help="N whole processes per variant (fedbr-run per engine, with --superlink, the bare loop), interleaved, "
+        "on a fixed workload (the items apply on top): seconds per phase, from the command's start to its end "
+        "(fedbr_flwr/startup.py)",
+    )
+    parser.add_argument(
+        "--sweep-startup",
+        type=int,
+        metavar="N",
+        help="N 3-run fedbr-sweeps of that workload on one Ray runtime and with --isolated, interleaved: the "
+        "fixed seconds (start-up, shut-down) of the first and the later runs",
     )
     return parser
 
@@ -616,11 +638,16 @@ def run_mode(args: argparse.Namespace, threads: int) -> int:
         )
     if args.scale:
         return scale_main(args.items, args.rounds, threads, args.json)
+    if args.sweep_startup:
+        from .startup import sweep_main
+
+        build_config(args.items)
+        return sweep_main(args.items, args.sweep_startup, args.json)
     if args.startup:
-        from .startup import startup_main
+        from .startup import VARIANTS, startup_main
 
         build_config(args.items)  # a bad key stops here, not in the first run
-        return startup_main(args.items, args.startup, ("cohort", "clients"), args.json)
+        return startup_main(args.items, args.startup, list(VARIANTS), args.json)
     cfg = size_resources(build_config(args.items), torch.cuda.is_available(), threads)
     if args.step:  # reads no files (synthetic inputs of the dataset's shapes)
         return step_main(cfg, args.steps, threads, args.json)

@@ -23,7 +23,8 @@ from typing import Any, Sequence
 
 from .config import ConfigError, check_sampling, defaults, load_yaml, parse_override, pyproject_table, schema, validate
 from .launcher import PROJECT_DIR, RunFailed, run_flower
-from .run_io import check_output_dir, git_commit
+from .raycluster import Cluster
+from .run_io import check_output_dir, check_path_length, git_commit
 from .runlock import check_free
 
 PYPROJECT_MARK = "# Generated from the schema by `fedbr-run --write-pyproject` (a test keeps it equal):\n"
@@ -67,6 +68,7 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
     from .checkpoint import load_checkpoint
     from .server_app import RESUMABLE_KEYS, check_resumable
 
+    check_path_length(out_dir, "--resume")
     out_dir = out_dir.expanduser().resolve()
     check_free(out_dir)  # a live run (or one left running) is writing there
     _, header = load_checkpoint(out_dir)
@@ -123,9 +125,10 @@ def size_resources(
     return cfg
 
 
-def size_for_runtime(cfg: dict[str, Any]) -> dict[str, Any]:
+def size_for_runtime(cfg: dict[str, Any], cluster: Cluster | None = None) -> dict[str, Any]:
     """``size_resources`` for the Ray runtime the run will use: this machine's cores and GPUs, or those of the
-    running cluster it joins (``ray-address``, else ``RAY_ADDRESS``), whose resolved address it records."""
+    running cluster it joins (``ray-address``, else ``RAY_ADDRESS``; ``cluster``: already described), whose
+    resolved address it records."""
     import torch
 
     from .raycluster import describe, requested_address
@@ -133,12 +136,13 @@ def size_for_runtime(cfg: dict[str, Any]) -> dict[str, Any]:
     address = requested_address(cfg["ray-address"])
     if address is None:
         return size_resources(cfg, torch.cuda.is_available(), os.cpu_count() or 1)
-    cluster = describe(address)
-    print(
-        f"fedbr-run: joining the Ray cluster at {cluster.address}: {cluster.nodes} node(s), {cluster.cpus} "
-        f"CPU(s), {cluster.gpus} GPU(s)",
-        flush=True,
-    )
+    if cluster is None:
+        cluster = describe(address)
+        print(
+            f"fedbr-run: joining the Ray cluster at {cluster.address}: {cluster.nodes} node(s), {cluster.cpus} "
+            f"CPU(s), {cluster.gpus} GPU(s)",
+            flush=True,
+        )
     joined = {**cfg, "ray-address": cluster.address}
     return size_resources(joined, cluster.gpus > 0, cluster.cpus, cluster.gpus, cluster.largest_node_cpus)
 
@@ -154,6 +158,7 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
     if not cfg["output-dir"]:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg["output-dir"] = str(Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}")
+    check_path_length(Path(cfg["output-dir"]))
     out = Path(cfg["output-dir"]).expanduser().resolve()
     check_free(out)  # also with --overwrite: a live run (or one left running) is writing there
     if cfg["resume"]:
@@ -305,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
     parser.add_argument("--quiet", action="store_true", help="print no progress (the log is in flower.log)")
     parser.add_argument("--verbose", action="store_true", help="echo all of Flower's log, not only progress")
+    parser.add_argument(
+        "--superlink",
+        action="store_true",
+        help="run through `flwr run` on a private local SuperLink, as a Flower user would (seconds slower to "
+        "start; the default runs Flower's simulation entry point in one process)",
+    )
     return parser
 
 
@@ -343,8 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         echo = "none" if args.quiet else "all" if args.verbose else "progress"
-        run_flower(cfg, supernodes(cfg), out, echo=echo)
-    except (RunFailed, ConfigError) as exc:
+        run_flower(cfg, supernodes(cfg), out, echo=echo, superlink=args.superlink)
+    except ConfigError as exc:  # found only at launch: the folder taken by a run that started at the same instant
+        print(f"fedbr-run: error: {exc}", file=sys.stderr)
+        return 2
+    except RunFailed as exc:
         print(f"fedbr-run: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

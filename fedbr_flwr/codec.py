@@ -34,12 +34,16 @@ def write(path: Path, arrays: Mapping[str, np.ndarray], compressed: bool = False
     renamed over it. ``durable``: flushed to the disk before the rename (checkpoints)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(encode(arrays, compressed))
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(encode(arrays, compressed))
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: the old file stays whole, and no half-written one is left
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -126,6 +126,23 @@ def check_certs(certs: Path, server: bool) -> None:
         raise ConfigError(f"{certs} lacks {', '.join(missing)}: make them with `fedbr-deploy certs {certs}`")
 
 
+def certificate_problem(path: Path, now: datetime.datetime | None = None) -> str | None:
+    """Why clients would refuse the certificate at ``path`` on dates alone (expired, or not valid yet)."""
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        return f"{path} cannot be read as a PEM certificate ({exc})"
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    remake = f"make new ones with `fedbr-deploy certs {path.parent}` and hand ca.crt to the SuperNodes again"
+    if cert.not_valid_after_utc < now:
+        return f"{path} expired on {cert.not_valid_after_utc:%Y-%m-%d}: SuperNodes will refuse it; {remake}"
+    if cert.not_valid_before_utc > now:
+        return f"{path} is valid only from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (check this machine's clock)"
+    return None
+
+
 # ---------------------------------------------------------------- Flower commands
 
 
@@ -428,6 +445,9 @@ def _certs_arg(args, server: bool = False) -> Path | None:
         raise ConfigError("give --certs DIR (from `fedbr-deploy certs`) or --insecure")
     certs = Path(args.certs).resolve()
     check_certs(certs, server)
+    for name in [CA] + ([SERVER_CERT] if server else []):
+        if problem := certificate_problem(certs / name):
+            print(f"fedbr-deploy: warning: {problem}", file=sys.stderr, flush=True)
     return certs
 
 
@@ -460,9 +480,32 @@ def speaks_tls(address: str, timeout_s: float = 3.0) -> bool | None:
         sock.close()
 
 
-def tls_mismatch(superlink: str, tls: bool) -> str | None:
-    """What to fix when this SuperNode's security does not match the SuperLink's, as far as a probe tells."""
+def refused_certificate(address: str, ca: Path, timeout_s: float = 3.0) -> str | None:
+    """Why a TLS handshake with the server at HOST:PORT fails when its certificate is checked against ``ca``
+    (as Flower's SuperNode checks it), or None when it passes or nothing answers."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        context = ssl.create_default_context(cafile=str(ca))
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+            with context.wrap_socket(sock, server_hostname=host):
+                return None
+    except ssl.SSLCertVerificationError as exc:
+        return exc.verify_message or str(exc)
+    except (OSError, ValueError, ssl.SSLError):
+        return None
+
+
+def tls_mismatch(superlink: str, tls: bool, ca: Path | None = None) -> str | None:
+    """What to fix when this SuperNode's security does not match the SuperLink's, as far as a probe tells
+    (with ``ca``: also whether the SuperLink's certificate passes the check against it)."""
     answer = speaks_tls(superlink)
+    if answer is True and tls and ca is not None and (why := refused_certificate(superlink, ca)):
+        return (
+            f"the SuperLink at {superlink} presents a certificate that {ca} does not accept ({why}): give --certs "
+            "the folder the SuperLink's certificates were made in, or make new ones with `fedbr-deploy certs DIR "
+            "--host <the host SuperNodes connect to>`"
+        )
     if answer is True and not tls:
         return (
             f"the SuperLink at {superlink} speaks TLS, but this SuperNode was started with --insecure: give "
@@ -482,8 +525,8 @@ class ConnectionWatch:
     may fail to connect (a TLS mismatch, probed on the SuperLink's address, or where else to look), each
     message once. Called again and again: the SuperLink may start later, with other security."""
 
-    def __init__(self, log_path: Path, superlink: str, tls: bool):
-        self.log_path, self.superlink, self.tls = log_path, superlink, tls
+    def __init__(self, log_path: Path, superlink: str, tls: bool, ca: Path | None = None):
+        self.log_path, self.superlink, self.tls, self.ca = log_path, superlink, tls, ca
         self.failures, self.shown = 0, set[str]()
         try:  # the log is appended to: lines of an earlier SuperNode in this state-dir do not count
             self.offset = log_path.stat().st_size
@@ -502,7 +545,7 @@ class ConnectionWatch:
         if self.failures < FAILURES_BEFORE_HINT:
             return None
         self.failures = 0
-        message = tls_mismatch(self.superlink, self.tls) or (
+        message = tls_mismatch(self.superlink, self.tls, self.ca) or (
             f"the SuperNode keeps failing to connect to the SuperLink at {self.superlink}: is it running, are the "
             "host and port right (--superlink HOST:PORT, the SuperLink's --port), does a firewall let it through?"
         )
@@ -549,7 +592,7 @@ def cmd_supernode(args) -> int:
             "num-partitions >= 1 and 0 <= partition-id < num-partitions"
         )
     certs = _certs_arg(args)
-    mismatch = tls_mismatch(args.superlink, certs is not None)
+    mismatch = tls_mismatch(args.superlink, certs is not None, certs / CA if certs else None)
     if mismatch and certs is None:  # plaintext to a TLS SuperLink never connects
         raise ConfigError(mismatch)
     if mismatch:
@@ -579,7 +622,8 @@ def cmd_supernode(args) -> int:
     except BaseException:
         dep.stop()
         raise
-    return _foreground(dep, ConnectionWatch(state / f"{name}.log", args.superlink, certs is not None))
+    ca = certs / CA if certs else None
+    return _foreground(dep, ConnectionWatch(state / f"{name}.log", args.superlink, certs is not None, ca))
 
 
 def cmd_certs(args) -> int:

@@ -1,5 +1,6 @@
-"""Run the Flower app through ``flwr run`` on a private, local simulation SuperLink, and always stop
-every process that run started (FLOWER.md: the auto-started SuperLink outlives ``flwr run``, and
+"""Run the Flower app as a simulation, in one process of its own (``fedbr_flwr.simulation``: Flower's
+simulation entry point) or through ``flwr run`` on a private, local simulation SuperLink, and always stop
+every process that run started (the SuperLink that `flwr run` starts outlives it, and
 ``flwr run --stream`` exits 0 even when the run failed)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -52,9 +54,11 @@ def process_tree(pid: int) -> list[int]:
 
 def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     """SIGTERM a process and everything it started (also children that left its session, and the members of
-    sessions its descendants lead, whose parent may have died first), then SIGKILL whatever is still alive
-    after ``grace_s``."""
+    sessions its descendants lead, whose parent may have died first), then SIGKILL whatever of them is still
+    alive after ``grace_s``, with whatever they started meanwhile, until none is left."""
+    table = watchdog.proc_table()
     pids = process_tree(proc.pid)
+    roots = {pid: (table[pid][2], table[pid][1] == pid) for pid in pids if pid in table}  # start time, leader
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
@@ -63,11 +67,7 @@ def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     deadline = time.time() + grace_s
     while time.time() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.1)
-    for pid in dict.fromkeys(pids + process_tree(proc.pid)):  # and whatever started during the grace
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    watchdog.kill_all(roots)
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
@@ -166,15 +166,53 @@ def federation_config(num_supernodes: int, cpus: float, gpus: float) -> str:
 
 
 def run_flower(
-    cfg: dict, num_supernodes: int, out_dir: Path, project_dir: Path = PROJECT_DIR, echo: str = "progress"
+    cfg: dict,
+    num_supernodes: int,
+    out_dir: Path,
+    project_dir: Path = PROJECT_DIR,
+    echo: str = "progress",
+    superlink: bool = False,
 ) -> dict:
-    """``flwr run`` the app with ``cfg`` on a fresh local simulation SuperLink; see ``submit_run``."""
+    """Run the app with ``cfg`` as a Flower simulation of ``num_supernodes`` nodes and wait for it: in one
+    simulation process (``fedbr_flwr.simulation``: Flower's simulation entry point, as ``flwr run`` would start
+    it), or with ``superlink``, through ``flwr run`` on a fresh local simulation SuperLink. Returns the run's
+    final status record; raises RunFailed when the run did not complete. ``echo``: see ``submit_run``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    fed = federation_config(num_supernodes, cfg["client-cpus"], cfg["client-gpus"])
-    with runlock.hold(out_dir), local_superlink(out_dir, requested_address(cfg["ray-address"])) as env:
-        return submit_run(
-            cfg, env, "local", out_dir, project_dir, echo, ["--federation-config", fed], end_at_summary=True
-        )
+    address = requested_address(cfg["ray-address"])
+    if superlink:
+        fed = federation_config(num_supernodes, cfg["client-cpus"], cfg["client-gpus"])
+        with runlock.hold(out_dir), local_superlink(out_dir, address) as env:
+            return submit_run(
+                cfg, env, "local", out_dir, project_dir, echo, ["--federation-config", fed], end_at_summary=True
+            )
+    with runlock.hold(out_dir):
+        return simulate_run(cfg, num_supernodes, out_dir, address, echo)
+
+
+def simulate_run(cfg: dict, num_supernodes: int, out_dir: Path, address: str | None, echo: str) -> dict:
+    """``run_flower`` in one simulation process (``python -m fedbr_flwr.simulation``), on a private Ray runtime
+    or the cluster at ``address``."""
+    run_id = secrets.randbits(62)
+    run_config = write_run_config(cfg, out_dir)
+    flwr_home = watchdog.temp_dir("fedbr-flwr-home-")  # Flower writes nothing outside it
+    env = {**flower_env(flwr_home), **ray_environment(address)}
+    command = [sys.executable, "-m", "fedbr_flwr.simulation", str(run_config), str(run_id), str(num_supernodes)]
+    command += [str(cfg["client-cpus"]), str(cfg["client-gpus"])]
+    try:
+        _, code, finished = follow_run(command, env, out_dir, echo, True, bool(cfg.get("resume")), own_session=True)
+    finally:
+        shutil.rmtree(flwr_home, ignore_errors=True)
+        watchdog.unwatch_path(flwr_home)
+    log_path = out_dir / "flower.log"
+    if not finished and code != 0:
+        raise RunFailed(f"run {run_id} ended as 'finished:failed'{last_error(log_path)}; see {log_path}")
+    return {"run-id": run_id, "status": "finished:completed"}
+
+
+def write_run_config(cfg: dict, out_dir: Path) -> Path:
+    path = out_dir / "run_config.toml"
+    path.write_text(to_toml(cfg))
+    return path
 
 
 def submit_run(
@@ -200,37 +238,47 @@ def submit_run(
             "installed with `pip install -e .`"
         )
     with runlock.hold(out_dir):  # this process writes run_config.toml and flower.log
-        return _submit_run(cfg, env, connection, out_dir, project_dir, echo, extra_args, end_at_summary)
-
-
-def _submit_run(
-    cfg: dict,
-    env: dict[str, str],
-    connection: str,
-    out_dir: Path,
-    project_dir: Path,
-    echo: str,
-    extra_args: list[str] | None,
-    end_at_summary: bool,
-) -> dict:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    run_config = out_dir / "run_config.toml"
-    run_config.write_text(to_toml(cfg))
-    log_path = out_dir / "flower.log"
-    with open(log_path, "a" if cfg.get("resume") else "w") as log:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        run_config = write_run_config(cfg, out_dir)
         flwr = shutil.which("flwr", path=env["PATH"]) or "flwr"
-        command = [
-            flwr,
-            "run",
-            str(project_dir),
-            connection,
-            "--run-config",
-            str(run_config),
-            *(extra_args or []),
-            "--stream",
-        ]
+        command = [flwr, "run", str(project_dir), connection, "--run-config", str(run_config), *(extra_args or [])]
+        run_id, _, finished = follow_run(
+            command + ["--stream"], env, out_dir, echo, end_at_summary, bool(cfg.get("resume"))
+        )
+    log_path = out_dir / "flower.log"
+    if run_id is None:
+        raise RunFailed(f"`flwr run` did not start a run; see {log_path}")
+    if finished:  # the ServerApp wrote its last event: every run file is complete
+        return {"run-id": run_id, "status": "finished:completed"}
+    status = run_status(run_id, env, connection)
+    if status.get("status") != "finished:completed":
+        raise RunFailed(f"run {run_id} ended as '{status.get('status')}'{last_error(log_path)}; see {log_path}")
+    return status
+
+
+def follow_run(
+    command: list[str],
+    env: dict[str, str],
+    out_dir: Path,
+    echo: str,
+    end_at_summary: bool,
+    append: bool,
+    own_session: bool = False,
+) -> tuple[int | None, int | None, bool]:
+    """Run ``command`` (which starts a Flower run) with its output in ``out_dir/flower.log`` (``append``: on
+    resume) and, per ``echo``, on the console or as the run's progress events; with ``end_at_summary``, stop it
+    once the ServerApp has written its last event. Returns the run id it printed, its exit code, and whether
+    that last event came (every run file is then complete)."""
+    with open(out_dir / "flower.log", "a" if append else "w") as log:
         proc = watchdog.spawn(
-            command, env=env, cwd=out_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            command,
+            env=env,
+            cwd=out_dir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=own_session,
         )
         run_id = None
         finished = threading.Event()
@@ -261,14 +309,7 @@ def _submit_run(
             if proc.poll() is None:
                 stop_tree(proc)
             watchdog.unwatch(proc.pid)
-    if run_id is None:
-        raise RunFailed(f"`flwr run` did not start a run (exit code {proc.returncode}); see {log_path}")
-    if finished.is_set():  # the ServerApp wrote its last event: every run file is complete
-        return {"run-id": run_id, "status": "finished:completed"}
-    status = run_status(run_id, env, connection)
-    if status.get("status") != "finished:completed":
-        raise RunFailed(f"run {run_id} ended as '{status.get('status')}'{last_error(log_path)}; see {log_path}")
-    return status
+    return run_id, proc.returncode, finished.is_set()
 
 
 def stop_when_finished(proc: subprocess.Popen, finished: threading.Event, grace_s: float = 1.0) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import jsonsafe
-from .errors import ConfigError
+from .errors import ConfigError, quoted
 from .metrics import is_partial, plot_history, read_jsonl, run_problem, summarize, summary_table
 from .progress import SUMMARY_EVENT, Progress
 
@@ -32,6 +32,23 @@ def resolve_output_dir(cfg: Mapping[str, Any]) -> Path:
         return Path(cfg["output-dir"]).expanduser().resolve()
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return (Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}").resolve()
+
+
+def check_path_length(path: Path, what: str = "output-dir") -> None:
+    """ConfigError when ``path`` is longer than this system allows (a name over NAME_MAX, the whole over
+    PATH_MAX), said once, before any file operation fails on it with a traceback."""
+    name_max, path_max = 255, 4096
+    try:
+        name_max = os.pathconf("/", "PC_NAME_MAX")
+        path_max = os.pathconf("/", "PC_PATH_MAX")
+    except (OSError, ValueError):
+        pass
+    longest = max((len(part.encode()) for part in Path(path).parts), default=0)
+    if longest > name_max or len(str(path).encode()) >= path_max:
+        raise ConfigError(
+            f"{what} {quoted(str(path))} is too long for this system ({len(str(path))} characters; a folder name "
+            f"may have {name_max} bytes, a whole path {path_max - 1}): pick a shorter one"
+        )
 
 
 def check_output_dir(out: Path) -> None:
@@ -157,8 +174,12 @@ def keep_rounds_up_to(path: Path, last_round: int) -> None:
 def write_text_atomically(path: Path, text: str) -> None:
     """Readers (and a crash) see the old file or the new one, never half of it."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: the old file stays whole, and no half-written one is left
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class RunRecorder:

@@ -107,4 +107,9 @@ def main(grid: Grid, context: Context) -> None:
     # the writer's lock on the run folder, for the whole run: no second run writes there meanwhile
     with runlock.hold(resolve_output_dir(from_run_config(context.run_config)), role="writer"):
         components = server_fn(context)
-        start_grid(grid=grid, config=components.config, strategy=components.strategy)
+        try:
+            start_grid(grid=grid, config=components.config, strategy=components.strategy)
+        except Exception as exc:  # an unexpected error: leave a resumable run, then fail as before
+            strategy: Any = getattr(components.strategy, "strategy", components.strategy)  # inside ResumedRun
+            strategy.checkpointer.save_after_error(exc)
+            raise

@@ -1,12 +1,16 @@
 """``fedbr-bench --startup``: where the seconds of one ``fedbr-run`` go, from outside, as a user sees them.
 
-Each repetition runs ``fedbr-run ITEMS --verbose`` as a new process, stamps every line it prints with the
-time it arrived, and reads the milestones from those lines (Flower's and the ServerApp's own log); the
-engines are interleaved. Per phase it reports the median over repetitions."""
+Each repetition runs every variant as a new process: ``fedbr-run ITEMS --verbose`` with each engine, through
+Flower's simulation entry point (the default) and through ``flwr run`` on a SuperLink (``--superlink``), and
+the bare PyTorch loop (``python -m fedbr_flwr.startup ITEMS``: the same clients, local steps and averaging in
+one process, no Flower, no Ray). It stamps every line a process prints with the time it arrived and reads the
+milestones from those lines (Flower's and the ServerApp's own log, the same lines from the bare loop); the
+variants are interleaved. Per phase it reports the median over repetitions."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -32,13 +36,13 @@ WORKLOAD = [
 
 # (phase, the line that ends it); a phase starts where the one before it ended (the first at the spawn)
 MILESTONES = (
-    ("command: imports, config, partition", re.compile(r"^fedbr-run: \S+ on ")),
+    ("command: imports, config, partition", re.compile(r"^(fedbr-run|bare loop): \S+ on ")),
     ("SuperLink up, `flwr run` connected", re.compile(r"Using SuperLink")),
-    ("simulation process started", re.compile(r"Starting Flower Simulation")),
+    ("simulation process started", re.compile(r"Starting Flower Simulation|fedbr simulation: run \d+ started")),
     ("Ray started, ServerApp started", re.compile(r"Starting Flower ServerApp")),
-    ("client processes up, data loaded (discovery)", re.compile(r"\[fedbr\] \d+ clients found")),
-    ("rounds", re.compile(r"\[fedbr\] round (\d+)/\1 ")),
-    ("final evaluation, run files", re.compile(r"\[fedbr\] run files in ")),
+    ("client processes up, data loaded (discovery)", re.compile(r"\[(fedbr|bare)\] \d+ clients (found|built)")),
+    ("rounds", re.compile(r"\[(fedbr|bare)\] round (\d+)/\2 ")),
+    ("final evaluation, run files", re.compile(r"\[(fedbr\] run files in|bare\] evaluated) ")),
 )
 SHUTDOWN = "shut-down (to the end of the command)"
 
@@ -74,37 +78,163 @@ def steady_round_seconds(out_dir: Path) -> float:
     return statistics.median(r["seconds"] for r in read_jsonl(out_dir / "rounds.jsonl") if r["round"] > 1)
 
 
-def startup_main(items: Sequence[str], repeats: int, engines: Sequence[str], json_path: Path | None) -> int:
-    rows: dict[str, list[dict[str, float]]] = {engine: [] for engine in engines}
+VARIANTS = {  # label: (how the process starts, its own items)
+    "engine=cohort": ("fedbr-run", ["engine=cohort"]),
+    "engine=clients": ("fedbr-run", ["engine=clients"]),
+    "engine=clients, --superlink": ("fedbr-run", ["engine=clients", "--superlink"]),
+    "bare loop": ("bare", []),
+}
+
+
+def variant_command(variant: str, items: Sequence[str], out: Path) -> list[str]:
+    how, own = VARIANTS[variant]
+    module = "fedbr_flwr.cli" if how == "fedbr-run" else "fedbr_flwr.startup"
+    extra = ["--verbose"] if how == "fedbr-run" else []
+    return [sys.executable, "-m", module, *WORKLOAD, *items, *own, f"output-dir={out}", *extra]
+
+
+def startup_main(items: Sequence[str], repeats: int, variants: Sequence[str], json_path: Path | None) -> int:
+    rows: dict[str, list[dict[str, float]]] = {variant: [] for variant in variants}
     for i in range(repeats):
-        for engine in engines:
+        for variant in variants:
             with tempfile.TemporaryDirectory(prefix="fedbr-startup-") as tmp:
                 out = Path(tmp) / "run"
-                command = [
-                    sys.executable,
-                    "-m",
-                    "fedbr_flwr.cli",
-                    *WORKLOAD,
-                    *items,
-                    f"engine={engine}",
-                    f"output-dir={out}",
-                    "--verbose",
-                ]
-                lines, total, code = timed_lines(command)
+                lines, total, code = timed_lines(variant_command(variant, items, out))
                 if code != 0:
                     tail = "\n".join(text for _, text in lines[-20:])
-                    print(f"fedbr-bench: error: engine={engine} run {i + 1} exited {code}:\n{tail}", file=sys.stderr)
+                    print(f"fedbr-bench: error: {variant} run {i + 1} exited {code}:\n{tail}", file=sys.stderr)
                     return 1
                 row = {**phases(lines, total), "whole process": total, "per round, steady": steady_round_seconds(out)}
-                rows[engine].append(row)
-                print(f"  engine={engine} run {i + 1}/{repeats}: {total:.1f} s", flush=True)
+                rows[variant].append(row)
+                print(f"  {variant} run {i + 1}/{repeats}: {total:.1f} s", flush=True)
     names = [name for name, _ in MILESTONES] + [SHUTDOWN, "whole process", "per round, steady"]
-    medians = {e: {n: statistics.median(r[n] for r in rs if n in r) for n in names} for e, rs in rows.items()}
-    print(f"\nmedian seconds over {repeats} run(s) of each engine, interleaved:\n")
-    print("| phase | " + " | ".join(f"engine={e}" for e in engines) + " |")
-    print("|---|" + "---|" * len(engines))
+    medians = {
+        v: {n: statistics.median(r[n] for r in rs if n in r) for n in names if any(n in r for r in rs)}
+        for v, rs in rows.items()
+    }
+    print(f"\nmedian seconds over {repeats} run(s) of each variant, interleaved (-: no such phase):\n")
+    print("| phase | " + " | ".join(variants) + " |")
+    print("|---|" + "---|" * len(variants))
     for name in names:
-        print(f"| {name} | " + " | ".join(f"{medians[e][name]:.2f}" for e in engines) + " |")
+        print(
+            f"| {name} | "
+            + " | ".join(f"{medians[v][name]:.2f}" if name in medians[v] else "-" for v in variants)
+            + " |"
+        )
+    print(ratios_line(medians, variants))
     if json_path:
         json_path.write_text(json.dumps({"workload": [*WORKLOAD, *items], "medians": medians, "runs": rows}, indent=2))
     return 0
+
+
+def ratios_line(medians: dict[str, dict[str, float]], variants: Sequence[str]) -> str:
+    """Each variant's whole process and steady round against the bare loop's (when it ran)."""
+    if "bare loop" not in medians:
+        return ""
+    bare = medians["bare loop"]
+    parts = [
+        f"{v}: {medians[v]['whole process'] / bare['whole process']:.2f}x whole, "
+        f"{medians[v]['per round, steady'] / bare['per round, steady']:.2f}x per round"
+        for v in variants
+        if v != "bare loop"
+    ]
+    return "\nagainst the bare loop: " + "; ".join(parts)
+
+
+SWEEP_FILE = "sweep:\n  seeds: [0, 1, 2]\n  runs:\n    workload: {}\n"
+SWEEP_MODES = {"one runtime (default)": [], "--isolated": ["--isolated"]}
+
+
+def sweep_fixed_seconds(lines: list[tuple[float, str]]) -> list[dict[str, float]]:
+    """Per run of a ``fedbr-sweep`` (its stamped lines): start-up (from the sweep's line naming the run to its
+    first round), shut-down (from its last round to the sweep's line saying how it ended) and their sum."""
+    runs, current = [], {}
+    for t, text in lines:
+        if re.match(r"fedbr-sweep: \[\d+/\d+\] .* -> ", text):
+            current = {"start": t}
+        elif "first" not in current and re.search(r"round 1/\d+ ", text) and current:
+            current["first"] = t
+        elif re.search(r"round (\d+)/\1 ", text) and current:
+            current["last"] = t
+        elif re.match(r"fedbr-sweep: \[\d+/\d+\] .*: (ok|failed)", text) and {"first", "last"} <= set(current):
+            start_up, shut_down = current["first"] - current["start"], t - current["last"]
+            runs.append({"start-up": start_up, "shut-down": shut_down, "fixed": start_up + shut_down})
+            current = {}
+    return runs
+
+
+def sweep_main(items: Sequence[str], repeats: int, json_path: Path | None) -> int:
+    """A 3-run ``fedbr-sweep`` of the workload (seeds 0, 1, 2), on one Ray runtime (the default) and with
+    ``--isolated``, interleaved: the fixed seconds of each run."""
+    rows: dict[str, list[list[dict[str, float]]]] = {mode: [] for mode in SWEEP_MODES}
+    for i in range(repeats):
+        for mode, flags in SWEEP_MODES.items():
+            with tempfile.TemporaryDirectory(prefix="fedbr-startup-") as tmp:
+                (Path(tmp) / "sweep.yaml").write_text(SWEEP_FILE)
+                command = [sys.executable, "-m", "fedbr_flwr.sweep", str(Path(tmp) / "sweep.yaml"), *WORKLOAD]
+                command += [*items, "--out", str(Path(tmp) / "out"), *flags]
+                lines, total, code = timed_lines(command)
+                runs = sweep_fixed_seconds(lines)
+                if code != 0 or len(runs) != 3:
+                    tail = "\n".join(text for _, text in lines[-20:])
+                    print(f"fedbr-bench: error: sweep {mode} {i + 1} exited {code}:\n{tail}", file=sys.stderr)
+                    return 1
+                rows[mode].append(runs)
+                print(f"  sweep, {mode}, {i + 1}/{repeats}: {total:.1f} s", flush=True)
+    print(f"\nmedian seconds per run of a 3-run sweep over {repeats} sweep(s) of each mode, interleaved:\n")
+    print("| mode | run 1 start-up | run 1 shut-down | runs 2-3 start-up | runs 2-3 shut-down | runs 2-3 fixed |")
+    print("|---|---|---|---|---|---|")
+    medians = {}
+    for mode, sweeps in rows.items():
+        first = [s[0] for s in sweeps]
+        later = [r for s in sweeps for r in s[1:]]
+        medians[mode] = {
+            "first": {k: statistics.median(r[k] for r in first) for k in first[0]},
+            "later": {k: statistics.median(r[k] for r in later) for k in later[0]},
+        }
+        f, rest = medians[mode]["first"], medians[mode]["later"]
+        print(
+            f"| {mode} | {f['start-up']:.2f} | {f['shut-down']:.2f} | {rest['start-up']:.2f} | "
+            f"{rest['shut-down']:.2f} | {rest['fixed']:.2f} |"
+        )
+    if json_path:
+        json_path.write_text(json.dumps({"workload": [*WORKLOAD, *items], "medians": medians, "runs": rows}, indent=2))
+    return 0
+
+
+def bare_main(argv: Sequence[str]) -> int:
+    """The bare loop as a process of its own, printing the milestones ``phases`` reads and writing the rounds'
+    seconds to ``output-dir/rounds.jsonl`` (what ``steady_round_seconds`` reads)."""
+    import torch
+
+    from .bench import bare_loop
+    from .cli import build_config
+    from .training import pick_device
+
+    cfg = build_config(argv)
+    out = Path(cfg["output-dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(os.cpu_count() or 1)
+    rounds = cfg["num-rounds"]
+    print(
+        f"bare loop: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients, {rounds} rounds", flush=True
+    )
+    device = pick_device(cfg["device"])
+    records = []
+
+    def on_round(server_round: int, seconds: float) -> None:
+        records.append({"round": server_round, "seconds": seconds})
+        print(f"[bare] round {server_round}/{rounds} | {seconds:.2f} s", flush=True)
+
+    def on_start() -> None:
+        print(f"[bare] {cfg['num-clients']} clients built", flush=True)
+
+    _, clients, arrays = bare_loop(cfg, rounds, device, on_start, on_round)
+    accuracy = statistics.mean(client.evaluate(arrays, {})[2]["accuracy"] for client in clients)
+    print(f"[bare] evaluated : mean local-test acc {accuracy:.2%}", flush=True)
+    (out / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(bare_main(sys.argv[1:]))

@@ -25,17 +25,21 @@ Exit codes: 0 every run finished, 1 some run failed (the others still ran), 2 ba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from .cli import config_from_settings, finished_run_problem, prepare, size_for_runtime, supernodes
 from .config import ConfigError, load_yaml, parse_override
 from .launcher import RunFailed, run_flower
+from .raycluster import Cluster, answers
 from .report import run_folder, write_comparison, write_report
+from .run_io import check_path_length
 
 VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address")  # may differ between machines or sessions
 
@@ -116,25 +120,48 @@ def finished_with_same_config(cfg: dict[str, Any]) -> bool:
     return True
 
 
-def run_all(jobs: list[tuple[str, int, dict[str, Any]]], quiet: bool) -> dict[tuple[str, int], str]:
+def run_all(
+    jobs: list[tuple[str, int, dict[str, Any]]], quiet: bool, isolated: bool = False
+) -> dict[tuple[str, int], str]:
     status = {}
-    for i, (name, seed, cfg) in enumerate(jobs, 1):
-        label = f"[{i}/{len(jobs)}] {name} seed {seed}"
-        cfg = prepare(size_for_runtime(cfg), overwrite=True)
-        if finished_with_same_config(cfg):
-            print(f"fedbr-sweep: {label}: already finished in {cfg['output-dir']}; kept", flush=True)
-            status[(name, seed)] = "kept"
-            continue
-        print(f"fedbr-sweep: {label}: {cfg['strategy']} -> {cfg['output-dir']}", flush=True)
-        try:
-            run_flower(cfg, supernodes(cfg), Path(cfg["output-dir"]), echo="none" if quiet else "progress")
-            ok = (Path(cfg["output-dir"]) / "summary.json").exists()
-            problem = finished_run_problem(Path(cfg["output-dir"])) if ok else "no final evaluation"
-            status[(name, seed)] = f"failed: {problem}" if problem else "ok"
-        except (RunFailed, ConfigError) as exc:
-            status[(name, seed)] = f"failed: {exc}"
-        print(f"fedbr-sweep: {label}: {status[(name, seed)]}", flush=True)
+    with contextlib.nullcontext(None) if isolated else shared_runtime(jobs) as cluster:
+        for i, (name, seed, cfg) in enumerate(jobs, 1):
+            label = f"[{i}/{len(jobs)}] {name} seed {seed}"
+            if cluster is not None and answers(cluster.address):
+                cfg = prepare(size_for_runtime({**cfg, "ray-address": cluster.address}, cluster), overwrite=True)
+            else:
+                cfg = prepare(size_for_runtime(cfg), overwrite=True)
+            if finished_with_same_config(cfg):
+                print(f"fedbr-sweep: {label}: already finished in {cfg['output-dir']}; kept", flush=True)
+                status[(name, seed)] = "kept"
+                continue
+            print(f"fedbr-sweep: {label}: {cfg['strategy']} -> {cfg['output-dir']}", flush=True)
+            try:
+                run_flower(cfg, supernodes(cfg), Path(cfg["output-dir"]), echo="none" if quiet else "progress")
+                ok = (Path(cfg["output-dir"]) / "summary.json").exists()
+                problem = finished_run_problem(Path(cfg["output-dir"])) if ok else "no final evaluation"
+                status[(name, seed)] = f"failed: {problem}" if problem else "ok"
+            except (RunFailed, ConfigError) as exc:
+                status[(name, seed)] = f"failed: {exc}"
+            print(f"fedbr-sweep: {label}: {status[(name, seed)]}", flush=True)
     return status
+
+
+@contextlib.contextmanager
+def shared_runtime(jobs: list[tuple[str, int, dict[str, Any]]]) -> Iterator[Cluster | None]:
+    """One Ray runtime for the sweep's runs, started once: a private head node that each run joins as it would
+    join a cluster (``fedbr_flwr.raycluster``), so that a run does not start and stop Ray of its own. None (each
+    run as configured) when fewer than two runs remain or the runs name a cluster of their own."""
+    from .raycluster import describe, private_cluster, requested_address
+
+    to_run = [cfg for _, _, cfg in jobs if not (Path(cfg["output-dir"]) / "summary.json").exists()]
+    if len(to_run) < 2 or any(requested_address(cfg["ray-address"]) for cfg in to_run):
+        yield None
+        return
+    import torch
+
+    with private_cluster(os.cpu_count() or 1, torch.cuda.device_count()) as address:
+        yield describe(address)
 
 
 def report_command(argv: Sequence[str] | None) -> str:
@@ -157,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--table-only", action="store_true", help="do not run; rebuild the comparison")
     parser.add_argument("--quiet", action="store_true", help="no per-round progress")
     parser.add_argument(
+        "--isolated",
+        action="store_true",
+        help="each run starts and stops a Ray runtime of its own (slower: by default the runs join one the sweep "
+        "starts)",
+    )
+    parser.add_argument(
         "--report",
         type=Path,
         metavar="PAGE",
@@ -170,8 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
-    out = (args.out or Path("runs") / Path(args.file).stem).expanduser().resolve()
+    out = (args.out or Path("runs") / Path(args.file).stem).expanduser()
     try:
+        check_path_length(out, "--out")
+        out = out.resolve()
         jobs = plan(args.file, args.overrides, out, args.only, args.seeds)
     except ConfigError as exc:
         print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
@@ -187,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         out.mkdir(parents=True, exist_ok=True)
         try:
-            status = run_all(jobs, args.quiet)
+            status = run_all(jobs, args.quiet, args.isolated)
         except ConfigError as exc:
             print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
             return 2

@@ -82,7 +82,9 @@ def test_cohort_step_benchmark_without_its_dataset_stops_with_a_message(capsys, 
     assert err.startswith("fedbr-bench: error: dataset 'mnist' not found") and "Traceback" not in err
 
 
-@pytest.mark.parametrize("mode", ["--suite", "--scale", "--step", "--cohort-step", "--startup=1", None])
+@pytest.mark.parametrize(
+    "mode", ["--suite", "--scale", "--step", "--cohort-step", "--startup=1", "--sweep-startup=1", None]
+)
 def test_every_mode_refuses_an_unknown_key_with_a_message(mode, capsys):
     assert bench.main([*([mode] if mode else []), "no-such-key=1"]) == 2
     err = capsys.readouterr().err
@@ -142,3 +144,53 @@ def test_the_startup_profile_splits_a_run_at_its_milestones():
     got = phases(lines, total=32.0)
     assert list(got.values()) == pytest.approx([2.0, 4.0, 1.5, 4.5, 8.0, 10.0, 0.6, 1.4])
     assert got[SHUTDOWN] == pytest.approx(1.4)
+
+
+def test_the_startup_profile_reads_the_simulation_process_and_the_bare_loop_alike():
+    """Without a SuperLink its phase is absent (not zero); the bare loop's lines end the same phases."""
+    from fedbr_flwr.startup import SHUTDOWN, phases, ratios_line
+
+    simulation = [
+        (2.0, "fedbr-run: fedavg on mnist5k, 10 clients, 20 rounds -> /x"),
+        (2.5, "fedbr simulation: run 123 started"),
+        (5.0, "INFO :      Starting Flower ServerApp, config: num_rounds=20"),
+        (9.0, "INFO :      [fedbr] 10 clients found; writing run files to /x"),
+        (19.0, "INFO :      [fedbr] round 20/20 | loss 1.0"),
+        (19.5, "INFO :      [fedbr] run files in /x"),
+    ]
+    got = phases(simulation, total=20.0)
+    assert "SuperLink up, `flwr run` connected" not in got
+    assert list(got.values()) == pytest.approx([2.0, 0.5, 2.5, 4.0, 10.0, 0.5, 0.5])
+    bare = [
+        (1.5, "bare loop: fedavg on mnist5k, 10 clients, 20 rounds"),
+        (2.5, "[bare] 10 clients built"),
+        (3.0, "[bare] round 1/20 | 0.50 s"),
+        (12.5, "[bare] round 20/20 | 0.50 s"),
+        (13.0, "[bare] evaluated : mean local-test acc 11.00%"),
+    ]
+    got = phases(bare, total=14.0)
+    assert got["command: imports, config, partition"] == 1.5 and got["rounds"] == 10.0 and got[SHUTDOWN] == 1.0
+    medians = {
+        "engine=clients": {"whole process": 20.0, "per round, steady": 0.6},
+        "bare loop": {"whole process": 14.0, "per round, steady": 0.5},
+    }
+    assert "engine=clients: 1.43x whole, 1.20x per round" in ratios_line(medians, list(medians))
+
+
+def test_a_sweeps_fixed_seconds_are_read_per_run():
+    from fedbr_flwr.startup import sweep_fixed_seconds
+
+    lines = [
+        (1.0, "fedbr-sweep: [1/2] workload seed 0: fedavg -> /x/seed0"),
+        (9.0, "[fedbr] round 1/3 | loss 2.0 | 0.5 s/round"),
+        (10.0, "[fedbr] round 3/3 | loss 1.0 | 0.5 s/round"),
+        (12.0, "fedbr-sweep: [1/2] workload seed 0: ok"),
+        (12.5, "fedbr-sweep: [2/2] workload seed 1: fedavg -> /x/seed1"),
+        (14.0, "[fedbr] round 1/3 | loss 2.0 | 0.5 s/round"),
+        (15.0, "[fedbr] round 3/3 | loss 1.0 | 0.5 s/round"),
+        (15.25, "fedbr-sweep: [2/2] workload seed 1: failed: no final evaluation"),
+    ]
+    assert sweep_fixed_seconds(lines) == [
+        {"start-up": 8.0, "shut-down": 2.0, "fixed": 10.0},
+        {"start-up": 1.5, "shut-down": 0.25, "fixed": 1.75},
+    ]

@@ -141,3 +141,31 @@ def test_line_files_keep_rounds_up_to_the_checkpoint_and_drop_a_torn_line(tmp_pa
     path.write_text('{"round": 1}\n{"round": 2}\n{"round": 3}\n{"rou')
     keep_rounds_up_to(path, 2)
     assert path.read_text() == '{"round": 1}\n{"round": 2}\n'
+
+
+def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_file(tmp_path, monkeypatch):
+    """A write that fails part way (ENOSPC at the flush to disk, or at the rename) keeps the checkpoint and the
+    text file that were there, and removes the half-written temporary file."""
+    import errno
+    import os
+
+    from fedbr_flwr.run_io import write_text_atomically
+
+    save_checkpoint(tmp_path, {"global/w": np.ones(3, np.float32)}, {"round": 1, "config": {}})
+    (tmp_path / "summary.json").write_text("{}")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for where in ("fsync", "replace"):
+        with monkeypatch.context() as m:
+            m.setattr(os, where, full)
+            with pytest.raises(OSError, match="No space left"):
+                save_checkpoint(tmp_path, {"global/w": np.zeros(3, np.float32)}, {"round": 2, "config": {}})
+            if where == "replace":
+                with pytest.raises(OSError, match="No space left"):
+                    write_text_atomically(tmp_path / "summary.json", '{"new": 1}')
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.npz", "summary.json"], where
+    arrays, header = load_checkpoint(tmp_path)
+    assert header["round"] == 1 and arrays["global/w"].tolist() == [1, 1, 1]
+    assert (tmp_path / "summary.json").read_text() == "{}"

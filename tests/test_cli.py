@@ -155,3 +155,54 @@ def test_a_folder_locked_by_a_live_process_is_refused_and_a_dead_ones_lock_is_no
         proc.wait()
     # its lock file stays, but a dead process holds no lock
     assert run_cli(capsys, f"output-dir={tmp_path}", "--overwrite", "--dry-run")[0] == 0
+
+
+def test_the_loser_of_two_runs_started_at_once_into_one_folder_exits_2(capsys, tmp_path, monkeypatch):
+    """Both pass the checks, then the other run takes the folder first: the launch refuses with exit 2 (bad
+    input: the folder is taken), before any Flower process starts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fedbr_flwr import launcher
+
+    holding = (
+        "import sys, time\nfrom pathlib import Path\nfrom fedbr_flwr import runlock\n"
+        "with runlock.hold(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(120)\n"
+    )
+    prepare = cli.prepare
+    holder: list[subprocess.Popen] = []
+
+    def prepare_then_lose_the_race(cfg, overwrite):
+        cfg = prepare(cfg, overwrite)
+        proc = subprocess.Popen([sys.executable, "-c", holding, cfg["output-dir"]], stdout=subprocess.PIPE, text=True)
+        holder.append(proc)
+        assert proc.stdout.readline().strip() == "held"
+        return cfg
+
+    monkeypatch.setattr(cli, "prepare", prepare_then_lose_the_race)
+    monkeypatch.setattr(launcher, "simulate_run", lambda *a: pytest.fail("Flower started"))
+    try:
+        code, _, err = run_cli(capsys, f"output-dir={tmp_path / 'run'}", "num-clients=2")
+        assert code == 2, err
+        assert f"{Path(tmp_path / 'run')} is in use by a live run: pid {holder[0].pid}" in err, err
+    finally:
+        for proc in holder:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("command", ["fedbr-run", "fedbr-run --resume", "fedbr-sweep"])
+def test_an_over_long_path_is_one_line_and_exit_2(capsys, tmp_path, command):
+    from fedbr_flwr import sweep
+
+    long_path = str(tmp_path / ("a" * 5000))
+    if command == "fedbr-run":
+        code, _, err = run_cli(capsys, f"output-dir={long_path}", "--dry-run")
+    elif command == "fedbr-run --resume":
+        code, _, err = run_cli(capsys, "--resume", long_path)
+    else:
+        code = sweep.main(["experiments/quickstart.yaml", "--out", long_path, "--dry-run"])
+        err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "is too long for this system" in err, err
+    assert len(err) < 400 and not list(tmp_path.iterdir())

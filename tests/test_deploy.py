@@ -399,3 +399,33 @@ def test_repeated_connection_failures_in_a_supernode_log_give_a_hint(tmp_path, t
         fail(3)
         assert says in watch()
     assert deploy.speaks_tls(tls_server) is True and deploy.speaks_tls(plain_server) is False
+
+
+def test_a_supernode_with_another_ca_is_told_the_superlinks_certificate_is_not_accepted(tmp_path, tls_server):
+    """The SuperLink's certificate is checked against the SuperNode's ca.crt as Flower would check it: the CA
+    it was made with passes, another one is named with the reason and what to do."""
+    other = tmp_path / "other-certs"
+    deploy.make_certificates(other, ["127.0.0.1"], 0)
+    assert deploy.tls_mismatch(tls_server, True, tmp_path / "server-certs" / deploy.CA) is None
+    said = deploy.tls_mismatch(tls_server, True, other / deploy.CA)
+    assert f"the SuperLink at {tls_server} presents a certificate that {other / deploy.CA} does not accept" in said
+    assert "(certificate signature failure)" in said and "fedbr-deploy certs" in said
+
+
+def test_an_expired_or_not_yet_valid_certificate_is_warned_about(tmp_path, capsys, monkeypatch):
+    import datetime
+
+    certs = tmp_path / "certs"
+    deploy.make_certificates(certs, ["127.0.0.1"], 0, days=30)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    assert deploy.certificate_problem(certs / deploy.SERVER_CERT, now) is None
+    later = deploy.certificate_problem(certs / deploy.SERVER_CERT, now + datetime.timedelta(days=31))
+    assert "expired on" in later and "SuperNodes will refuse it" in later and f"fedbr-deploy certs {certs}" in later
+    earlier = deploy.certificate_problem(certs / deploy.SERVER_CERT, now - datetime.timedelta(days=1))
+    assert "is valid only from" in earlier and "clock" in earlier
+    # the SuperLink's command warns before it starts anything
+    monkeypatch.setattr(deploy, "certificate_problem", lambda path, now=None: f"{path.name} expired")
+    args = deploy.build_parser().parse_args(["superlink", "--certs", str(certs), "--state-dir", str(tmp_path / "s")])
+    assert deploy._certs_arg(args, server=True) == certs.resolve()
+    err = capsys.readouterr().err
+    assert "fedbr-deploy: warning: ca.crt expired" in err and "fedbr-deploy: warning: server.pem expired" in err

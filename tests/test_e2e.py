@@ -2,6 +2,7 @@
 stopped by the launcher, also when the run fails; the tests check that nothing is left behind."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from fedbr_flwr.config import validate
 from fedbr_flwr.launcher import RunFailed, run_flower
 
 pytestmark = pytest.mark.e2e
+FLOWER_COMMANDS = (b"flower-superlink", b"flwr-simulation", b"flower-superexec", b"fedbr_flwr.simulation", b"raylet")
 
 
 def flower_processes() -> set[int]:
@@ -25,7 +27,7 @@ def flower_processes() -> set[int]:
         if entry.name.isdigit():
             try:
                 cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-                if not (b"flower-superlink" in cmd or b"flwr-simulation" in cmd or b"flower-superexec" in cmd):
+                if not any(name in cmd for name in FLOWER_COMMANDS):
                     continue
                 if b"PYTEST_CURRENT_TEST=" in (entry / "environ").read_bytes():
                     pids.add(int(entry.name))
@@ -34,7 +36,10 @@ def flower_processes() -> set[int]:
     return pids
 
 
-def test_two_rounds_two_clients_write_the_run_files(tmp_path, capsys):
+@pytest.mark.parametrize("launch", [[], ["--superlink"]], ids=["simulation-process", "flwr-run-on-a-superlink"])
+def test_two_rounds_two_clients_write_the_run_files(tmp_path, capsys, launch):
+    """Both ways fedbr-run starts Flower (its simulation entry point in one process; `flwr run` on a SuperLink,
+    as a Flower user would) write the same complete run files and leave no process behind."""
     before = flower_processes()
     out = tmp_path / "run"
     code = cli.main(
@@ -46,6 +51,7 @@ def test_two_rounds_two_clients_write_the_run_files(tmp_path, capsys):
             "eval-every=1",
             f"output-dir={out}",
             "--quiet",
+            *launch,
         ]
     )
     printed = capsys.readouterr().out
@@ -354,7 +360,7 @@ def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_fol
     ]
     with procs.command_at_first_round(command) as (proc, _, snapshot):
         ports = procs.listening(snapshot)
-        homes = {Path(a).parent for p in snapshot for a in _cmdline(p) if "fedbr-flwr-home-" in a}
+        homes = {home for p in snapshot if "fedbr-flwr-home-" in (home := _flwr_home(p))}
         assert ports and homes and len(snapshot) > 5
         # the ServerApp, which writes the run files, holds the writer's lock
         assert int((out / ".fedbr-writer.lock").read_text()) in snapshot
@@ -365,14 +371,33 @@ def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_fol
             assert f"{out} is in use by a live run: pid {proc.pid}" in err, err
 
         procs.kill_and_check_nothing_is_left(proc, snapshot, ports, out)
-        assert not [h for h in homes if h.exists()]
+        assert not [h for h in homes if Path(h).exists()]
     assert flower_processes() <= before
     # the dead run's locks do not block: the folder may be overwritten now
     assert cli.main(["--overwrite", f"output-dir={out}", "num-clients=2", "--dry-run"]) == 0
 
 
-def _cmdline(pid: int) -> list[str]:
+def test_ctrl_c_stops_fedbr_run_with_exit_130_and_leaves_no_process(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's foreground process group) after round 1: fedbr-run says it was
+    interrupted, exits 130 without a traceback, and within seconds none of its processes lives."""
+    import procs
+
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "fedbr_flwr.cli", "num-clients=2", "num-rounds=200", "local-steps=2"]
+    with procs.command_at_first_round([*command, f"output-dir={out}"]) as (proc, _, snapshot):
+        ports = procs.listening(snapshot)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, rest
+        assert "interrupted; Flower processes stopped" in rest and "Traceback" not in rest, rest
+        left, still_open = procs.wait_gone(snapshot, ports, timeout_s=10)
+        assert not left and not still_open, (left, still_open)
+
+
+def _flwr_home(pid: int) -> str:
+    """The FLWR_HOME a process runs with ('' when none or gone)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
     except OSError:
-        return []
+        return ""
+    return next((v.split("=", 1)[1] for v in environ if v.startswith("FLWR_HOME=")), "")

@@ -207,3 +207,53 @@ def test_prerequisites_that_would_fail_inside_flower_stop_the_command_first(tmp_
     assert cli.main([*settings, f"data-dir={empty}", "download=never", f"output-dir={out}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dataset 'cifar10' not found" in err[0] and not out.exists()
+
+
+def test_an_unexpected_server_error_checkpoints_the_last_finished_round_and_resumes_exactly(tmp_path, monkeypatch):
+    """checkpoint-every=0, and the server fails in round 3 (after the clients trained): the ServerApp still
+    checkpoints round 2, says so in one line naming the resume command, and fails as before. Resumed from
+    it, two more rounds give the records of an uninterrupted 4-round run."""
+    from flwr.app import Context, RecordDict
+
+    from fedbr_flwr import server_app
+    from fedbr_flwr.checkpoint import load_checkpoint
+
+    from fakes import FixedClientManager, InProcessProxy, flower_client, records_without_timing, run_rounds
+
+    settings = {"num-clients": 2, "local-steps": 2, "batch-size": 8, "global-test": False, "checkpoint-every": 0}
+    cfg = validate({**settings, "output-dir": str(tmp_path / "failed")})
+
+    def clients():
+        torch.manual_seed(123)
+        return [InProcessProxy(flower_client(cfg, pid)) for pid in range(2)]
+
+    def grid_failing_in_round_3(grid, config, strategy):
+        proxies = clients()
+        run_rounds(strategy, proxies, 2, FixedClientManager(proxies))
+        original = strategy.aggregate
+        strategy.aggregate = lambda *a: (_ for _ in ()).throw(RuntimeError("a bug in round 3"))
+        try:
+            run_rounds(strategy, proxies, 1, parameters=payload.to_parameters(strategy.latest))
+        finally:
+            strategy.aggregate = original
+
+    monkeypatch.setattr(server_app, "start_grid", grid_failing_in_round_3)
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=cfg)
+    with pytest.raises(RuntimeError, match="a bug in round 3"):
+        server_app.main(object(), context)
+    out = tmp_path / "failed"
+    _, header = load_checkpoint(out)
+    assert header["round"] == 2
+    said = [json.loads(line)["message"] for line in (out / "progress.jsonl").read_text().splitlines()]
+    assert any("round 2 is checkpointed" in s and f"fedbr-run --resume {out}" in s for s in said), said
+
+    # resumed from that checkpoint, rounds 3-4 equal those of a run that never failed
+    resumed = server_app.build_strategy({**cfg, "resume": True, "num-rounds": 4})
+    proxies = clients()
+    run_rounds(server_app.ResumedRun(resumed, 2), proxies, 2, FixedClientManager(proxies))
+    whole = server_app.build_strategy({**cfg, "output-dir": str(tmp_path / "whole"), "num-rounds": 4})
+    proxies = clients()
+    run_rounds(whole, proxies, 4, FixedClientManager(proxies))
+    for name in ("rounds.jsonl", "metrics.jsonl"):
+        assert records_without_timing(out / name) == records_without_timing(tmp_path / "whole" / name), name
+    assert [r["round"] for r in records_without_timing(out / "rounds.jsonl")] == [1, 2, 3, 4]

@@ -58,6 +58,12 @@ def federation(tmp_path, **tamper):
     return final, rounds, evals
 
 
+def oversized(arrays, n):
+    """An extra array of three times the update's size: what a client pushing a huge payload sends."""
+    size = sum(a.nbytes for a in arrays.values())
+    return {**arrays, "padding": np.zeros(3 * size // 4 + 2**18, np.float32)}, n
+
+
 def arrays_as(dtype):
     return lambda arrays, n: ({k: a.astype(dtype) for k, a in arrays.items()}, n)
 
@@ -72,8 +78,9 @@ def arrays_as(dtype):
         (lambda arrays, n: ({k: np.full(a.shape, "x") for k, a in arrays.items()}, n), "not real numbers"),
         (lambda arrays, n: (arrays, 10**15), "reports 1000000000000000 training samples, but its partition holds"),
         (lambda arrays, n: (arrays, -5), "reports -5 training samples"),
+        (oversized, "over the budget of"),
     ],
-    ids=["int64", "float16", "float64", "complex", "str", "huge-count", "negative-count"],
+    ids=["int64", "float16", "float64", "complex", "str", "huge-count", "negative-count", "oversized"],
 )
 def test_a_tampered_update_is_rejected_with_its_reason_and_the_others_averaged(tmp_path, change, reason):
     final, rounds, evals = federation(tmp_path, fit=change)

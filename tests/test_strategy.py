@@ -69,6 +69,23 @@ def test_discovery_rejects_a_wrong_federation(tmp_path, monkeypatch):
         strategy.configure_fit(1, payload.to_parameters({}), manager)
 
 
+def test_a_discovery_that_waits_for_supernodes_says_so_in_the_progress(tmp_path, monkeypatch):
+    """A deployment whose second SuperNode comes late: the wait is reported as a progress event (what
+    `fedbr-deploy run --echo progress` prints), then discovery goes on once it connects."""
+    import threading
+
+    monkeypatch.setattr(federation, "WAIT_NOTICE_S", 0.2)
+    late = FakeProxy("b", 1)
+    strategy, manager = make_strategy(tmp_path, [FakeProxy("a", 0), late], **{"num-clients": 2})
+    manager.unregister(late)
+    threading.Timer(0.7, manager.register, args=(late,)).start()
+    strategy.configure_fit(1, payload.to_parameters({}), manager)
+    events = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    waits = [e["message"] for e in events if e["kind"] == "waiting"]
+    assert waits and waits[0].startswith("1 of 2 clients' SuperNodes connected after 0 s; waiting"), waits
+    assert sorted(strategy.federation.clients_by_pid) == [0, 1]
+
+
 def test_discovery_fails_at_once_when_nodes_were_told_another_size(tmp_path, monkeypatch):
     monkeypatch.setattr(federation, "DISCOVERY_TIMEOUT_S", 60)  # must not be waited for
     proxies = [FakeProxy("a", 0, num_partitions=2), FakeProxy("b", 1, num_partitions=2)]

@@ -95,11 +95,16 @@ def test_finished_runs_are_kept_and_a_different_one_is_refused(tmp_path):
 
 
 def test_a_sweep_runs_each_job_in_order_then_keeps_them(tmp_path, capsys, monkeypatch):
-    """The loop over several jobs, each Flower run replaced by the files of a finished one (a real one: below)."""
-    ran = []
+    """The loop over several jobs, each Flower run replaced by the files of a finished one (a real one: below).
+    Every run is told to join one Ray runtime the sweep started, which is gone when the sweep ends."""
+    from fedbr_flwr.raycluster import answers
+
+    ran, addresses = [], set()
 
     def finished_run(cfg, supernodes, out_dir, echo):
         ran.append((cfg["strategy"], cfg["seed"], supernodes, echo, out_dir))
+        assert answers(cfg["ray-address"])
+        addresses.add(cfg["ray-address"])
         fake_run(out_dir, cfg, [0.3, 0.5], last_round=cfg["num-rounds"])
 
     monkeypatch.setattr(sweep, "run_flower", finished_run)
@@ -117,25 +122,27 @@ def test_a_sweep_runs_each_job_in_order_then_keeps_them(tmp_path, capsys, monkey
     ]
     table = (out / "comparison.md").read_text()
     assert "| FedAvg | 2 |" in table and "| FedBR no max | 2 |" in table
+    assert len(addresses) == 1 and not answers(addresses.pop())
     capsys.readouterr()
     assert sweep.main([path, "--out", str(out), "--quiet"]) == 0  # nothing left to run
     assert len(ran) == 4 and capsys.readouterr().out.count("already finished") == 4
 
 
 @pytest.mark.e2e
-def test_a_real_sweep_runs_each_job_then_keeps_them(tmp_path, capsys):
-    """One real job (each is one Flower run, the same for every job; the loop over several:
-    test_a_sweep_runs_each_job_in_order_then_keeps_them): it runs, its real run is found finished with
-    the same settings, and it is kept."""
+def test_a_real_sweep_runs_each_job_on_one_runtime_then_keeps_them(tmp_path, capsys):
+    """Two real jobs (each one Flower run; the loop over more: test_a_sweep_runs_each_job_in_order_then_keeps_them)
+    join the one Ray runtime the sweep started and finish; run again, both are found finished with the same
+    settings and kept."""
     path = write(tmp_path, SWEEP.replace("[0, 1]", "[0]"))
     out = tmp_path / "out"
-    only = ["--only", "FedBR no max", "--out", str(out), "--quiet"]
-    assert sweep.main([path, *only]) == 0
-    assert (out / "FedBR_no_max" / "seed0" / "summary.json").exists() and not (out / "FedAvg").exists()
+    assert sweep.main([path, "--out", str(out), "--quiet"]) == 0
+    manifests = [json.loads((out / n / "seed0" / "manifest.json").read_text()) for n in ("FedAvg", "FedBR_no_max")]
+    addresses = {m["config"]["ray-address"] for m in manifests}
+    assert len(addresses) == 1 and addresses.pop().rpartition(":")[2].isdigit()  # Ray's host:port
     assert "| FedBR no max | 1 |" in (out / "comparison.md").read_text()
     capsys.readouterr()
-    assert sweep.main([path, *only]) == 0  # nothing left to run
-    assert capsys.readouterr().out.count("already finished") == 1
+    assert sweep.main([path, "--out", str(out), "--quiet"]) == 0  # nothing left to run
+    assert capsys.readouterr().out.count("already finished") == 2
 
 
 def test_table_only_titles_the_comparison_with_the_command_line_overrides(tmp_path):

@@ -33,6 +33,8 @@ class Checkpointer:
         self.client_states: dict[int, bytes] = {}  # each client's own state, as last collected
         self.pending: dict[int, bytes] = {}  # after a resume: handed back until each client answers
         self.resumed_round = 0  # the checkpoint's round when this run continues another
+        self.saved_round = 0  # the round of the last checkpoint this run wrote
+        self.completed: tuple[int, Named, Named] | None = None  # the last finished round: (round, global, state)
         self._to_restore: dict[str, np.ndarray] | None = None  # strategy state, restored after discovery
 
     def due(self, server_round: int) -> bool:
@@ -43,13 +45,26 @@ class Checkpointer:
         start = time.perf_counter()
         if self.clients_have_state:
             self.collect_client_states()
-        arrays = {
+        path = save_checkpoint(
+            self.recorder.out_dir, self._arrays(global_arrays, strategy_state, rng_state()), self._header(server_round)
+        )
+        self.saved_round = server_round
+        self.recorder.progress.emit(
+            "checkpoint",
+            f"round {server_round}: checkpoint saved to {path} ({time.perf_counter() - start:.2f} s)",
+            round=server_round,
+        )
+
+    def _arrays(self, global_arrays: Named, strategy_state: Named, rng: Named) -> Named:
+        return {
             **{f"global/{k}": v for k, v in global_arrays.items()},
             **strategy_state,
-            **rng_state(),
+            **rng,
             **{f"client-state/{pid}": codec.to_uint8(b) for pid, b in self.client_states.items()},
         }
-        header = {
+
+    def _header(self, server_round: int) -> dict[str, Any]:
+        return {
             "round": server_round,
             "config": self.cfg,
             "elapsed": self.recorder.elapsed(),
@@ -57,10 +72,36 @@ class Checkpointer:
             "code_hash": code_hash(),
             "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        path = save_checkpoint(self.recorder.out_dir, arrays, header)
+
+    def round_completed(self, server_round: int, global_arrays: Named, strategy_state: Named) -> None:
+        """Checkpoint ``server_round`` when one is due; else keep (copies of) what its checkpoint would hold, the
+        RNG states too, for ``save_after_error``."""
+        if self.due(server_round):
+            self.save(server_round, global_arrays, strategy_state)
+            return
+        copied = {name: np.array(a, copy=True) for name, a in strategy_state.items()}
+        self.completed = (server_round, global_arrays, {**copied, **rng_state()})
+
+    def save_after_error(self, error: BaseException) -> None:
+        """After an unexpected error, checkpoint the last finished round unless its checkpoint exists (whatever
+        checkpoint-every says), and say so in one line. The clients' own state is the one last collected (they
+        may be past that round, or unreachable)."""
+        if self.completed is None or self.completed[0] <= self.saved_round:  # saved already, or later
+            return
+        server_round, global_arrays, strategy_state = self.completed
+        out = self.recorder.out_dir
+        try:
+            path = save_checkpoint(out, self._arrays(global_arrays, strategy_state, {}), self._header(server_round))
+        except Exception as exc:  # noqa: BLE001 - the run is failing already: say why this failed too
+            self.recorder.progress.emit(
+                "error", f"the run failed ({error}) and round {server_round} could not be checkpointed: {exc}"
+            )
+            return
+        self.saved_round = server_round
         self.recorder.progress.emit(
-            "checkpoint",
-            f"round {server_round}: checkpoint saved to {path} ({time.perf_counter() - start:.2f} s)",
+            "error",
+            f"the run failed in round {server_round + 1} ({type(error).__name__}: {str(error)[:200]}); round "
+            f"{server_round} is checkpointed to {path}: continue with `fedbr-run --resume {out}`",
             round=server_round,
         )
 

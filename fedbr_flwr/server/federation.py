@@ -5,10 +5,9 @@ that every node built the same partition, seeded sampling, and named requests to
 from __future__ import annotations
 
 import logging
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from flwr.common import GetParametersIns, GetPropertiesIns
@@ -22,6 +21,7 @@ from ..partition import heterogeneity_from_counts
 
 log = logging.getLogger("flwr")
 DISCOVERY_TIMEOUT_S = 600
+WAIT_NOTICE_S = 10.0  # how often a discovery that waits says so
 
 
 class Federation:
@@ -40,30 +40,39 @@ class Federation:
     def discovered(self) -> bool:
         return bool(self.clients_by_pid)
 
-    def discover(self, client_manager: ClientManager, timeout_s: float | None = None) -> None:
+    def discover(
+        self, client_manager: ClientManager, timeout_s: float | None = None, say: Callable[[str], None] | None = None
+    ) -> None:
         """Ask every node for its partition id once, so that sampling and per-client metrics are keyed by
         partition and a mis-configured federation stops with a clear message. Nodes that are already
         connected answer first, so a wrong federation size fails at once instead of after the wait for
-        nodes that may still be starting (deployment)."""
+        nodes that may still be starting (deployment). While it waits, ``say`` hears how many are there
+        every ``WAIT_NOTICE_S``."""
         timeout_s = DISCOVERY_TIMEOUT_S if timeout_s is None else timeout_s
+        say = say or (lambda text: log.info("[fedbr] %s", text))
         expected = self.cfg["num-clients"]
-        client_manager.wait_for(1, timeout=math.ceil(timeout_s))
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
         hashes = set()
         while True:
-            new = [p for cid, p in client_manager.all().items() if cid not in self.pid_by_cid]
+            nodes = client_manager.all()
+            new = [p for cid, p in nodes.items() if cid not in self.pid_by_cid and cid not in self.members_by_cid]
             for proxy, props in _ask_partitions(new):
                 hashes.add(self._add(proxy, props, expected))
             num = len(self.clients_by_pid)
             if num >= (expected or 1):
                 break
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - start
+            if waited > timeout_s:
                 raise ConfigError(
                     f"num-clients = {expected} but only {num} SuperNodes connected within "
                     f"{timeout_s} s; start it with num-supernodes={expected} (fedbr-run does this)"
                 )
-            log.info("[fedbr] %d of %d SuperNodes connected; waiting", num, expected)
-            client_manager.wait_for(num + 1, timeout=math.ceil(min(10, timeout_s)))
+            if not wait_for_nodes(client_manager, len(nodes) + 1, min(WAIT_NOTICE_S, timeout_s - waited)):
+                say(
+                    f"{num} of {expected or 'the'} clients' SuperNodes connected after "
+                    f"{time.monotonic() - start:.0f} s; waiting for the others (up to {timeout_s:g} s): start them, "
+                    "or read their logs"
+                )
         if expected and num != expected:
             raise ConfigError(
                 f"num-clients = {expected} but the federation has {num} SuperNodes; "
@@ -178,6 +187,18 @@ class Federation:
         nodes = self.group(list(args))
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(nodes)))) as pool:
             return {pid: arrays for answered in pool.map(ask, nodes) for pid, arrays in answered.items()}
+
+
+def wait_for_nodes(client_manager: ClientManager, count: int, timeout_s: float, poll_s: float = 0.2) -> bool:
+    """Wait until ``count`` nodes are connected, or ``timeout_s``. Not Flower's ``wait_for``: Flower's server
+    learns of new nodes only every 5 s by itself (its compat client manager), but at once when asked for
+    ``all()``, which it wraps to look first; ``wait_for`` alone cost every run 5 s before its first round."""
+    deadline = time.monotonic() + timeout_s
+    while len(client_manager.all()) < count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def _ask_partitions(proxies: list[ClientProxy]) -> list[tuple[ClientProxy, dict]]:

@@ -22,7 +22,7 @@ from . import routing
 from .checkpointing import Checkpointer
 from .federation import Federation
 from .recording import eval_record, round_record
-from .updates import ClientUpdate, count_problem, known_size, screen_evaluations, update_problem
+from .updates import ClientUpdate, byte_budget, count_problem, known_size, screen_evaluations, update_problem
 
 
 class FlowerStrategy(Strategy):
@@ -96,7 +96,7 @@ class FlowerStrategy(Strategy):
         return instructions
 
     def aggregate_fit(self, server_round: int, results: list, failures: list):
-        answers = routing.fit_answers(self.federation, results)
+        answers = routing.fit_answers(self.federation, results, byte_budget(self.update_spec, self.update_dtypes))
         errors = [routing.describe_failure(self.federation, f) for f in failures]
         for error in errors:
             self.recorder.progress.emit("warning", f"round {server_round}: a client failed: {error}")
@@ -202,8 +202,8 @@ class FlowerStrategy(Strategy):
         return server_round % self.cfg["eval-every"] == 0 or server_round == self.cfg["num-rounds"]
 
     def end_round(self, server_round: int) -> None:
-        if self.latest is not None and self.checkpointer.due(server_round):
-            self.checkpointer.save(server_round, self.latest, self.checkpoint_state())
+        if self.latest is not None:
+            self.checkpointer.round_completed(server_round, self.latest, self.checkpoint_state())
 
     def _screen(self, server_round: int, answers: list[routing.Answer]) -> tuple[list[ClientUpdate], list[dict]]:
         """Updates that may be averaged in, and the rejected ones with their reason."""
@@ -225,7 +225,7 @@ class FlowerStrategy(Strategy):
         return accepted, rejected
 
     def _discover(self, client_manager: ClientManager) -> None:
-        self.federation.discover(client_manager)
+        self.federation.discover(client_manager, say=lambda text: self.recorder.progress.emit("waiting", text))
         num = len(self.federation.clients_by_pid)
         self.cfg["num-clients"] = self.recorder.cfg["num-clients"] = num
         try:

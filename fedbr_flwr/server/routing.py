@@ -58,15 +58,12 @@ def messages(
     return out
 
 
-def fit_answers(federation: Federation, results: list) -> list[Answer]:
-    """Every client's answer in the fit results, in partition order."""
+def fit_answers(federation: Federation, results: list, max_bytes: int | None = None) -> list[Answer]:
+    """Every client's answer in the fit results, in partition order. A reply over ``max_bytes`` per client it
+    carries is refused unread (its arrays are not decoded)."""
     answers = []
     for proxy, res in results:
-        try:
-            arrays = payload.from_parameters(res.parameters)
-            problem = None
-        except payload.PayloadError as exc:
-            arrays, problem = {}, f"not a named payload: {exc}"
+        arrays, problem = read_arrays(res.parameters, max_bytes, len(federation.members_by_cid.get(proxy.cid, [0])))
         node = reported_node(res.metrics.get(NODE))
         if federation.is_cohort(proxy):
             _, own_arrays = cohort.by_member(arrays)
@@ -80,6 +77,18 @@ def fit_answers(federation: Federation, results: list) -> list[Answer]:
             pid = federation.pid_of(proxy, res.metrics)
             answers.append(Answer(pid, arrays, res.num_examples, metrics, problem, node))
     return sorted(answers, key=lambda a: a.pid)  # a fixed order keeps float sums, and so runs, repeatable
+
+
+def read_arrays(parameters: Parameters, max_bytes: int | None, clients: int) -> tuple[payload.Named, str | None]:
+    """A reply's arrays by name, or why they were not read: over the byte budget of its ``clients``, or not a
+    named payload."""
+    size = payload.nbytes(parameters)
+    if max_bytes is not None and size > max_bytes * clients:
+        return {}, f"{size} bytes, over the budget of {max_bytes * clients} (twice the update's size): not read"
+    try:
+        return payload.from_parameters(parameters), None
+    except payload.PayloadError as exc:
+        return {}, f"not a named payload: {exc}"
 
 
 def placement(answers: list[Answer]) -> dict[str, list[int]]:

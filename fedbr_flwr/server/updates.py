@@ -50,6 +50,14 @@ def named_mean(named: Sequence[Mapping[str, np.ndarray]], weights: list[float], 
     return dict(zip(names, weighted_mean([[arrays[n] for n in names] for arrays in named], weights)))
 
 
+def byte_budget(spec: Mapping[str, tuple[int, ...]] | None, dtypes: Mapping[str, np.dtype] | None) -> int | None:
+    """The most bytes one client's update may take on the wire before the server reads it: twice the arrays
+    it must return (names and headers fit in the extra MiB); None before the first round sets the spec."""
+    if spec is None or dtypes is None:
+        return None
+    return 2 * sum(math.prod(shape) * np.dtype(dtypes[name]).itemsize for name, shape in spec.items()) + 2**20
+
+
 NUMERIC_KINDS = "biuf"  # bool, integer, unsigned, float: what an array in an update may hold at all
 
 
