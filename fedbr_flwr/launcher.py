@@ -312,17 +312,18 @@ def follow_run(
     return run_id, proc.returncode, finished.is_set()
 
 
-def stop_when_finished(proc: subprocess.Popen, finished: threading.Event, grace_s: float = 1.0) -> None:
+def stop_when_finished(proc: subprocess.Popen, finished: threading.Event, grace_s: float = 0.25) -> None:
     """Once the ServerApp has written its last event, give Flower ``grace_s`` to stream its last log lines,
-    then stop ``flwr run`` instead of waiting for Flower's orderly shut-down of the simulation (seconds of
-    Ray shutting down, then ``flwr ls``): the caller stops the SuperLink and everything under it."""
+    then stop the simulation process (or ``flwr run``) and all it started instead of waiting for Flower's
+    orderly shut-down of the simulation (seconds of Ray shutting down; under a SuperLink then ``flwr ls``):
+    every run file is complete by then."""
     while not finished.wait(0.5):
         if proc.poll() is not None:  # ended without the event (a failed run): nothing to stop
             return
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        stop_tree(proc, grace_s=1.0)
+        stop_tree(proc, grace_s=0.5)
 
 
 def _print(text: str) -> None:
