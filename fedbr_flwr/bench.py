@@ -5,7 +5,7 @@ both engines (``engine=clients``: a Flower node per client; ``engine=cohort``: a
     fedbr-bench --suite                          # FedAvg, FedBR, DisTrans on the three shapes below
     fedbr-bench --scale                          # 100 clients at 10%, 1000 at 1%, engine=cohort
     fedbr-bench --startup 3                      # where a whole fedbr-run's seconds go, per phase
-    fedbr-bench --sweep-startup 2                # the fixed seconds of each run of a 3-run sweep
+    fedbr-bench --sweep-startup 2                # the fixed seconds of each run of a 4-run sweep
     fedbr-bench --suite num-clients=10 local-steps=50 precision=bf16   # the paper's round, on a GPU
     fedbr-bench experiments/fedavg_rotmnist5k.yaml --rounds 3          # one config
     fedbr-bench --step batch-size=64                # one FedBR / DisTrans local step / one FedAvg step
@@ -610,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sweep-startup",
         type=int,
         metavar="N",
-        help="N 3-run fedbr-sweeps of that workload on one Ray runtime and with --isolated, interleaved: the "
+        help="N 4-run fedbr-sweeps of that workload on one Ray runtime and with --isolated, interleaved: the "
         "fixed seconds (start-up, shut-down) of the first and the later runs",
     )
     return parser

@@ -199,7 +199,10 @@ def simulate_run(cfg: dict, num_supernodes: int, out_dir: Path, address: str | N
     command = [sys.executable, "-m", "fedbr_flwr.simulation", str(run_config), str(run_id), str(num_supernodes)]
     command += [str(cfg["client-cpus"]), str(cfg["client-gpus"])]
     try:
-        _, code, finished = follow_run(command, env, out_dir, echo, True, bool(cfg.get("resume")), own_session=True)
+        # Ray's orderly shut-down takes seconds: stop the process shortly after the run files are complete
+        _, code, finished = follow_run(
+            command, env, out_dir, echo, True, bool(cfg.get("resume")), own_session=True, finish_grace_s=0.25
+        )
     finally:
         shutil.rmtree(flwr_home, ignore_errors=True)
         watchdog.unwatch_path(flwr_home)
@@ -264,6 +267,7 @@ def follow_run(
     end_at_summary: bool,
     append: bool,
     own_session: bool = False,
+    finish_grace_s: float = 1.0,
 ) -> tuple[int | None, int | None, bool]:
     """Run ``command`` (which starts a Flower run) with its output in ``out_dir/flower.log`` (``append``: on
     resume) and, per ``echo``, on the console or as the run's progress events; with ``end_at_summary``, stop it
@@ -292,7 +296,7 @@ def follow_run(
             write = _print if echo == "progress" else None
             follow = Follower(out_dir / PROGRESS_FILE, write, on_event=mark_finished if end_at_summary else None)
         if end_at_summary:
-            threading.Thread(target=stop_when_finished, args=(proc, finished), daemon=True).start()
+            threading.Thread(target=stop_when_finished, args=(proc, finished, finish_grace_s), daemon=True).start()
         try:
             with follow:
                 assert proc.stdout is not None  # started with stdout=PIPE
@@ -312,11 +316,12 @@ def follow_run(
     return run_id, proc.returncode, finished.is_set()
 
 
-def stop_when_finished(proc: subprocess.Popen, finished: threading.Event, grace_s: float = 0.25) -> None:
-    """Once the ServerApp has written its last event, give Flower ``grace_s`` to stream its last log lines,
-    then stop the simulation process (or ``flwr run``) and all it started instead of waiting for Flower's
-    orderly shut-down of the simulation (seconds of Ray shutting down; under a SuperLink then ``flwr ls``):
-    every run file is complete by then."""
+def stop_when_finished(proc: subprocess.Popen, finished: threading.Event, grace_s: float = 1.0) -> None:
+    """Once the ServerApp has written its last event, give Flower ``grace_s`` to end by itself (``flwr run``
+    ends once the SuperLink marks the run finished; a SuperLink whose run was cut off takes seconds to stop),
+    then stop the process and all it started instead of waiting for Flower's orderly shut-down of the
+    simulation (seconds of Ray shutting down; under a SuperLink then ``flwr ls``): every run file is
+    complete by then."""
     while not finished.wait(0.5):
         if proc.poll() is not None:  # ended without the event (a failed run): nothing to stop
             return

@@ -141,7 +141,7 @@ def ratios_line(medians: dict[str, dict[str, float]], variants: Sequence[str]) -
     return "\nagainst the bare loop: " + "; ".join(parts)
 
 
-SWEEP_FILE = "sweep:\n  seeds: [0, 1, 2]\n  runs:\n    workload: {}\n"
+SWEEP_FILE = "sweep:\n  seeds: [0, 1, 2, 3]\n  runs:\n    workload: {}\n"
 SWEEP_MODES = {"one runtime (default)": [], "--isolated": ["--isolated"]}
 
 
@@ -164,9 +164,10 @@ def sweep_fixed_seconds(lines: list[tuple[float, str]]) -> list[dict[str, float]
 
 
 def sweep_main(items: Sequence[str], repeats: int, json_path: Path | None) -> int:
-    """A 3-run ``fedbr-sweep`` of the workload (seeds 0, 1, 2), on one Ray runtime (the default) and with
-    ``--isolated``, interleaved: the fixed seconds of each run."""
+    """A 4-run ``fedbr-sweep`` of the workload (seeds 0-3), on one Ray runtime (the default from 4 runs on)
+    and with ``--isolated``, interleaved: the fixed seconds of each run."""
     rows: dict[str, list[list[dict[str, float]]]] = {mode: [] for mode in SWEEP_MODES}
+    totals: dict[str, list[float]] = {mode: [] for mode in SWEEP_MODES}
     for i in range(repeats):
         for mode, flags in SWEEP_MODES.items():
             with tempfile.TemporaryDirectory(prefix="fedbr-startup-") as tmp:
@@ -175,27 +176,32 @@ def sweep_main(items: Sequence[str], repeats: int, json_path: Path | None) -> in
                 command += [*items, "--out", str(Path(tmp) / "out"), *flags]
                 lines, total, code = timed_lines(command)
                 runs = sweep_fixed_seconds(lines)
-                if code != 0 or len(runs) != 3:
+                if code != 0 or len(runs) != 4:
                     tail = "\n".join(text for _, text in lines[-20:])
                     print(f"fedbr-bench: error: sweep {mode} {i + 1} exited {code}:\n{tail}", file=sys.stderr)
                     return 1
                 rows[mode].append(runs)
+                totals[mode].append(total)
                 print(f"  sweep, {mode}, {i + 1}/{repeats}: {total:.1f} s", flush=True)
-    print(f"\nmedian seconds per run of a 3-run sweep over {repeats} sweep(s) of each mode, interleaved:\n")
-    print("| mode | run 1 start-up | run 1 shut-down | runs 2-3 start-up | runs 2-3 shut-down | runs 2-3 fixed |")
-    print("|---|---|---|---|---|---|")
-    medians = {}
+    print(f"\nmedian seconds per run of a 4-run sweep over {repeats} sweep(s) of each mode, interleaved:\n")
+    print(
+        "| mode | run 1 start-up | run 1 shut-down | runs 2-4 start-up | runs 2-4 shut-down | runs 2-4 fixed | "
+        "whole sweep |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    medians: dict[str, dict] = {}
     for mode, sweeps in rows.items():
         first = [s[0] for s in sweeps]
         later = [r for s in sweeps for r in s[1:]]
         medians[mode] = {
             "first": {k: statistics.median(r[k] for r in first) for k in first[0]},
             "later": {k: statistics.median(r[k] for r in later) for k in later[0]},
+            "whole sweep": statistics.median(totals[mode]),
         }
         f, rest = medians[mode]["first"], medians[mode]["later"]
         print(
             f"| {mode} | {f['start-up']:.2f} | {f['shut-down']:.2f} | {rest['start-up']:.2f} | "
-            f"{rest['shut-down']:.2f} | {rest['fixed']:.2f} |"
+            f"{rest['shut-down']:.2f} | {rest['fixed']:.2f} | {medians[mode]['whole sweep']:.1f} |"
         )
     if json_path:
         json_path.write_text(json.dumps({"workload": [*WORKLOAD, *items], "medians": medians, "runs": rows}, indent=2))

@@ -41,6 +41,7 @@ from .raycluster import Cluster, answers
 from .report import run_folder, write_comparison, write_report
 from .run_io import check_path_length
 
+SHARED_RUNTIME_FROM = 4  # runs; measured (fedbr-bench --sweep-startup): a joined run starts ~1.4 s sooner
 VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address")  # may differ between machines or sessions
 
 
@@ -151,11 +152,12 @@ def run_all(
 def shared_runtime(jobs: list[tuple[str, int, dict[str, Any]]]) -> Iterator[Cluster | None]:
     """One Ray runtime for the sweep's runs, started once: a private head node that each run joins as it would
     join a cluster (``fedbr_flwr.raycluster``), so that a run does not start and stop Ray of its own. None (each
-    run as configured) when fewer than two runs remain or the runs name a cluster of their own."""
+    run as configured) when fewer than ``SHARED_RUNTIME_FROM`` runs remain (the head's start costs more than
+    it saves) or the runs name a cluster of their own."""
     from .raycluster import describe, private_cluster, requested_address
 
     to_run = [cfg for _, _, cfg in jobs if not (Path(cfg["output-dir"]) / "summary.json").exists()]
-    if len(to_run) < 2 or any(requested_address(cfg["ray-address"]) for cfg in to_run):
+    if len(to_run) < SHARED_RUNTIME_FROM or any(requested_address(cfg["ray-address"]) for cfg in to_run):
         yield None
         return
     import torch

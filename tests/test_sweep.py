@@ -129,10 +129,11 @@ def test_a_sweep_runs_each_job_in_order_then_keeps_them(tmp_path, capsys, monkey
 
 
 @pytest.mark.e2e
-def test_a_real_sweep_runs_each_job_on_one_runtime_then_keeps_them(tmp_path, capsys):
+def test_a_real_sweep_runs_each_job_on_one_runtime_then_keeps_them(tmp_path, capsys, monkeypatch):
     """Two real jobs (each one Flower run; the loop over more: test_a_sweep_runs_each_job_in_order_then_keeps_them)
     join the one Ray runtime the sweep started and finish; run again, both are found finished with the same
     settings and kept."""
+    monkeypatch.setattr(sweep, "SHARED_RUNTIME_FROM", 2)  # the default shares it from 4 runs on
     path = write(tmp_path, SWEEP.replace("[0, 1]", "[0]"))
     out = tmp_path / "out"
     assert sweep.main([path, "--out", str(out), "--quiet"]) == 0
