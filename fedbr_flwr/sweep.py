@@ -41,7 +41,7 @@ from .raycluster import Cluster, answers
 from .report import run_folder, write_comparison, write_report
 from .run_io import check_path_length
 
-SHARED_RUNTIME_FROM = 4  # runs; measured (fedbr-bench --sweep-startup): a joined run starts ~1.4 s sooner
+SHARED_RUNTIME_FROM = 4  # runs; a joined run starts 0.5-1.4 s sooner (docs/benchmarks.md), the head costs more
 VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address")  # may differ between machines or sessions
 
 
@@ -188,8 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--isolated",
         action="store_true",
-        help="each run starts and stops a Ray runtime of its own (slower: by default the runs join one the sweep "
-        "starts)",
+        help="each run starts and stops a Ray runtime of its own (by default, from 4 runs on, the runs join one "
+        "the sweep starts)",
     )
     parser.add_argument(
         "--report",

@@ -63,7 +63,8 @@ def fit_answers(federation: Federation, results: list, max_bytes: int | None = N
     carries is refused unread (its arrays are not decoded)."""
     answers = []
     for proxy, res in results:
-        arrays, problem = read_arrays(res.parameters, max_bytes, len(federation.members_by_cid.get(proxy.cid, [0])))
+        clients = len(federation.members_by_cid[proxy.cid]) if federation.is_cohort(proxy) else 1
+        arrays, problem = read_arrays(res.parameters, max_bytes, clients)
         node = reported_node(res.metrics.get(NODE))
         if federation.is_cohort(proxy):
             _, own_arrays = cohort.by_member(arrays)
