@@ -429,3 +429,34 @@ def test_an_expired_or_not_yet_valid_certificate_is_warned_about(tmp_path, capsy
     assert deploy._certs_arg(args, server=True) == certs.resolve()
     err = capsys.readouterr().err
     assert "fedbr-deploy: warning: ca.crt expired" in err and "fedbr-deploy: warning: server.pem expired" in err
+
+
+@pytest.mark.e2e
+def test_a_tampering_supernode_of_a_real_deployment_is_refused_and_the_run_completes(tmp_path, monkeypatch):
+    """Three SuperNodes on 127.0.0.1, the second one's worker tampering with every reply (int64 updates, an
+    accuracy of 5.0): each round refuses its update and its evaluation with the reason, averages the other two,
+    and the run completes."""
+    out = tmp_path / "run"
+    cfg = small_run(out, **{"num-clients": 3, "eval-every": 1})
+    hostile, honest = Path(__file__).with_name("hostile_worker.py"), deploy.worker_command
+
+    def worker_command(address):
+        return (
+            [sys.executable, str(hostile), "--address", str(address)]
+            if address.name == "worker-1.sock"
+            else honest(address)
+        )
+
+    monkeypatch.setattr(deploy, "worker_command", worker_command)
+    with deploy.local_deployment(out, 3) as dep:
+        assert str(hostile) in " ".join(dep.commands["worker-1"])
+        submit_run(cfg, dep.env, deploy.CONNECTION, out, echo="none")
+    rounds, evals = read_jsonl(out / "rounds.jsonl"), read_jsonl(out / "metrics.jsonl")
+    assert [r["round"] for r in rounds] == [1, 2] and [e["round"] for e in evals] == [1, 2]
+    for record in rounds:
+        assert [r["partition"] for r in record["rejected"]] == [1] and record["clients"] == 2
+        assert "has dtype int64, expected float32" in record["rejected"][0]["reason"]
+    for record in evals:
+        assert [r["partition"] for r in record["eval_rejected"]] == [1] and record["clients_evaluated"] == 2
+        assert "reports accuracy 5.0, outside [0, 1]" in record["eval_rejected"][0]["reason"]
+        assert 0 <= record["mean_acc"] <= 1
