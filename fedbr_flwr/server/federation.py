@@ -190,9 +190,9 @@ class Federation:
 
 
 def wait_for_nodes(client_manager: ClientManager, count: int, timeout_s: float, poll_s: float = 0.2) -> bool:
-    """Wait until ``count`` nodes are connected, or ``timeout_s``. Not Flower's ``wait_for``: Flower's server
-    learns of new nodes only every 5 s by itself (its compat client manager), but at once when asked for
-    ``all()``, which it wraps to look first; ``wait_for`` alone cost every run 5 s before its first round."""
+    """Wait until ``count`` nodes are connected, or ``timeout_s``; whether they are. Not Flower's ``wait_for``:
+    Flower's compat client manager registers new nodes every 5 s by itself, but at once when asked for
+    ``all()`` (which it wraps to look first), so a node that connects late is seen at once."""
     deadline = time.monotonic() + timeout_s
     while len(client_manager.all()) < count:
         if time.monotonic() > deadline:
