@@ -361,6 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunFailed as exc:
         print(f"fedbr-run: error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # the run folder's disk filled up (or went away) while the run wrote to it
+        print(f"fedbr-run: error: the run stopped: cannot write to {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(
             f"fedbr-run: interrupted; Flower processes stopped; partial run files in {out} (continue with "

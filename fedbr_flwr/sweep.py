@@ -144,6 +144,8 @@ def run_all(
                 status[(name, seed)] = f"failed: {problem}" if problem else "ok"
             except (RunFailed, ConfigError) as exc:
                 status[(name, seed)] = f"failed: {exc}"
+            except OSError as exc:  # its folder's disk filled up, say: the next runs may still fit elsewhere
+                status[(name, seed)] = f"failed: cannot write to {cfg['output-dir']}: {exc.strerror or exc}"
             print(f"fedbr-sweep: {label}: {status[(name, seed)]}", flush=True)
     return status
 

@@ -257,3 +257,25 @@ def test_an_unexpected_server_error_checkpoints_the_last_finished_round_and_resu
     for name in ("rounds.jsonl", "metrics.jsonl"):
         assert records_without_timing(out / name) == records_without_timing(tmp_path / "whole" / name), name
     assert [r["round"] for r in records_without_timing(out / "rounds.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_disk_that_fills_up_during_a_run_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch):
+    """fedbr-run's own writes (flower.log, run_config.toml) failing with ENOSPC mid-run: one line naming the
+    folder, exit 1, no traceback; in a sweep the run is failed with that reason and the sweep goes on."""
+    import errno
+
+    from fedbr_flwr import launcher, sweep
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(launcher, "simulate_run", disk_full)
+    out = tmp_path / "run"
+    assert cli.main(["num-clients=2", "num-rounds=1", f"output-dir={out}", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"fedbr-run: error: the run stopped: cannot write to {out}: No space left on device\n"
+    cfg = validate({"num-rounds": 1, "num-clients": 2, "output-dir": str(tmp_path / "s")})
+    status = sweep.run_all([("fedavg", 0, cfg), ("fedavg", 1, {**cfg, "seed": 1})], quiet=True)
+    assert all(
+        v.endswith("No space left on device") and v.startswith("failed: cannot write to") for v in status.values()
+    )
