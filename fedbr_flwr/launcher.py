@@ -47,9 +47,11 @@ def descendants(pid: int) -> list[int]:
     return sorted(watchdog.with_descendants({pid}, watchdog.proc_table()) - {pid})
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid``, its descendants, and the members of sessions they lead (whose parent may have died first)."""
-    return [pid, *sorted(watchdog.with_sessions({pid}, watchdog.proc_table()) - {pid})]
+def process_tree(pid: int, table: dict[int, tuple[int, int, int]] | None = None) -> list[int]:
+    """``pid``, its descendants, and the members of sessions they lead (whose parent may have died first), in
+    ``table`` (``watchdog.proc_table``; read now when not given)."""
+    table = watchdog.proc_table() if table is None else table
+    return [pid, *sorted(watchdog.with_sessions({pid}, table) - {pid})]
 
 
 def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -57,7 +59,7 @@ def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     sessions its descendants lead, whose parent may have died first), then SIGKILL whatever of them is still
     alive after ``grace_s``, with whatever they started meanwhile, until none is left."""
     table = watchdog.proc_table()
-    pids = process_tree(proc.pid)
+    pids = process_tree(proc.pid, table)
     roots = {pid: (table[pid][2], table[pid][1] == pid) for pid in pids if pid in table}  # start time, leader
     for pid in pids:
         try:

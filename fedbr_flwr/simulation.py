@@ -4,7 +4,7 @@ entry point with the same ServerApp, ClientApp, run config and Ray backend, but 
 bundle and the processes between them, which cost seconds per run (docs/benchmarks.md).
 
 Flower's public ``run_simulation`` cannot take a run config; its private ``_run_simulation``, which
-``flwr-simulation`` itself calls, can. flwr is pinned (pyproject.toml) and a fast test runs this path.
+``flwr-simulation`` itself calls, can. flwr is pinned (pyproject.toml) and the end-to-end tests run this path.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 SERVER_APP = "fedbr_flwr.server_app:app"
 CLIENT_APP = "fedbr_flwr.client_app:app"
-STARTED = "fedbr simulation: run {} started"  # the launcher reads the run id from this line
+STARTED = "fedbr simulation: run {} started"  # the process is up (fedbr-bench --startup times it by this line)
 
 
 def ray_init_args(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, Any]:

@@ -60,6 +60,13 @@ def timed_lines(command: list[str]) -> tuple[list[tuple[float, str]], float, int
     return lines, time.perf_counter() - start, code
 
 
+def failed(label: str, code: int, lines: list[tuple[float, str]]) -> int:
+    """Say that a timed process failed, with the last lines it printed; the exit code for fedbr-bench."""
+    tail = "\n".join(text for _, text in lines[-20:])
+    print(f"fedbr-bench: error: {label} exited {code}:\n{tail}", file=sys.stderr)
+    return 1
+
+
 def phases(lines: list[tuple[float, str]], total: float) -> dict[str, float]:
     """Seconds of each phase of one run, from its stamped lines (a milestone not seen: the phase is absent)."""
     out, last = {}, 0.0
@@ -101,9 +108,7 @@ def startup_main(items: Sequence[str], repeats: int, variants: Sequence[str], js
                 out = Path(tmp) / "run"
                 lines, total, code = timed_lines(variant_command(variant, items, out))
                 if code != 0:
-                    tail = "\n".join(text for _, text in lines[-20:])
-                    print(f"fedbr-bench: error: {variant} run {i + 1} exited {code}:\n{tail}", file=sys.stderr)
-                    return 1
+                    return failed(f"{variant} run {i + 1}", code, lines)
                 row = {**phases(lines, total), "whole process": total, "per round, steady": steady_round_seconds(out)}
                 rows[variant].append(row)
                 print(f"  {variant} run {i + 1}/{repeats}: {total:.1f} s", flush=True)
@@ -177,9 +182,7 @@ def sweep_main(items: Sequence[str], repeats: int, json_path: Path | None) -> in
                 lines, total, code = timed_lines(command)
                 runs = sweep_fixed_seconds(lines)
                 if code != 0 or len(runs) != 4:
-                    tail = "\n".join(text for _, text in lines[-20:])
-                    print(f"fedbr-bench: error: sweep {mode} {i + 1} exited {code}:\n{tail}", file=sys.stderr)
-                    return 1
+                    return failed(f"sweep {mode} {i + 1}", code, lines)
                 rows[mode].append(runs)
                 totals[mode].append(total)
                 print(f"  sweep, {mode}, {i + 1}/{repeats}: {total:.1f} s", flush=True)

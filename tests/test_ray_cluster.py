@@ -163,13 +163,9 @@ def two_nodes():
     try:
         nodes.append(start_node(["--head", f"--port={port}", "--include-dashboard=false"], temp / "head.log"))
         deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert nodes[0].poll() is None, (temp / "head.log").read_text()[-2000:]
-                time.sleep(0.5)
+        while time.time() < deadline and not raycluster.answers(address):
+            assert nodes[0].poll() is None, (temp / "head.log").read_text()[-2000:]
+            time.sleep(0.5)
         nodes.append(start_node([f"--address={address}"], temp / "node.log"))
         deadline = time.time() + 90
         while len(ids := alive_nodes(address)) < 2:
