@@ -5,7 +5,7 @@ both engines (``engine=clients``: a Flower node per client; ``engine=cohort``: a
     fedbr-bench --suite                          # FedAvg, FedBR, DisTrans on the three shapes below
     fedbr-bench --scale                          # 100 clients at 10%, 1000 at 1%, engine=cohort
     fedbr-bench --startup 3                      # where a whole fedbr-run's seconds go, per phase
-    fedbr-bench --sweep-startup 2                # the fixed seconds of each run of a 4-run sweep
+    fedbr-bench --sweep-startup 2                # the fixed seconds of each run of a 3-run sweep
     fedbr-bench --suite num-clients=10 local-steps=50 precision=bf16   # the paper's round, on a GPU
     fedbr-bench experiments/fedavg_rotmnist5k.yaml --rounds 3          # one config
     fedbr-bench --step batch-size=64                # one FedBR / DisTrans local step / one FedAvg step
@@ -602,7 +602,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--startup",
         type=int,
         metavar="N",
-        help="N whole processes per variant (fedbr-run per engine, with --superlink, the bare loop), interleaved, "
+        help="N whole processes per variant (fedbr-run per engine, with --superlink, the bare loop, pfl-research "
+        "where it is installed), interleaved, "
         "on a fixed workload (the items apply on top): seconds per phase, from the command's start to its end "
         "(fedbr_flwr/startup.py)",
     )
@@ -610,8 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--sweep-startup",
         type=int,
         metavar="N",
-        help="N 4-run fedbr-sweeps of that workload on one Ray runtime and with --isolated, interleaved: the "
-        "fixed seconds (start-up, shut-down) of the first and the later runs",
+        help="N 3-run fedbr-sweeps of that workload in one simulation process (the default) and with --isolated, "
+        "interleaved: the fixed seconds (start-up, shut-down) of the first and the later runs",
     )
     return parser
 
@@ -644,10 +645,10 @@ def run_mode(args: argparse.Namespace, threads: int) -> int:
         build_config(args.items)
         return sweep_main(args.items, args.sweep_startup, args.json)
     if args.startup:
-        from .startup import VARIANTS, startup_main
+        from .startup import default_variants, startup_main
 
         build_config(args.items)  # a bad key stops here, not in the first run
-        return startup_main(args.items, args.startup, list(VARIANTS), args.json)
+        return startup_main(args.items, args.startup, default_variants(), args.json)
     cfg = size_resources(build_config(args.items), torch.cuda.is_available(), threads)
     if args.step:  # reads no files (synthetic inputs of the dataset's shapes)
         return step_main(cfg, args.steps, threads, args.json)

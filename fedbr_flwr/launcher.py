@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -25,7 +26,7 @@ from . import runlock, watchdog
 from .config import to_toml
 from .errors import ConfigError
 from .progress import PROGRESS_FILE, SUMMARY_EVENT, Follower
-from .raycluster import ray_environment, requested_address
+from .raycluster import log_tail, ray_environment, requested_address
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 SUPERLINK_START_TIMEOUT_S = 60
@@ -174,11 +175,14 @@ def run_flower(
     project_dir: Path = PROJECT_DIR,
     echo: str = "progress",
     superlink: bool = False,
+    host: "RunHost | None" = None,
 ) -> dict:
     """Run the app with ``cfg`` as a Flower simulation of ``num_supernodes`` nodes and wait for it: in one
     simulation process (``fedbr_flwr.simulation``: Flower's simulation entry point, as ``flwr run`` would start
     it), or with ``superlink``, through ``flwr run`` on a fresh local simulation SuperLink. Returns the run's
-    final status record; raises RunFailed when the run did not complete. ``echo``: see ``submit_run``."""
+    final status record; raises RunFailed when the run did not complete. ``echo``: see ``submit_run``.
+    ``host``: a simulation process that runs one run after another (``RunHost``, on the Ray runtime it was
+    started for), used instead of a new process (not with ``superlink`` or ``echo="all"``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     address = requested_address(cfg["ray-address"])
     if superlink:
@@ -188,6 +192,8 @@ def run_flower(
                 cfg, env, "local", out_dir, project_dir, echo, ["--federation-config", fed], end_at_summary=True
             )
     with runlock.hold(out_dir):
+        if host is not None and host.address == address and echo != "all":
+            return host.run(cfg, num_supernodes, out_dir, echo)
         return simulate_run(cfg, num_supernodes, out_dir, address, echo)
 
 
@@ -212,6 +218,127 @@ def simulate_run(cfg: dict, num_supernodes: int, out_dir: Path, address: str | N
     if not finished and code != 0:
         raise RunFailed(f"run {run_id} ended as 'finished:failed'{last_error(log_path)}; see {log_path}")
     return {"run-id": run_id, "status": "finished:completed"}
+
+
+class RunHost:
+    """One simulation process that runs one run after another (``python -m fedbr_flwr.simulation --serve``), on
+    one Ray runtime (private, or the cluster at ``address``): a later run finds torch imported, Ray up and the
+    client processes of the run before (``fedbr_flwr.simulation.keep_actors_between_runs``), so it starts in
+    well under a second instead of paying the process, Ray and import start-up again (docs/benchmarks.md).
+    A run that fails ends the process, and the next run starts a new one. ``with RunHost(...) as host:``;
+    its exit stops the process and all it started, as for a run of its own."""
+
+    def __init__(self, address: str | None = None):
+        self.address = address
+        self.proc: subprocess.Popen | None = None
+        self.replies: queue.Queue[dict | None] = queue.Queue()
+        self.home: Path | None = None
+
+    def __enter__(self) -> "RunHost":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            stop_tree(self.proc, grace_s=0.5)  # every run file is complete: no need for Ray's orderly stop
+            self.proc = None
+        if self.home is not None:
+            shutil.rmtree(self.home, ignore_errors=True)
+            watchdog.unwatch_path(self.home)
+            self.home = None
+
+    def _start(self) -> None:
+        self.close()
+        self.home = watchdog.temp_dir("fedbr-flwr-home-")  # Flower writes nothing outside it
+        env = {**flower_env(self.home), **ray_environment(self.address)}
+        self.replies = queue.Queue()
+        with open(self.home / "host.log", "w") as err:
+            self.proc = watchdog.spawn(
+                [sys.executable, "-m", "fedbr_flwr.simulation", "--serve"],
+                env=env,
+                cwd=self.home,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                bufsize=1,
+                start_new_session=True,
+            )
+        threading.Thread(target=self._read_replies, args=(self.proc, self.replies), daemon=True).start()
+
+    @staticmethod
+    def _read_replies(proc: subprocess.Popen, replies: queue.Queue) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            with contextlib.suppress(json.JSONDecodeError):
+                replies.put(json.loads(line))
+        replies.put(None)  # the process has ended
+
+    def run(self, cfg: dict, num_supernodes: int, out_dir: Path, echo: str) -> dict:
+        """``simulate_run`` in this host: the run's output in ``out_dir/flower.log``, its progress followed as
+        there; returns once the run's last event is written (the host finishes Flower's part meanwhile)."""
+        for _ in range(2):  # the host may have ended after the run before: then once more, in a new one
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            run_id = secrets.randbits(62)
+            request = {
+                "run-config": str(write_run_config(cfg, out_dir)),
+                "run-id": run_id,
+                "supernodes": num_supernodes,
+                "cpus": cfg["client-cpus"],
+                "gpus": cfg["client-gpus"],
+                "log": str(out_dir / "flower.log"),
+                "append": bool(cfg.get("resume")),
+                "cwd": str(out_dir),
+            }
+            started, result = self._run_once(request, out_dir, echo)
+            if started:
+                return result
+        assert self.home is not None
+        raise RunFailed(f"the simulation process ended before the run started: {log_tail(self.home / 'host.log')}")
+
+    def _run_once(self, request: dict, out_dir: Path, echo: str) -> tuple[bool, dict]:
+        assert self.proc is not None and self.proc.stdin is not None
+        run_id, finished, started = request["run-id"], threading.Event(), False
+
+        def mark_finished(event: dict) -> None:
+            if event.get("kind") == SUMMARY_EVENT:
+                finished.set()
+
+        with Follower(out_dir / PROGRESS_FILE, _print if echo == "progress" else None, on_event=mark_finished):
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+            except OSError:  # the host has ended; its end is also in the replies
+                pass
+            reply: dict | None = {}
+            while not finished.is_set():
+                with contextlib.suppress(queue.Empty):
+                    reply = self.replies.get(timeout=0.1)
+                    if reply is None:
+                        break
+                    if reply.get("run-id") != run_id:
+                        continue  # the run before's answer, given after its last event
+                    started = started or bool(reply.get("started"))
+                    if "ok" in reply:
+                        break
+        if finished.is_set():
+            return True, {"run-id": run_id, "status": "finished:completed"}
+        if not started:
+            return False, {}
+        log_path = out_dir / "flower.log"
+        if reply and reply.get("ok"):
+            raise RunFailed(f"run {run_id} ended without its last event; see {log_path}")
+        if reply is None:
+            code = self.proc.wait()
+            raise RunFailed(
+                f"run {run_id}: the simulation process exited with code {code}{last_error(log_path)}; see {log_path}"
+            )
+        raise RunFailed(
+            f"run {run_id} ended as 'finished:failed': {reply.get('error') or last_error(log_path)}; see {log_path}"
+        )
 
 
 def write_run_config(cfg: dict, out_dir: Path) -> Path:

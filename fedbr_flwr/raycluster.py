@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
-import subprocess
 import sys
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Mapping
 
 from .errors import ConfigError, quoted
 
@@ -106,45 +102,6 @@ def describe(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Cluster:
     if not nodes or not max(cpus):
         raise ConfigError(f"ray-address = {quoted(address)}: the Ray cluster at {resolved} has no node with a CPU")
     return Cluster(resolved, len(nodes), sum(cpus), gpus, max(cpus))
-
-
-@contextmanager
-def private_cluster(cpus: int, gpus: int, start_timeout_s: float = 60.0) -> Iterator[str]:
-    """A Ray head node of this command's own (``ray start --head --block`` on a free port, in a temporary
-    folder, so that nothing else finds it), with ``cpus`` cores and ``gpus`` GPUs; yields its address for runs
-    to join, and stops it with all its processes on exit. The watchdog stops it too if this command dies."""
-    from . import watchdog
-    from .launcher import free_port, stop_tree
-
-    temp = watchdog.temp_dir("fedbr-ray-")
-    port = free_port()
-    ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
-    command = [ray, "start", "--head", "--block", f"--port={port}", f"--num-cpus={cpus}", f"--num-gpus={gpus}"]
-    command += [
-        "--node-ip-address=127.0.0.1",
-        "--include-dashboard=false",
-        "--disable-usage-stats",
-        f"--temp-dir={temp}",
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    log = temp / "ray-start.log"
-    with open(log, "w") as out:
-        proc = watchdog.spawn(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + start_timeout_s
-        while not (answers(address) and RAY_STARTED in log_tail(log, 100_000)):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise ConfigError(f"could not start a Ray runtime (`ray start --head`): {log_tail(log)}")
-            time.sleep(0.2)
-        yield address
-    finally:
-        stop_tree(proc, grace_s=0.5)  # nothing to keep: no need to wait for Ray's orderly stop
-        shutil.rmtree(temp, ignore_errors=True)
-        watchdog.unwatch_path(temp)
-
-
-RAY_STARTED = "Ray runtime started."  # what `ray start` prints once the node is up, before it blocks
 
 
 def answers(address: str) -> bool:

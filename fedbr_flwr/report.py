@@ -172,7 +172,8 @@ def plot_comparison(out: Path, names: list[str], seeds: list[int], path: Path, t
     format_accuracy_axes(ax_mean, "mean client", "local-test accuracy (%)")
     format_accuracy_axes(ax_worst, "worst client", "local-test accuracy (%)")
     handles, labels = ax_mean.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize="small", frameon=False)
+    if labels:  # no run finished: an empty plot, no legend
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize="small", frameon=False)
     fig.suptitle(title)
     rows_of_legend = -(-len(labels) // 5)
     fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 1))

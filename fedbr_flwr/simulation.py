@@ -1,24 +1,30 @@
-"""``python -m fedbr_flwr.simulation RUN_CONFIG RUN_ID NUM_SUPERNODES CPUS GPUS``: the app's Flower simulation
-in one process. It is what ``flwr run`` starts under a SuperLink (``flwr-simulation``): Flower's own simulation
-entry point with the same ServerApp, ClientApp, run config and Ray backend, but without the SuperLink, the app
-bundle and the processes between them, which cost seconds per run (docs/benchmarks.md).
+"""``python -m fedbr_flwr.simulation RUN_CONFIG RUN_ID NUM_SUPERNODES CPUS GPUS``: the app's Flower simulation in one
+process (``--serve``: one run after another, each asked for on stdin: ``serve``). It is what ``flwr run`` starts
+under a SuperLink (``flwr-simulation``): Flower's own simulation entry point with the same ServerApp, ClientApp, run
+config and Ray backend, but without the SuperLink, the app bundle and the processes between them, which cost seconds
+per run (docs/benchmarks.md).
 
 Flower's public ``run_simulation`` cannot take a run config; its private ``_run_simulation``, which
-``flwr-simulation`` itself calls, can. flwr is pinned (pyproject.toml) and the end-to-end tests run this path.
-"""
+``flwr-simulation`` itself calls, can. flwr is pinned (pyproject.toml) and the end-to-end tests run this path."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import queue
 import sys
 import threading
+import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import IO, Any, Iterator, Sequence
 
 SERVER_APP = "fedbr_flwr.server_app:app"
 CLIENT_APP = "fedbr_flwr.client_app:app"
-STARTED = "fedbr simulation: run {} started"  # the process is up (fedbr-bench --startup times it by this line)
+STARTED = (
+    "fedbr simulation: run {} started in process {}"  # the process is up (fedbr-bench --startup times it by this line)
+)
 
 
 def ray_init_args(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, Any]:
@@ -91,13 +97,157 @@ def simulate(run_config: dict[str, Any], run_id: int, supernodes: int, cpus: flo
     )
 
 
+def keep_actors_between_runs() -> None:
+    """Flower's Ray backend ends every run by terminating its actors (the client processes) and shutting Ray
+    down, so every run would start Ray and client processes, which import torch, again. In a process that
+    runs one run after another (``serve``), the backend's ``build`` reuses the previous run's actors when
+    they ask for the same resources and all answer, and its ``terminate`` leaves them and Ray up: the
+    process's exit ends both. The actors' client cache keys clients by run (``fedbr_flwr.node.ClientCache``),
+    so a run never sees another's clients."""
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    class ActorsKept(raybackend.RayBackend):
+        kept: Any = None  # the BasicActorPool of the run before
+
+        def build(self, app_fn) -> None:
+            kept = ActorsKept.kept
+            if kept is not None and kept.client_resources == self.client_resources and all_idle_and_alive(kept):
+                self.pool, self.app_fn = kept, app_fn
+                return
+            if kept is not None:
+                kept.terminate_all_actors()
+            super().build(app_fn)
+            ActorsKept.kept = self.pool
+
+        def terminate(self) -> None:
+            pass
+
+    raybackend.RayBackend = ActorsKept  # type: ignore[misc]  # Flower's simulation looks it up per run
+
+
+def all_idle_and_alive(pool: Any, timeout_s: float = 10.0) -> bool:
+    """Whether every actor of a Flower actor pool is back in it and answers."""
+    import ray
+
+    if len(pool.pool) != pool.num_actors or not pool.pool:
+        return False
+    try:
+        ray.get([actor.__ray_ready__.remote() for actor in pool.pool], timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - a dead actor, a lost node, a timeout: build new ones
+        return False
+    return True
+
+
+def output_to(log: Path, append: bool) -> None:
+    """From now on this process's stdout and stderr (Flower's log, Ray's forwarded worker output, a traceback)
+    go to ``log``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def serve(requests: IO[str], replies: IO[str]) -> int:
+    """Run the runs asked for on ``requests``, one JSON object per line (``run-config``, ``run-id``,
+    ``supernodes``, ``cpus``, ``gpus``, ``log``, ``append``, ``cwd``), one after another in this process, on
+    one Ray runtime and one set of client processes (``keep_actors_between_runs``); each run's output goes to
+    its ``log``. Answers ``{"run-id", "started": true}`` when a run starts and ``{"run-id", "ok", "error"}``
+    when Flower's part of it has ended. A run starts once the run before has ended or written its last event,
+    so that it starts while Flower ends the old one (whose threads poll for up to a second). After a run
+    that failed, the process ends (exit 1) instead of starting another: what a failure leaves behind (in Ray,
+    the actors, threads) is not trusted with the next run."""
+    keep_actors_between_runs()
+    start_ray()  # here: the processes Ray starts end with the thread that started them (Linux's parent-death signal)
+    failed = threading.Event()
+    runs: list[tuple[threading.Thread, Path]] = []
+    for line in lines_until(requests, failed):
+        if runs:
+            wait_for_last_event(*runs[-1])
+        if failed.is_set():
+            break
+        request = json.loads(line)
+        runs.append((threading.Thread(target=run_requested, args=(request, replies, failed)), Path(request["cwd"])))
+        runs[-1][0].start()
+    for run, _ in runs:
+        run.join()
+    return 1 if failed.is_set() else 0
+
+
+def lines_until(stream: IO[str], stop: threading.Event) -> Iterator[str]:
+    """The lines of ``stream`` until it ends or ``stop`` is set, whichever comes first."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    while not stop.is_set():
+        with contextlib.suppress(queue.Empty):
+            line = lines.get(timeout=0.1)
+            if line is None:
+                return
+            yield line
+
+
+def wait_for_last_event(run: threading.Thread, out_dir: Path) -> None:
+    """Until ``run`` has ended or written its last event (then only Flower's end of it goes on)."""
+    from .progress import PROGRESS_FILE, SUMMARY_EVENT, read_events
+
+    offset = 0
+    while run.is_alive():
+        events, offset = read_events(out_dir / PROGRESS_FILE, offset)
+        if any(e.get("kind") == SUMMARY_EVENT for e in events):
+            return
+        run.join(0.05)
+
+
+def run_requested(request: dict[str, Any], replies: IO[str], failed: threading.Event) -> None:
+    """One run of ``serve``."""
+    answer(replies, {"run-id": request["run-id"], "started": True})
+    output_to(Path(request["log"]), bool(request["append"]))
+    error = ""
+    try:
+        os.chdir(request["cwd"])
+        print(STARTED.format(request["run-id"], os.getpid()), flush=True)
+        simulate(
+            run_config_from(Path(request["run-config"])),
+            int(request["run-id"]),
+            int(request["supernodes"]),
+            float(request["cpus"]),
+            float(request["gpus"]),
+        )
+    except BaseException as exc:  # noqa: BLE001 - also Flower's sys.exit: say so, then end
+        traceback.print_exc()
+        sys.stderr.flush()
+        error = f"{type(exc).__name__}: {exc}"
+        failed.set()
+    answer(replies, {"run-id": request["run-id"], "ok": not error, "error": error})
+
+
+_answering = threading.Lock()
+
+
+def answer(replies: IO[str], reply: dict[str, Any]) -> None:
+    with _answering:
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args == ["--serve"]:
+        replies = os.fdopen(os.dup(1), "w")  # stdout itself goes to each run's log
+        os.dup2(2, 1)
+        return serve(sys.stdin, replies)
     if len(args) != 5:
         print(f"usage: {(__doc__ or '').split(':', 1)[0].strip('`')}", file=sys.stderr)
         return 2
     path, run_id, supernodes, cpus, gpus = args
-    print(STARTED.format(run_id), flush=True)
+    print(STARTED.format(run_id, os.getpid()), flush=True)
     simulate(run_config_from(Path(path)), int(run_id), int(supernodes), float(cpus), float(gpus))
     return 0
 

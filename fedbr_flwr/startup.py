@@ -9,6 +9,7 @@ variants are interleaved. Per phase it reports the median over repetitions."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 # The issue's workload: 10 clients, all every round, 20 rounds of 10 SGD steps of 32 at lr 0.02, the small
 # CNN, the embedded data, one evaluation at the end.
@@ -36,13 +37,13 @@ WORKLOAD = [
 
 # (phase, the line that ends it); a phase starts where the one before it ended (the first at the spawn)
 MILESTONES = (
-    ("command: imports, config, partition", re.compile(r"^(fedbr-run|bare loop): \S+ on ")),
+    ("command: imports, config, partition", re.compile(r"^(fedbr-run|bare loop|pfl-research): \S+ on ")),
     ("SuperLink up, `flwr run` connected", re.compile(r"Using SuperLink")),
     ("simulation process started", re.compile(r"Starting Flower Simulation|fedbr simulation: run \d+ started")),
     ("Ray started, ServerApp started", re.compile(r"Starting Flower ServerApp")),
-    ("client processes up, data loaded (discovery)", re.compile(r"\[(fedbr|bare)\] \d+ clients (found|built)")),
-    ("rounds", re.compile(r"\[(fedbr|bare)\] round (\d+)/\2 ")),
-    ("final evaluation, run files", re.compile(r"\[(fedbr\] run files in|bare\] evaluated) ")),
+    ("client processes up, data loaded (discovery)", re.compile(r"\[(fedbr|bare|pfl)\] \d+ clients (found|built)")),
+    ("rounds", re.compile(r"\[(fedbr|bare|pfl)\] round (\d+)/\2 ")),
+    ("final evaluation, run files", re.compile(r"\[(fedbr\] run files in|(bare|pfl)\] evaluated) ")),
 )
 SHUTDOWN = "shut-down (to the end of the command)"
 
@@ -85,19 +86,36 @@ def steady_round_seconds(out_dir: Path) -> float:
     return statistics.median(r["seconds"] for r in read_jsonl(out_dir / "rounds.jsonl") if r["round"] > 1)
 
 
+PFL = "pfl-research"  # the workload in pfl-research (fedbr_flwr/startup_pfl.py), where pfl is installed
+PFL_SKIPPED = (
+    "fedbr-bench: the pfl-research column is skipped: pfl is not installed "
+    "(pip install -e '.[pfl]', or pip install 'pfl[pytorch]==0.6.0')"
+)
+
+
+def default_variants(say: Callable[[str], object] = print) -> list[str]:
+    """The variants ``fedbr-bench --startup`` runs: every one of ``VARIANTS``, pfl-research only where pfl is
+    importable (else ``say`` says its column is skipped)."""
+    if importlib.util.find_spec("pfl") is None:
+        say(PFL_SKIPPED)
+        return [v for v in VARIANTS if v != PFL]
+    return list(VARIANTS)
+
+
 VARIANTS = {  # label: (how the process starts, its own items)
     "engine=cohort": ("fedbr-run", ["engine=cohort"]),
     "engine=clients": ("fedbr-run", ["engine=clients"]),
     "engine=clients, --superlink": ("fedbr-run", ["engine=clients", "--superlink"]),
     "bare loop": ("bare", []),
+    PFL: ("pfl", []),
 }
+MODULES = {"fedbr-run": "fedbr_flwr.cli", "bare": "fedbr_flwr.startup", "pfl": "fedbr_flwr.startup_pfl"}
 
 
 def variant_command(variant: str, items: Sequence[str], out: Path) -> list[str]:
     how, own = VARIANTS[variant]
-    module = "fedbr_flwr.cli" if how == "fedbr-run" else "fedbr_flwr.startup"
     extra = ["--verbose"] if how == "fedbr-run" else []
-    return [sys.executable, "-m", module, *WORKLOAD, *items, *own, f"output-dir={out}", *extra]
+    return [sys.executable, "-m", MODULES[how], *WORKLOAD, *items, *own, f"output-dir={out}", *extra]
 
 
 def startup_main(items: Sequence[str], repeats: int, variants: Sequence[str], json_path: Path | None) -> int:
@@ -146,31 +164,34 @@ def ratios_line(medians: dict[str, dict[str, float]], variants: Sequence[str]) -
     return "\nagainst the bare loop: " + "; ".join(parts)
 
 
-SWEEP_FILE = "sweep:\n  seeds: [0, 1, 2, 3]\n  runs:\n    workload: {}\n"
-SWEEP_MODES = {"one runtime (default)": [], "--isolated": ["--isolated"]}
+SWEEP_FILE = "sweep:\n  seeds: [0, 1, 2]\n  runs:\n    workload: {}\n"
+SWEEP_MODES = {"one process (default)": [], "--isolated": ["--isolated"]}
+SWEEP_RUNS = 3
 
 
 def sweep_fixed_seconds(lines: list[tuple[float, str]]) -> list[dict[str, float]]:
-    """Per run of a ``fedbr-sweep`` (its stamped lines): start-up (from the sweep's line naming the run to its
-    first round), shut-down (from its last round to the sweep's line saying how it ended) and their sum."""
+    """Per run of a ``fedbr-sweep`` (its stamped lines), the phases of the single-run table outside its rounds:
+    start-up (from the sweep's line naming the run to the ServerApp's line saying its clients are found, where
+    the first round starts), shut-down (from its last round to the sweep's line saying how it ended) and
+    their sum."""
     runs, current = [], {}
     for t, text in lines:
         if re.match(r"fedbr-sweep: \[\d+/\d+\] .* -> ", text):
             current = {"start": t}
-        elif "first" not in current and re.search(r"round 1/\d+ ", text) and current:
-            current["first"] = t
+        elif "found" not in current and re.search(r"\[fedbr\] \d+ clients found", text) and current:
+            current["found"] = t
         elif re.search(r"round (\d+)/\1 ", text) and current:
             current["last"] = t
-        elif re.match(r"fedbr-sweep: \[\d+/\d+\] .*: (ok|failed)", text) and {"first", "last"} <= set(current):
-            start_up, shut_down = current["first"] - current["start"], t - current["last"]
+        elif re.match(r"fedbr-sweep: \[\d+/\d+\] .*: (ok|failed)", text) and {"found", "last"} <= set(current):
+            start_up, shut_down = current["found"] - current["start"], t - current["last"]
             runs.append({"start-up": start_up, "shut-down": shut_down, "fixed": start_up + shut_down})
             current = {}
     return runs
 
 
 def sweep_main(items: Sequence[str], repeats: int, json_path: Path | None) -> int:
-    """A 4-run ``fedbr-sweep`` of the workload (seeds 0-3), on one Ray runtime (the default from 4 runs on)
-    and with ``--isolated``, interleaved: the fixed seconds of each run."""
+    """A 3-run ``fedbr-sweep`` of the workload (seeds 0-2) in one simulation process (the default) and with
+    ``--isolated`` (each run a process of its own), interleaved: the fixed seconds of each run."""
     rows: dict[str, list[list[dict[str, float]]]] = {mode: [] for mode in SWEEP_MODES}
     totals: dict[str, list[float]] = {mode: [] for mode in SWEEP_MODES}
     for i in range(repeats):
@@ -181,14 +202,15 @@ def sweep_main(items: Sequence[str], repeats: int, json_path: Path | None) -> in
                 command += [*items, "--out", str(Path(tmp) / "out"), *flags]
                 lines, total, code = timed_lines(command)
                 runs = sweep_fixed_seconds(lines)
-                if code != 0 or len(runs) != 4:
+                if code != 0 or len(runs) != SWEEP_RUNS:
                     return failed(f"sweep {mode} {i + 1}", code, lines)
                 rows[mode].append(runs)
                 totals[mode].append(total)
                 print(f"  sweep, {mode}, {i + 1}/{repeats}: {total:.1f} s", flush=True)
-    print(f"\nmedian seconds per run of a 4-run sweep over {repeats} sweep(s) of each mode, interleaved:\n")
+    print(f"\nmedian seconds per run of a {SWEEP_RUNS}-run sweep over {repeats} sweep(s) of each mode, interleaved:\n")
     print(
-        "| mode | run 1 start-up | run 1 shut-down | runs 2-4 start-up | runs 2-4 shut-down | runs 2-4 fixed | "
+        "| mode | run 1 start-up | run 1 shut-down | later runs' start-up | later runs' shut-down | "
+        "later runs' fixed | "
         "whole sweep |"
     )
     print("|---|---|---|---|---|---|---|")
@@ -199,12 +221,14 @@ def sweep_main(items: Sequence[str], repeats: int, json_path: Path | None) -> in
         medians[mode] = {
             "first": {k: statistics.median(r[k] for r in first) for k in first[0]},
             "later": {k: statistics.median(r[k] for r in later) for k in later[0]},
+            "later, largest fixed": max(r["fixed"] for r in later),
             "whole sweep": statistics.median(totals[mode]),
         }
         f, rest = medians[mode]["first"], medians[mode]["later"]
         print(
             f"| {mode} | {f['start-up']:.2f} | {f['shut-down']:.2f} | {rest['start-up']:.2f} | "
-            f"{rest['shut-down']:.2f} | {rest['fixed']:.2f} | {medians[mode]['whole sweep']:.1f} |"
+            f"{rest['shut-down']:.2f} | {rest['fixed']:.2f} (at most {medians[mode]['later, largest fixed']:.2f}) | "
+            f"{medians[mode]['whole sweep']:.1f} |"
         )
     if json_path:
         json_path.write_text(json.dumps({"workload": [*WORKLOAD, *items], "medians": medians, "runs": rows}, indent=2))

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shlex
 import signal
 import sys
@@ -36,12 +35,10 @@ from typing import Any, Iterator, Sequence
 
 from .cli import config_from_settings, finished_run_problem, prepare, size_for_runtime, supernodes
 from .config import ConfigError, load_yaml, parse_override
-from .launcher import RunFailed, run_flower
-from .raycluster import Cluster, answers
+from .launcher import RunFailed, RunHost, run_flower
 from .report import run_folder, write_comparison, write_report
 from .run_io import check_path_length
 
-SHARED_RUNTIME_FROM = 4  # runs; a joined run starts 0.5-1.4 s sooner (docs/benchmarks.md), the head costs more
 VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address")  # may differ between machines or sessions
 
 
@@ -125,22 +122,20 @@ def run_all(
     jobs: list[tuple[str, int, dict[str, Any]]], quiet: bool, isolated: bool = False
 ) -> dict[tuple[str, int], str]:
     status = {}
-    with contextlib.nullcontext(None) if isolated else shared_runtime(jobs) as cluster:
+    with contextlib.nullcontext(None) if isolated else shared_host(jobs) as host:
         for i, (name, seed, cfg) in enumerate(jobs, 1):
             label = f"[{i}/{len(jobs)}] {name} seed {seed}"
-            if cluster is not None and answers(cluster.address):
-                cfg = prepare(size_for_runtime({**cfg, "ray-address": cluster.address}, cluster), overwrite=True)
-            else:
-                cfg = prepare(size_for_runtime(cfg), overwrite=True)
+            cfg = prepare(size_for_runtime(cfg), overwrite=True)
             if finished_with_same_config(cfg):
                 print(f"fedbr-sweep: {label}: already finished in {cfg['output-dir']}; kept", flush=True)
                 status[(name, seed)] = "kept"
                 continue
             print(f"fedbr-sweep: {label}: {cfg['strategy']} -> {cfg['output-dir']}", flush=True)
             try:
-                run_flower(cfg, supernodes(cfg), Path(cfg["output-dir"]), echo="none" if quiet else "progress")
-                ok = (Path(cfg["output-dir"]) / "summary.json").exists()
-                problem = finished_run_problem(Path(cfg["output-dir"])) if ok else "no final evaluation"
+                out_dir = Path(cfg["output-dir"])
+                run_flower(cfg, supernodes(cfg), out_dir, echo="none" if quiet else "progress", host=host)
+                ok = (out_dir / "summary.json").exists()
+                problem = finished_run_problem(out_dir) if ok else "no final evaluation"
                 status[(name, seed)] = f"failed: {problem}" if problem else "ok"
             except (RunFailed, ConfigError) as exc:
                 status[(name, seed)] = f"failed: {exc}"
@@ -151,21 +146,19 @@ def run_all(
 
 
 @contextlib.contextmanager
-def shared_runtime(jobs: list[tuple[str, int, dict[str, Any]]]) -> Iterator[Cluster | None]:
-    """One Ray runtime for the sweep's runs, started once: a private head node that each run joins as it would
-    join a cluster (``fedbr_flwr.raycluster``), so that a run does not start and stop Ray of its own. None (each
-    run as configured) when fewer than ``SHARED_RUNTIME_FROM`` runs remain (the head's start costs more than
-    it saves) or the runs name a cluster of their own."""
-    from .raycluster import describe, private_cluster, requested_address
+def shared_host(jobs: list[tuple[str, int, dict[str, Any]]]) -> Iterator[RunHost | None]:
+    """One simulation process for the sweep's runs (``launcher.RunHost``): the second and later runs start on
+    the first's imports, Ray runtime and client processes. None (each run a process of its own) when the
+    runs name different Ray clusters."""
+    from .raycluster import describe, requested_address
 
-    to_run = [cfg for _, _, cfg in jobs if not (Path(cfg["output-dir"]) / "summary.json").exists()]
-    if len(to_run) < SHARED_RUNTIME_FROM or any(requested_address(cfg["ray-address"]) for cfg in to_run):
+    addresses = {requested_address(cfg["ray-address"]) for _, _, cfg in jobs}
+    if len(addresses) != 1:
         yield None
         return
-    import torch
-
-    with private_cluster(os.cpu_count() or 1, torch.cuda.device_count()) as address:
-        yield describe(address)
+    address = addresses.pop()
+    with RunHost(describe(address).address if address else None) as host:
+        yield host
 
 
 def report_command(argv: Sequence[str] | None) -> str:
@@ -190,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--isolated",
         action="store_true",
-        help="each run starts and stops a Ray runtime of its own (by default, from 4 runs on, the runs join one "
-        "the sweep starts)",
+        help="each run in a process of its own, with a Ray runtime and client processes of its own (by default "
+        "the runs share one simulation process, Ray runtime and set of client processes)",
     )
     parser.add_argument(
         "--report",

@@ -11,6 +11,24 @@ from pathlib import Path
 from fedbr_flwr.watchdog import proc_stat, proc_table, with_descendants
 
 FIRST_ROUND = "[fedbr] round 1/"
+FLOWER_COMMANDS = (b"flower-superlink", b"flwr-simulation", b"flower-superexec", b"fedbr_flwr.simulation", b"raylet")
+
+
+def flower_processes() -> set[int]:
+    """Flower processes started from a test (they inherit pytest's PYTEST_CURRENT_TEST), so that runs
+    of the user's own going on beside the tests do not count."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+                if not any(name in cmd for name in FLOWER_COMMANDS):
+                    continue
+                if b"PYTEST_CURRENT_TEST=" in (entry / "environ").read_bytes():
+                    pids.add(int(entry.name))
+            except OSError:
+                continue
+    return pids
 
 
 def tree(pid: int) -> dict[int, int]:

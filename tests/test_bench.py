@@ -182,15 +182,17 @@ def test_a_sweeps_fixed_seconds_are_read_per_run():
 
     lines = [
         (1.0, "fedbr-sweep: [1/2] workload seed 0: fedavg -> /x/seed0"),
+        (8.5, "[fedbr] 10 clients found; writing run files to /x/seed0"),
         (9.0, "[fedbr] round 1/3 | loss 2.0 | 0.5 s/round"),
         (10.0, "[fedbr] round 3/3 | loss 1.0 | 0.5 s/round"),
         (12.0, "fedbr-sweep: [1/2] workload seed 0: ok"),
         (12.5, "fedbr-sweep: [2/2] workload seed 1: fedavg -> /x/seed1"),
+        (13.0, "[fedbr] 10 clients found; writing run files to /x/seed1"),
         (14.0, "[fedbr] round 1/3 | loss 2.0 | 0.5 s/round"),
         (15.0, "[fedbr] round 3/3 | loss 1.0 | 0.5 s/round"),
         (15.25, "fedbr-sweep: [2/2] workload seed 1: failed: no final evaluation"),
     ]
     assert sweep_fixed_seconds(lines) == [
-        {"start-up": 8.0, "shut-down": 2.0, "fixed": 10.0},
-        {"start-up": 1.5, "shut-down": 0.25, "fixed": 1.75},
+        {"start-up": 7.5, "shut-down": 2.0, "fixed": 9.5},  # the rounds start once the clients are found
+        {"start-up": 0.5, "shut-down": 0.25, "fixed": 0.75},
     ]

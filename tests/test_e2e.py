@@ -1,6 +1,8 @@
-"""End to end through `flwr run` on a private local SuperLink. Every process a test starts is
-stopped by the launcher, also when the run fails; the tests check that nothing is left behind."""
+"""End to end through Flower's simulation (in a process of its own, in the simulation process the tests
+share, or through `flwr run` on a private local SuperLink). Every process a test starts is stopped by the
+launcher, also when the run fails; the tests check that nothing is left behind."""
 
+import functools
 import json
 import os
 import signal
@@ -10,30 +12,32 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from procs import flower_processes
 
 from fedbr_flwr import cli
 from fedbr_flwr.config import validate
-from fedbr_flwr.launcher import RunFailed, run_flower
+from fedbr_flwr.launcher import RunFailed, RunHost, run_flower
 
 pytestmark = pytest.mark.e2e
-FLOWER_COMMANDS = (b"flower-superlink", b"flwr-simulation", b"flower-superexec", b"fedbr_flwr.simulation", b"raylet")
 
 
-def flower_processes() -> set[int]:
-    """Flower processes started from a test (they inherit pytest's PYTEST_CURRENT_TEST), so that runs
-    of the user's own going on beside the tests do not count."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-                if not any(name in cmd for name in FLOWER_COMMANDS):
-                    continue
-                if b"PYTEST_CURRENT_TEST=" in (entry / "environ").read_bytes():
-                    pids.add(int(entry.name))
-            except OSError:
-                continue
-    return pids
+@pytest.fixture(scope="session")
+def shared_host(tmp_path_factory):
+    """One simulation process (``launcher.RunHost``, what a sweep runs its runs in) for the runs of the tests
+    that need no process, Ray runtime or plugins of their own; stopped with all it started at the end."""
+    with RunHost() as host:
+        yield host
+
+
+@pytest.fixture
+def on_shared_host(shared_host, tmp_path_factory, monkeypatch):
+    """``fedbr-run`` (``cli.main``) in this test runs its run in the shared simulation process, warmed up by a
+    first one-round run before the test (again after a run that ended it), so that the processes the test
+    counts before its run are those that stay."""
+    monkeypatch.setattr(cli, "run_flower", functools.partial(run_flower, host=shared_host))
+    if shared_host.proc is None or shared_host.proc.poll() is not None:
+        warm = tmp_path_factory.mktemp("warm-up")
+        assert cli.main(["num-clients=2", "num-rounds=1", "local-steps=1", f"output-dir={warm}", "--quiet"]) == 0
 
 
 @pytest.mark.parametrize("launch", [[], ["--superlink"]], ids=["simulation-process", "flwr-run-on-a-superlink"])
@@ -98,7 +102,7 @@ def test_failed_run_raises_with_the_reason_and_leaves_no_process(tmp_path):
         ["pseudo-data=mixture", "pseudo-refresh=every-round", "fedbr-with=fedcm,mixup", "num-rounds=2"],
     ],
 )
-def test_fedbr_run_completes_and_records_its_terms(tmp_path, extra):
+def test_fedbr_run_completes_and_records_its_terms(tmp_path, extra, on_shared_host):
     before = flower_processes()
     out = tmp_path / "run"
     code = cli.main(
@@ -136,7 +140,7 @@ def test_fedbr_run_completes_and_records_its_terms(tmp_path, extra):
         (5, 1.0, "none"),  # two disjoint halves of the classes
     ],
 )
-def test_distrans_run_completes_at_two_dh_levels(tmp_path, classes_each, dh, mode):
+def test_distrans_run_completes_at_two_dh_levels(tmp_path, classes_each, dh, mode, on_shared_host):
     before = flower_processes()
     out = tmp_path / "run"
     code = cli.main(
@@ -194,7 +198,7 @@ def test_distrans_run_completes_at_two_dh_levels(tmp_path, classes_each, dh, mod
         ("dann", []),
     ],
 )
-def test_every_baseline_completes_a_flower_run(tmp_path, strategy, extra):
+def test_every_baseline_completes_a_flower_run(tmp_path, strategy, extra, on_shared_host):
     before = flower_processes()
     out = tmp_path / "run"
     code = cli.main(

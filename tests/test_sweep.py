@@ -2,6 +2,8 @@
 tables, plots and results page: test_report.py."""
 
 import json
+import re
+import shutil
 
 import pytest
 
@@ -96,17 +98,16 @@ def test_finished_runs_are_kept_and_a_different_one_is_refused(tmp_path):
 
 def test_a_sweep_runs_each_job_in_order_then_keeps_them(tmp_path, capsys, monkeypatch):
     """The loop over several jobs, each Flower run replaced by the files of a finished one (a real one: below).
-    Every run is told to join one Ray runtime the sweep started, which is gone when the sweep ends."""
-    from fedbr_flwr.raycluster import answers
+    Every run is handed the one simulation process the sweep keeps (``launcher.RunHost``), closed at the end."""
+    ran, hosts = [], []
 
-    ran, addresses = [], set()
-
-    def finished_run(cfg, supernodes, out_dir, echo):
+    def finished_run(cfg, supernodes, out_dir, echo, host):
         ran.append((cfg["strategy"], cfg["seed"], supernodes, echo, out_dir))
-        assert answers(cfg["ray-address"])
-        addresses.add(cfg["ray-address"])
+        hosts.append(host)
         fake_run(out_dir, cfg, [0.3, 0.5], last_round=cfg["num-rounds"])
 
+    closed = []
+    monkeypatch.setattr(sweep.RunHost, "close", lambda self: closed.append(self))
     monkeypatch.setattr(sweep, "run_flower", finished_run)
     path = write(tmp_path)
     out = tmp_path / "out"
@@ -122,24 +123,42 @@ def test_a_sweep_runs_each_job_in_order_then_keeps_them(tmp_path, capsys, monkey
     ]
     table = (out / "comparison.md").read_text()
     assert "| FedAvg | 2 |" in table and "| FedBR no max | 2 |" in table
-    assert len(addresses) == 1 and not answers(addresses.pop())
+    assert len(set(map(id, hosts))) == 1 and isinstance(hosts[0], sweep.RunHost) and closed == hosts[:1]
     capsys.readouterr()
     assert sweep.main([path, "--out", str(out), "--quiet"]) == 0  # nothing left to run
     assert len(ran) == 4 and capsys.readouterr().out.count("already finished") == 4
+    shutil.rmtree(out)
+    assert sweep.main([path, "--out", str(out), "--quiet", "--isolated"]) == 0
+    assert hosts[4:] == [None] * 4  # each run a process of its own
+
+
+def records(folder):
+    """A run's per-round records without the fields that measure the machine (time, memory, Ray's node ids)."""
+    timed = ("seconds", "time", "elapsed", "wall", "rss", "nodes")
+    lines = [json.loads(x) for f in ("metrics.jsonl", "rounds.jsonl") for x in (folder / f).read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not any(t in k for t in timed)} for r in lines]
 
 
 @pytest.mark.e2e
-def test_a_real_sweep_runs_each_job_on_one_runtime_then_keeps_them(tmp_path, capsys, monkeypatch):
+def test_a_real_sweep_runs_in_one_process_equals_isolated_runs_then_keeps_them(tmp_path, capsys):
     """Two real jobs (each one Flower run; the loop over more: test_a_sweep_runs_each_job_in_order_then_keeps_them)
-    join the one Ray runtime the sweep started and finish; run again, both are found finished with the same
-    settings and kept."""
-    monkeypatch.setattr(sweep, "SHARED_RUNTIME_FROM", 2)  # the default shares it from 4 runs on
+    run one after another in one simulation process, the second on the first's Ray runtime and client
+    processes, and record exactly what each records in a process of its own (--isolated); run again, both
+    are found finished with the same settings and kept."""
     path = write(tmp_path, SWEEP.replace("[0, 1]", "[0]"))
-    out = tmp_path / "out"
+    out, isolated = tmp_path / "out", tmp_path / "isolated"
     assert sweep.main([path, "--out", str(out), "--quiet"]) == 0
-    manifests = [json.loads((out / n / "seed0" / "manifest.json").read_text()) for n in ("FedAvg", "FedBR_no_max")]
-    addresses = {m["config"]["ray-address"] for m in manifests}
-    assert len(addresses) == 1 and addresses.pop().rpartition(":")[2].isdigit()  # Ray's host:port
+    assert sweep.main([path, "--out", str(isolated), "--quiet", "--isolated"]) == 0
+    processes = {}
+    for name in ("FedAvg", "FedBR_no_max"):
+        assert records(out / name / "seed0") == records(isolated / name / "seed0")
+        for folder in (out, isolated):
+            started = re.search(
+                r"run \d+ started in process (\d+)", (folder / name / "seed0" / "flower.log").read_text()
+            )
+            processes.setdefault(folder, set()).add(started.group(1) if started else None)
+    assert len(processes[out]) == 1 and None not in processes[out]
+    assert len(processes[isolated]) == 2
     assert "| FedBR no max | 1 |" in (out / "comparison.md").read_text()
     capsys.readouterr()
     assert sweep.main([path, "--out", str(out), "--quiet"]) == 0  # nothing left to run

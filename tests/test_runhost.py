@@ -1,0 +1,207 @@
+"""The simulation process that runs a sweep's runs one after another (``fedbr_flwr.simulation.serve``,
+``launcher.RunHost``): its protocol, what it keeps between runs and when it gives up. The real runs are in
+the end-to-end tests (test_sweep.py)."""
+
+import io
+import json
+import os
+import sys
+import threading
+
+import pytest
+
+from fedbr_flwr import simulation
+
+
+@pytest.fixture
+def own_stdout_stderr(monkeypatch):
+    """``serve`` points this process's stdout and stderr (file descriptors 1 and 2, which ``sys.stdout`` and
+    ``sys.stderr`` write to, as in the host) at each run's log: give them back afterwards."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+
+    def write_to_descriptors():  # in the test itself: pytest sets sys.stdout and sys.stderr for each phase
+        monkeypatch.setattr(sys, "stdout", open(1, "w", closefd=False))
+        monkeypatch.setattr(sys, "stderr", open(2, "w", closefd=False))
+
+    try:
+        yield write_to_descriptors
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def request(tmp_path, run_id):
+    folder = tmp_path / f"run{run_id}"
+    folder.mkdir()
+    (folder / "run_config.toml").write_text(f"seed = {run_id}\n")
+    return {
+        "run-config": str(folder / "run_config.toml"),
+        "run-id": run_id,
+        "supernodes": 2,
+        "cpus": 1.0,
+        "gpus": 0.0,
+        "log": str(folder / "flower.log"),
+        "append": False,
+        "cwd": str(folder),
+    }
+
+
+def test_serve_runs_each_request_with_its_output_in_its_log_then_stops_after_a_failed_run(
+    tmp_path, monkeypatch, own_stdout_stderr
+):
+    ran = []
+
+    def fake_simulate(run_config, run_id, supernodes, cpus, gpus):
+        ran.append((run_config, run_id, supernodes, cpus, gpus, os.getcwd()))
+        print(f"output of run {run_id}", flush=True)
+        if run_id == 2:
+            raise RuntimeError("the ServerApp broke")
+
+    monkeypatch.setattr(simulation, "simulate", fake_simulate)
+    monkeypatch.setattr(simulation, "keep_actors_between_runs", lambda: None)
+    monkeypatch.setattr(simulation, "start_ray", lambda: None)
+    own_stdout_stderr()
+    requests = [request(tmp_path, i) for i in (1, 2, 3)]
+    replies = io.StringIO()
+    code = simulation.serve(io.StringIO("".join(json.dumps(r) + "\n" for r in requests)), replies)
+    assert code == 1
+    answers = [json.loads(line) for line in replies.getvalue().splitlines()]
+    assert answers == [
+        {"run-id": 1, "started": True},
+        {"run-id": 1, "ok": True, "error": ""},
+        {"run-id": 2, "started": True},
+        {"run-id": 2, "ok": False, "error": "RuntimeError: the ServerApp broke"},
+    ]  # run 3 is not started after the failure
+    assert [(r[0], r[1], r[5]) for r in ran] == [
+        ({"seed": 1}, 1, str(tmp_path / "run1")),
+        ({"seed": 2}, 2, str(tmp_path / "run2")),
+    ]
+    log1, log2 = (tmp_path / f"run{i}" / "flower.log" for i in (1, 2))
+    assert "run 1 started" in log1.read_text() and "output of run 1" in log1.read_text()
+    assert "output of run 2" not in log1.read_text()
+    assert "output of run 2" in log2.read_text() and "RuntimeError: the ServerApp broke" in log2.read_text()
+
+
+class FakePool:
+    def __init__(self, resources, actors=2):
+        self.client_resources = resources
+        self.pool = [object() for _ in range(actors)]
+        self.num_actors = actors
+        self.terminated = False
+
+    def terminate_all_actors(self):
+        self.terminated = True
+
+
+def test_the_kept_backend_reuses_the_actors_of_the_run_before_only_when_they_fit_and_answer(monkeypatch):
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    built = []
+
+    def build(self, app_fn):  # Flower's: a new pool of new actors
+        self.pool, self.app_fn = FakePool(self.client_resources), app_fn
+        built.append(self.pool)
+
+    monkeypatch.setattr(raybackend, "RayBackend", raybackend.RayBackend)  # restored after the test
+    monkeypatch.setattr(raybackend.RayBackend, "build", build)
+    answering = {"yes": True}
+    monkeypatch.setattr(simulation, "all_idle_and_alive", lambda pool: answering["yes"])
+    simulation.keep_actors_between_runs()
+    kept_backend = raybackend.RayBackend
+
+    def backend(resources):
+        b = object.__new__(kept_backend)  # without Ray
+        b.client_resources = resources
+        return b
+
+    first = backend({"num_cpus": 1})
+    first.build("app 1")
+    first.terminate()  # Flower's would terminate the actors and shut Ray down
+    assert not built[0].terminated
+    second = backend({"num_cpus": 1})
+    second.build("app 2")
+    assert second.pool is built[0] and second.app_fn == "app 2" and len(built) == 1
+    third = backend({"num_cpus": 2})  # other resources: new actors, the old ones go
+    third.build("app 3")
+    assert len(built) == 2 and third.pool is built[1] and built[0].terminated
+    answering["yes"] = False  # an actor died: new actors
+    fourth = backend({"num_cpus": 2})
+    fourth.build("app 4")
+    assert len(built) == 3 and fourth.pool is built[2] and built[1].terminated
+
+
+def test_an_actor_pool_with_an_actor_out_or_dead_is_not_reused(monkeypatch):
+    import ray
+
+    pool = FakePool({"num_cpus": 1})
+    pool.pool = [type("A", (), {"__ray_ready__": type("M", (), {"remote": staticmethod(lambda: "ref")})()})()] * 2
+    monkeypatch.setattr(ray, "get", lambda refs, timeout: refs)
+    assert simulation.all_idle_and_alive(pool)
+    pool.num_actors = 3  # one is still out (its future not fetched)
+    assert not simulation.all_idle_and_alive(pool)
+    pool.num_actors = 2
+
+    def dead(refs, timeout):
+        raise ray.exceptions.RayActorError()
+
+    monkeypatch.setattr(ray, "get", dead)
+    assert not simulation.all_idle_and_alive(pool)
+
+
+def test_serve_answers_from_several_threads_one_whole_line_at_a_time():
+    replies = io.StringIO()
+    threads = [
+        threading.Thread(target=simulation.answer, args=(replies, {"run-id": i, "x": "y" * 1000})) for i in range(20)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(json.loads(line)["run-id"] for line in replies.getvalue().splitlines()) == list(range(20))
+
+
+def prepared(tmp_path, name, **settings):
+    from fedbr_flwr.cli import config_from_settings, prepare, size_for_runtime
+
+    base = {"num-clients": 2, "num-rounds": 1, "local-steps": 1, "batch-size": 8, "global-test": False}
+    return prepare(
+        size_for_runtime(config_from_settings({**base, **settings, "output-dir": str(tmp_path / name)})), True
+    )
+
+
+@pytest.mark.e2e
+def test_a_killed_or_failed_host_is_replaced_by_a_new_one_and_none_leaves_a_process(tmp_path):
+    """Run 1 completes; its host is killed (SIGKILL); run 2 starts a new host and fails there (its ServerApp
+    refuses its config), which ends that host too; run 3 completes in a third. Nothing is left afterwards."""
+    import signal
+
+    from procs import flower_processes
+
+    from fedbr_flwr.cli import supernodes
+    from fedbr_flwr.launcher import RunFailed, RunHost, run_flower
+
+    before = flower_processes()
+    first, second, third = (prepared(tmp_path, f"run{i}", seed=i) for i in (1, 2, 3))
+    second["lr"] = "fast"  # past the checks of fedbr-run: the ServerApp's own validation refuses it
+    hosts = []
+    with RunHost() as host:
+        run_flower(first, supernodes(first), tmp_path / "run1", echo="none", host=host)
+        hosts.append(host.proc.pid)
+        os.kill(host.proc.pid, signal.SIGKILL)
+        with pytest.raises(RunFailed, match="ended as 'finished:failed': .*lr"):
+            run_flower(second, supernodes(second), tmp_path / "run2", echo="none", host=host)
+        hosts.append(host.proc.pid)
+        assert host.proc.wait(30) == 1  # a host whose run failed ends
+        run_flower(third, supernodes(third), tmp_path / "run3", echo="none", host=host)
+        hosts.append(host.proc.pid)
+        assert len(set(hosts)) == 3
+    for i in (1, 3):
+        assert json.loads((tmp_path / f"run{i}" / "summary.json").read_text())["last_round"] == 1
+    assert "lr" in (tmp_path / "run2" / "flower.log").read_text()
+    assert flower_processes() <= before
