@@ -223,8 +223,8 @@ def simulate_run(cfg: dict, num_supernodes: int, out_dir: Path, address: str | N
 class RunHost:
     """One simulation process that runs one run after another (``python -m fedbr_flwr.simulation --serve``), on
     one Ray runtime (private, or the cluster at ``address``): a later run finds torch imported, Ray up and the
-    client processes of the run before (``fedbr_flwr.simulation.keep_actors_between_runs``), so it starts in
-    well under a second instead of paying the process, Ray and import start-up again (docs/benchmarks.md).
+    client processes of the run before (``fedbr_flwr.simulation.keep_actors_between_runs``), so it does not pay
+    the process, Ray and import start-up again (docs/benchmarks.md).
     A run that fails ends the process, and the next run starts a new one. ``with RunHost(...) as host:``;
     its exit stops the process and all it started, as for a run of its own."""
 

@@ -22,9 +22,8 @@ from typing import IO, Any, Iterator, Sequence
 
 SERVER_APP = "fedbr_flwr.server_app:app"
 CLIENT_APP = "fedbr_flwr.client_app:app"
-STARTED = (
-    "fedbr simulation: run {} started in process {}"  # the process is up (fedbr-bench --startup times it by this line)
-)
+# the run has started (fedbr-bench --startup times the process's start by this line; a sweep's runs name one process)
+STARTED = "fedbr simulation: run {} started in process {}"
 
 
 def ray_init_args(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, Any]:

@@ -269,7 +269,8 @@ def test_a_disk_that_fills_up_during_a_run_is_one_line_and_exit_1(tmp_path, caps
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(launcher, "simulate_run", disk_full)
+    monkeypatch.setattr(launcher, "simulate_run", disk_full)  # a run of its own
+    monkeypatch.setattr(launcher.RunHost, "run", disk_full)  # a sweep's run
     out = tmp_path / "run"
     assert cli.main(["num-clients=2", "num-rounds=1", f"output-dir={out}", "--quiet"]) == 1
     err = capsys.readouterr().err
