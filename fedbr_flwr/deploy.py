@@ -330,8 +330,7 @@ def local_deployment(
         yield deployment
     finally:
         deployment.stop()
-        shutil.rmtree(home, ignore_errors=True)
-        watchdog.unwatch_path(home)
+        watchdog.remove_temp_dir(home)
 
 
 # ---------------------------------------------------------------- measurements
@@ -417,8 +416,7 @@ def cmd_run(args) -> int:
         env = deploy_env(home, args.superlink, certs)
         submit_run(cfg, env, CONNECTION, Path(cfg["output-dir"]), echo=args.echo)
     finally:
-        shutil.rmtree(home, ignore_errors=True)
-        watchdog.unwatch_path(home)
+        watchdog.remove_temp_dir(home)
     return _print_result(Path(cfg["output-dir"]))
 
 
@@ -432,8 +430,7 @@ def cmd_register(args) -> int:
     try:
         register_supernodes(deploy_env(home, args.superlink, certs), keys)
     finally:
-        shutil.rmtree(home, ignore_errors=True)
-        watchdog.unwatch_path(home)
+        watchdog.remove_temp_dir(home)
     print(f"fedbr-deploy: registered {len(keys)} SuperNode key(s)")
     return 0
 

@@ -20,7 +20,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from . import runlock, watchdog
 from .config import to_toml
@@ -143,8 +143,7 @@ def local_superlink(log_dir: Path, ray_address: str | None = None) -> Iterator[d
         finally:
             stop_tree(proc)
     finally:
-        shutil.rmtree(flwr_home, ignore_errors=True)
-        watchdog.unwatch_path(flwr_home)
+        watchdog.remove_temp_dir(flwr_home)
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, log_file: Path, verify=True) -> None:
@@ -212,8 +211,7 @@ def simulate_run(cfg: dict, num_supernodes: int, out_dir: Path, address: str | N
             command, env, out_dir, echo, True, bool(cfg.get("resume")), own_session=True, finish_grace_s=0.25
         )
     finally:
-        shutil.rmtree(flwr_home, ignore_errors=True)
-        watchdog.unwatch_path(flwr_home)
+        watchdog.remove_temp_dir(flwr_home)
     log_path = out_dir / "flower.log"
     if not finished and code != 0:
         raise RunFailed(f"run {run_id} ended as 'finished:failed'{last_error(log_path)}; see {log_path}")
@@ -245,8 +243,7 @@ class RunHost:
             stop_tree(self.proc, grace_s=0.5)  # every run file is complete: no need for Ray's orderly stop
             self.proc = None
         if self.home is not None:
-            shutil.rmtree(self.home, ignore_errors=True)
-            watchdog.unwatch_path(self.home)
+            watchdog.remove_temp_dir(self.home)
             self.home = None
 
     def _start(self) -> None:
@@ -303,10 +300,7 @@ class RunHost:
         assert self.proc is not None and self.proc.stdin is not None
         run_id, finished, started = request["run-id"], threading.Event(), False
 
-        def mark_finished(event: dict) -> None:
-            if event.get("kind") == SUMMARY_EVENT:
-                finished.set()
-
+        mark_finished = set_at_summary(finished)
         with Follower(out_dir / PROGRESS_FILE, _print if echo == "progress" else None, on_event=mark_finished):
             try:
                 self.proc.stdin.write(json.dumps(request) + "\n")
@@ -417,11 +411,7 @@ def follow_run(
         finished = threading.Event()
         follow: Any = contextlib.nullcontext()
         if echo == "progress" or end_at_summary:
-
-            def mark_finished(event: dict) -> None:
-                if event.get("kind") == SUMMARY_EVENT:
-                    finished.set()
-
+            mark_finished = set_at_summary(finished)
             write = _print if echo == "progress" else None
             follow = Follower(out_dir / PROGRESS_FILE, write, on_event=mark_finished if end_at_summary else None)
         if end_at_summary:
@@ -443,6 +433,17 @@ def follow_run(
                 stop_tree(proc)
             watchdog.unwatch(proc.pid)
     return run_id, proc.returncode, finished.is_set()
+
+
+def set_at_summary(finished: threading.Event) -> Callable[[dict], None]:
+    """A progress-event callback (``Follower``'s ``on_event``) that sets ``finished`` at the run's last event,
+    once every run file is complete."""
+
+    def mark_finished(event: dict) -> None:
+        if event.get("kind") == SUMMARY_EVENT:
+            finished.set()
+
+    return mark_finished
 
 
 def stop_when_finished(proc: subprocess.Popen, finished: threading.Event, grace_s: float = 1.0) -> None:

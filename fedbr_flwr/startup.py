@@ -235,38 +235,46 @@ def sweep_main(items: Sequence[str], repeats: int, json_path: Path | None) -> in
     return 0
 
 
-def bare_main(argv: Sequence[str]) -> int:
-    """The bare loop as a process of its own, printing the milestones ``phases`` reads and writing the rounds'
-    seconds to ``output-dir/rounds.jsonl`` (what ``steady_round_seconds`` reads)."""
+def milestone_main(cfg: dict, label: str, tag: str, train: Callable) -> int:
+    """A loop of the workload as a process of its own (the bare loop, pfl-research): prints the milestones
+    ``phases`` reads (``{label}: ...``, ``[{tag}] ...``) and writes the rounds' seconds to
+    ``output-dir/rounds.jsonl`` (what ``steady_round_seconds`` reads). ``train(cfg, device, on_start,
+    on_round)`` runs the rounds and returns the mean local-test accuracy."""
     import torch
 
-    from .bench import bare_loop
-    from .cli import build_config
     from .training import pick_device
 
-    cfg = build_config(argv)
     out = Path(cfg["output-dir"])
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count() or 1)
     rounds = cfg["num-rounds"]
-    print(
-        f"bare loop: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients, {rounds} rounds", flush=True
-    )
-    device = pick_device(cfg["device"])
+    print(f"{label}: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients, {rounds} rounds", flush=True)
     records = []
 
     def on_round(server_round: int, seconds: float) -> None:
         records.append({"round": server_round, "seconds": seconds})
-        print(f"[bare] round {server_round}/{rounds} | {seconds:.2f} s", flush=True)
+        print(f"[{tag}] round {server_round}/{rounds} | {seconds:.2f} s", flush=True)
 
     def on_start() -> None:
-        print(f"[bare] {cfg['num-clients']} clients built", flush=True)
+        print(f"[{tag}] {cfg['num-clients']} clients built", flush=True)
 
-    _, clients, arrays = bare_loop(cfg, rounds, device, on_start, on_round)
-    accuracy = statistics.mean(client.evaluate(arrays, {})[2]["accuracy"] for client in clients)
-    print(f"[bare] evaluated : mean local-test acc {accuracy:.2%}", flush=True)
+    accuracy = train(cfg, pick_device(cfg["device"]), on_start, on_round)
+    print(f"[{tag}] evaluated : mean local-test acc {accuracy:.2%}", flush=True)
     (out / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return 0
+
+
+def bare_main(argv: Sequence[str]) -> int:
+    """The bare loop as a process of its own (``milestone_main``)."""
+    from .cli import build_config
+
+    def train(cfg, device, on_start, on_round) -> float:
+        from .bench import bare_loop
+
+        _, clients, arrays = bare_loop(cfg, cfg["num-rounds"], device, on_start, on_round)
+        return statistics.mean(client.evaluate(arrays, {})[2]["accuracy"] for client in clients)
+
+    return milestone_main(build_config(argv), "bare loop", "bare", train)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -48,7 +46,8 @@ from .cli import build_config
 from .dataset import ClientData, load_client_data
 from .registry import client_class
 from .server_app import build_strategy
-from .training import BatchSampler, load_module_arrays, pick_device
+from .startup import milestone_main
+from .training import BatchSampler, load_module_arrays
 
 
 class PflModule(nn.Module):
@@ -203,34 +202,16 @@ def mean_local_accuracy(pfl_model: Any, clients: list[ClientData]) -> float:
 
 
 def pfl_main(argv: Sequence[str]) -> int:
-    """The pfl-research variant as a process of its own, printing the milestones ``startup.phases`` reads and
-    writing the rounds' seconds to ``output-dir/rounds.jsonl`` (as ``startup.bare_main`` does)."""
+    """The pfl-research variant as a process of its own (``startup.milestone_main``, as the bare loop)."""
     cfg = build_config(argv)
     if cfg["strategy"] != "fedavg":
         print(f"fedbr_flwr.startup_pfl: runs strategy=fedavg only, not {cfg['strategy']}", file=sys.stderr)
         return 2
-    out = Path(cfg["output-dir"])
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(os.cpu_count() or 1)
-    rounds = cfg["num-rounds"]
-    print(
-        f"pfl-research: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients, {rounds} rounds",
-        flush=True,
-    )
-    records = []
 
-    def on_round(server_round: int, seconds: float) -> None:
-        records.append({"round": server_round, "seconds": seconds})
-        print(f"[pfl] round {server_round}/{rounds} | {seconds:.2f} s", flush=True)
+    def train(cfg, device, on_start, on_round) -> float:
+        return mean_local_accuracy(*pfl_loop(cfg, device, on_start, on_round))
 
-    def on_start() -> None:
-        print(f"[pfl] {cfg['num-clients']} clients built", flush=True)
-
-    pfl_model, clients = pfl_loop(cfg, pick_device(cfg["device"]), on_start, on_round)
-    accuracy = mean_local_accuracy(pfl_model, clients)
-    print(f"[pfl] evaluated : mean local-test acc {accuracy:.2%}", flush=True)
-    (out / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return 0
+    return milestone_main(cfg, "pfl-research", "pfl", train)
 
 
 if __name__ == "__main__":

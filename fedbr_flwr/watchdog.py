@@ -246,6 +246,12 @@ def temp_dir(prefix: str) -> Path:
     return path
 
 
+def remove_temp_dir(path: Path) -> None:
+    """Remove a folder made by ``temp_dir`` and stop watching it."""
+    shutil.rmtree(path, ignore_errors=True)
+    unwatch_path(path)
+
+
 def remove_stale(prefix: str) -> None:
     """Remove the temporary folders ``prefix*`` whose owner process is gone."""
     for path in Path(tempfile.gettempdir()).glob(prefix + "*"):
