@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +26,7 @@ from fedbr_flwr.dataset import (
     normalised_black,
     random_crop_flip,
     rotate,
+    rotate_bilinear,
     to_float,
 )
 
@@ -285,6 +289,31 @@ def test_image_angles():
     assert not image_angles(off, 4, 10).any()
     c100 = validate({"dataset": "cifar100", "data-dir": "/x"})
     assert not image_angles(c100, 4, 10).any()
+
+
+@pytest.mark.parametrize("shape", [(6, 1, 28, 28), (4, 3, 32, 32), (3, 2, 17, 23)])
+def test_rotation_equals_torchvisions_bit_for_bit(shape):
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.functional import rotate as torchvision_rotate
+
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(len(shape) + shape[-1]))
+    for angle in [15.0 * k for k in range(1, 24)] + [7.3, -30.0, 200.5]:
+        expected = torchvision_rotate(x, angle, interpolation=InterpolationMode.BILINEAR, fill=0.0)
+        assert torch.equal(rotate_bilinear(x, angle), expected), angle
+
+
+def test_a_client_process_builds_rotated_mnist_without_importing_torchvision():
+    code = (
+        "import sys\n"
+        "from fedbr_flwr import client_app, dataset\n"
+        "from fedbr_flwr.config import validate\n"
+        "data = dataset.load_client_data(validate({'num-clients': 10}), 3, 'cpu')\n"
+        "assert data.x_train.shape[0] > 0\n"
+        "print(sorted(m for m in sys.modules if m.partition('.')[0] == 'torchvision'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_rotate_and_normalise():
