@@ -168,6 +168,7 @@ class DisTransClient(ClientAlgorithm):
     uses the offset it kept in its node state (drawn fresh the first time)."""
 
     vectorised = True
+    graph_checked_on_gpu = True
     Settings = DisTransSettings
     state_keys = (OFFSET_KEY,)
     accepts = (OFFSET,)

@@ -38,6 +38,7 @@ class SupervisedStep(FunctionalStep):
 @register_client("fedavg")
 class FedAvgClient(ClientAlgorithm):
     vectorised = True
+    graph_checked_on_gpu = True
 
     def make_step(self, server_round: int, config: dict) -> SupervisedStep:
         return SupervisedStep(self.model, self.cfg, self.start_components(server_round))

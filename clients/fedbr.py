@@ -320,6 +320,7 @@ class FedBRClient(ClientAlgorithm):
     keeps the pseudo-data it was sent in its node state, so that it travels once and not every round."""
 
     vectorised = True
+    graph_checked_on_gpu = True
     Settings = FedBRSettings
     component_key = "fedbr-with"
     seed_streams = {"mixup": "fedbr-mixup"}

@@ -46,6 +46,7 @@ class ScaffoldStep(SupervisedStep):
 @register_client("scaffold")
 class ScaffoldClient(ClientAlgorithm):
     vectorised = True
+    graph_checked_on_gpu = True
     state_keys = (CONTROL_KEY,)
     accepts = (f"{CONTROL}/",)
 

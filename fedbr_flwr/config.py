@@ -94,8 +94,8 @@ COMMON: dict[str, Key] = {
         "auto",
         "engine=cohort: how a cohort steps its clients: loop (one after another), vmap (all "
         "at once, torch.func.vmap over the clients), graph (vmap, each round's step captured "
-        "once as a CUDA graph and replayed; GPU only), auto (vmap on a GPU when the algorithm "
-        "has a vectorised step, else loop)",
+        "once as a CUDA graph and replayed; GPU only), auto (on a GPU graph where the "
+        "algorithm's graph step is checked on a GPU, else vmap where it has a vectorised step; else loop)",
         choices=("auto", "loop", "vmap", "graph"),
     ),
     # simulation resources (used by the CLI; recorded in the manifest)

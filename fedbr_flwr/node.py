@@ -218,6 +218,19 @@ def cohort_members(cfg: Mapping[str, Any], cohort_id: int, num_cohorts: int) -> 
     return list(range(cohort_id, cfg["num-clients"], num_cohorts))
 
 
+def cohort_step(requested: str, device_type: str, algorithm: type[ClientAlgorithm], components: tuple = ()) -> str:
+    """The step a cohort runs: ``requested``, or for ``auto`` on a GPU the CUDA-graph step where this very
+    algorithm, with no components, has had its graph checked on one (faster than vmap there:
+    docs/benchmarks.md), else vmap where it has a vectorised step; ``auto`` on a CPU, where vmap's grouped
+    convolutions run slower, loops. A subclass or a component changes the step, so the check is not inherited."""
+    if requested != "auto":
+        return requested
+    if device_type != "cuda" or not algorithm.vectorised:
+        return "loop"
+    checked = vars(algorithm).get("graph_checked_on_gpu", False) and not components
+    return "graph" if checked else "vmap"
+
+
 def build_client(
     run_config: Mapping[str, Any], node: Mapping[str, Any], state: RecordDict
 ) -> FlowerClient | CohortClient:
@@ -228,7 +241,7 @@ def build_client(
     from .config import from_run_config
     from .dataset import load_client_data, load_cohort_data
     from .errors import ConfigError
-    from .registry import client_class
+    from .registry import client_class, components_of
     from .training import pick_device
 
     cfg = from_run_config(run_config)
@@ -258,11 +271,9 @@ def build_client(
                 f"cohort-step=graph replays CUDA graphs, but this cohort's device is {device}: "
                 "use cohort-step=vmap or loop"
             )
-        together = cfg["cohort-step"] in ("vmap", "graph") or (
-            cfg["cohort-step"] == "auto" and device.type == "cuda" and algorithm.vectorised
-        )
+        step = cohort_step(cfg["cohort-step"], device.type, algorithm, components_of(cfg))
         return CohortClient(
-            algorithm(cfg, first, device), members, packed, vectorised=together, graph=cfg["cohort-step"] == "graph"
+            algorithm(cfg, first, device), members, packed, vectorised=step in ("vmap", "graph"), graph=step == "graph"
         )
     if cfg["num-clients"] and num_partitions and cfg["num-clients"] != num_partitions:
         raise ConfigError(

@@ -380,6 +380,7 @@ def replay_eagerly(run):
 GRAPH_CASES = {
     name: CASES[name]
     for name in (
+        "fedavg",
         "fedbr",
         "fedbr-momentum-decay",
         "fedbr-mixture",
@@ -464,10 +465,35 @@ def test_a_step_input_that_changes_shape_stops_a_captured_step():
         copy_inputs(buffers, {"x": torch.ones(2, 1, 3)})  # copy_ would broadcast it
 
 
+# the cases run on a GPU below; an algorithm among them may set graph_checked_on_gpu (cohort-step=auto: graph)
+GPU_GRAPH_CASES = ("fedavg", "fedbr", "fedbr-momentum-decay", "fedbr-bf16", "scaffold", "distrans-alternating-auto")
+
+
+def test_auto_replays_a_graph_on_a_gpu_where_the_algorithms_graph_was_checked_on_one(monkeypatch):
+    from fedbr_flwr.node import cohort_step
+    from fedbr_flwr.registry import algorithm_names, components_of
+
+    fedbr, moon = client_class("fedbr"), client_class("moon")
+    assert cohort_step("auto", "cuda", fedbr) == "graph"
+    assert cohort_step("auto", "cuda", moon) == "vmap"  # vectorised; its graph not yet run on a GPU
+    assert cohort_step("auto", "cpu", fedbr) == "loop"
+    assert cohort_step("vmap", "cuda", fedbr) == "vmap"
+    assert cohort_step("graph", "cuda", moon) == "graph"
+    monkeypatch.setattr(moon, "vectorised", False)
+    assert cohort_step("auto", "cuda", moon) == "loop"
+    assert cohort_step("auto", "cuda", fedbr, ("fedcm",)) == "vmap"  # a component's graph is not checked on a GPU
+    assert cohort_step("auto", "cuda", client_class("groupdro")) == "vmap"  # a FedAvg subclass, not checked itself
+    graphed = {
+        name
+        for name in algorithm_names()
+        if cohort_step("auto", "cuda", client_class(name), components_of(validate({"strategy": name}))) == "graph"
+    }
+    on_gpu = {GRAPH_CASES[case]["strategy"] for case in GPU_GRAPH_CASES}
+    assert graphed == on_gpu == {"fedavg", "fedbr", "scaffold", "distrans"}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize(
-    "name", ("fedbr", "fedbr-momentum-decay", "fedbr-bf16", "scaffold", "distrans-alternating-auto")
-)
+@pytest.mark.parametrize("name", GPU_GRAPH_CASES)
 def test_the_cuda_graph_step_trains_as_the_vmapped_step(name, tmp_path):
     settings = {**GRAPH_CASES[name], "local-steps": 3, "device": "cuda"}
     start = federation(settings, "vmap", tmp_path / "start", rounds=0)["global"]
