@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .config import ConfigError, check_sampling, defaults, load_yaml, parse_override, pyproject_table, schema, validate
-from .launcher import PROJECT_DIR, RunFailed, run_flower
+from .launcher import PROJECT_DIR, RunFailed, RunHost, run_flower
 from .raycluster import Cluster
 from .run_io import check_output_dir, check_path_length, git_commit
 from .runlock import check_free
@@ -333,6 +333,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             if wanted:
                 print(f"fedbr-run: {path} {'rewritten' if write() else 'already up to date'}")
         return 0
+    host = early_host(args)
+    try:
+        return run_command(args, host)
+    finally:
+        if host is not None:
+            host.close()
+
+
+def early_host(args: argparse.Namespace) -> RunHost | None:
+    """The simulation process, started before the configuration is checked: it starts Ray and imports what a
+    run needs (torch, Flower's simulation, the ServerApp) beside the check, which leaves a core idle, and the
+    run goes to it (docs/benchmarks.md). None where the run would not use it: ``--superlink``, ``--dry-run``,
+    or a Ray cluster named by RAY_ADDRESS; a run on a cluster named by ``ray-address`` does not use it either,
+    and it is stopped when the command ends."""
+    if args.superlink or args.dry_run or os.environ.get("RAY_ADDRESS"):
+        return None
+    return RunHost().start()
+
+
+def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
     try:
         if args.resume:
             cfg = size_for_runtime(resume_config(Path(args.resume), args.items))
@@ -354,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         echo = "none" if args.quiet else "all" if args.verbose else "progress"
-        run_flower(cfg, supernodes(cfg), out, echo=echo, superlink=args.superlink)
+        run_flower(cfg, supernodes(cfg), out, echo=echo, superlink=args.superlink, host=host)
     except ConfigError as exc:  # found only at launch: the folder taken by a run that started at the same instant
         print(f"fedbr-run: error: {exc}", file=sys.stderr)
         return 2

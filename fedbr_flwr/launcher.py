@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 from . import runlock, watchdog
 from .config import to_toml
 from .errors import ConfigError
-from .progress import PROGRESS_FILE, SUMMARY_EVENT, Follower
+from .progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower
 from .raycluster import log_tail, ray_environment, requested_address
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -181,7 +181,7 @@ def run_flower(
     it), or with ``superlink``, through ``flwr run`` on a fresh local simulation SuperLink. Returns the run's
     final status record; raises RunFailed when the run did not complete. ``echo``: see ``submit_run``.
     ``host``: a simulation process that runs one run after another (``RunHost``, on the Ray runtime it was
-    started for), used instead of a new process (not with ``superlink`` or ``echo="all"``)."""
+    started for), used instead of a new process (not with ``superlink``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     address = requested_address(cfg["ray-address"])
     if superlink:
@@ -191,7 +191,7 @@ def run_flower(
                 cfg, env, "local", out_dir, project_dir, echo, ["--federation-config", fed], end_at_summary=True
             )
     with runlock.hold(out_dir):
-        if host is not None and host.address == address and echo != "all":
+        if host is not None and host.address == address:
             return host.run(cfg, num_supernodes, out_dir, echo)
         return simulate_run(cfg, num_supernodes, out_dir, address, echo)
 
@@ -245,6 +245,13 @@ class RunHost:
         if self.home is not None:
             watchdog.remove_temp_dir(self.home)
             self.home = None
+
+    def start(self) -> "RunHost":
+        """Start the process now, where it is not running: it starts Ray and imports what a run needs while
+        the caller prepares the run."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        return self
 
     def _start(self) -> None:
         self.close()
@@ -301,7 +308,8 @@ class RunHost:
         run_id, finished, started = request["run-id"], threading.Event(), False
 
         mark_finished = set_at_summary(finished)
-        with Follower(out_dir / PROGRESS_FILE, _print if echo == "progress" else None, on_event=mark_finished):
+        log = LogFollower(out_dir / "flower.log", _print_log_line) if echo == "all" else contextlib.nullcontext()
+        with log, Follower(out_dir / PROGRESS_FILE, _print if echo == "progress" else None, on_event=mark_finished):
             try:
                 self.proc.stdin.write(json.dumps(request) + "\n")
                 self.proc.stdin.flush()
@@ -423,7 +431,7 @@ def follow_run(
                     log.write(line)
                     log.flush()
                     if echo == "all":
-                        _print(ANSI_ESCAPE.sub("", line).rstrip("\n"))
+                        _print_log_line(line)
                     match = re.search(r"run (\d+)", line)
                     if run_id is None and match and "start" in line.lower():
                         run_id = int(match.group(1))
@@ -459,6 +467,10 @@ def stop_when_finished(proc: subprocess.Popen, finished: threading.Event, grace_
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         stop_tree(proc, grace_s=0.5)
+
+
+def _print_log_line(line: str) -> None:
+    _print(ANSI_ESCAPE.sub("", line).rstrip("\n"))
 
 
 def _print(text: str) -> None:

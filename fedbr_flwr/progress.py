@@ -38,6 +38,19 @@ class Progress:
 def read_events(path: Path, start: int = 0) -> tuple[list[dict], int]:
     """The complete events written after byte ``start`` (a line a crash cut short is skipped), and the
     offset to read on from."""
+    events = []
+    lines, offset = read_lines(path, start)
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [e for e in events if isinstance(e, dict) and "message" in e], offset
+
+
+def read_lines(path: Path, start: int = 0) -> tuple[list[str], int]:
+    """The complete lines written after byte ``start`` (one not yet ended is left for the next read), and the
+    offset to read on from."""
     try:
         with open(path, "rb") as f:
             f.seek(start)
@@ -45,13 +58,7 @@ def read_events(path: Path, start: int = 0) -> tuple[list[dict], int]:
     except FileNotFoundError:
         return [], start
     complete = data[: data.rfind(b"\n") + 1]
-    events = []
-    for line in complete.decode(errors="replace").splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return [e for e in events if isinstance(e, dict) and "message" in e], start + len(complete)
+    return complete.decode(errors="replace").splitlines(), start + len(complete)
 
 
 class Follower:
@@ -85,11 +92,26 @@ class Follower:
             self._drain()
 
     def _drain(self) -> None:
-        if self.path.exists() and self.path.stat().st_size < self.offset:  # a new run started the file again
-            self.offset = 0
+        self._restart_with_file()
         events, self.offset = read_events(self.path, self.offset)
         for event in events:
             if self.write is not None:
                 self.write(f"[fedbr] {event['message']}")
             if self.on_event is not None:
                 self.on_event(event)
+
+    def _restart_with_file(self) -> None:
+        if self.path.exists() and self.path.stat().st_size < self.offset:  # a new run started the file again
+            self.offset = 0
+
+
+class LogFollower(Follower):
+    """Prints each new line of a log while a run goes on: ``--verbose`` for a run whose simulation process
+    writes its flower.log itself (``launcher.RunHost``)."""
+
+    def _drain(self) -> None:
+        self._restart_with_file()
+        lines, self.offset = read_lines(self.path, self.offset)
+        for line in lines:
+            if self.write is not None:
+                self.write(line)

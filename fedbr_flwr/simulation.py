@@ -27,15 +27,25 @@ STARTED = "fedbr simulation: run {} started in process {}"
 
 
 def ray_init_args(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, Any]:
-    """``ray.init`` arguments: those Flower's Ray backend would use (its defaults, the interpreter's module
-    path for the workers), at the address the launcher set (``fedbr_flwr.raycluster``)."""
-    return {
-        "address": environ.get("RAY_ADDRESS") or "local",
+    """``ray.init`` arguments: those Flower's Ray backend would use (its defaults), at the address the launcher
+    set (``fedbr_flwr.raycluster``). The workers need this interpreter's module path. A cluster's nodes get it
+    as the job's runtime environment, as Flower gives it. A private runtime's workers inherit it from this
+    process's environment (``start_ray`` sets it), because with a job runtime environment Ray leaves the
+    worker processes it starts with the driver idle and starts the actors in new ones (1 CPU-s wasted)."""
+    address = environ.get("RAY_ADDRESS") or "local"
+    args: dict[str, Any] = {
+        "address": address,
         "include_dashboard": False,
         "logging_level": logging.WARNING,
         "log_to_driver": True,
-        "runtime_env": {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
     }
+    if address != "local":
+        args["runtime_env"] = {"env_vars": {"PYTHONPATH": module_path()}}
+    return args
+
+
+def module_path() -> str:
+    return os.pathsep.join(sys.path)
 
 
 def start_ray() -> None:
@@ -47,6 +57,7 @@ def start_ray() -> None:
     loader = threading.Thread(target=import_server_side)
     loader.start()
     if not ray.is_initialized():
+        os.environ["PYTHONPATH"] = module_path()  # as Flower sets it; a private runtime's workers inherit it
         ray.init(**ray_init_args())
     loader.join()
 
@@ -158,7 +169,9 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
     that failed, the process ends (exit 1) instead of starting another: what a failure leaves behind (in Ray,
     the actors, threads) is not trusted with the next run."""
     keep_actors_between_runs()
-    start_ray()  # here: the processes Ray starts end with the thread that started them (Linux's parent-death signal)
+    # here, as the process starts (fedbr-run starts it before checking the run's configuration), and in the main
+    # thread: the processes Ray starts end with the thread that started them (Linux's parent-death signal)
+    start_ray()
     failed = threading.Event()
     runs: list[tuple[threading.Thread, Path]] = []
     for line in lines_until(requests, failed):

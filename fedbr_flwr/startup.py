@@ -39,8 +39,8 @@ WORKLOAD = [
 MILESTONES = (
     ("command: imports, config, partition", re.compile(r"^(fedbr-run|bare loop|pfl-research): \S+ on ")),
     ("SuperLink up, `flwr run` connected", re.compile(r"Using SuperLink")),
-    ("simulation process started", re.compile(r"Starting Flower Simulation|fedbr simulation: run \d+ started")),
-    ("Ray started, ServerApp started", re.compile(r"Starting Flower ServerApp")),
+    ("simulation process up (fedbr-run: Ray too)", re.compile(r"Starting Flower Simulation|fedbr simulation: run \d+")),
+    ("ServerApp started (--superlink: Ray too)", re.compile(r"Starting Flower ServerApp")),
     ("client processes up, data loaded (discovery)", re.compile(r"\[(fedbr|bare|pfl)\] \d+ clients (found|built)")),
     ("rounds", re.compile(r"\[(fedbr|bare|pfl)\] round (\d+)/\2 ")),
     ("final evaluation, run files", re.compile(r"\[(fedbr\] run files in|(bare|pfl)\] evaluated) ")),

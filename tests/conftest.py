@@ -4,6 +4,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 # Keep torch from oversubscribing the 2-core CI machine when tests run model code.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
@@ -20,3 +22,14 @@ if not os.environ.get("FEDBR_TEST_DATA") and (_SHARED_DATASETS / "MNIST" / "raw"
 _EMPTY_DATA = tempfile.mkdtemp(prefix="fedbr-test-data-")
 atexit.register(shutil.rmtree, _EMPTY_DATA, ignore_errors=True)
 os.environ["FEDBR_DATA_DIR"] = _EMPTY_DATA
+
+
+@pytest.fixture(autouse=True)
+def no_early_simulation_process(request, monkeypatch):
+    """The fast tests call fedbr-run's ``main`` in this process, mostly to see it refuse a configuration:
+    there it starts no simulation process ahead of the check (``cli.early_host``), which would import torch
+    and Flower beside each test. The end-to-end tests, and tests/test_runhost.py's own, run it as users do."""
+    if request.node.get_closest_marker("e2e") is None:
+        from fedbr_flwr import cli
+
+        monkeypatch.setattr(cli, "early_host", lambda args: None)

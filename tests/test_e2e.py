@@ -2,7 +2,6 @@
 share, or through `flwr run` on a private local SuperLink). Every process a test starts is stopped by the
 launcher, also when the run fails; the tests check that nothing is left behind."""
 
-import functools
 import json
 import os
 import signal
@@ -29,12 +28,25 @@ def shared_host(tmp_path_factory):
         yield host
 
 
+class Borrowed:
+    """The shared simulation process as fedbr-run's own early one (``cli.early_host``), which it must not stop."""
+
+    def __init__(self, host: RunHost):
+        self.host = host
+
+    def __getattr__(self, name):
+        return getattr(self.host, name)
+
+    def close(self) -> None:
+        pass
+
+
 @pytest.fixture
 def on_shared_host(shared_host, tmp_path_factory, monkeypatch):
     """``fedbr-run`` (``cli.main``) in this test runs its run in the shared simulation process, warmed up by a
     first one-round run before the test (again after a run that ended it), so that the processes the test
     counts before its run are those that stay."""
-    monkeypatch.setattr(cli, "run_flower", functools.partial(run_flower, host=shared_host))
+    monkeypatch.setattr(cli, "early_host", lambda args: Borrowed(shared_host))
     if shared_host.proc is None or shared_host.proc.poll() is not None:
         warm = tmp_path_factory.mktemp("warm-up")
         assert cli.main(["num-clients=2", "num-rounds=1", "local-steps=1", f"output-dir={warm}", "--quiet"]) == 0

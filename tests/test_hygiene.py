@@ -14,7 +14,7 @@ from flwr.common import RecordDict
 
 from fedbr_flwr import codec, payload, seeds
 from fedbr_flwr.node import ClientCache
-from fedbr_flwr.progress import Follower, Progress, read_events
+from fedbr_flwr.progress import Follower, LogFollower, Progress, read_events
 
 # ---------------------------------------------------------------- seed streams
 
@@ -92,6 +92,26 @@ def test_progress_events_are_json_lines_and_the_follower_prints_only_new_complet
     with Follower(progress.path, restarted.append, poll_s=0.01):
         Progress(tmp_path).emit("start", "3 clients found")  # a new run in the folder starts the file again
     assert restarted == ["[fedbr] 3 clients found"]
+
+
+def test_the_log_follower_prints_each_new_complete_line_and_starts_again_with_a_new_log(tmp_path):
+    """``--verbose`` for a run whose simulation process writes flower.log itself: the lines written after the
+    follower started, whole, and a log started again (a new run in the folder) from its beginning."""
+    log = tmp_path / "flower.log"
+    log.write_text("an older run's line\n")
+    printed = []
+    with LogFollower(log, printed.append, poll_s=0.01) as follower:
+        with open(log, "a") as f:
+            f.write("INFO :      Starting Flower ServerApp\nhalf a li")
+        follower._drain()
+        assert printed == ["INFO :      Starting Flower ServerApp"]
+        with open(log, "a") as f:
+            f.write("ne\n")
+    assert printed == ["INFO :      Starting Flower ServerApp", "half a line"]
+    again = []
+    with LogFollower(log, again.append, poll_s=0.01):
+        log.write_text("new\n")  # truncated and written again: shorter than the offset
+    assert again == ["new"]
 
 
 # ---------------------------------------------------------------- the client cache

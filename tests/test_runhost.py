@@ -7,10 +7,14 @@ import json
 import os
 import sys
 import threading
+from pathlib import Path
 
 import pytest
+from procs import flower_processes
 
-from fedbr_flwr import simulation
+from fedbr_flwr import cli, launcher, simulation
+
+EARLY_HOST = cli.early_host  # conftest.py replaces it in fast tests; these tests run it
 
 
 @pytest.fixture
@@ -205,3 +209,32 @@ def test_a_killed_or_failed_host_is_replaced_by_a_new_one_and_none_leaves_a_proc
         assert json.loads((tmp_path / f"run{i}" / "summary.json").read_text())["last_round"] == 1
     assert "lr" in (tmp_path / "run2" / "flower.log").read_text()
     assert flower_processes() <= before
+
+
+def test_fedbr_run_starts_its_simulation_process_before_checking_the_config_and_stops_it(monkeypatch, tmp_path):
+    """The process a run goes to is running (``--serve``) when fedbr-run hands it the checked run, and is
+    stopped when the command ends; a refused configuration stops it too, and leaves no process."""
+    monkeypatch.setattr(cli, "early_host", EARLY_HOST)
+    before = flower_processes()
+    handed = []
+
+    def run_flower(cfg, nodes, out, echo, superlink=False, host=None):
+        assert host is not None and host.proc is not None and host.proc.poll() is None
+        handed.append((host, host.proc.pid, (Path("/proc") / str(host.proc.pid) / "cmdline").read_bytes()))
+        raise launcher.RunFailed("stopped here")
+
+    monkeypatch.setattr(cli, "run_flower", run_flower)
+    assert cli.main(["num-clients=2", "num-rounds=1", f"output-dir={tmp_path / 'run'}", "--quiet"]) == 1
+    host, pid, cmdline = handed[0]
+    assert b"fedbr_flwr.simulation\0--serve" in cmdline
+    assert host.proc is None and not Path(f"/proc/{pid}").exists()
+    assert cli.main(["num-clients=2", "lr=-1", f"output-dir={tmp_path / 'refused'}"]) == 2
+    assert flower_processes() == before
+
+
+def test_fedbr_run_starts_no_early_process_where_the_run_would_not_use_it(monkeypatch):
+    parse = cli.build_parser().parse_intermixed_args
+    for flags in (["--superlink"], ["--dry-run"]):
+        assert EARLY_HOST(parse(flags)) is None
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert EARLY_HOST(parse([])) is None
