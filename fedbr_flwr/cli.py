@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from .config import ConfigError, check_sampling, defaults, load_yaml, parse_override, pyproject_table, schema, validate
 from .launcher import PROJECT_DIR, RunFailed, RunHost, run_flower
-from .raycluster import Cluster
+from .raycluster import Cluster, requested_address
 from .run_io import check_output_dir, check_path_length, git_commit
 from .runlock import check_free
 
@@ -370,6 +370,8 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         f"{cfg['num-rounds']} rounds -> {out}",
         flush=True,
     )
+    if host is not None and requested_address(cfg["ray-address"]) != host.address:
+        host.close()  # the run joins a cluster: the private runtime started ahead would only hold memory
     # SIGTERM must unwind like Ctrl-C so that the launcher stops the SuperLink and its children.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

@@ -370,7 +370,7 @@ def rotate_bilinear(x: torch.Tensor, angle: float) -> torch.Tensor:
         torch.cat((x, inside), dim=1), grid, mode="bilinear", padding_mode="zeros", align_corners=False
     )
     weight = sampled[:, -1:].expand_as(x)  # how much of each output pixel the source image covers
-    return sampled[:, :-1] * weight + (1.0 - weight) * 0.0
+    return sampled[:, :-1] * weight + (1.0 - weight) * 0.0  # the fill's term, as torchvision adds it (-0.0 -> 0.0)
 
 
 def _rotation_grid(angle: float, h: int, w: int, dtype: torch.dtype) -> torch.Tensor:

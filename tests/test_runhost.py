@@ -219,6 +219,9 @@ def test_fedbr_run_starts_its_simulation_process_before_checking_the_config_and_
     handed = []
 
     def run_flower(cfg, nodes, out, echo, superlink=False, host=None):
+        if cfg["ray-address"]:
+            handed.append((host, None if host.proc is None else host.proc.pid, b""))
+            raise launcher.RunFailed("stopped here")
         assert host is not None and host.proc is not None and host.proc.poll() is None
         handed.append((host, host.proc.pid, (Path("/proc") / str(host.proc.pid) / "cmdline").read_bytes()))
         raise launcher.RunFailed("stopped here")
@@ -230,6 +233,10 @@ def test_fedbr_run_starts_its_simulation_process_before_checking_the_config_and_
     assert host.proc is None and not Path(f"/proc/{pid}").exists()
     assert cli.main(["num-clients=2", "lr=-1", f"output-dir={tmp_path / 'refused'}"]) == 2
     assert flower_processes() == before
+    monkeypatch.setattr(cli, "size_for_runtime", lambda cfg: {**cfg, "ray-address": "10.0.0.1:6379"})  # joined
+    assert cli.main(["num-clients=2", "num-rounds=1", f"output-dir={tmp_path / 'joined'}", "--quiet"]) == 1
+    host, pid, _ = handed[1]  # stopped before the run, which joins the cluster, started
+    assert host.proc is None and pid is None
 
 
 def test_fedbr_run_starts_no_early_process_where_the_run_would_not_use_it(monkeypatch):
@@ -238,3 +245,12 @@ def test_fedbr_run_starts_no_early_process_where_the_run_would_not_use_it(monkey
         assert EARLY_HOST(parse(flags)) is None
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     assert EARLY_HOST(parse([])) is None
+
+
+def test_a_private_runtimes_workers_get_the_module_path_from_the_environment_and_a_clusters_from_the_job():
+    """With a job runtime environment Ray would not hand the workers it starts with the driver to the actors."""
+    private = simulation.ray_init_args({})
+    assert private["address"] == "local" and "runtime_env" not in private
+    joined = simulation.ray_init_args({"RAY_ADDRESS": "10.0.0.1:6379"})
+    assert joined["address"] == "10.0.0.1:6379"
+    assert joined["runtime_env"] == {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}}
