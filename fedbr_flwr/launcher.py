@@ -284,8 +284,7 @@ class RunHost:
         """``simulate_run`` in this host: the run's output in ``out_dir/flower.log``, its progress followed as
         there; returns once the run's last event is written (the host finishes Flower's part meanwhile)."""
         for _ in range(2):  # the host may have ended after the run before: then once more, in a new one
-            if self.proc is None or self.proc.poll() is not None:
-                self._start()
+            self.start()
             run_id = secrets.randbits(62)
             request = {
                 "run-config": str(write_run_config(cfg, out_dir)),
