@@ -36,6 +36,7 @@ from .registry import component_class, components_of
 from .settings import NoSettings, Settings
 from .training import (
     BatchSampler,
+    Optimiser,
     compile_features,
     evaluate,
     load_module_arrays,
@@ -253,7 +254,7 @@ class FunctionalStep(LocalStep):
 
     phases: list[Phase]
     groups: Params
-    optimizers: dict[str, torch.optim.Optimizer]
+    optimizers: dict[str, Optimiser]
     prepare_groups: tuple[str, ...] = ()
     per_member_state: tuple[str, ...] = ()
 

@@ -83,7 +83,7 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
         key, value = parse_override(item)
         overrides[key] = value
     saved = header["config"]
-    here = {"ray-address": ""}  # where it runs now: the resume command's choice, not the checkpoint's
+    here = {"ray-address": "", "backend": "auto"}  # where it runs now: the resume command's choice
     cfg = validate({**saved, **here, **overrides, "resume": True, "output-dir": str(out_dir)})
     check_resumable(saved, cfg, int(header["round"]))
     cfg["git-commit"] = git_commit(PROJECT_DIR) or "unknown"
@@ -125,17 +125,17 @@ def size_resources(
     return cfg
 
 
-def size_for_runtime(cfg: dict[str, Any], cluster: Cluster | None = None) -> dict[str, Any]:
-    """``size_resources`` for the Ray runtime the run will use: this machine's cores and GPUs, or those of the
-    running cluster it joins (``ray-address``, else ``RAY_ADDRESS``; ``cluster``: already described), whose
-    resolved address it records."""
+def size_for_runtime(cfg: dict[str, Any], cluster: Cluster | None = None, superlink: bool = False) -> dict[str, Any]:
+    """``size_resources`` for the runtime the run will use: this machine's cores and GPUs, or those of the
+    running Ray cluster it joins (``ray-address``, else ``RAY_ADDRESS``; ``cluster``: already described), whose
+    resolved address it records; and its ``backend`` (``choose_backend``; ``superlink``: fedbr-run --superlink)."""
     import torch
 
     from .raycluster import describe, requested_address
 
     address = requested_address(cfg["ray-address"])
     if address is None:
-        return size_resources(cfg, torch.cuda.is_available(), os.cpu_count() or 1)
+        return choose_backend(size_resources(cfg, torch.cuda.is_available(), os.cpu_count() or 1), superlink)
     if cluster is None:
         cluster = describe(address)
         print(
@@ -144,7 +144,28 @@ def size_for_runtime(cfg: dict[str, Any], cluster: Cluster | None = None) -> dic
             flush=True,
         )
     joined = {**cfg, "ray-address": cluster.address}
-    return size_resources(joined, cluster.gpus > 0, cluster.cpus, cluster.gpus, cluster.largest_node_cpus)
+    sized = size_resources(joined, cluster.gpus > 0, cluster.cpus, cluster.gpus, cluster.largest_node_cpus)
+    return choose_backend(sized, superlink, cluster=True)
+
+
+def choose_backend(cfg: dict[str, Any], superlink: bool = False, cluster: bool = False) -> dict[str, Any]:
+    """``backend`` for a sized run: ``auto`` is in-process (the clients in threads of the simulation process)
+    where it can be, else ray; in-process where it cannot be is a ConfigError."""
+    why_ray = (
+        "--superlink runs Flower's own simulation process, which runs the clients on Ray"
+        if superlink
+        else "the run joins a Ray cluster"
+        if cluster
+        else "the clients use a GPU (client-gpus > 0), which Ray shares out"
+        if cfg["client-gpus"] > 0
+        else ""
+    )
+    if cfg["backend"] == "in-process" and why_ray:
+        raise ConfigError(
+            f"backend = in-process runs the clients in threads of one process on this machine's CPUs, but {why_ray}: "
+            "use backend = ray (or auto)"
+        )
+    return {**cfg, "backend": "ray" if why_ray else "in-process"} if cfg["backend"] == "auto" else cfg
 
 
 def supernodes(cfg: dict[str, Any]) -> int:
@@ -355,9 +376,9 @@ def early_host(args: argparse.Namespace) -> RunHost | None:
 def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
     try:
         if args.resume:
-            cfg = size_for_runtime(resume_config(Path(args.resume), args.items))
+            cfg = size_for_runtime(resume_config(Path(args.resume), args.items), superlink=args.superlink)
         else:
-            cfg = prepare(size_for_runtime(build_config(args.items)), args.overwrite)
+            cfg = prepare(size_for_runtime(build_config(args.items), superlink=args.superlink), args.overwrite)
     except ConfigError as exc:
         print(f"fedbr-run: error: {exc}", file=sys.stderr)
         return 2

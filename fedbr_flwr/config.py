@@ -103,6 +103,14 @@ COMMON: dict[str, Key] = {
     "client-gpus": Key(
         0.0, "GPU share per simulated client; the CLI picks one when CUDA is present", check=UNIT_INTERVAL
     ),
+    "backend": Key(
+        "auto",
+        "simulation: where the clients run: in-process (threads of the simulation process, no Ray: a run starts "
+        "in about a second; fedbr-run and fedbr-sweep on this machine's CPUs), ray (Flower's Ray backend: "
+        "processes of their own, GPU shares, clusters; what `flwr run` always uses), auto (in-process on a CPU "
+        "without a Ray cluster, else ray)",
+        choices=("auto", "in-process", "ray"),
+    ),
     "ray-address": Key(
         "",
         "simulation: the running Ray cluster to join (host:port of its head, or auto for the one `ray start` "

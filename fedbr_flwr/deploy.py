@@ -376,6 +376,11 @@ def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -
             "engine=cohort runs in simulation only (fedbr-run): a deployment has one client per "
             "SuperNode; drop engine=cohort (engine=clients)"
         )
+    if cfg["backend"] == "in-process":
+        raise ConfigError(
+            "backend = in-process runs simulated clients in one process (fedbr-run): a deployment's clients are "
+            "its SuperNodes; drop backend"
+        )
     return cfg
 
 

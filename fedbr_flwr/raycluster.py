@@ -8,6 +8,7 @@ anything: Ray places Flower's actors across the cluster's nodes."""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import socket
@@ -120,11 +121,16 @@ def log_tail(path: Path, chars: int = 500) -> str:
         return "(no output)"
 
 
+# set around a client's message by the in-process backend: the client runs outside Ray, whatever this process's
+# Ray runtime (a sweep's simulation process keeps one from an earlier run)
+OUTSIDE_RAY: contextvars.ContextVar[bool] = contextvars.ContextVar("outside_ray", default=False)
+
+
 def worker_node() -> str:
     """The Ray node this process runs on (its node id), or outside Ray this machine's host name: where a
     client's work ran, as the run files record it."""
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
+    if ray is not None and ray.is_initialized() and not OUTSIDE_RAY.get():
         return ray.get_runtime_context().get_node_id()
     return socket.gethostname()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
@@ -44,6 +45,7 @@ COMPONENTS: dict[str, type[LocalComponent]] = {}
 SERVER_COMPONENTS: dict[str, type[ServerComponent]] = {}
 PACKAGES = ("clients", "strategies")
 _loaded = False
+_loading = threading.RLock()
 
 
 def _register(table: dict[str, Any], name: str) -> Callable[[T], T]:
@@ -87,13 +89,14 @@ def register_variant(name: str, base: str, components: tuple[str, ...], summary:
 def load_all() -> None:
     """Import every module of ``clients`` and ``strategies`` so that their registrations run."""
     global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for package_name in PACKAGES:
-        package = importlib.import_module(package_name)
-        for mod in pkgutil.iter_modules(package.__path__):
-            importlib.import_module(f"{package_name}.{mod.name}")
+    with _loading:  # another thread (the simulation process's warm-up) may be importing them: wait for it
+        if _loaded:
+            return
+        _loaded = True  # first: a module being imported may look something up (in this thread)
+        for package_name in PACKAGES:
+            package = importlib.import_module(package_name)
+            for mod in pkgutil.iter_modules(package.__path__):
+                importlib.import_module(f"{package_name}.{mod.name}")
 
 
 def algorithm_names() -> list[str]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ RESUMABLE_KEYS = (
     "cohorts",
     "cohort-step",
     "ray-address",
+    "backend",
     "resume",
     "git-commit",
 )
@@ -85,8 +87,21 @@ def build_strategy(cfg: dict):
     return strategy
 
 
+def check_backend(cfg: dict) -> None:
+    """``backend = in-process`` asks for fedbr-run's simulation process, which runs the clients in its own
+    threads (``fedbr_flwr.simulation.choose_backend_per_run``); Flower's own (under ``flwr run``) would run them on
+    Ray, and a deployment's clients are its SuperNodes: say so instead of ignoring the key."""
+    backends = sys.modules.get("flwr.server.superlink.fleet.vce.backend.raybackend")
+    if cfg["backend"] == "in-process" and not getattr(getattr(backends, "RayBackend", None), "chooses_per_run", False):
+        raise ConfigError(
+            "backend = in-process runs the clients in fedbr-run's own simulation process; this run is Flower's "
+            "(flwr run) or a deployment: use backend = auto or ray"
+        )
+
+
 def server_fn(context: Context) -> ServerAppComponents:
     cfg = from_run_config(context.run_config)
+    check_backend(cfg)
     strategy = build_strategy(cfg)
     done = strategy.resumed_round
     return ServerAppComponents(

@@ -2,7 +2,8 @@
 process (``--serve``: one run after another, each asked for on stdin: ``serve``). It is what ``flwr run`` starts
 under a SuperLink (``flwr-simulation``): Flower's own simulation entry point with the same ServerApp, ClientApp, run
 config and Ray backend, but without the SuperLink, the app bundle and the processes between them, which cost seconds
-per run (docs/benchmarks.md).
+per run (docs/benchmarks.md). With ``backend = in-process`` the clients run in this process's threads instead of Ray's
+processes (``InProcessBackend``).
 
 Flower's public ``run_simulation`` cannot take a run config; its private ``_run_simulation``, which
 ``flwr-simulation`` itself calls, can. flwr is pinned (pyproject.toml) and the end-to-end tests run this path."""
@@ -68,6 +69,37 @@ def import_server_side() -> None:
     from . import server_app  # noqa: F401
 
 
+def import_both_sides() -> None:
+    """What a run imports, server and client side: ahead, while the command checks the run's configuration."""
+    import_server_side()
+    from . import client_app, node  # noqa: F401
+    from .registry import load_all
+
+    load_all()
+
+
+def choose_backend_per_run() -> None:
+    """Flower's simulation engine builds each run's backend as ``raybackend.RayBackend(backend_config)``: make
+    that give an ``InProcessBackend`` where the run's backend config asks for one (``IN_PROCESS``), else the Ray
+    backend it is (with ``keep_actors_between_runs``: the one that keeps its actors)."""
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    from .inprocess import IN_PROCESS, InProcessBackend
+
+    if getattr(raybackend.RayBackend, "chooses_per_run", False):
+        return
+
+    class PerRun(raybackend.RayBackend):  # type: ignore[misc,valid-type]
+        chooses_per_run = True
+
+        def __new__(cls, backend_config: dict[str, Any]) -> Any:
+            if backend_config.get(IN_PROCESS, {}).get("on"):
+                return InProcessBackend(backend_config)
+            return super().__new__(cls)
+
+    raybackend.RayBackend = PerRun  # type: ignore[misc]
+
+
 def run_config_from(path: Path) -> dict[str, Any]:
     """The overrides of a ``--run-config`` file, read as ``flwr run`` reads them."""
     from flwr.common.config import parse_config_args
@@ -75,9 +107,19 @@ def run_config_from(path: Path) -> dict[str, Any]:
     return parse_config_args([str(path)])
 
 
+def in_process(run_config: dict[str, Any]) -> bool:
+    """Whether the run's clients run in this process (``backend = in-process``; fedbr-run resolves ``auto``)."""
+    return run_config.get("backend") == "in-process"
+
+
 def simulate(run_config: dict[str, Any], run_id: int, supernodes: int, cpus: float, gpus: float) -> None:
-    """Run the app once through Flower's simulation entry point, as ``flwr-simulation`` does."""
-    start_ray()
+    """Run the app once through Flower's simulation entry point, as ``flwr-simulation`` does: on Ray, or with the
+    clients in this process (``in_process``)."""
+    choose_backend_per_run()
+    if in_process(run_config):
+        import_both_sides()
+    else:
+        start_ray()
     from flwr.app import Context, RecordDict
     from flwr.common.config import get_fused_config_from_dir
     from flwr.simulation.run_simulation import _run_simulation
@@ -85,6 +127,7 @@ def simulate(run_config: dict[str, Any], run_id: int, supernodes: int, cpus: flo
     from flwr.supercore.run import Run
     from flwr.supercore.telemetry import EventType
 
+    from .inprocess import IN_PROCESS
     from .launcher import PROJECT_DIR
 
     run = Run.create_empty(run_id=run_id)
@@ -99,7 +142,11 @@ def simulate(run_config: dict[str, Any], run_id: int, supernodes: int, cpus: flo
         server_app_attr=SERVER_APP,
         client_app_attr=CLIENT_APP,
         backend_name="ray",
-        backend_config={"client_resources": {"num_cpus": cpus, "num_gpus": gpus}, "init_args": {}},
+        backend_config={
+            "client_resources": {"num_cpus": cpus, "num_gpus": gpus},
+            "init_args": {},
+            IN_PROCESS: {"on": in_process(run_config)},
+        },
         app_dir=str(PROJECT_DIR),
         run=run,
         server_app_context=context,
@@ -161,17 +208,22 @@ def output_to(log: Path, append: bool) -> None:
 
 def serve(requests: IO[str], replies: IO[str]) -> int:
     """Run the runs asked for on ``requests``, one JSON object per line (``run-config``, ``run-id``,
-    ``supernodes``, ``cpus``, ``gpus``, ``log``, ``append``, ``cwd``), one after another in this process, on
-    one Ray runtime and one set of client processes (``keep_actors_between_runs``); each run's output goes to
+    ``supernodes``, ``cpus``, ``gpus``, ``log``, ``append``, ``cwd``, ``backend``), one after another in this
+    process, on one Ray runtime and one set of client processes (``keep_actors_between_runs``), or with the clients
+    in this process (``backend``: in-process); each run's output goes to
     its ``log``. Answers ``{"run-id", "started": true}`` when a run starts and ``{"run-id", "ok", "error"}``
     when Flower's part of it has ended. A run starts once the run before has ended or written its last event,
     so that it starts while Flower ends the old one (whose threads poll for up to a second). After a run
     that failed, the process ends (exit 1) instead of starting another: what a failure leaves behind (in Ray,
     the actors, threads) is not trusted with the next run."""
     keep_actors_between_runs()
-    # here, as the process starts (fedbr-run starts it before checking the run's configuration), and in the main
-    # thread: the processes Ray starts end with the thread that started them (Linux's parent-death signal)
-    start_ray()
+    choose_backend_per_run()
+    # as the process starts (fedbr-run starts it before checking the run's configuration): Ray where a run will
+    # likely use it, else only the imports
+    if ray_likely():
+        start_ray()
+    else:
+        threading.Thread(target=import_both_sides, daemon=True).start()
     failed = threading.Event()
     runs: list[tuple[threading.Thread, Path]] = []
     for line in lines_until(requests, failed):
@@ -180,11 +232,26 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
         if failed.is_set():
             break
         request = json.loads(line)
+        if request.get("backend", "ray") == "ray":
+            start_ray()  # in the main thread: the processes Ray starts end with the thread that started them
         runs.append((threading.Thread(target=run_requested, args=(request, replies, failed)), Path(request["cwd"])))
         runs[-1][0].start()
     for run, _ in runs:
         run.join()
     return 1 if failed.is_set() else 0
+
+
+def ray_likely(environ: dict[str, str] | os._Environ = os.environ) -> bool:
+    """Whether a run of this host will likely use Ray (``backend = auto`` picks it on a cluster or a GPU), told
+    without importing torch: a wrong guess costs seconds, not correctness."""
+    from .raycluster import PRIVATE
+
+    if environ.get("RAY_ADDRESS", PRIVATE) != PRIVATE:
+        return True
+    if environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
 
 
 def lines_until(stream: IO[str], stop: threading.Event) -> Iterator[str]:

@@ -1,7 +1,8 @@
 """``fedbr-bench --startup``: where the seconds of one ``fedbr-run`` go, from outside, as a user sees them.
 
 Each repetition runs every variant as a new process: ``fedbr-run ITEMS --verbose`` with each engine, through
-Flower's simulation entry point (the default) and through ``flwr run`` on a SuperLink (``--superlink``), and
+Flower's simulation entry point (the default: the clients in its process; and on Ray) and through ``flwr run`` on
+a SuperLink (``--superlink``, on Ray), and
 the bare PyTorch loop (``python -m fedbr_flwr.startup ITEMS``: the same clients, local steps and averaging in
 one process, no Flower, no Ray). It stamps every line a process prints with the time it arrived and reads the
 milestones from those lines (Flower's and the ServerApp's own log, the same lines from the bare loop); the
@@ -39,9 +40,12 @@ WORKLOAD = [
 MILESTONES = (
     ("command: imports, config, partition", re.compile(r"^(fedbr-run|bare loop|pfl-research): \S+ on ")),
     ("SuperLink up, `flwr run` connected", re.compile(r"Using SuperLink")),
-    ("simulation process up (fedbr-run: Ray too)", re.compile(r"Starting Flower Simulation|fedbr simulation: run \d+")),
-    ("ServerApp started (--superlink: Ray too)", re.compile(r"Starting Flower ServerApp")),
-    ("client processes up, data loaded (discovery)", re.compile(r"\[(fedbr|bare|pfl)\] \d+ clients (found|built)")),
+    (
+        "simulation process up (backend=ray: Ray too)",
+        re.compile(r"Starting Flower Simulation|fedbr simulation: run \d+"),
+    ),
+    ("ServerApp started (its imports; --superlink: Ray too)", re.compile(r"Starting Flower ServerApp")),
+    ("clients up, data loaded (discovery)", re.compile(r"\[(fedbr|bare|pfl)\] \d+ clients (found|built)")),
     ("rounds", re.compile(r"\[(fedbr|bare|pfl)\] round (\d+)/\2 ")),
     ("final evaluation, run files", re.compile(r"\[(fedbr\] run files in|(bare|pfl)\] evaluated) ")),
 )
@@ -105,6 +109,7 @@ def default_variants(say: Callable[[str], object] = print) -> list[str]:
 VARIANTS = {  # label: (how the process starts, its own items)
     "engine=cohort": ("fedbr-run", ["engine=cohort"]),
     "engine=clients": ("fedbr-run", ["engine=clients"]),
+    "engine=cohort, backend=ray": ("fedbr-run", ["engine=cohort", "backend=ray"]),
     "engine=clients, --superlink": ("fedbr-run", ["engine=clients", "--superlink"]),
     "bare loop": ("bare", []),
     PFL: ("pfl", []),

@@ -46,17 +46,69 @@ _OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _FROZEN_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+class PlainSGD:
+    """What ``torch.optim.SGD`` computes on CPU tensors (its single-tensor update, bit for bit: a test holds the
+    two together), without ``torch.optim.Optimizer``: its first construction imports ``torch._dynamo``, a second
+    of CPU in every process that trains (docs/benchmarks.md). The parts of the optimiser interface used here:
+    ``param_groups`` (one group), ``state`` (momentum buffers), ``step``, ``zero_grad``."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        maximize: bool = False,
+        **unused: object,  # torch's foreach, fused, differentiable: one code path here
+    ):
+        hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+        self.param_groups: list[dict] = [{"params": list(params), **hyper, "maximize": maximize}]
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.param_groups[0]["params"]:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_().zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        group = self.param_groups[0]
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = -p.grad if group["maximize"] else p.grad
+            if wd != 0:
+                grad = grad.add(p, alpha=wd)
+            if mu != 0:
+                buf = self.state.setdefault(p, {}).get("momentum_buffer")
+                if buf is None:
+                    buf = self.state[p]["momentum_buffer"] = grad.detach().clone()
+                else:
+                    buf.mul_(mu).add_(grad, alpha=1 - group["dampening"])
+                grad = grad.add(buf, alpha=mu) if group["nesterov"] else buf
+            p.add_(grad, alpha=-lr)
+
+
+Optimiser = torch.optim.Optimizer | PlainSGD  # what a client's local step steps
+
+
 def round_sgd(
     owner: nn.Module,
     params: Iterable[torch.Tensor],
     cfg: dict,
     lr: float | None = None,
     weight_decay: float | None = None,
-) -> torch.optim.SGD:
+) -> Optimiser:
     """SGD over ``params`` (of ``owner``) with the run's momentum (and lr and weight decay unless
     given), its state empty as a new optimiser's: every round starts without momentum. The object is
     built once per (owner, parameters, hyperparameters) and reused by later rounds, which clear its
-    state instead."""
+    state instead. On a CPU it is ``PlainSGD``; elsewhere ``torch.optim.SGD`` (its multi-tensor update on a GPU,
+    which the CUDA-graph step captures)."""
     params = list(params)
     lr = cfg["lr"] if lr is None else lr
     weight_decay = cfg["weight-decay"] if weight_decay is None else weight_decay
@@ -64,7 +116,8 @@ def round_sgd(
     per_owner = _OPTIMIZERS.setdefault(owner, {})
     optimizer = per_owner.get(key)
     if optimizer is None:
-        optimizer = per_owner[key] = torch.optim.SGD(params, lr=lr, momentum=cfg["momentum"], weight_decay=weight_decay)
+        kind = PlainSGD if all(p.device.type == "cpu" for p in params) else torch.optim.SGD
+        optimizer = per_owner[key] = kind(params, lr=lr, momentum=cfg["momentum"], weight_decay=weight_decay)
     optimizer.state.clear()
     return optimizer
 

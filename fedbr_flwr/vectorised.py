@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .algorithm import FunctionalStep, Inputs, Params, Phase, modules_in
-from .training import BatchSampler, StepStats, autocast
+from .training import BatchSampler, Optimiser, StepStats, autocast
 
 
 @dataclass
@@ -198,7 +198,7 @@ def stacked(values: list[dict]) -> dict:
     return torch.stack(values)
 
 
-def sgd_like(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+def sgd_like(optimizer: Optimiser, tensors: list[torch.Tensor]) -> Optimiser:
     """An optimiser of ``optimizer``'s class and hyperparameters over ``tensors``, its state empty."""
     hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
     return type(optimizer)(tensors, **hyper)

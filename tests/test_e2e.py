@@ -290,10 +290,11 @@ def diverging_client(tmp_path, monkeypatch):
 
 
 def test_a_killed_cohort_run_resumes_rejects_a_nan_member_and_equals_the_client_engine(tmp_path, diverging_client):
-    """engine=cohort through `flwr run`: two cohorts (clients 0, 2 and client 1), client 1 answers NaN every
-    round. The run is stopped (SIGTERM) after its round-2 checkpoint: it exits with 143 and leaves no Flower
-    process. Resumed with the cohorts' clients stepped together (cohort-step=vmap), its lines must equal
-    those of the same federation with one client per node, driven in-process."""
+    """engine=cohort through fedbr-run: two cohorts (clients 0, 2 and client 1), client 1 answers NaN every
+    round. The run (its clients in the simulation process: backend auto) is stopped (SIGTERM) after its round-2
+    checkpoint: it exits with 143 and leaves no Flower process. Resumed on Ray with the cohorts' clients stepped
+    together (cohort-step=vmap), its lines must equal those of the same federation with one client per node,
+    driven in-process."""
     from fakes import in_process_federation, records_without_timing, run_rounds
     from test_golden import close_json
 
@@ -338,7 +339,7 @@ def test_a_killed_cohort_run_resumes_rejects_a_nan_member_and_equals_the_client_
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 143 and flower_processes() <= before
-    assert cli.main(["--resume", str(out), "cohort-step=vmap", "--quiet"]) == 0
+    assert cli.main(["--resume", str(out), "cohort-step=vmap", "backend=ray", "--quiet"]) == 0
     assert flower_processes() <= before
 
     rounds = records_without_timing(out / "rounds.jsonl")
@@ -347,6 +348,7 @@ def test_a_killed_cohort_run_resumes_rejects_a_nan_member_and_equals_the_client_
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["config"]["engine"] == "cohort" and [r["after_round"] for r in manifest["resumed"]] == [2]
     assert manifest["config"]["cohort-step"] == "auto" and manifest["resumed"][0]["config"]["cohort-step"] == "vmap"
+    assert manifest["config"]["backend"] == "in-process" and manifest["resumed"][0]["config"]["backend"] == "ray"
 
     cfg = cli.build_config(settings)
     strategy, _, proxies = in_process_federation(cfg, tmp_path / "clients")
@@ -356,10 +358,12 @@ def test_a_killed_cohort_run_resumes_rejects_a_nan_member_and_equals_the_client_
         close_json(records_without_timing(out / name), want, name, exact=False)
 
 
-def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_folder(tmp_path, capsys):
+@pytest.mark.parametrize("backend", ["in-process", "ray"])
+def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_folder(tmp_path, capsys, backend):
     """SIGKILL (no cleanup code runs) of fedbr-run's process group after round 1: within seconds no process it
     started is left, no port listens, the run folder stops growing and its temporary FLWR_HOME is gone. While
-    it ran, a second fedbr-run on its folder (--overwrite, --resume) was refused naming the folder and pid."""
+    it ran, a second fedbr-run on its folder (--overwrite, --resume) was refused naming the folder and pid.
+    With the clients in the simulation process, the command, its watchdog and that process are all there is."""
     import procs
 
     before = flower_processes()
@@ -372,12 +376,13 @@ def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_fol
         "num-rounds=200",
         "local-steps=2",
         "batch-size=8",
+        f"backend={backend}",
         f"output-dir={out}",
     ]
     with procs.command_at_first_round(command) as (proc, _, snapshot):
         ports = procs.listening(snapshot)
         homes = {home for p in snapshot if "fedbr-flwr-home-" in (home := _flwr_home(p))}
-        assert ports and homes and len(snapshot) > 5
+        assert homes and (ports and len(snapshot) > 5 if backend == "ray" else len(snapshot) == 3), snapshot
         # the ServerApp, which writes the run files, holds the writer's lock
         assert int((out / ".fedbr-writer.lock").read_text()) in snapshot
 
@@ -393,13 +398,15 @@ def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_fol
     assert cli.main(["--overwrite", f"output-dir={out}", "num-clients=2", "--dry-run"]) == 0
 
 
-def test_ctrl_c_stops_fedbr_run_with_exit_130_and_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("backend", ["in-process", "ray"])
+def test_ctrl_c_stops_fedbr_run_with_exit_130_and_leaves_no_process(tmp_path, backend):
     """Ctrl-C (SIGINT to the terminal's foreground process group) after round 1: fedbr-run says it was
     interrupted, exits 130 without a traceback, and within seconds none of its processes lives."""
     import procs
 
     out = tmp_path / "run"
     command = [sys.executable, "-m", "fedbr_flwr.cli", "num-clients=2", "num-rounds=200", "local-steps=2"]
+    command.append(f"backend={backend}")
     with procs.command_at_first_round([*command, f"output-dir={out}"]) as (proc, _, snapshot):
         ports = procs.listening(snapshot)
         os.killpg(proc.pid, signal.SIGINT)
@@ -408,6 +415,28 @@ def test_ctrl_c_stops_fedbr_run_with_exit_130_and_leaves_no_process(tmp_path):
         assert "interrupted; Flower processes stopped" in rest and "Traceback" not in rest, rest
         left, still_open = procs.wait_gone(snapshot, ports, timeout_s=10)
         assert not left and not still_open, (left, still_open)
+
+
+def test_the_clients_in_the_simulation_process_give_the_ray_backends_numbers_bit_for_bit(tmp_path, on_shared_host):
+    """The same FedBR run on two cohorts (two clients training at once: two threads of the simulation process,
+    or two Ray actors) with each backend: the same lines to the last bit. Where the clients ran is recorded: this
+    machine's host name in-process, the Ray node on Ray."""
+    import socket
+
+    from fedbr_flwr.metrics import read_jsonl
+
+    from fakes import records_without_timing
+
+    settings = ["strategy=fedbr", "num-clients=4", "num-rounds=2", "local-steps=2", "batch-size=8", "eval-every=1"]
+    settings += ["engine=cohort", "cohorts=2", "client-cpus=1", "--quiet"]
+    for backend in ("in-process", "ray"):
+        assert cli.main([*settings, f"backend={backend}", f"output-dir={tmp_path / backend}"]) == 0
+    for name in ("rounds.jsonl", "metrics.jsonl"):
+        lines = {b: records_without_timing(tmp_path / b / name) for b in ("in-process", "ray")}
+        assert lines["in-process"] == lines["ray"], name
+    nodes = {b: [r["nodes"] for r in read_jsonl(tmp_path / b / "rounds.jsonl")] for b in ("in-process", "ray")}
+    assert nodes["in-process"][0] == {socket.gethostname(): [0, 1, 2, 3]}
+    assert list(nodes["ray"][0]) != [socket.gethostname()] and list(nodes["ray"][0].values()) == [[0, 1, 2, 3]]
 
 
 def _flwr_home(pid: int) -> str:

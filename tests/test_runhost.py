@@ -69,7 +69,9 @@ def test_serve_runs_each_request_with_its_output_in_its_log_then_stops_after_a_f
 
     monkeypatch.setattr(simulation, "simulate", fake_simulate)
     monkeypatch.setattr(simulation, "keep_actors_between_runs", lambda: None)
+    monkeypatch.setattr(simulation, "choose_backend_per_run", lambda: None)
     monkeypatch.setattr(simulation, "start_ray", lambda: None)
+    monkeypatch.setattr(simulation, "import_both_sides", lambda: None)
     own_stdout_stderr()
     requests = [request(tmp_path, i) for i in (1, 2, 3)]
     replies = io.StringIO()
@@ -233,7 +235,7 @@ def test_fedbr_run_starts_its_simulation_process_before_checking_the_config_and_
     assert host.proc is None and not Path(f"/proc/{pid}").exists()
     assert cli.main(["num-clients=2", "lr=-1", f"output-dir={tmp_path / 'refused'}"]) == 2
     assert flower_processes() == before
-    monkeypatch.setattr(cli, "size_for_runtime", lambda cfg: {**cfg, "ray-address": "10.0.0.1:6379"})  # joined
+    monkeypatch.setattr(cli, "size_for_runtime", lambda cfg, **_: {**cfg, "ray-address": "10.0.0.1:6379"})  # joined
     assert cli.main(["num-clients=2", "num-rounds=1", f"output-dir={tmp_path / 'joined'}", "--quiet"]) == 1
     host, pid, _ = handed[1]  # stopped before the run, which joins the cluster, started
     assert host.proc is None and pid is None

@@ -103,6 +103,46 @@ def test_round_sgd_is_reused_with_its_momentum_cleared_and_frozen_copies_follow_
     assert not copy.weight.requires_grad and not copy.training
 
 
+@pytest.mark.parametrize(
+    "hyper",
+    [
+        {},
+        {"momentum": 0.9, "weight_decay": 1e-2},
+        {"momentum": 0.9, "nesterov": True},
+        {"momentum": 0.5, "dampening": 0.1, "maximize": True},
+    ],
+)
+def test_plain_sgd_is_torchs_sgd_on_a_cpu_bit_for_bit_and_imports_no_dynamo(hyper):
+    import subprocess
+    import sys
+
+    from fedbr_flwr.training import PlainSGD
+
+    torch.manual_seed(0)
+    theirs, ours = torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+    mine = [theirs.detach().clone().requires_grad_(), ours.detach().clone().requires_grad_()]
+    reference = torch.optim.SGD([theirs, ours], lr=0.1, **hyper)
+    plain = PlainSGD(mine, lr=0.1, **hyper)
+    for step in range(4):
+        grads = [torch.randn(4, 3), torch.randn(3)]
+        for optimiser, params in ((reference, [theirs, ours]), (plain, mine)):
+            optimiser.zero_grad(set_to_none=True)
+            for p, g in zip(params, grads):
+                p.grad = None if step == 2 and p.dim() == 1 else g.clone()  # a parameter without a gradient
+            optimiser.step()
+        assert torch.equal(mine[0], theirs) and torch.equal(mine[1], ours)
+    plain.state.clear()
+    assert not plain.state
+    code = (
+        "import sys, torch\nfrom torch import nn\nfrom fedbr_flwr.training import round_sgd\n"
+        "m = nn.Linear(3, 2); o = round_sgd(m, m.parameters(), {'lr': 0.1, 'momentum': 0.9, 'weight-decay': 0.0})\n"
+        "m(torch.ones(1, 3)).sum().backward(); o.step(); o.zero_grad()\n"
+        "print(type(o).__name__, 'torch._dynamo' in sys.modules)"
+    )
+    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert printed.split() == ["PlainSGD", "False"]
+
+
 def local_losses(precision: str, compiled: bool = False, strategy: str = "fedbr") -> list[float]:
     """Per-step training losses of one client from the same weights and batches."""
     config = run_config(strategy=strategy, precision=precision, compile=compiled, **{"local-steps": 1})

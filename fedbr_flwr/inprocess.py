@@ -1,0 +1,68 @@
+"""``backend = in-process``: Flower's simulation engine with the clients in the simulation process's own threads
+instead of Ray's processes (``fedbr_flwr.simulation.choose_backend_per_run`` hands it to Flower per run)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Callable
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
+from flwr.server.superlink.fleet.vce.backend import Backend, BackendConfig
+
+from .raycluster import OUTSIDE_RAY
+
+IN_PROCESS = "in_process"  # the backend config's key that asks for it (Flower's keys use "_")
+
+
+def worker_threads(backend_config: BackendConfig, cpus: int | None = None) -> int:
+    """How many clients run at once: as many as ``client_resources`` fit in this machine's cores, as Ray counts
+    its actors."""
+    wanted = backend_config.get("client_resources", {}).get("num_cpus", 1)
+    wanted = float(wanted) if isinstance(wanted, (int, float)) and wanted > 0 else 1.0
+    return max(1, int((cpus or os.cpu_count() or 1) // max(1.0, wanted)))
+
+
+class InProcessBackend(Backend):
+    """Each of Flower's simulation worker threads runs the ClientApp on its message itself, as a Ray actor would
+    in a process of its own: no Ray runtime and no client processes start, so a run starts in about a second
+    (docs/benchmarks.md). The clients' torch ops run on ``client-cpus`` threads, as in an actor
+    (``node.build_client``), so the numbers are the Ray backend's, bit for bit. The ClientApp gets a copy of the
+    node's context, as Ray ships one to an actor: a client that raises leaves the node's state as it was. What a
+    process of its own would still isolate: a crash of the process (a segfault, the out-of-memory killer) ends
+    the run, which is then resumed from its last checkpoint, where Ray would lose one actor."""
+
+    def __init__(self, backend_config: BackendConfig) -> None:
+        super().__init__(backend_config)
+        self.workers = worker_threads(backend_config)
+        self.app_fn: Callable[[], ClientApp] | None = None
+
+    def build(self, app_fn: Callable[[], ClientApp]) -> None:
+        self.app_fn = app_fn
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers
+
+    def is_worker_idle(self) -> bool:
+        return True
+
+    def terminate(self) -> None:
+        pass
+
+    def process_message(self, message: Message, context: Context) -> tuple[Message, Context]:
+        if self.app_fn is None:
+            raise ValueError("build() the backend before it processes messages")
+        own = copy.deepcopy(context)
+        outside = OUTSIDE_RAY.set(True)  # where the client ran: this machine, whatever Ray this process has
+        try:
+            reply = self.app_fn()(message=message, context=own)
+        except LoadClientAppError:
+            raise
+        except Exception as exc:  # as an actor reports it: Flower's engine makes it the node's error reply
+            raise ClientAppException(str(exc)) from exc
+        finally:
+            OUTSIDE_RAY.reset(outside)
+        return reply, own
