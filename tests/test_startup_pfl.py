@@ -12,7 +12,13 @@ import pytest
 from fedbr_flwr import bench, startup
 from fedbr_flwr.startup import PFL_SKIPPED, SHUTDOWN, VARIANTS, WORKLOAD, default_variants, phases, variant_command
 
-FLOWER_AND_BARE = ["engine=cohort", "engine=clients", "engine=clients, --superlink", "bare loop"]
+FLOWER_AND_BARE = [
+    "engine=cohort",
+    "engine=clients",
+    "engine=cohort, backend=ray",
+    "engine=clients, --superlink",
+    "bare loop",
+]
 
 
 def pretend_pfl(monkeypatch, installed: bool) -> None:
@@ -40,7 +46,7 @@ def test_the_pfl_processs_lines_end_the_same_phases_as_the_bare_loops():
     assert got == pytest.approx(
         {
             "command: imports, config, partition": 2.5,
-            "client processes up, data loaded (discovery)": 1.5,
+            "clients up, data loaded (discovery)": 1.5,
             "rounds": 10.0,
             "final evaluation, run files": 0.25,
             SHUTDOWN: 0.75,
