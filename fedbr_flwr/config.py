@@ -105,8 +105,8 @@ COMMON: dict[str, Key] = {
     ),
     "backend": Key(
         "auto",
-        "simulation: where the clients run: in-process (threads of the simulation process, no Ray: a run starts "
-        "in about a second; fedbr-run and fedbr-sweep on this machine's CPUs), ray (Flower's Ray backend: "
+        "simulation: where the clients run: in-process (threads of the simulation process: no Ray or client processes "
+        "to start; fedbr-run and fedbr-sweep on this machine's CPUs), ray (Flower's Ray backend: "
         "processes of their own, GPU shares, clusters; what `flwr run` always uses), auto (in-process on a CPU "
         "without a Ray cluster, else ray)",
         choices=("auto", "in-process", "ray"),

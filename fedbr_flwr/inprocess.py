@@ -27,7 +27,7 @@ def worker_threads(backend_config: BackendConfig, cpus: int | None = None) -> in
 
 class InProcessBackend(Backend):
     """Each of Flower's simulation worker threads runs the ClientApp on its message itself, as a Ray actor would
-    in a process of its own: no Ray runtime and no client processes start, so a run starts in about a second
+    in a process of its own: no Ray runtime and no client processes start, which took seconds of every run
     (docs/benchmarks.md). The clients' torch ops run on ``client-cpus`` threads, as in an actor
     (``node.build_client``), so the numbers are the Ray backend's, bit for bit. The ClientApp gets a copy of the
     node's context, as Ray ships one to an actor: a client that raises leaves the node's state as it was. What a

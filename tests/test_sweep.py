@@ -140,15 +140,16 @@ def records(folder):
 
 
 @pytest.mark.e2e
-def test_a_real_sweep_runs_in_one_process_equals_isolated_runs_then_keeps_them(tmp_path, capsys):
+@pytest.mark.parametrize("backend", ["auto", "ray"])
+def test_a_real_sweep_runs_in_one_process_equals_isolated_runs_then_keeps_them(tmp_path, capsys, backend):
     """Two real jobs (each one Flower run; the loop over more: test_a_sweep_runs_each_job_in_order_then_keeps_them)
-    run one after another in one simulation process, the second on the first's Ray runtime and client
-    processes, and record exactly what each records in a process of its own (--isolated); run again, both
-    are found finished with the same settings and kept."""
+    run one after another in one simulation process (the clients in it, or on Ray: the second run on the first's
+    Ray runtime and client processes), and record exactly what each records in a process of its own
+    (--isolated); run again, both are found finished with the same settings and kept."""
     path = write(tmp_path, SWEEP.replace("[0, 1]", "[0]"))
     out, isolated = tmp_path / "out", tmp_path / "isolated"
-    assert sweep.main([path, "--out", str(out), "--quiet"]) == 0
-    assert sweep.main([path, "--out", str(isolated), "--quiet", "--isolated"]) == 0
+    assert sweep.main([path, f"backend={backend}", "--out", str(out), "--quiet"]) == 0
+    assert sweep.main([path, f"backend={backend}", "--out", str(isolated), "--quiet", "--isolated"]) == 0
     processes = {}
     for name in ("FedAvg", "FedBR_no_max"):
         assert records(out / name / "seed0") == records(isolated / name / "seed0")
@@ -160,8 +161,10 @@ def test_a_real_sweep_runs_in_one_process_equals_isolated_runs_then_keeps_them(t
     assert len(processes[out]) == 1 and None not in processes[out]
     assert len(processes[isolated]) == 2
     assert "| FedBR no max | 1 |" in (out / "comparison.md").read_text()
+    manifest = json.loads((out / "FedAvg" / "seed0" / "manifest.json").read_text())
+    assert manifest["config"]["backend"] == ("in-process" if backend == "auto" else "ray")
     capsys.readouterr()
-    assert sweep.main([path, "--out", str(out), "--quiet"]) == 0  # nothing left to run
+    assert sweep.main([path, f"backend={backend}", "--out", str(out), "--quiet"]) == 0  # nothing left to run
     assert capsys.readouterr().out.count("already finished") == 2
 
 
