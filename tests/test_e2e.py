@@ -377,6 +377,7 @@ def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_fol
         "local-steps=2",
         "batch-size=8",
         f"backend={backend}",
+        "device=cpu",  # in-process runs on CPUs (a GPU machine would give the clients GPU shares)
         f"output-dir={out}",
     ]
     with procs.command_at_first_round(command) as (proc, _, snapshot):
@@ -406,7 +407,7 @@ def test_ctrl_c_stops_fedbr_run_with_exit_130_and_leaves_no_process(tmp_path, ba
 
     out = tmp_path / "run"
     command = [sys.executable, "-m", "fedbr_flwr.cli", "num-clients=2", "num-rounds=200", "local-steps=2"]
-    command.append(f"backend={backend}")
+    command += [f"backend={backend}", "device=cpu"]
     with procs.command_at_first_round([*command, f"output-dir={out}"]) as (proc, _, snapshot):
         ports = procs.listening(snapshot)
         os.killpg(proc.pid, signal.SIGINT)
@@ -428,7 +429,7 @@ def test_the_clients_in_the_simulation_process_give_the_ray_backends_numbers_bit
     from fakes import records_without_timing
 
     settings = ["strategy=fedbr", "num-clients=4", "num-rounds=2", "local-steps=2", "batch-size=8", "eval-every=1"]
-    settings += ["engine=cohort", "cohorts=2", "client-cpus=1", "--quiet"]
+    settings += ["engine=cohort", "cohorts=2", "client-cpus=1", "device=cpu", "--quiet"]
     for backend in ("in-process", "ray"):
         assert cli.main([*settings, f"backend={backend}", f"output-dir={tmp_path / backend}"]) == 0
     for name in ("rounds.jsonl", "metrics.jsonl"):

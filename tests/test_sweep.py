@@ -148,8 +148,9 @@ def test_a_real_sweep_runs_in_one_process_equals_isolated_runs_then_keeps_them(t
     (--isolated); run again, both are found finished with the same settings and kept."""
     path = write(tmp_path, SWEEP.replace("[0, 1]", "[0]"))
     out, isolated = tmp_path / "out", tmp_path / "isolated"
-    assert sweep.main([path, f"backend={backend}", "--out", str(out), "--quiet"]) == 0
-    assert sweep.main([path, f"backend={backend}", "--out", str(isolated), "--quiet", "--isolated"]) == 0
+    where = [f"backend={backend}", "device=cpu"]  # auto: in-process on CPUs
+    assert sweep.main([path, *where, "--out", str(out), "--quiet"]) == 0
+    assert sweep.main([path, *where, "--out", str(isolated), "--quiet", "--isolated"]) == 0
     processes = {}
     for name in ("FedAvg", "FedBR_no_max"):
         assert records(out / name / "seed0") == records(isolated / name / "seed0")
@@ -164,7 +165,7 @@ def test_a_real_sweep_runs_in_one_process_equals_isolated_runs_then_keeps_them(t
     manifest = json.loads((out / "FedAvg" / "seed0" / "manifest.json").read_text())
     assert manifest["config"]["backend"] == ("in-process" if backend == "auto" else "ray")
     capsys.readouterr()
-    assert sweep.main([path, f"backend={backend}", "--out", str(out), "--quiet"]) == 0  # nothing left to run
+    assert sweep.main([path, *where, "--out", str(out), "--quiet"]) == 0  # nothing left to run
     assert capsys.readouterr().out.count("already finished") == 2
 
 
