@@ -151,21 +151,24 @@ def size_for_runtime(cfg: dict[str, Any], cluster: Cluster | None = None, superl
 def choose_backend(cfg: dict[str, Any], superlink: bool = False, cluster: bool = False) -> dict[str, Any]:
     """``backend`` for a sized run: ``auto`` is in-process (the clients in threads of the simulation process)
     where it can be, else ray; in-process where it cannot be is a ConfigError."""
-    why_ray = (
-        "--superlink runs Flower's own simulation process, which runs the clients on Ray"
-        if superlink
-        else "the run joins a Ray cluster"
-        if cluster
-        else "the clients use a GPU (client-gpus > 0), which Ray shares out"
-        if cfg["client-gpus"] > 0
-        else ""
-    )
+    why_ray = ray_needed_because(cfg, superlink, cluster)
     if cfg["backend"] == "in-process" and why_ray:
         raise ConfigError(
             f"backend = in-process runs the clients in threads of one process on this machine's CPUs, but {why_ray}: "
             "use backend = ray (or auto)"
         )
     return {**cfg, "backend": "ray" if why_ray else "in-process"} if cfg["backend"] == "auto" else cfg
+
+
+def ray_needed_because(cfg: dict[str, Any], superlink: bool, cluster: bool) -> str:
+    """Why the run's clients must run on Ray; empty where they may run in the simulation process."""
+    if superlink:
+        return "--superlink runs Flower's own simulation process, which runs the clients on Ray"
+    if cluster:
+        return "the run joins a Ray cluster"
+    if cfg["client-gpus"] > 0:
+        return "the clients use a GPU (client-gpus > 0), which Ray shares out"
+    return ""
 
 
 def supernodes(cfg: dict[str, Any]) -> int:
@@ -363,11 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def early_host(args: argparse.Namespace) -> RunHost | None:
-    """The simulation process, started before the configuration is checked: it starts Ray and imports what a
-    run needs (torch, Flower's simulation, the ServerApp) beside the check, which leaves a core idle, and the
-    run goes to it (docs/benchmarks.md). None where the run would not use it: ``--superlink``, ``--dry-run``,
-    or a Ray cluster named by RAY_ADDRESS; a run on a cluster named by ``ray-address`` does not use it either,
-    and it is stopped when the command ends."""
+    """The simulation process, started before the configuration is checked: it imports what a run needs (torch,
+    Flower's simulation, the ServerApp and the clients; Ray too where a run will likely use it) beside the check,
+    which leaves a core idle, and the run goes to it (docs/benchmarks.md). None where the run would not use it:
+    ``--superlink``, ``--dry-run``, or a Ray cluster named by RAY_ADDRESS; a run on a cluster named by
+    ``ray-address`` does not use it either, and it is stopped when the command ends."""
     if args.superlink or args.dry_run or os.environ.get("RAY_ADDRESS"):
         return None
     return RunHost().start()

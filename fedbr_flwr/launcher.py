@@ -247,8 +247,8 @@ class RunHost:
             self.home = None
 
     def start(self) -> "RunHost":
-        """Start the process now, where it is not running: it starts Ray and imports what a run needs while
-        the caller prepares the run."""
+        """Start the process now, where it is not running: it imports what a run needs (and starts Ray where a
+        run will likely use it) while the caller prepares the run."""
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         return self

@@ -33,14 +33,16 @@ def ray_init_args(environ: dict[str, str] | os._Environ = os.environ) -> dict[st
     as the job's runtime environment, as Flower gives it. A private runtime's workers inherit it from this
     process's environment (``start_ray`` sets it), because with a job runtime environment Ray leaves the
     worker processes it starts with the driver idle and starts the actors in new ones (1 CPU-s wasted)."""
-    address = environ.get("RAY_ADDRESS") or "local"
+    from .raycluster import PRIVATE
+
+    address = environ.get("RAY_ADDRESS") or PRIVATE
     args: dict[str, Any] = {
         "address": address,
         "include_dashboard": False,
         "logging_level": logging.WARNING,
         "log_to_driver": True,
     }
-    if address != "local":
+    if address != PRIVATE:
         args["runtime_env"] = {"env_vars": {"PYTHONPATH": module_path()}}
     return args
 
@@ -116,7 +118,8 @@ def simulate(run_config: dict[str, Any], run_id: int, supernodes: int, cpus: flo
     """Run the app once through Flower's simulation entry point, as ``flwr-simulation`` does: on Ray, or with the
     clients in this process (``in_process``)."""
     choose_backend_per_run()
-    if in_process(run_config):
+    clients_here = in_process(run_config)
+    if clients_here:
         import_both_sides()
     else:
         start_ray()
@@ -145,7 +148,7 @@ def simulate(run_config: dict[str, Any], run_id: int, supernodes: int, cpus: flo
         backend_config={
             "client_resources": {"num_cpus": cpus, "num_gpus": gpus},
             "init_args": {},
-            IN_PROCESS: {"on": in_process(run_config)},
+            IN_PROCESS: {"on": clients_here},
         },
         app_dir=str(PROJECT_DIR),
         run=run,
@@ -216,8 +219,7 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
     so that it starts while Flower ends the old one (whose threads poll for up to a second). After a run
     that failed, the process ends (exit 1) instead of starting another: what a failure leaves behind (in Ray,
     the actors, threads) is not trusted with the next run."""
-    keep_actors_between_runs()
-    choose_backend_per_run()
+    keep_actors_between_runs()  # before each run's simulate() chooses its backend (choose_backend_per_run)
     # as the process starts (fedbr-run starts it before checking the run's configuration): Ray where a run will
     # likely use it, else only the imports
     if ray_likely():

@@ -1,12 +1,11 @@
 """``fedbr-bench --startup``: where the seconds of one ``fedbr-run`` go, from outside, as a user sees them.
 
 Each repetition runs every variant as a new process: ``fedbr-run ITEMS --verbose`` with each engine, through
-Flower's simulation entry point (the default: the clients in its process; and on Ray) and through ``flwr run`` on
-a SuperLink (``--superlink``, on Ray), and
-the bare PyTorch loop (``python -m fedbr_flwr.startup ITEMS``: the same clients, local steps and averaging in
-one process, no Flower, no Ray). It stamps every line a process prints with the time it arrived and reads the
-milestones from those lines (Flower's and the ServerApp's own log, the same lines from the bare loop); the
-variants are interleaved. Per phase it reports the median over repetitions."""
+Flower's simulation entry point (the default: the clients in its process; and on Ray) and through ``flwr run`` on a
+SuperLink (``--superlink``, on Ray), and the bare PyTorch loop (``python -m fedbr_flwr.startup ITEMS``: the same
+clients, local steps and averaging in one process, no Flower, no Ray). It stamps every line a process prints with
+the time it arrived and reads the milestones from those lines (Flower's and the ServerApp's own log, the same lines
+from the bare loop); the variants are interleaved. Per phase it reports the median over repetitions."""
 
 from __future__ import annotations
 

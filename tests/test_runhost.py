@@ -69,7 +69,6 @@ def test_serve_runs_each_request_with_its_output_in_its_log_then_stops_after_a_f
 
     monkeypatch.setattr(simulation, "simulate", fake_simulate)
     monkeypatch.setattr(simulation, "keep_actors_between_runs", lambda: None)
-    monkeypatch.setattr(simulation, "choose_backend_per_run", lambda: None)
     monkeypatch.setattr(simulation, "start_ray", lambda: None)
     monkeypatch.setattr(simulation, "import_both_sides", lambda: None)
     own_stdout_stderr()
