@@ -296,13 +296,16 @@ class FunctionalStep(LocalStep):
 def call(module: nn.Module, params: dict[str, torch.Tensor], prefix: str, *args) -> torch.Tensor:
     """``module(*args)`` with the parameters ``params[<prefix>.<name>]`` (``module`` is the submodule at
     ``prefix`` of the module ``params`` belong to; prefix "" for the module itself). Inside
-    ``modules_in(dtype)``, the module runs in ``dtype`` and its output comes back as fp32."""
+    ``modules_in(dtype)``, the module runs in ``dtype`` and its output comes back as fp32; under autocast too, so
+    that the losses stay fp32 on the per-client path as on the vectorised one (CPU autocast would otherwise
+    compute FedBR's cosines and softplus in bf16)."""
     if prefix:
         start = len(prefix) + 1
         params = {k[start:]: v for k, v in params.items() if k.startswith(prefix + ".")}
     dtype = _MODULE_DTYPE.get()
     if dtype is None:
-        return torch.func.functional_call(module, params, args)
+        out = torch.func.functional_call(module, params, args)
+        return cast_floating(out, torch.float32) if torch.is_autocast_enabled(out.device.type) else out
     params = {k: cast_floating(v, dtype) for k, v in params.items()}
     return cast_floating(
         torch.func.functional_call(module, params, tuple(cast_floating(a, dtype) for a in args)), torch.float32

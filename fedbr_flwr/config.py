@@ -65,7 +65,7 @@ COMMON: dict[str, Key] = {
     "precision": Key(
         "fp32",
         "local steps in fp32, or in bf16 (weights and optimiser stay fp32): per client and "
-        "with cohort-step=loop under autocast, a region per step; with cohort-step=vmap/graph "
+        "with cohort-step=loop under autocast (a region per step, no weight cache); with cohort-step=vmap/graph "
         "every module cast to bf16 (norm layers and softmax too); both land about 3-4% of an "
         "update from fp32, and from each other (docs/implementation-choices.md)",
         choices=("fp32", "bf16"),

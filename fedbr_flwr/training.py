@@ -144,9 +144,9 @@ def run_local_steps(
 ) -> dict[str, float]:
     """K local steps of ``algorithm`` (a ``LocalStep``); diagnostics are averaged on the device and copied to
     the host once (``first``: see ``StepStats``).
-    ``precision="bf16"``: each step runs under bf16 autocast (weights and optimiser stay fp32). One autocast
-    region per step, because a region caches its bf16 copies of the weights until it exits: one region over
-    all K steps would run steps 2..K on step 1's weights."""
+    ``precision="bf16"``: each step runs under bf16 autocast (weights and optimiser stay fp32), which casts the
+    weights at every use (``autocast``): a cached copy would run a later phase or step on weights from before
+    an update."""
     algorithm.model.train()
     stats = StepStats(first)
     device = next(algorithm.model.parameters()).device
@@ -197,7 +197,9 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     if precision == "fp32":
         return contextlib.nullcontext()
     if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        # No weight cache: within one local step a phase (FedBR's max step) updates weights that a later phase
+        # reads, and a cached bf16 copy would hand that phase the weights from before the update.
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
     raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
 
 
