@@ -315,6 +315,16 @@ class BoundedLoader(yaml.SafeLoader):
     """YAML's safe loader without anchors and aliases (a few hundred bytes of nested aliases expand to
     gigabytes) and with a bounded nesting depth (a deep list would exhaust Python's stack)."""
 
+    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+        """A mapping whose key appears twice is refused: YAML would keep the last value without a word."""
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.YAMLError(f"key {quoted(str(key))} appears twice (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
     def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
         if self.check_event(yaml.AliasEvent):
             raise yaml.YAMLError("anchors and aliases (& and *) are not supported here; write the values out")
@@ -334,6 +344,10 @@ def read_yaml(text: str) -> Any:
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
+        if path.is_dir():
+            raise ConfigError(f"{quoted(str(path), 300)} is a directory; give the experiment file (.yaml) in it")
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"{quoted(str(path), 300)} is not a regular file; give an experiment file (.yaml)")
         if not path.is_file():
             raise ConfigError(f"experiment file not found: {quoted(str(path), 300)}")
         if path.stat().st_size > YAML_MAX_BYTES:
@@ -348,12 +362,23 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = read_yaml(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {str(exc)[:500]}") from None
+        raise ConfigError(f"{path} is not valid YAML: {yaml_problem(exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
     return data
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: the problem and where (PyYAML's own text spans 2-5 lines with a caret)."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        context = getattr(exc, "context", None)
+        text = f"{context}, {problem}" if context else problem
+        return f"line {mark.line + 1}, column {mark.column + 1}: {text}"[:500]
+    return " ".join(str(exc).split())[:500]
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -191,6 +191,33 @@ def test_load_yaml_invalid(tmp_path):
         load_yaml(p)
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["lr: [0.1\n", "lr: 0.1\n  seed: 2\n", "lr: 'x\n", "\tlr: 0.1\n", "lr: a: b\n"],
+    ids=["flow", "indent", "quote", "tab", "nested"],
+)
+def test_a_yaml_error_is_one_line_naming_where(tmp_path, text):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=r"not valid YAML: line \d+, column \d+: ") as err:
+        load_yaml(p)
+    assert "\n" not in str(err.value)
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    p = tmp_path / "twice.yaml"
+    p.write_text("lr: 0.1\nseed: 1\nlr: 0.2\n")
+    with pytest.raises(ConfigError, match="key 'lr' appears twice \\(line 3\\)"):
+        load_yaml(p)
+
+
+def test_a_directory_or_a_device_is_not_an_experiment_file(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_yaml(tmp_path)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_yaml("/dev/zero")
+
+
 def test_load_yaml_list(tmp_path):
     p = tmp_path / "list.yaml"
     p.write_text("- lr: 0.1\n- seed: 2\n")
@@ -240,3 +267,4 @@ def test_to_toml_round_trip():
     back = tomllib.loads(to_toml(odd))
     assert back == odd
     assert all(type(back[k]) is type(v) for k, v in odd.items())
+
