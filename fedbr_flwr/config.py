@@ -245,6 +245,25 @@ def _check_ownership(cfg: Mapping[str, Any], overrides: Mapping[str, Any], keys:
             )
 
 
+# Images in each dataset's training split (fedbr_flwr.dataset loads them; tests/test_config.py compares the
+# built-in ones): the most one batch can usefully hold, and a bound that keeps a typo from allocating terabytes.
+TRAIN_SPLIT_SIZES = {"mnist5k": 4500, "mnist": 60000, "cifar10": 50000, "cifar100": 50000, "synthetic": 5000}
+
+
+def check_batch_sizes(cfg: Mapping[str, Any]) -> None:
+    """batch-size (and a pseudo-batch's size) at most the dataset's training split: a client draws its batch
+    from its own partition, a part of that split."""
+    limit = TRAIN_SPLIT_SIZES.get(cfg["dataset"])
+    if limit is None:
+        return
+    for key in ("batch-size", "pseudo-size"):
+        if cfg.get(key, 0) > limit:
+            raise ConfigError(
+                f"config key '{key}' = {cfg[key]} exceeds the {limit} training images of {cfg['dataset']}: "
+                f"a batch is drawn from one client's share of them; use at most {limit}"
+            )
+
+
 def _check_consistency(cfg: Mapping[str, Any]) -> None:
     from .registry import active_owners, algorithm_names, settings_of
 
@@ -258,6 +277,7 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"'classes-per-client' = {cfg['classes-per-client']} exceeds the {num_classes} classes of {cfg['dataset']}"
         )
+    check_batch_sizes(cfg)
     check_sampling(cfg)
     check_cohort_step(cfg)
     for owner in active_owners(cfg):  # each algorithm's and component's own cross-key checks

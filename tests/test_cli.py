@@ -35,6 +35,13 @@ def test_malformed_yaml(capsys, tmp_path):
     assert code == 2 and "not valid YAML" in err
 
 
+def test_a_huge_batch_stops_before_anything_is_written(capsys, tmp_path):
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, "batch-size=1e9", f"output-dir={out}")
+    assert code == 2 and "exceeds the 4500 training images" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
 def test_missing_dataset_names_the_path(capsys, tmp_path):
     missing = tmp_path / "nowhere"
     code, _, err = run_cli(

@@ -268,3 +268,19 @@ def test_to_toml_round_trip():
     assert back == odd
     assert all(type(back[k]) is type(v) for k, v in odd.items())
 
+
+def test_a_batch_larger_than_the_training_split_is_refused():
+    assert validate({"batch-size": 4500})["batch-size"] == 4500
+    with pytest.raises(ConfigError, match="'batch-size' = 1000000000 exceeds the 4500 training images of mnist5k"):
+        validate({"batch-size": 10**9})
+    with pytest.raises(ConfigError, match="'pseudo-size' = 60001 exceeds the 60000 training images of mnist"):
+        validate({"strategy": "fedbr", "dataset": "mnist", "pseudo-size": 60001, "fedbr-contrastive": False})
+
+
+@pytest.mark.parametrize("dataset", ["mnist5k", "synthetic"])
+def test_the_training_split_sizes_are_the_loaded_ones(dataset):
+    from fedbr_flwr.config import TRAIN_SPLIT_SIZES
+    from fedbr_flwr.dataset import load_raw
+
+    train, _ = load_raw(dataset)
+    assert len(train.y) == TRAIN_SPLIT_SIZES[dataset]
