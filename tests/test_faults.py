@@ -81,7 +81,7 @@ def test_a_bad_update_is_rejected_logged_and_never_averaged_in(tmp_path, arrays,
     for layer in payload.from_parameters(params).values():
         np.testing.assert_allclose(layer, 3.0)  # the mean of 1, 3 and 5: the bad update is not in it
     record = last_round(tmp_path)
-    assert record["clients"] == 3 and record["failures"] == 1
+    assert record["clients"] == 3 and record["failures"] == 1 and record["failed_clients"] == [1]
     assert len(record["rejected"]) == 1 and record["rejected"][0]["partition"] == 1
     assert record["rejected"][0]["reason"].startswith(reason)
 

@@ -50,9 +50,8 @@ def round_record(
 ) -> dict[str, Any]:
     """One rounds.jsonl line: who was averaged in, what failed and why, the training means, time and
     traffic, where each answering client's fit ran (``nodes``), and what the strategy measured (``server``)."""
-    faults = (
-        {"failed_clients": missing, "errors": errors, "rejected": rejected} if missing or errors or rejected else {}
-    )
+    failed = sorted(set(missing) | {r["partition"] for r in rejected})  # every client whose update did not count
+    faults = {"failed_clients": failed, "errors": errors, "rejected": rejected} if failed or errors else {}
     return {
         "round": server_round,
         "clients": len(accepted),
