@@ -411,12 +411,13 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         print(f"fedbr-run: error: the run stopped: cannot write to {out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(
-            f"fedbr-run: interrupted; Flower processes stopped; partial run files in {out} (continue with "
-            f"`fedbr-run --resume {out}` once a checkpoint exists)",
-            file=sys.stderr,
-        )
+        print(f"fedbr-run: interrupted; {stopped_run(out)}", file=sys.stderr)
         return 130
+    except SystemExit as exc:
+        if exc.code != 143:
+            raise
+        print(f"fedbr-run: stopped by SIGTERM; {stopped_run(out)}", file=sys.stderr)
+        return 143
     summary_md = out / "summary.md"
     if not summary_md.exists():
         print(
@@ -426,6 +427,13 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         )
         return 1
     return print_result(out, "fedbr-run", "(metrics.jsonl, rounds.jsonl, manifest.json, summary.json, convergence.png)")
+
+
+def stopped_run(out: Path) -> str:
+    return (
+        f"Flower processes stopped; partial run files in {out} (continue with `fedbr-run --resume {out}` once a "
+        "checkpoint exists)"
+    )
 
 
 def print_result(out: Path, command: str, files: str = "") -> int:

@@ -12,3 +12,12 @@ def quoted(value: Any, limit: int = 80) -> str:
     echoed back whole)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def describe(exc: BaseException) -> str:
+    """An exception in one line, ``<type>: <message>``; an empty message (``MemoryError()``) still says what
+    happened."""
+    text = " ".join(str(exc).split())
+    if not text and isinstance(exc, MemoryError):
+        text = "out of memory"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

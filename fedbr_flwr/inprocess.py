@@ -12,6 +12,7 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
 from flwr.server.superlink.fleet.vce.backend import Backend, BackendConfig
 
+from .errors import describe
 from .raycluster import OUTSIDE_RAY
 
 IN_PROCESS = "in_process"  # the backend config's key that asks for it (Flower's keys use "_")
@@ -62,7 +63,7 @@ class InProcessBackend(Backend):
         except LoadClientAppError:
             raise
         except Exception as exc:  # as an actor reports it: Flower's engine makes it the node's error reply
-            raise ClientAppException(str(exc)) from exc
+            raise ClientAppException(describe(exc)) from exc
         finally:
             OUTSIDE_RAY.reset(outside)
         return reply, own

@@ -336,7 +336,8 @@ class RunHost:
         if reply is None:
             code = self.proc.wait()
             raise RunFailed(
-                f"run {run_id}: the simulation process exited with code {code}{last_error(log_path)}; see {log_path}"
+                f"run {run_id}: the simulation process {how_it_ended(code)}{last_error(log_path)}; see {log_path}; "
+                f"continue from the last checkpoint with `fedbr-run --resume {out_dir}`"
             )
         raise RunFailed(
             f"run {run_id} ended as 'finished:failed': {reply.get('error') or last_error(log_path)}; see {log_path}"
@@ -476,6 +477,18 @@ def _print_log_line(line: str) -> None:
 def _print(text: str) -> None:
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
+
+
+def how_it_ended(code: int) -> str:
+    """A process's exit status in words: a negative code is the signal that killed it (Popen's convention)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = {"SIGSEGV": " (a crash)", "SIGKILL": " (the out-of-memory killer, or kill -9)"}.get(name, "")
+    return f"was killed by {name}{hint}"
 
 
 def last_error(log_path: Path) -> str:

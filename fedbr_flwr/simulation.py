@@ -21,6 +21,8 @@ import traceback
 from pathlib import Path
 from typing import IO, Any, Iterator, Sequence
 
+from .errors import describe
+
 SERVER_APP = "fedbr_flwr.server_app:app"
 CLIENT_APP = "fedbr_flwr.client_app:app"
 # the run has started (fedbr-bench --startup times the process's start by this line; a sweep's runs name one process)
@@ -304,7 +306,7 @@ def run_requested(request: dict[str, Any], replies: IO[str], failed: threading.E
     except BaseException as exc:  # noqa: BLE001 - also Flower's sys.exit: say so, then end
         traceback.print_exc()
         sys.stderr.flush()
-        error = f"{type(exc).__name__}: {exc}"
+        error = describe(exc)
         failed.set()
     answer(replies, {"run-id": request["run-id"], "ok": not error, "error": error})
 

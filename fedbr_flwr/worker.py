@@ -25,6 +25,7 @@ from typing import Any
 from flwr.client import NumPyClient
 from flwr.common import Context
 
+from .errors import describe
 from .run_io import code_hash
 
 log = logging.getLogger("fedbr-worker")
@@ -137,7 +138,7 @@ class Worker:
                         reply = ("ok", self.handle(request), request["state"])
                     except Exception as exc:  # the reply carries it to the ClientApp, which raises it
                         log.error("%s failed: %s", request.get("method"), traceback.format_exc())
-                        reply = ("error", f"{type(exc).__name__}: {exc}", None)
+                        reply = ("error", describe(exc), None)
                     conn.send(reply)
 
 

@@ -280,3 +280,65 @@ def test_a_disk_that_fills_up_during_a_run_is_one_line_and_exit_1(tmp_path, caps
     assert all(
         v.endswith("No space left on device") and v.startswith("failed: cannot write to") for v in status.values()
     )
+
+
+def test_a_reply_flower_expired_under_round_timeout_reads_as_a_timeout():
+    from flwr.server.superlink.linkstate.utils import (
+        MESSAGE_UNAVAILABLE_ERROR_REASON,
+        NODE_UNAVAILABLE_ERROR_REASON,
+        REPLY_MESSAGE_UNAVAILABLE_ERROR_REASON,
+    )
+
+    from fedbr_flwr.server.federation import Federation
+    from fedbr_flwr.server.routing import describe_failure
+
+    federation = Federation(validate({"round-timeout": 10}))
+    federation.pid_by_cid["node-3"] = 3
+    proxy = type("Proxy", (), {"cid": "node-3"})()
+    for flower_reason in (MESSAGE_UNAVAILABLE_ERROR_REASON, REPLY_MESSAGE_UNAVAILABLE_ERROR_REASON):
+        failure = (proxy, FitRes(Status(Code.FIT_NOT_IMPLEMENTED, flower_reason), None, 0, {}))
+        assert describe_failure(federation, failure) == "client 3: timed out: no reply within round-timeout = 10 s"
+    node_lost = (proxy, FitRes(Status(Code.FIT_NOT_IMPLEMENTED, NODE_UNAVAILABLE_ERROR_REASON), None, 0, {}))
+    assert "Node Unavailable" in describe_failure(federation, node_lost)
+    federation.cfg = validate({"round-timeout": 0})  # no timeout set: Flower's reason is all there is
+    assert "Message Unavailable" in describe_failure(federation, failure)
+
+
+def test_sigterm_during_a_run_says_it_was_stopped_and_how_to_resume(tmp_path, capsys, monkeypatch):
+    """fedbr-run's SIGTERM handler exits 143 through the launcher's clean-up; the command says so in one line."""
+
+    def terminated(*args, **kwargs):
+        raise SystemExit(143)  # what the handler raises in the middle of a run
+
+    monkeypatch.setattr(cli, "run_flower", terminated)
+    out = tmp_path / "run"
+    assert cli.main(["num-rounds=2", f"output-dir={out}"]) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"fedbr-run: stopped by SIGTERM; {cli.stopped_run(out)}"] and f"--resume {out}" in err[0]
+
+
+def test_a_process_killed_by_a_signal_is_named_by_its_signal():
+    from fedbr_flwr.launcher import how_it_ended
+
+    assert how_it_ended(1) == "exited with code 1"
+    assert how_it_ended(-11) == "was killed by SIGSEGV (a crash)"
+    assert how_it_ended(-9) == "was killed by SIGKILL (the out-of-memory killer, or kill -9)"
+    assert how_it_ended(-15) == "was killed by SIGTERM"
+    assert how_it_ended(-200) == "was killed by signal 200"
+
+
+def test_an_exception_without_a_message_still_says_what_happened():
+    from fedbr_flwr.errors import describe
+    from fedbr_flwr.inprocess import InProcessBackend
+
+    assert describe(MemoryError()) == "MemoryError: out of memory"
+    assert describe(KeyError()) == "KeyError"
+    assert describe(ValueError("two\n  lines")) == "ValueError: two lines"
+
+    def app(message, context):
+        raise MemoryError()
+
+    backend = InProcessBackend({"client_resources": {"num_cpus": 1}})
+    backend.build(lambda: app)
+    with pytest.raises(Exception, match="Message: MemoryError: out of memory$"):
+        backend.process_message(None, None)

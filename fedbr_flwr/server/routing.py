@@ -11,6 +11,7 @@ from flwr.common import Parameters
 from flwr.server.client_proxy import ClientProxy
 
 from .. import cohort, payload
+from ..errors import describe
 from ..raycluster import NODE, reported_node
 from .federation import Federation
 
@@ -130,13 +131,24 @@ def reported_members(federation: Federation, proxy: ClientProxy, metrics: dict) 
 def describe_failure(federation: Federation, failure: Any) -> str:
     """One line (at most 500 characters) saying who failed and why: Ray's multi-line errors are folded."""
     if isinstance(failure, BaseException):
-        return one_line(f"{type(failure).__name__}: {failure}")
+        return one_line(describe(failure))
     proxy, res = failure
     if federation.is_cohort(proxy):
         who = f"cohort of clients {cohort.join_members(federation.members_by_cid[proxy.cid])}"
     else:
         who = f"client {federation.pid_by_cid.get(proxy.cid, proxy.cid)}"
-    return one_line(f"{who}: {res.status.message}")
+    return one_line(f"{who}: {failure_reason(res.status.message, federation.cfg['round-timeout'])}")
+
+
+# Flower's reasons for a reply that never came: its message or reply outlived its TTL, which round-timeout sets
+EXPIRED = ("Error: Message Unavailable", "Error: Reply Message Unavailable")
+
+
+def failure_reason(message: str, round_timeout: float) -> str:
+    """Flower's reason for a failed reply, in our terms where Flower's do not say what happened."""
+    if round_timeout and message.startswith(EXPIRED):
+        return f"timed out: no reply within round-timeout = {round_timeout:g} s"
+    return message
 
 
 def one_line(text: str, limit: int = 500) -> str:
