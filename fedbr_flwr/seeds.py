@@ -28,7 +28,7 @@ TORCH_STREAMS = {
     "rsm-means": 101,  # FedBR: a client's RSM means (version, partition)
     "fedbr-steps": 102,  # FedBR: Mixture's local samples per step (round, partition)
     "mixture-means": 103,  # FedBR: Mixture's proxy means (version)
-    "mixup": 104,  # Mixup: lambda draws and permutations (round, partition)
+    "mixup": 104,  # Mixup (strategy=mixup, GroupDRO's batches): lambda draws and permutations (round, partition)
     "fedmix-means": 105,  # FedMix: a client's mean data (version, partition)
     "fedmix-steps": 106,  # FedMix: means drawn per step (round, partition)
     "vhl-generator": 107,  # VHL: the untrained generator's weights
