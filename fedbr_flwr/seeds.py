@@ -20,6 +20,7 @@ NUMPY_STREAMS = {
     "global-test-angles": 5,  # RotatedCIFAR10: the global test set's angles
     "client-sampling": 6,  # clients sampled each round (round)
     "rsm-allotment": 7,  # how many RSM means each client contributes (version)
+    "other-class-test": 8,  # one class per client: the other classes' test images added to its local test (partition)
 }
 
 # torch streams: sha256(seed, *coords, salt); None: no salt
