@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import numpy as np
 import torch
@@ -349,6 +349,11 @@ class ClientAlgorithm:
     # GPU test): cohort-step=auto then replays it as a graph there, without components (node.cohort_step)
     graph_checked_on_gpu = False
     first_step_stats: tuple[str, ...] = ()  # diagnostics also reported as of the first step, as first-<name>
+
+    @classmethod
+    def carried_components(cls, cfg: Mapping[str, Any]) -> tuple[str, ...]:
+        """Components its local steps carry because of its own settings (GroupDRO: mixup by default)."""
+        return ()
 
     # ------------------------------------------------------------ the model (the server builds the same)
     @classmethod

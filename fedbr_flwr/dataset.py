@@ -459,12 +459,38 @@ def client_indices(cfg: Mapping[str, Any], partition_id: int) -> tuple[np.ndarra
     return split_train_test(parts[partition_id], cfg["test-fraction"], rng)
 
 
+def one_class_per_client(cfg: Mapping[str, Any]) -> bool:
+    return cfg["partition"] == "classes" and cfg["classes-per-client"] == 1
+
+
+def other_class_test_indices(cfg: Mapping[str, Any], partition_id: int) -> np.ndarray:
+    """Indices into the dataset's test split of the images added to a client's local test set: with one
+    class per client (DisTrans' 100% heterogeneity) as many images of the other classes as its local test
+    holds of its own, drawn at random without replacement from the test split (which no client trains on),
+    as the DisTrans paper does, so that predicting the client's one class does not score 100%. Otherwise none."""
+    if not one_class_per_client(cfg):
+        return np.empty(0, dtype=np.int64)
+    train, test = load_raw(cfg["dataset"], cfg["data-dir"], cfg["download"])
+    _, test_idx = client_indices(cfg, partition_id)
+    others = np.flatnonzero(~np.isin(test.y, np.unique(train.y[test_idx])))
+    if len(test_idx) > len(others):
+        raise ConfigError(
+            f"client {partition_id}'s local test holds {len(test_idx)} images of its class but {cfg['dataset']}'s "
+            f"test split only {len(others)} of the others: lower test-fraction"
+        )
+    rng = seeds.rng("other-class-test", cfg["seed"], partition_id)
+    return np.sort(rng.choice(others, size=len(test_idx), replace=False))
+
+
 def save_partition(cfg: Mapping[str, Any], path: Path) -> str:
     """Write every client's train and test indices (into the dataset's training split) to an .npz
-    file (arrays ``train_<i>``, ``test_<i>``); return the partition hash."""
+    file (arrays ``train_<i>``, ``test_<i>``; with one class per client also ``test_others_<i>``, into the
+    test split); return the partition hash."""
     arrays = {}
     for pid in range(cfg["num-clients"]):
         arrays[f"train_{pid}"], arrays[f"test_{pid}"] = client_indices(cfg, pid)
+        if one_class_per_client(cfg):
+            arrays[f"test_others_{pid}"] = other_class_test_indices(cfg, pid)
     codec.write(path, arrays, compressed=True)
     return make_partition(cfg)[1]
 
@@ -474,7 +500,7 @@ def partition_sizes(cfg: Mapping[str, Any]) -> dict[int, tuple[int, int]]:
     sizes = {}
     for pid in range(cfg["num-clients"]):
         train, test = client_indices(cfg, pid)
-        sizes[pid] = (len(train), len(test))
+        sizes[pid] = (len(train), len(test) + len(other_class_test_indices(cfg, pid)))
     return sizes
 
 
@@ -485,11 +511,15 @@ def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.de
         raise ConfigError(f"partition-id {partition_id} outside 0..{cfg['num-clients'] - 1}")
     device = torch.device(device)
     info = INFO[cfg["dataset"]]
-    train, _ = load_raw(cfg["dataset"], cfg["data-dir"], cfg["download"])
+    train, test = load_raw(cfg["dataset"], cfg["data-dir"], cfg["download"])
     train_idx, test_idx = client_indices(cfg, partition_id)
     own = np.concatenate([train_idx, test_idx])
-    x = normalise(rotate(to_float(train.x[own]), image_angles(cfg, partition_id, len(own))), info)
-    y = torch.from_numpy(train.y[own])
+    images, labels = train.x[own], train.y[own]
+    others = other_class_test_indices(cfg, partition_id)
+    if len(others):  # after its own test images, under the client's rotation like them
+        images, labels = np.concatenate([images, test.x[others]]), np.concatenate([labels, test.y[others]])
+    x = normalise(rotate(to_float(images), image_angles(cfg, partition_id, len(labels))), info)
+    y = torch.from_numpy(labels)
     n = len(train_idx)
     return ClientData(
         partition_id=partition_id,

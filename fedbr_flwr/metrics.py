@@ -76,6 +76,7 @@ def summarize(history: list[dict], threshold: float, rounds: list[dict] | None =
     pooled = [r["pooled_acc"] for r in complete if r.get("pooled_acc") is not None]
     if pooled:  # every client's local test samples counted together (DisTrans' metric)
         summary["pooled_acc_best5"] = mean_of_best(pooled)
+        summary["best_pooled_acc"] = max(pooled)  # the DisTrans paper's headline: its best evaluation
         summary["final_pooled_acc"] = final.get("pooled_acc")
     globals_ = [r["global_acc"] for r in evals if r.get("global_acc") is not None]
     if globals_:

@@ -129,11 +129,11 @@ def server_component_class(name: str) -> type[ServerComponent] | None:
 
 
 def components_of(cfg: Mapping[str, Any]) -> tuple[str, ...]:
-    """The components a run's local steps carry: its variant's, then those its host's key lists
-    (FedBR's ``fedbr-with``), in that order."""
+    """The components a run's local steps carry: its variant's, its client's own (GroupDRO's mixup), then
+    those its host's key lists (FedBR's ``fedbr-with``), in that order."""
     load_all()
     name = cfg["strategy"]
-    built_in = VARIANTS[name].components if name in VARIANTS else ()
+    built_in = (VARIANTS[name].components if name in VARIANTS else ()) + client_class(name).carried_components(cfg)
     key = client_class(name).component_key
     if not key:
         return built_in

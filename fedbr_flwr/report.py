@@ -25,6 +25,12 @@ def run_folder(out: Path, name: str, seed: int) -> Path:
     return out / re.sub(r"[^A-Za-z0-9+.=-]+", "_", name).strip("_") / f"seed{seed}"
 
 
+HEADLINES = ("best5", "best")  # a sweep file's headline: the FedBR paper's mean of the best 5, or the DisTrans
+# paper's best evaluation (shown first, beside the best-5 figures)
+BEST_COLUMNS = [
+    ("best_mean_acc", "best_mean_acc", "mean acc, best eval (%)", "pct"),
+    ("best_pooled_acc", "best_pooled_acc", "pooled acc, best eval (%)", "pct"),
+]
 COLUMNS = [  # (csv column, summary key (None: computed from the curves), markdown header, kind)
     ("mean_acc_best5", "mean_acc_best5", "mean acc, best 5 (%)", "pct"),
     ("worst_acc_best5", "worst_acc_best5", "worst client, best 5 (%)", "pct"),
@@ -63,10 +69,12 @@ def last_fifth_move(curve: dict[int, list[float]], num_rounds: int) -> float | N
     return max(points) - min(points) if len(points) > 1 else None
 
 
-def compare(out: Path, names: list[str], seeds: list[int]) -> tuple[str, list[dict[str, Any]]]:
+def compare(out: Path, names: list[str], seeds: list[int], headline: str = "best5") -> tuple[str, list[dict[str, Any]]]:
     """The markdown table and the csv rows: per run, mean, std and count over its seeds of every column,
     and each seed's mean accuracy (best 5). Columns no run has are left out of the markdown table, and so
-    is pooled accuracy where it equals the mean accuracy in every row (equal-sized local test sets)."""
+    is pooled accuracy where it equals the mean accuracy in every row (equal-sized local test sets). With
+    ``headline="best"`` the best (maximum) evaluation's accuracies come first (DisTrans' tables)."""
+    columns = (BEST_COLUMNS if headline == "best" else []) + COLUMNS
     rows = []
     target = None
     for name in names:
@@ -78,7 +86,7 @@ def compare(out: Path, names: list[str], seeds: list[int]) -> tuple[str, list[di
                 target = summaries[seed].get("target_acc")
         row: dict[str, Any] = {"run": name, "seeds": len(summaries)}
         num_rounds = max((s.get("last_round") or 0 for s in summaries.values()), default=0)
-        for column, key, _, _ in COLUMNS:
+        for column, key, _, _ in columns:
             if key is None:  # last_fifth_move: of the mean curve over seeds, so no spread
                 move = last_fifth_move(seed_curves(out, name, list(summaries), "mean_acc"), num_rounds)
                 row[column], row[f"{column}_std"], row[f"{column}_n"] = move, 0.0, int(move is not None)
@@ -89,7 +97,7 @@ def compare(out: Path, names: list[str], seeds: list[int]) -> tuple[str, list[di
             "-" if s.get("mean_acc_best5") is None else f"{100 * s['mean_acc_best5']:.2f}" for s in summaries.values()
         )
         rows.append(row)
-    shown = [c for c in COLUMNS if _shown(rows, c[0])]
+    shown = [c for c in columns if _shown(rows, c[0])]
     header = ["run", "seeds"] + [
         h.replace("rounds to target", f"rounds to {100 * (target or 0):.0f}%") for _, _, h, _ in shown
     ]
@@ -108,8 +116,9 @@ def compare(out: Path, names: list[str], seeds: list[int]) -> tuple[str, list[di
 def _shown(rows: list[dict[str, Any]], column: str) -> bool:
     if all(row[column] is None for row in rows):
         return column == "rounds_to_target" and any(row["seeds"] for row in rows)  # "not reached" says something
-    if column == "pooled_acc_best5":
-        return any(row[column] is not None and abs(row[column] - (row["mean_acc_best5"] or 0)) > 1e-9 for row in rows)
+    if column in ("pooled_acc_best5", "best_pooled_acc"):
+        mean = "mean_acc_best5" if column == "pooled_acc_best5" else "best_mean_acc"
+        return any(row[column] is not None and abs(row[column] - (row[mean] or 0)) > 1e-9 for row in rows)
     return True
 
 
@@ -128,8 +137,8 @@ def _cell(row: dict[str, Any], column: str, kind: str) -> str:
     return text
 
 
-def write_comparison(out: Path, names: list[str], seeds: list[int], title: str) -> str:
-    table, rows = compare(out, names, seeds)
+def write_comparison(out: Path, names: list[str], seeds: list[int], title: str, headline: str = "best5") -> str:
+    table, rows = compare(out, names, seeds, headline)
     (out / "comparison.md").write_text(
         f"### {title}\n\nMean ± standard deviation over seeds {', '.join(map(str, seeds))}.\n\n{table}"
     )
@@ -266,11 +275,20 @@ def shared_settings(configs: list[dict[str, Any]]) -> str:
     )
 
 
-def report_section(key: str, title: str, command: str, out: Path, names: list[str], seeds: list[int], plot: str) -> str:
+def report_section(
+    key: str,
+    title: str,
+    command: str,
+    out: Path,
+    names: list[str],
+    seeds: list[int],
+    plot: str,
+    headline: str = "best5",
+) -> str:
     """The section of ``key``: title, command, provenance (commit, machine, dates, wall time), the table
-    over ``seeds`` and the plot (``plot``: its path relative to the page)."""
+    over ``seeds`` (headed by ``headline``'s figures) and the plot (``plot``: its path relative to the page)."""
     manifests = _manifests(out, names, seeds)
-    table, rows = compare(out, names, seeds)
+    table, rows = compare(out, names, seeds, headline)
     commits = sorted(
         {
             str(m.get("git_commit", "unknown"))[:7]
@@ -303,12 +321,21 @@ def report_section(key: str, title: str, command: str, out: Path, names: list[st
     return "\n".join(lines) + "\n"
 
 
-def write_report(page: Path, key: str, title: str, command: str, out: Path, names: list[str], seeds: list[int]) -> Path:
+def write_report(
+    page: Path,
+    key: str,
+    title: str,
+    command: str,
+    out: Path,
+    names: list[str],
+    seeds: list[int],
+    headline: str = "best5",
+) -> Path:
     """Write ``key``'s section of ``page`` (made if missing) and its plot in ``results/`` beside it."""
     plot = page.parent / "results" / f"{key}.png"
     plot.parent.mkdir(parents=True, exist_ok=True)
     text = page.read_text() if page.exists() else "# Results\n"
-    section = report_section(key, title, command, out, names, seeds, plot.relative_to(page.parent).as_posix())
+    section = report_section(key, title, command, out, names, seeds, plot.relative_to(page.parent).as_posix(), headline)
     new_text = replace_section(text, key, section)  # before the plot: damaged markers change nothing
     plot_comparison(out, names, seeds, plot, title)
     page.write_text(new_text)

@@ -20,6 +20,7 @@ NUMPY_STREAMS = {
     "global-test-angles": 5,  # RotatedCIFAR10: the global test set's angles
     "client-sampling": 6,  # clients sampled each round (round)
     "rsm-allotment": 7,  # how many RSM means each client contributes (version)
+    "other-class-test": 8,  # one class per client: the other classes' test images added to its local test (partition)
 }
 
 # torch streams: sha256(seed, *coords, salt); None: no salt
@@ -28,7 +29,7 @@ TORCH_STREAMS = {
     "rsm-means": 101,  # FedBR: a client's RSM means (version, partition)
     "fedbr-steps": 102,  # FedBR: Mixture's local samples per step (round, partition)
     "mixture-means": 103,  # FedBR: Mixture's proxy means (version)
-    "mixup": 104,  # Mixup: lambda draws and permutations (round, partition)
+    "mixup": 104,  # Mixup (strategy=mixup, GroupDRO's batches): lambda draws and permutations (round, partition)
     "fedmix-means": 105,  # FedMix: a client's mean data (version, partition)
     "fedmix-steps": 106,  # FedMix: means drawn per step (round, partition)
     "vhl-generator": 107,  # VHL: the untrained generator's weights

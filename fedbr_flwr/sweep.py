@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence
 from .cli import config_from_settings, finished_run_problem, prepare, size_for_runtime, supernodes
 from .config import ConfigError, load_yaml, parse_override
 from .launcher import RunFailed, RunHost, run_flower
-from .report import run_folder, write_comparison, write_report
+from .report import HEADLINES, run_folder, write_comparison, write_report
 from .run_io import check_path_length
 
 VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address")  # may differ between machines or sessions
@@ -48,16 +48,25 @@ def sweep_title(path: str) -> str | None:
     return sweep.get("title") if isinstance(sweep, dict) else None
 
 
+def sweep_headline(path: str) -> str:
+    """The ``headline`` of the file's sweep block: ``best5`` (default, the FedBR paper's mean of the best 5
+    evaluations) or ``best`` (the DisTrans paper's best evaluation, shown first in its tables)."""
+    sweep = load_yaml(path).get("sweep")
+    return str(sweep.get("headline", "best5")) if isinstance(sweep, dict) else "best5"
+
+
 def load_sweep(path: str) -> tuple[dict[str, Any], list[int], dict[str, dict[str, Any]]]:
     data = load_yaml(path)
     sweep = data.pop("sweep", None)
     if not isinstance(sweep, dict) or not isinstance(sweep.get("runs"), dict) or not sweep["runs"]:
         raise ConfigError(f"{path} needs a 'sweep' block with a non-empty 'runs' mapping (name: settings)")
-    unknown = set(sweep) - {"seeds", "runs", "title"}
+    unknown = set(sweep) - {"seeds", "runs", "title", "headline"}
     if unknown:
         raise ConfigError(
-            f"{path}: unknown key(s) in 'sweep': {', '.join(sorted(unknown))} (valid: seeds, runs, title)"
+            f"{path}: unknown key(s) in 'sweep': {', '.join(sorted(unknown))} (valid: seeds, runs, title, headline)"
         )
+    if sweep.get("headline", "best5") not in HEADLINES:
+        raise ConfigError(f"{path}: 'sweep.headline' must be one of {', '.join(HEADLINES)}, got {sweep['headline']!r}")
     if not isinstance(sweep.get("title", ""), str):
         raise ConfigError(f"{path}: 'sweep.title' must be a string, got {sweep['title']!r}")
     seeds = sweep.get("seeds", [data.get("seed", 0)])
@@ -228,12 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     # the command-line overrides say what the file alone does not
     title = " ".join([sweep_title(args.file) or Path(args.file).stem, *args.overrides])
-    table = write_comparison(out, names, seeds, title)
+    headline = sweep_headline(args.file)
+    table = write_comparison(out, names, seeds, title, headline)
     print("\n" + table)
     print(f"comparison: {out / 'comparison.md'}, comparison.csv, comparison.png")
     if args.report:
         try:
-            write_report(args.report, Path(args.file).stem, title, report_command(argv), out, names, seeds)
+            write_report(args.report, Path(args.file).stem, title, report_command(argv), out, names, seeds, headline)
         except (ConfigError, OSError) as exc:
             print(f"fedbr-sweep: error: cannot write the report to {args.report}: {exc}", file=sys.stderr)
             return 2

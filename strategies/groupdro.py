@@ -2,7 +2,7 @@
 p_i <- p_i exp(eta loss_i) for every client that answered (loss_i: the training loss of its first local
 step, at the global model it received, as in the authors' code: ``first-loss``, which its client, FedAvg's
 otherwise, reports), then p is normalised, and the round's models are averaged with weights p_i.
-Its settings are declared here."""
+Its settings are declared here (``groupdro-mixup``, which its client reads: train on Mixup batches)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ from .base import FederatedStrategy
 class GroupDROSettings(Settings):
     eta: float = setting(
         "groupdro-eta", 0.01, "GroupDRO: server weight step p_i <- p_i exp(eta loss_i)", check=NON_NEGATIVE
+    )
+    mixup: bool = setting(
+        "groupdro-mixup",
+        True,
+        "GroupDRO: train (and weigh clients) on Mixup batches, as the FedBR authors' code; false: plain cross-entropy",
     )
 
 

@@ -494,11 +494,21 @@ def test_groupdro_rejects_an_update_without_its_first_step_loss(tmp_path):
     assert reasons == ["metric 'first-loss' is missing or not a number"] * 2
 
 
+def mixed_cross_entropy_by_hand(model, x, y, lam, perm):
+    """lam * CE(f(x_mix), y) + (1 - lam) * CE(f(x_mix), y[perm]), x_mix = lam * x + (1 - lam) * x[perm]."""
+    logits = model(lam * x + (1.0 - lam) * x[perm])
+    return lam * F.cross_entropy(logits, y) + (1.0 - lam) * F.cross_entropy(logits, y[perm])
+
+
+@pytest.mark.parametrize("mixup", [True, False])
 @pytest.mark.parametrize("engine", ["loop", "vmap"])
-def test_groupdro_clients_report_the_loss_of_their_first_step_at_the_global_model(engine):
-    """first-loss is the cross-entropy of the first batch at the weights received; loss, the mean over the steps."""
+def test_groupdro_clients_report_the_loss_of_their_first_step_at_the_global_model(engine, mixup):
+    """first-loss is the loss of the first batch at the weights received: by default (the authors' code) the
+    Mixup loss of that batch mixed with lam and the permutation of the mixup stream; with groupdro-mixup=false,
+    its plain cross-entropy. loss is the mean over the steps."""
     from flwr.common import RecordDict
 
+    from clients.mixup import MixupSampler
     from fedbr_flwr import seeds
     from fedbr_flwr.node import build_client
     from fedbr_flwr.training import BatchSampler
@@ -513,16 +523,26 @@ def test_groupdro_clients_report_the_loss_of_their_first_step_at_the_global_mode
             "cohorts": 1,
             "cohort-step": engine,
             "device": "cpu",
+            "groupdro-mixup": mixup,
+            "seed": 31,  # both clients' first lam well inside (0, 1), where mixing changes the mean loss
         },
     )
     cohort = build_client(cfg, {"partition-id": 0, "num-partitions": 1}, RecordDict())
     model = cohort.algorithm.model
+    with torch.no_grad():  # sharper logits than at initialisation, so that mixing changes the loss clearly
+        for parameter in model.parameters():
+            parameter.mul_(6.0)
     weights = cohort.algorithm.weights()
     wanted = {}
     for pid, data in cohort.members.items():
         x, y = BatchSampler(data, cfg["batch-size"], seeds.seed("batches", cfg["seed"], 1, pid))()
+        lam, perm = MixupSampler(0.2, seeds.seed("mixup", cfg["seed"], 1, pid), torch.device("cpu"))(len(y))
+        assert 0.2 < lam < 0.8 and not torch.equal(perm, torch.arange(len(y)))
         with torch.no_grad():
-            wanted[pid] = F.cross_entropy(model(x), y).item()
+            plain = F.cross_entropy(model(x), y).item()
+            mixed = mixed_cross_entropy_by_hand(model, x, y, lam, perm).item()
+        assert abs(mixed - plain) > 0.1  # the switch changes the figure
+        wanted[pid] = mixed if mixup else plain
     parts = [(pid, weights, {"server-round": 1}) for pid in cohort.members]
     answers = (
         cohort.fit_together(parts)
@@ -532,6 +552,14 @@ def test_groupdro_clients_report_the_loss_of_their_first_step_at_the_global_mode
     for pid, _, _, metrics in answers:
         assert metrics["first-loss"] == pytest.approx(wanted[pid], rel=1e-4)
         assert abs(metrics["loss"] - metrics["first-loss"]) > 1e-3  # the round's mean is another figure
+
+
+def test_groupdro_carries_mixup_unless_switched_off():
+    assert components_of(validate({"strategy": "groupdro"})) == ("mixup",)
+    assert components_of(validate({"strategy": "groupdro", "groupdro-mixup": False})) == ()
+    assert validate({"strategy": "groupdro", "mixup-alpha": 0.4})["mixup-alpha"] == 0.4
+    with pytest.raises(ConfigError, match="belongs to mixup"):
+        validate({"strategy": "groupdro", "groupdro-mixup": False, "mixup-alpha": 0.4})
 
 
 def test_gradient_reversal_flips_the_sign_for_the_features_only():

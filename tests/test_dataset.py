@@ -24,6 +24,7 @@ from fedbr_flwr.dataset import (
     make_partition,
     normalise,
     normalised_black,
+    partition_sizes,
     random_crop_flip,
     rotate,
     rotate_bilinear,
@@ -90,6 +91,48 @@ def test_client_train_test_sizes(cfg10, pid):
     # the client's samples are exactly its partition part
     train_idx, test_idx = client_indices(cfg10, pid)
     np.testing.assert_array_equal(np.sort(np.concatenate([train_idx, test_idx])), parts[pid])
+
+
+def one_class_cfg(classes_each, **more):
+    return validate({"num-clients": 10, "partition": "classes", "classes-per-client": classes_each, **more})
+
+
+@pytest.mark.parametrize("pid", [0, 7])
+def test_one_class_clients_test_on_as_many_images_of_the_other_classes(pid):
+    """DisTrans' 100% heterogeneity: each local test holds its own class and, as many again, random test-split
+    images of the other classes (the training split's own images unchanged), seeded by the run seed."""
+    from fedbr_flwr.dataset import other_class_test_indices
+
+    cfg = one_class_cfg(1)
+    data = load_client_data(cfg, pid, "cpu")
+    train, test = load_raw("mnist5k", "")
+    train_idx, test_idx = client_indices(cfg, pid)
+    own_class = int(train.y[test_idx[0]])
+    assert set(train.y[test_idx].tolist()) == {own_class}
+    others = other_class_test_indices(cfg, pid)
+    assert (
+        len(others) == len(test_idx) == int((data.y_test != own_class).sum()) == int((data.y_test == own_class).sum())
+    )
+    assert own_class not in set(test.y[others].tolist()) and len(set(others.tolist())) == len(others)
+    np.testing.assert_array_equal(data.y_test.numpy(), np.concatenate([train.y[test_idx], test.y[others]]))
+    angle = np.full(len(others), client_angle(pid))
+    expected = normalise(rotate(to_float(test.x[others]), angle), INFO["mnist5k"])
+    assert torch.allclose(data.x_test[len(test_idx) :], expected, atol=1e-6)
+    assert torch.equal(data.y_train, torch.from_numpy(train.y[train_idx]))
+    np.testing.assert_array_equal(other_class_test_indices(cfg, pid), others)  # the same on every call (engine)
+    assert not np.array_equal(other_class_test_indices(one_class_cfg(1, seed=1), pid), others)
+    assert partition_sizes(cfg)[pid] == (len(data.y_train), len(data.y_test))
+
+
+def test_two_classes_per_client_keep_their_local_test_as_it_was():
+    from fedbr_flwr.dataset import other_class_test_indices
+
+    cfg = one_class_cfg(2)
+    data = load_client_data(cfg, 4, "cpu")
+    train, _ = load_raw("mnist5k", "")
+    _, test_idx = client_indices(cfg, 4)
+    assert len(other_class_test_indices(cfg, 4)) == 0
+    assert torch.equal(data.y_test, torch.from_numpy(train.y[test_idx]))
 
 
 def test_load_client_data_rejects_bad_partition_id(cfg10):

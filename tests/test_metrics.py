@@ -36,6 +36,15 @@ def test_summarize_best5_and_finals():
     assert s["rounds_to_target"] == 8
 
 
+def test_summarize_gives_the_best_pooled_accuracy_the_distrans_paper_reports():
+    pooled = [0.4, 0.9, 0.7, 0.6, 0.5, 0.55]
+    h = [{"round": i + 1, "mean_acc": 0.5, "pooled_acc": p} for i, p in enumerate(pooled)]
+    s = summarize(h, 0.7)
+    assert s["best_pooled_acc"] == 0.9
+    assert s["pooled_acc_best5"] == pytest.approx(np.mean(sorted(pooled)[-5:]))
+    assert "best_pooled_acc" not in summarize(history(), 0.7)  # no pooled figure recorded
+
+
 def test_summarize_best5_is_independent_of_order():
     shuffled = history()[::-1]
     a, b = summarize(history(), 0.7), summarize(shuffled, 0.7)

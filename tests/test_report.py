@@ -14,7 +14,9 @@ from test_sweep import SWEEP, write
 HOST = {"platform": "Linux-x86_64", "cpu": "Test CPU 9000", "cpus": 2, "gpu": None}
 
 
-def fake_run(folder, accs, target=0.5, pooled=None, commit="abc1234def", day="2026-11-25", wall=10.0, cfg=None):
+def fake_run(
+    folder, accs, target=0.5, pooled=None, commit="abc1234def", day="2026-11-25", wall=10.0, cfg=None, best_pooled=None
+):
     """A finished run's files: an evaluation every 2 rounds with mean accuracy ``accs[i]``, worst half of it."""
     folder.mkdir(parents=True, exist_ok=True)
     history = [{"round": 2 * (i + 1), "mean_acc": a, "worst_acc": a / 2} for i, a in enumerate(accs)]
@@ -36,6 +38,7 @@ def fake_run(folder, accs, target=0.5, pooled=None, commit="abc1234def", day="20
         "worst_acc_best5": sum(best5) / len(best5) / 2,
         "final_mean_acc": accs[-1],
         "final_worst_acc": accs[-1] / 2,
+        "best_mean_acc": max(accs),
         "rounds_to_target": next((r["round"] for r in history if r["mean_acc"] >= target), None),
         "target_acc": target,
         "wall_time_s": wall,
@@ -43,6 +46,8 @@ def fake_run(folder, accs, target=0.5, pooled=None, commit="abc1234def", day="20
     }
     if pooled is not None:
         summary["pooled_acc_best5"] = pooled
+    if best_pooled is not None:
+        summary["best_pooled_acc"] = best_pooled
     (folder / "summary.json").write_text(json.dumps(summary))
 
 
@@ -79,6 +84,31 @@ def test_pooled_accuracy_is_shown_only_where_it_differs_from_the_mean(tmp_path):
     assert "pooled" not in report.compare(out, ["A"], [0])[0]
     fake_run(out / "A" / "seed0", [0.5, 0.6], pooled=0.57)
     assert "| pooled acc, best 5 (%) |" in report.compare(out, ["A"], [0])[0]
+
+
+def test_a_best_headline_leads_with_the_best_evaluation_as_distrans_tables_do(tmp_path):
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.5, 0.6, 0.9], pooled=0.62, best_pooled=0.93)
+    fake_run(out / "A" / "seed1", [0.5, 0.7, 0.8], pooled=0.64, best_pooled=0.85)
+    assert "best eval" not in report.compare(out, ["A"], [0, 1])[0]  # the FedBR tables' headline: best 5
+    lines = report.compare(out, ["A"], [0, 1], headline="best")[0].splitlines()
+    assert lines[0].startswith(
+        "| run | seeds | mean acc, best eval (%) | pooled acc, best eval (%) | mean acc, best 5 (%) |"
+    )
+    assert lines[2].startswith("| A | 2 | 85.00 ± 7.07 | 89.00 ± 5.66 |")
+    with pytest.raises(ConfigError, match="'sweep.headline' must be one of best5, best"):
+        sweep.load_sweep(write(tmp_path, SWEEP.replace("sweep:\n", "sweep:\n  headline: max\n")))
+
+
+def test_the_distrans_files_evaluate_every_round_and_lead_with_the_best():
+    from pathlib import Path
+
+    from fedbr_flwr.config import load_yaml
+
+    files = sorted((Path(__file__).resolve().parents[1] / "experiments").glob("distrans_*.yaml"))
+    assert len(files) == 4
+    for path in files:
+        assert load_yaml(path)["eval-every"] == 1 and sweep.sweep_headline(str(path)) == "best", path.name
 
 
 def test_the_comparison_plot_holds_a_mean_and_a_worst_client_panel(tmp_path, monkeypatch):

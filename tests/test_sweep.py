@@ -178,6 +178,103 @@ def test_table_only_titles_the_comparison_with_the_command_line_overrides(tmp_pa
     assert (out / "comparison.md").read_text().startswith("### s lr=0.1\n")
 
 
+# Each paper table's protocol (FedBR paper, Appendix A; DisTrans paper, Section 5): the keys every run of
+# its GPU-sized file must hold. RotatedMNIST rotates client i by 15*i degrees; CIFAR10 rotates every client
+# (angle prior q ~ Dir(1.0)) except in Table 9 ("Clean CIFAR10"); the DisTrans tables do not rotate.
+ROTATED_MNIST = {
+    "dataset": "mnist",
+    "num-clients": 10,
+    "partition": "fedbr",
+    "alpha": 0.1,
+    "rotate": True,
+    "model": "cnn",
+    "num-rounds": 1000,
+    "local-steps": 50,
+    "batch-size": 64,
+    "lr": 0.001,
+    "momentum": 0.0,
+}
+ROTATED_CIFAR10 = {
+    **ROTATED_MNIST,
+    "dataset": "cifar10",
+    "model": "vgg11",
+    "batch-size": 32,
+    "lr": 0.01,
+}
+DISTRANS_MNIST = {
+    "dataset": "mnist",
+    "num-clients": 10,
+    "partition": "classes",
+    "rotate": False,
+    "batch-size": 64,
+    "lr": 0.005,
+    "distrans-alpha": 0.3,
+    "distrans-offset-lr": 0.001,
+}
+PAPER_PROTOCOL = {
+    "experiments/fedavg_rotmnist.yaml": ROTATED_MNIST,
+    "experiments/table1_rotmnist.yaml": ROTATED_MNIST,
+    "experiments/table4_rotmnist.yaml": ROTATED_MNIST,
+    "experiments/table13_rotmnist.yaml": ROTATED_MNIST,
+    "experiments/table2_cifar10.yaml": ROTATED_CIFAR10,
+    "experiments/table3_cifar10.yaml": ROTATED_CIFAR10,
+    "experiments/distrans_table1_mnist.yaml": DISTRANS_MNIST,
+    "experiments/distrans_table4_mnist.yaml": DISTRANS_MNIST,
+}
+# the CPU-sized files keep their table's data setting (the split and the rotation), at a smaller budget
+DATA_SETTING = ("num-clients", "partition", "rotate")
+CPU_SIZED = {
+    "experiments/fedavg_rotmnist5k.yaml": ROTATED_MNIST,
+    "experiments/quickstart.yaml": ROTATED_MNIST,
+    "experiments/table1_rotmnist5k.yaml": ROTATED_MNIST,
+    "experiments/table3_rotmnist5k.yaml": ROTATED_MNIST,
+    "experiments/table4_rotmnist5k.yaml": ROTATED_MNIST,
+    "experiments/baselines_rotmnist5k.yaml": ROTATED_MNIST,
+    "experiments/feddyn_rotmnist5k.yaml": ROTATED_MNIST,
+    "experiments/distrans_table1_mnist5k.yaml": DISTRANS_MNIST,
+    "experiments/distrans_table4_mnist5k.yaml": DISTRANS_MNIST,
+}
+
+
+def planned_configs(path, tmp_path):
+    from pathlib import Path
+
+    from fedbr_flwr.config import load_yaml, validate
+
+    full = Path(__file__).resolve().parents[1] / path
+    if "sweep" not in load_yaml(full):
+        return [validate(load_yaml(full))]
+    return [cfg for _, _, cfg in sweep.plan(str(full), [], tmp_path, None, seeds=[0])]
+
+
+def test_every_experiment_file_is_checked_against_its_papers_protocol():
+    from pathlib import Path
+
+    files = {f"experiments/{p.name}" for p in (Path(__file__).resolve().parents[1] / "experiments").glob("*.yaml")}
+    assert files == set(PAPER_PROTOCOL) | set(CPU_SIZED)
+
+
+@pytest.mark.parametrize("path", sorted(PAPER_PROTOCOL))
+def test_the_gpu_sized_experiment_files_follow_their_papers_protocol(path, tmp_path):
+    protocol = PAPER_PROTOCOL[path]
+    for cfg in planned_configs(path, tmp_path):
+        differ = {k: (cfg[k], v) for k, v in protocol.items() if k in cfg and cfg[k] != v}
+        assert not differ, f"{path} ({cfg['strategy']}): (file, paper) {differ}"
+
+
+@pytest.mark.parametrize("path", sorted(CPU_SIZED))
+def test_the_cpu_sized_experiment_files_keep_their_tables_data_setting(path, tmp_path):
+    for cfg in planned_configs(path, tmp_path):
+        assert {k: cfg[k] for k in DATA_SETTING} == {k: CPU_SIZED[path][k] for k in DATA_SETTING}, path
+
+
+def test_the_papers_cifar10_experiment_files_rotate_every_client(tmp_path):
+    """FedBR paper, Appendix A: each CIFAR10 client rotates its images by an angle prior q ~ Dir(1.0); only
+    Table 9 ("Clean CIFAR10", not covered here) does not."""
+    for path in ("experiments/table2_cifar10.yaml", "experiments/table3_cifar10.yaml"):
+        assert all(cfg["dataset"] == "cifar10" and cfg["rotate"] for cfg in planned_configs(path, tmp_path)), path
+
+
 @pytest.mark.parametrize("path", ["experiments/table2_cifar10.yaml", "experiments/table3_cifar10.yaml"])
 def test_fedbr_on_cifar10_uses_the_papers_lambda(path, tmp_path):
     """FedBR paper, Appendix A: lambda = 0.1 on CIFAR10 (1.0 on MNIST and CIFAR100)."""

@@ -227,6 +227,7 @@ LOCKSTEP_CASES = {
     "fedbr+fedprox": {"strategy": "fedbr", "fedbr-with": "fedprox"},
     "fedbr+several": {"strategy": "fedbr", "fedbr-with": "fedprox,fedcm,feddecorr,fedntd,mixup", "momentum": 0.9},
     "fedbr-mixture+several": {"strategy": "fedbr", "pseudo-data": "mixture", "fedbr-with": "fedcm,mixup"},
+    "groupdro-cross-entropy": {"strategy": "groupdro", "groupdro-mixup": False},
     "moon-partial": {"strategy": "moon", "fraction-fit": 0.5, "num-clients": 4},
     "fedbr-six-members": {"strategy": "fedbr", "num-clients": 6, "fraction-fit": 0.67},
     "fedbr-lenet": {"strategy": "fedbr", "model": "lenet"},
