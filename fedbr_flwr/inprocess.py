@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 from typing import Callable
 
 from flwr.app import Context, Message
@@ -16,6 +17,16 @@ from .errors import describe
 from .raycluster import OUTSIDE_RAY
 
 IN_PROCESS = "in_process"  # the backend config's key that asks for it (Flower's keys use "_")
+
+_running: set[int] = set()  # the threads now inside a ClientApp call of this backend
+_running_lock = threading.Lock()
+
+
+def clients_running() -> int:
+    """How many ClientApp calls of this process have not returned. Between runs, any is a client the run before
+    gave up on (its round timed out): a thread that cannot be stopped, still holding a core."""
+    with _running_lock:
+        return len(_running)
 
 
 def worker_threads(backend_config: BackendConfig, cpus: int | None = None) -> int:
@@ -58,6 +69,8 @@ class InProcessBackend(Backend):
             raise ValueError("build() the backend before it processes messages")
         own = copy.deepcopy(context)
         outside = OUTSIDE_RAY.set(True)  # where the client ran: this machine, whatever Ray this process has
+        with _running_lock:
+            _running.add(threading.get_ident())
         try:
             reply = self.app_fn()(message=message, context=own)
         except LoadClientAppError:
@@ -66,4 +79,6 @@ class InProcessBackend(Backend):
             raise ClientAppException(describe(exc)) from exc
         finally:
             OUTSIDE_RAY.reset(outside)
+            with _running_lock:
+                _running.discard(threading.get_ident())
         return reply, own

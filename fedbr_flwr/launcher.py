@@ -223,7 +223,8 @@ class RunHost:
     one Ray runtime (private, or the cluster at ``address``): a later run finds torch imported, Ray up and the
     client processes of the run before (``fedbr_flwr.simulation.keep_actors_between_runs``), so it does not pay
     the process, Ray and import start-up again (docs/benchmarks.md).
-    A run that fails ends the process, and the next run starts a new one. ``with RunHost(...) as host:``;
+    A run that fails ends the process, and so does one that leaves a client call running (a client its round
+    timed out on: a thread cannot be stopped); the next run starts a new one, and says why. ``with RunHost(...) as host:``;
     its exit stops the process and all it started, as for a run of its own."""
 
     def __init__(self, address: str | None = None):
@@ -300,6 +301,9 @@ class RunHost:
             started, result = self._run_once(request, out_dir, echo)
             if started:
                 return result
+            if result.get("retired"):
+                print(f"fedbr: {result['retired']}: this run starts in a new one", file=sys.stderr, flush=True)
+                self.close()
         assert self.home is not None
         raise RunFailed(f"the simulation process ended before the run started: {log_tail(self.home / 'host.log')}")
 
@@ -324,12 +328,12 @@ class RunHost:
                     if reply.get("run-id") != run_id:
                         continue  # the run before's answer, given after its last event
                     started = started or bool(reply.get("started"))
-                    if "ok" in reply:
+                    if "ok" in reply or "retired" in reply:
                         break
         if finished.is_set():
             return True, {"run-id": run_id, "status": "finished:completed"}
         if not started:
-            return False, {}
+            return False, {"retired": reply["retired"]} if reply and "retired" in reply else {}
         log_path = out_dir / "flower.log"
         if reply and reply.get("ok"):
             raise RunFailed(f"run {run_id} ended without its last event; see {log_path}")

@@ -220,7 +220,8 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
     when Flower's part of it has ended. A run starts once the run before has ended or written its last event,
     so that it starts while Flower ends the old one (whose threads poll for up to a second). After a run
     that failed, the process ends (exit 1) instead of starting another: what a failure leaves behind (in Ray,
-    the actors, threads) is not trusted with the next run."""
+    the actors, threads) is not trusted with the next run. So does a process still running a client of the run
+    before (``leftover_clients``): it answers the next request ``{"run-id", "retired": why}`` and ends."""
     keep_actors_between_runs()  # before each run's simulate() chooses its backend (choose_backend_per_run)
     # as the process starts (fedbr-run starts it before checking the run's configuration): Ray where a run will
     # likely use it, else only the imports
@@ -236,6 +237,10 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
         if failed.is_set():
             break
         request = json.loads(line)
+        leftover = leftover_clients()
+        if leftover:
+            answer(replies, {"run-id": request["run-id"], "retired": leftover})
+            break
         if request.get("backend", "ray") == "ray":
             start_ray()  # in the main thread: the processes Ray starts end with the thread that started them
         runs.append((threading.Thread(target=run_requested, args=(request, replies, failed)), Path(request["cwd"])))
@@ -243,6 +248,17 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
     for run, _ in runs:
         run.join()
     return 1 if failed.is_set() else 0
+
+
+def leftover_clients() -> str:
+    """Why this process must not take another run: a client thread of the run before that never returned (a
+    round timeout gave up on it; a thread cannot be killed, and it would slow every later run). "" if none."""
+    from .inprocess import clients_running
+
+    count = clients_running()
+    if not count:
+        return ""
+    return f"the simulation process still runs {count} client(s) the run before gave up on (never returned)"
 
 
 def ray_likely(environ: dict[str, str] | os._Environ = os.environ) -> bool:

@@ -4,6 +4,7 @@ launcher, also when the run fails; the tests check that nothing is left behind."
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -259,10 +260,37 @@ class DivergingClient(FedAvgClient):
 '''
 
 
+HANGING_CLIENT = '''"""Test only: FedAvg whose client 1 never returns from its round-2 fit."""
+import threading
+
+from clients.fedavg import FedAvgClient
+from fedbr_flwr.registry import register_client
+
+
+@register_client("hanging-client-1")
+class HangingClient(FedAvgClient):
+    def fit(self, arrays, config):
+        if self.pid == 1 and int(config["server-round"]) == 2:
+            threading.Event().wait()
+        return super().fit(arrays, config)
+'''
+
+
 @pytest.fixture
 def diverging_client(tmp_path, monkeypatch):
-    """An algorithm with a diverging client, found by the registry in this process and in every process
-    Flower starts (a ``sitecustomize`` on their PYTHONPATH adds it to ``clients``); removed afterwards."""
+    """An algorithm with a diverging client (``plugin_algorithm``)."""
+    yield from plugin_algorithm(tmp_path, monkeypatch, "diverging", DIVERGING_CLIENT)
+
+
+@pytest.fixture
+def hanging_client(tmp_path, monkeypatch):
+    """An algorithm whose client 1 hangs in round 2 (``plugin_algorithm``)."""
+    yield from plugin_algorithm(tmp_path, monkeypatch, "hanging", HANGING_CLIENT)
+
+
+def plugin_algorithm(tmp_path, monkeypatch, module: str, source: str):
+    """The algorithm in ``source``, found by the registry in this process and in every process Flower starts (a
+    ``sitecustomize`` on their PYTHONPATH adds it to ``clients``); removed afterwards."""
     import os
 
     import clients
@@ -270,7 +298,7 @@ def diverging_client(tmp_path, monkeypatch):
 
     plugins = tmp_path / "plugins"  # its folder must not be named clients (that would shadow our package)
     (plugins / "more-clients").mkdir(parents=True)
-    (plugins / "more-clients" / "diverging.py").write_text(DIVERGING_CLIENT)
+    (plugins / "more-clients" / f"{module}.py").write_text(source)
     more = str(plugins / "more-clients")
     (plugins / "sitecustomize.py").write_text(f"import clients\nclients.__path__.append({more!r})\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")])))
@@ -285,8 +313,42 @@ def diverging_client(tmp_path, monkeypatch):
         clients.__path__.remove(str(plugins / "more-clients"))
         registry.CLIENTS.clear()
         registry.CLIENTS.update(saved)
-        sys.modules.pop("clients.diverging", None)
+        sys.modules.pop(f"clients.{module}", None)
         registry._loaded = True
+
+
+def test_a_run_that_leaves_a_client_hanging_hands_the_next_run_a_new_process(tmp_path, capsys, hanging_client):
+    """Run B's client 1 never returns from round 2; the round times out and B completes without it, but its thread
+    cannot be stopped. The next run does not start in that process (it would share its cores with the spinning
+    thread): it says so in one line and runs in a new one."""
+    from fedbr_flwr.cli import config_from_settings, prepare, size_for_runtime, supernodes
+
+    def prepared(name, **settings):
+        base = {"num-clients": 2, "local-steps": 1, "batch-size": 8, "global-test": False, "eval-every": 1}
+        cfg = config_from_settings({**base, **settings, "output-dir": str(tmp_path / name), "backend": "in-process"})
+        return prepare(size_for_runtime(cfg), True)
+
+    before = flower_processes()
+    runs = {
+        "b": prepared("b", strategy="hanging-client-1", **{"num-rounds": 2, "round-timeout": 3}),
+        "c": prepared("c", **{"num-rounds": 1}),
+    }
+    with RunHost() as host:
+        run_flower(runs["b"], supernodes(runs["b"]), tmp_path / "b", echo="none", host=host)
+        b_process = host.proc.pid
+        capsys.readouterr()
+        run_flower(runs["c"], supernodes(runs["c"]), tmp_path / "c", echo="none", host=host)
+        assert host.proc.pid != b_process
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fedbr:")]
+    assert len(said) == 1 and re.fullmatch(  # client 1's fit, and its final evaluation waiting for it
+        r"fedbr: the simulation process still runs [12] client\(s\) the run before gave up on \(never returned\): "
+        r"this run starts in a new one",
+        said[0],
+    ), said
+    rounds = [json.loads(line) for line in (tmp_path / "b" / "rounds.jsonl").read_text().splitlines()]
+    assert rounds[1]["failed_clients"] == [1] and "timed out" in rounds[1]["errors"][0]
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["last_round"] == 1
+    assert flower_processes() <= before
 
 
 def test_a_killed_cohort_run_resumes_rejects_a_nan_member_and_equals_the_client_engine(tmp_path, diverging_client):

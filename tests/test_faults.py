@@ -298,6 +298,8 @@ def test_a_reply_flower_expired_under_round_timeout_reads_as_a_timeout():
     for flower_reason in (MESSAGE_UNAVAILABLE_ERROR_REASON, REPLY_MESSAGE_UNAVAILABLE_ERROR_REASON):
         failure = (proxy, FitRes(Status(Code.FIT_NOT_IMPLEMENTED, flower_reason), None, 0, {}))
         assert describe_failure(federation, failure) == "client 3: timed out: no reply within round-timeout = 10 s"
+    raised = ValueError(f"Message contains an Error (reason: {MESSAGE_UNAVAILABLE_ERROR_REASON}). It originated ...")
+    assert describe_failure(federation, raised) == "timed out: no reply within round-timeout = 10 s"
     node_lost = (proxy, FitRes(Status(Code.FIT_NOT_IMPLEMENTED, NODE_UNAVAILABLE_ERROR_REASON), None, 0, {}))
     assert "Node Unavailable" in describe_failure(federation, node_lost)
     federation.cfg = validate({"round-timeout": 0})  # no timeout set: Flower's reason is all there is

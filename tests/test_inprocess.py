@@ -151,3 +151,24 @@ def test_a_client_in_process_records_this_machine_as_where_it_ran_even_beside_a_
     backend.build(lambda: lambda message, context: worker_node())
     assert backend.process_message(MESSAGE, context_with_state(0))[0] == socket.gethostname()
     assert worker_node() == "ray-node-1"  # a Ray actor's, or the driver's
+
+
+def test_the_backend_counts_the_client_calls_that_have_not_returned():
+    from fedbr_flwr.inprocess import clients_running
+
+    inside, release = threading.Event(), threading.Event()
+
+    def app(message, context):
+        inside.set()
+        release.wait(10)
+        raise ValueError("done")
+
+    backend = InProcessBackend({"client_resources": {"num_cpus": 1}})
+    backend.build(lambda: app)
+    before = clients_running()
+    call = threading.Thread(target=lambda: pytest.raises(ClientAppException, backend.process_message, MESSAGE, None))
+    call.start()
+    assert inside.wait(10) and clients_running() == before + 1
+    release.set()
+    call.join(10)
+    assert clients_running() == before  # also after a call that raised

@@ -93,6 +93,47 @@ def test_serve_runs_each_request_with_its_output_in_its_log_then_stops_after_a_f
     assert "output of run 2" in log2.read_text() and "RuntimeError: the ServerApp broke" in log2.read_text()
 
 
+def test_serve_hands_no_run_to_a_process_still_running_a_client_of_the_run_before(
+    tmp_path, monkeypatch, own_stdout_stderr
+):
+    """Run 1 ends with a client call that never returned (its round timed out): a thread cannot be killed, so
+    the process answers run 2's request with the reason and ends instead of running it."""
+    from fedbr_flwr.inprocess import InProcessBackend, clients_running
+
+    release, ran = threading.Event(), []
+
+    def hung_client(message, context):
+        release.wait(30)
+
+    def fake_simulate(run_config, run_id, supernodes, cpus, gpus):
+        ran.append(run_id)
+        backend = InProcessBackend({"client_resources": {"num_cpus": 1}})
+        backend.build(lambda: hung_client)
+        threading.Thread(target=backend.process_message, args=(None, None), daemon=True).start()
+        while not clients_running():
+            threading.Event().wait(0.01)
+
+    monkeypatch.setattr(simulation, "simulate", fake_simulate)
+    monkeypatch.setattr(simulation, "keep_actors_between_runs", lambda: None)
+    monkeypatch.setattr(simulation, "start_ray", lambda: None)
+    monkeypatch.setattr(simulation, "import_both_sides", lambda: None)
+    own_stdout_stderr()
+    replies = io.StringIO()
+    try:
+        code = simulation.serve(io.StringIO("".join(json.dumps(request(tmp_path, i)) + "\n" for i in (1, 2))), replies)
+    finally:
+        release.set()
+    answers = [json.loads(line) for line in replies.getvalue().splitlines()]
+    assert code == 0 and ran == [1]
+    assert answers[:2] == [{"run-id": 1, "started": True}, {"run-id": 1, "ok": True, "error": ""}]
+    assert answers[2:] == [
+        {
+            "run-id": 2,
+            "retired": "the simulation process still runs 1 client(s) the run before gave up on (never returned)",
+        }
+    ]
+
+
 class FakePool:
     def __init__(self, resources, actors=2):
         self.client_resources = resources

@@ -130,8 +130,8 @@ def reported_members(federation: Federation, proxy: ClientProxy, metrics: dict) 
 
 def describe_failure(federation: Federation, failure: Any) -> str:
     """One line (at most 500 characters) saying who failed and why: Ray's multi-line errors are folded."""
-    if isinstance(failure, BaseException):
-        return one_line(describe(failure))
+    if isinstance(failure, BaseException):  # Flower's legacy grid raises some errors of a reply
+        return one_line(failure_reason(describe(failure), federation.cfg["round-timeout"]))
     proxy, res = failure
     if federation.is_cohort(proxy):
         who = f"cohort of clients {cohort.join_members(federation.members_by_cid[proxy.cid])}"
@@ -146,7 +146,7 @@ EXPIRED = ("Error: Message Unavailable", "Error: Reply Message Unavailable")
 
 def failure_reason(message: str, round_timeout: float) -> str:
     """Flower's reason for a failed reply, in our terms where Flower's do not say what happened."""
-    if round_timeout and message.startswith(EXPIRED):
+    if round_timeout and any(reason in message for reason in EXPIRED):
         return f"timed out: no reply within round-timeout = {round_timeout:g} s"
     return message
 
