@@ -341,3 +341,21 @@ def test_a_factor_of_mappings_moves_several_keys_together(tmp_path):
     ]
     assert all(cfg["local-steps"] * cfg["num-rounds"] == 4 for _, _, cfg in jobs)
     assert jobs[-1][2]["output-dir"].endswith("FedBR/local-steps=2,lr=0.001,num-rounds=2/seed0")
+
+
+def test_the_regime_studies_plan_the_grids_their_comments_describe(tmp_path):
+    """experiments/regimes_*.yaml (issue 43): the runs, cells and rules their comments fix before their runs."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "experiments"
+    jobs = sweep.plan(str(root / "regimes_rotmnist5k.yaml"), [], tmp_path, None)
+    assert len(jobs) == 72 and {s for _, s, _ in jobs} == {0, 1, 2}
+    cfgs = [cfg for _, _, cfg in jobs]
+    assert {c["model"] for c in cfgs} == {"lenet", "lenet-nonorm"} and {c["lr"] for c in cfgs} == {0.005, 0.016, 0.05}
+    assert {c["local-steps"] for c in cfgs} == {10, 50} and {c["local-steps"] * c["num-rounds"] for c in cfgs} == {400}
+    assert {c["strategy"] for c in cfgs} == {"fedavg", "fedbr"}
+    rule = sweep.load_sweep(str(root / "regimes_rotmnist5k.yaml")).rule
+    assert rule == sweep.Rule("FedBR", "FedAvg", ("mean_acc_best5", "worst_acc_best5", "rounds_to_target"), 1.0)
+    jobs = sweep.plan(str(root / "regimes_distrans_mnist5k.yaml"), [], tmp_path, None)
+    assert len(jobs) == 3 * (2 + 2 * 3)
+    assert {c["distrans-offset-lr"] for _, _, c in jobs if c["strategy"] == "distrans"} == {0.001, 0.03, 1.0}
