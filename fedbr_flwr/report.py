@@ -318,19 +318,22 @@ class Decision:
 
 
 def seed_values(out: Path, setting: Setting, seeds: list[int], metric: str) -> list[float] | None:
-    """Each seed's ``metric``, or None when a seed has no finished run (or, except for rounds to target, no
-    value). Rounds to target that a seed never reached count as the evaluation after its last round
-    (num-rounds + eval-every): the earliest it could have come."""
+    """Each seed's ``metric``, or None when a seed has no finished run (one that evaluated its last round;
+    summary.json is written at every evaluation) or, except for rounds to target, no value. Rounds to target
+    that a seed never reached count as the evaluation after its last round (num-rounds + eval-every): the
+    earliest it could have come."""
     values = []
     for seed in seeds:
         folder = setting.folder(out, seed)
-        if not (folder / "summary.json").exists():
+        if not (folder / "summary.json").exists() or not (folder / "manifest.json").exists():
             return None
         summary = json.loads((folder / "summary.json").read_text())
+        cfg = json.loads((folder / "manifest.json").read_text()).get("config", {})
+        if summary.get("last_round") != cfg.get("num-rounds"):
+            return None
         value = summary.get(metric)
         if value is None and metric == "rounds_to_target":
-            cfg = json.loads((folder / "manifest.json").read_text()).get("config", {})
-            value = cfg.get("num-rounds", summary.get("last_round") or 0) + cfg.get("eval-every", 1)
+            value = cfg["num-rounds"] + cfg.get("eval-every", 1)
         if value is None:
             return None
         values.append(float(value))

@@ -218,6 +218,8 @@ def test_the_rule_decides_each_cell_on_each_metric_counting_a_target_never_reach
     assert "- mean acc, best 5: FedBR 1 ahead, 1 level, 0 behind of 2 cells" in table
     assert "| lr | mean acc, best 5: FedBR − FedAvg (points) | rounds to target: FedBR − FedAvg (rounds) |" in table
     assert "| 0.01 | +10.00 ahead | -2.0 ahead |" in table and "| 0.1 | +2.00 level | -0.7 level |" in table
+    fake_run(out / "FedAvg" / "lr=0.1" / "seed2", [0.3], cfg={"num-rounds": 4})  # stopped after round 2 of 4
+    assert report.decide(out, settings, [0, 1, 2], RULE)[1].results["mean_acc_best5"] is None
     (out / "FedAvg" / "lr=0.1" / "seed2" / "summary.json").unlink()  # a seed still to run decides nothing
     assert report.decide(out, settings, [0, 1, 2], RULE)[1].results["mean_acc_best5"] is None
 
