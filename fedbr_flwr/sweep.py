@@ -121,14 +121,14 @@ def load_grid(grid: Any, path: str) -> dict[str, Factor]:
         if not isinstance(values, list) or not values:
             raise ConfigError(f"{where} must be a non-empty list of values, got {values!r}")
         linked = all(isinstance(v, dict) for v in values)
-        mixed = not linked and any(isinstance(v, (dict, list)) for v in values)
-        if mixed or (linked and len({tuple(sorted(v)) for v in values}) != 1):
+        mixed = not linked and any(isinstance(v, dict) for v in values)
+        if mixed or (linked and len({tuple(sorted(v)) for v in values}) != 1) or values == [{}]:
             raise ConfigError(f"{where}: its values must all be values of one key, or all set the same keys")
         settings = values if linked else [{raw_name: v} for v in values]
         keys = [grid_key(k, path) for k in settings[0]]
         repeated = [k for k in keys if k in taken]
-        if repeated or not keys:
-            raise ConfigError(f"{where}: key '{(repeated or ['none'])[0]}' is listed twice; each key in one factor")
+        if repeated:
+            raise ConfigError(f"{where}: key '{repeated[0]}' is listed twice; each key in one factor")
         taken.update(keys)
         factors[str(raw_name)] = [{normalise_key(k): v for k, v in value.items()} for value in settings]
     return factors
