@@ -55,7 +55,9 @@ COMMON: dict[str, Key] = {
     "rotate": Key(True, "domain shift: RotatedMNIST (client i at 15*i deg) / RotatedCIFAR10 angle prior"),
     "test-fraction": Key(0.2, "share of each client's data held out as its local test set", check=OPEN_FRACTION),
     # model and local training
-    "model": Key("auto", "backbone", choices=("auto", "cnn", "cnn-small", "lenet", "vgg11", "cct", "resnet18")),
+    "model": Key(
+        "auto", "backbone", choices=("auto", "cnn", "cnn-small", "lenet", "lenet-nonorm", "vgg11", "cct", "resnet18")
+    ),
     "local-steps": Key(10, "local SGD steps per round (batches drawn with replacement)", check=POSITIVE),
     "batch-size": Key(32, "local batch size", check=POSITIVE),
     "lr": Key(0.05, "client SGD learning rate", check=POSITIVE),

@@ -224,8 +224,8 @@ class RunHost:
     client processes of the run before (``fedbr_flwr.simulation.keep_actors_between_runs``), so it does not pay
     the process, Ray and import start-up again (docs/benchmarks.md).
     A run that fails ends the process, and so does one that leaves a client call running (a client its round
-    timed out on: a thread cannot be stopped); the next run starts a new one, and says why. ``with RunHost(...) as host:``;
-    its exit stops the process and all it started, as for a run of its own."""
+    timed out on: a thread cannot be stopped); the next run starts a new one, and says why.
+    ``with RunHost(...) as host:``; its exit stops the process and all it started, as for a run of its own."""
 
     def __init__(self, address: str | None = None):
         self.address = address

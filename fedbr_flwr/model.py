@@ -38,15 +38,22 @@ def mnist_cnn_features(in_channels: int = 1, layers_spec: list[tuple[int, int]] 
 
 
 def lenet_features(
-    in_channels: int = 1, image_size: int = 28, widths: tuple[int, int] = (16, 32), hidden: int = 64
+    in_channels: int = 1,
+    image_size: int = 28,
+    widths: tuple[int, int] = (16, 32),
+    hidden: int = 64,
+    norm: bool = True,
 ) -> nn.Sequential:
-    """Two 3x3 convs (16, 32 channels), each -> ReLU -> GroupNorm(8) -> 2x2 max pool, then a linear layer
-    to ``hidden`` features with ReLU. Sized for a CPU: about 3/4 of cnn-small's FLOPs, and it learns
-    RotatedMNIST centrally in a few hundred steps where cnn-small does not (tests/test_models.py)."""
+    """Two 3x3 convs (16, 32 channels), each -> ReLU -> GroupNorm(8) (``norm``) -> 2x2 max pool, then a linear
+    layer to ``hidden`` features with ReLU. Sized for a CPU: about 3/4 of cnn-small's FLOPs, and it learns
+    RotatedMNIST centrally in a few hundred steps where cnn-small does not (tests/test_models.py). Without
+    ``norm`` (model=lenet-nonorm) it is the plain conv-pool-conv-pool-FC(64) net, at the same cost."""
     layers: list[nn.Module] = []
     c_in = in_channels
     for c_out in widths:
-        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.GroupNorm(8, c_out), nn.MaxPool2d(2)]
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU()]
+        layers += [nn.GroupNorm(8, c_out)] if norm else []
+        layers.append(nn.MaxPool2d(2))
         c_in = c_out
     side = image_size // 2 ** len(widths)
     layers += [nn.Flatten(), nn.Linear(c_in * side * side, hidden), nn.ReLU()]
@@ -126,15 +133,23 @@ def resnet18_gn_features(in_channels: int = 3, groups: int = 2) -> nn.Sequential
     )
 
 
-FEATURE_DIMS = {"cnn": 128, "cnn-small": 32, "lenet": 64, "vgg11": 512, "cct": 256, "resnet18": 512}
+FEATURE_DIMS = {
+    "cnn": 128,
+    "cnn-small": 32,
+    "lenet": 64,
+    "lenet-nonorm": 64,
+    "vgg11": 512,
+    "cct": 256,
+    "resnet18": 512,
+}
 
 
 def build_model(name: str, num_classes: int, in_channels: int, image_size: int) -> SplitModel:
     features: nn.Module
     if name in CNN_LAYERS:
         features = mnist_cnn_features(in_channels, CNN_LAYERS[name])
-    elif name == "lenet":
-        features = lenet_features(in_channels, image_size, hidden=FEATURE_DIMS["lenet"])
+    elif name in ("lenet", "lenet-nonorm"):
+        features = lenet_features(in_channels, image_size, hidden=FEATURE_DIMS[name], norm=name == "lenet")
     elif name == "vgg11":
         features = vgg11_features(in_channels)
     elif name == "cct":

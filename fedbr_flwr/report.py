@@ -1,6 +1,8 @@
 """Tables, plots and the results page, from a sweep's run folders (reads files only: no Flower, no runs).
 
-- ``comparison.md``/``.csv``/``.png``: every run of a sweep, mean ± std over its seeds;
+- ``comparison.md``/``.csv``/``.png``: every run of a sweep (in a grid: every run in every cell, the cell's
+  factor values as columns), mean ± std over its seeds; with a ``decide`` rule (``Rule``) also the rule's
+  verdict per cell, method against baseline, in ``comparison.md`` and as a heatmap, ``decisions.png``;
 - ``fedbr-sweep ... --report PAGE``: the same table, its plot, and the command, commit, machine and wall
   time that produced it, as one section of a markdown page. Each sweep file owns one section, between two
   marker lines; the rest of the page (other sections, the text around them) is left as it is. A section
@@ -14,15 +16,60 @@ import csv
 import json
 import re
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .errors import ConfigError
 from .metrics import format_accuracy_axes, read_jsonl
 
+Cell = tuple[tuple[str, Any], ...]  # a grid cell: (key, value) per factor, in the grid's order
 
-def run_folder(out: Path, name: str, seed: int) -> Path:
-    return out / re.sub(r"[^A-Za-z0-9+.=-]+", "_", name).strip("_") / f"seed{seed}"
+
+def run_folder(out: Path, name: str, seed: int, cell: Cell = ()) -> Path:
+    """``<out>/<name>/seed<k>``, or in a grid ``<out>/<name>/<cell>/seed<k>`` (``cell_name``); other characters
+    than letters, digits and +.=- in the name become _."""
+    folder = out / re.sub(r"[^A-Za-z0-9+.=-]+", "_", name).strip("_")
+    return (folder / cell_name(cell, sort=True) if cell else folder) / f"seed{seed}"
+
+
+def format_value(value: Any) -> str:
+    """A config value as a grid cell writes it: true/false, a float as Python writes it (1e-3 and 0.001 alike:
+    0.001), a list of names joined by +."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value).replace(",", "+")
+
+
+def cell_name(cell: Cell, sort: bool = False) -> str:
+    """``lr=0.01,local-steps=50``: in the grid's order, or (``sort``, a run folder's name) in key order, so that
+    reordering a grid's keys keeps its folders; characters other than letters, digits and +.=- become _."""
+    items = sorted(cell) if sort else cell
+    return ",".join(re.sub(r"[^A-Za-z0-9+.=-]+", "_", f"{k}={format_value(v)}") for k, v in items)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of a sweep's table: a run of the file and, in a grid, one cell of the factors that run uses."""
+
+    run: str
+    cell: Cell = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.run} {cell_name(self.cell)}" if self.cell else self.run
+
+    def folder(self, out: Path, seed: int) -> Path:
+        return run_folder(out, self.run, seed, self.cell)
+
+
+def as_settings(names: Sequence[str | Setting]) -> list[Setting]:
+    return [name if isinstance(name, Setting) else Setting(name) for name in names]
+
+
+def factors_of(settings: list[Setting]) -> list[str]:
+    """The grid's factors, in its order, over every setting (none outside a grid)."""
+    return list(dict.fromkeys(k for s in settings for k, _ in s.cell))
 
 
 HEADLINES = ("best5", "best")  # a sweep file's headline: the FedBR paper's mean of the best 5, or the DisTrans
@@ -51,11 +98,12 @@ def _stats(values: list[float | None]) -> tuple[float | None, float | None, int]
     return statistics.fmean(present), statistics.stdev(present) if len(present) > 1 else 0.0, len(present)
 
 
-def seed_curves(out: Path, name: str, seeds: list[int], key: str) -> dict[int, list[float]]:
+def seed_curves(out: Path, name: str | Setting, seeds: list[int], key: str) -> dict[int, list[float]]:
     """Round -> the run's ``key`` (a fraction) in each seed that evaluated that round."""
+    (setting,) = as_settings([name])
     curves: dict[int, list[float]] = {}
     for seed in seeds:
-        for rec in read_jsonl(run_folder(out, name, seed) / "metrics.jsonl"):
+        for rec in read_jsonl(setting.folder(out, seed) / "metrics.jsonl"):
             if rec.get(key) is not None:  # null: missing
                 curves.setdefault(int(rec["round"]), []).append(rec[key])
     return curves
@@ -69,26 +117,32 @@ def last_fifth_move(curve: dict[int, list[float]], num_rounds: int) -> float | N
     return max(points) - min(points) if len(points) > 1 else None
 
 
-def compare(out: Path, names: list[str], seeds: list[int], headline: str = "best5") -> tuple[str, list[dict[str, Any]]]:
-    """The markdown table and the csv rows: per run, mean, std and count over its seeds of every column,
-    and each seed's mean accuracy (best 5). Columns no run has are left out of the markdown table, and so
-    is pooled accuracy where it equals the mean accuracy in every row (equal-sized local test sets). With
+def compare(
+    out: Path, names: Sequence[str | Setting], seeds: list[int], headline: str = "best5"
+) -> tuple[str, list[dict[str, Any]]]:
+    """The markdown table and the csv rows: per run (in a grid: per run and cell, the cell's factor values as
+    columns after the run's name; "-" for a factor the run does not use), mean, std and count over its seeds of
+    every column, and each seed's mean accuracy (best 5). Columns no run has are left out of the markdown table,
+    and so is pooled accuracy where it equals the mean accuracy in every row (equal-sized local test sets). With
     ``headline="best"`` the best (maximum) evaluation's accuracies come first (DisTrans' tables)."""
     columns = (BEST_COLUMNS if headline == "best" else []) + COLUMNS
+    settings = as_settings(names)
+    factors = factors_of(settings)
     rows = []
     target = None
-    for name in names:
+    for setting in settings:
         summaries = {}
         for seed in seeds:
-            path = run_folder(out, name, seed) / "summary.json"
+            path = setting.folder(out, seed) / "summary.json"
             if path.exists():
                 summaries[seed] = json.loads(path.read_text())
                 target = summaries[seed].get("target_acc")
-        row: dict[str, Any] = {"run": name, "seeds": len(summaries)}
+        row: dict[str, Any] = {"run": setting.run, **{k: dict(setting.cell).get(k) for k in factors}}
+        row["seeds"] = len(summaries)
         num_rounds = max((s.get("last_round") or 0 for s in summaries.values()), default=0)
         for column, key, _, _ in columns:
             if key is None:  # last_fifth_move: of the mean curve over seeds, so no spread
-                move = last_fifth_move(seed_curves(out, name, list(summaries), "mean_acc"), num_rounds)
+                move = last_fifth_move(seed_curves(out, setting, list(summaries), "mean_acc"), num_rounds)
                 row[column], row[f"{column}_std"], row[f"{column}_n"] = move, 0.0, int(move is not None)
                 continue
             mean, std, n = _stats([s.get(key) for s in summaries.values()])
@@ -98,7 +152,7 @@ def compare(out: Path, names: list[str], seeds: list[int], headline: str = "best
         )
         rows.append(row)
     shown = [c for c in columns if _shown(rows, c[0])]
-    header = ["run", "seeds"] + [
+    header = ["run", *factors, "seeds"] + [
         h.replace("rounds to target", f"rounds to {100 * (target or 0):.0f}%") for _, _, h, _ in shown
     ]
     per_seed = len(seeds) > 1
@@ -106,7 +160,8 @@ def compare(out: Path, names: list[str], seeds: list[int], headline: str = "best
         header.append(f"seed {' / '.join(map(str, seeds))}: mean acc, best 5 (%)")
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for row in rows:
-        cells = [row["run"], str(row["seeds"])] + [_cell(row, column, kind) for column, _, _, kind in shown]
+        values = ["-" if row[k] is None else format_value(row[k]) for k in factors]
+        cells = [row["run"], *values, str(row["seeds"])] + [_cell(row, column, kind) for column, _, _, kind in shown]
         if per_seed:
             cells.append(row["mean_acc_best5_per_seed"] or "-")
         lines.append("| " + " | ".join(cells) + " |")
@@ -137,11 +192,23 @@ def _cell(row: dict[str, Any], column: str, kind: str) -> str:
     return text
 
 
-def write_comparison(out: Path, names: list[str], seeds: list[int], title: str, headline: str = "best5") -> str:
+def write_comparison(
+    out: Path,
+    names: Sequence[str | Setting],
+    seeds: list[int],
+    title: str,
+    rule: Rule | None = None,
+    headline: str = "best5",
+) -> str:
+    """comparison.md, .csv and .png in ``out``; with a ``rule``, its decisions below the table in comparison.md
+    and as decisions.png."""
     table, rows = compare(out, names, seeds, headline)
-    (out / "comparison.md").write_text(
-        f"### {title}\n\nMean ± standard deviation over seeds {', '.join(map(str, seeds))}.\n\n{table}"
-    )
+    text = f"### {title}\n\nMean ± standard deviation over seeds {', '.join(map(str, seeds))}.\n\n{table}"
+    if rule is not None:
+        decisions = decide(out, names, seeds, rule)
+        text += f"\n#### {rule.method} against {rule.baseline}\n\n{decision_table(decisions, rule, seeds)}"
+        plot_decisions(decisions, rule, out / "decisions.png", title)
+    (out / "comparison.md").write_text(text)
     with open(out / "comparison.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -150,7 +217,7 @@ def write_comparison(out: Path, names: list[str], seeds: list[int], title: str, 
     return table
 
 
-def plot_comparison(out: Path, names: list[str], seeds: list[int], path: Path, title: str) -> None:
+def plot_comparison(out: Path, names: Sequence[str | Setting], seeds: list[int], path: Path, title: str) -> None:
     """Two panels, one curve per run, each the mean over seeds per evaluated round: mean client accuracy
     (left, solid, band = min..max over seeds) and worst client accuracy (right, dashed, same colour)."""
     import matplotlib
@@ -161,9 +228,10 @@ def plot_comparison(out: Path, names: list[str], seeds: list[int], path: Path, t
 
     fig, (ax_mean, ax_worst) = plt.subplots(1, 2, figsize=(11.0, 4.6), sharey=True)
     colours = plt.get_cmap("tab20" if len(names) > 10 else "tab10").colors  # type: ignore[attr-defined]
-    for i, name in enumerate(names):
-        mean_curves = seed_curves(out, name, seeds, "mean_acc")
-        worst_curves = seed_curves(out, name, seeds, "worst_acc")
+    for i, setting in enumerate(as_settings(names)):
+        name = setting.label
+        mean_curves = seed_curves(out, setting, seeds, "mean_acc")
+        worst_curves = seed_curves(out, setting, seeds, "worst_acc")
         if not mean_curves:
             continue
         colour = colours[i % len(colours)]
@@ -186,6 +254,217 @@ def plot_comparison(out: Path, names: list[str], seeds: list[int], path: Path, t
     fig.suptitle(title)
     rows_of_legend = -(-len(labels) // 5)
     fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- a sweep's decision rule
+
+DECIDABLE = {  # summary key -> (name in the tables, unit of a difference, higher is better)
+    "mean_acc_best5": ("mean acc, best 5", "points", True),
+    "worst_acc_best5": ("worst client, best 5", "points", True),
+    "pooled_acc_best5": ("pooled acc, best 5", "points", True),
+    "final_mean_acc": ("final mean acc", "points", True),
+    "final_worst_acc": ("final worst client", "points", True),
+    "global_acc_best5": ("global test, best 5", "points", True),
+    "rounds_to_target": ("rounds to target", "rounds", False),
+}
+RULE_KEYS = ("method", "baseline", "metrics", "spread")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A sweep file's ``decide`` block, written before its runs: in each cell, ``method`` is ahead of
+    ``baseline`` on a metric where its mean over the seeds, less ``spread`` standard deviations, beats the
+    baseline's mean plus ``spread`` of its standard deviations; behind where the baseline's beats it the same
+    way; level otherwise. Each metric is decided on its own."""
+
+    method: str
+    baseline: str
+    metrics: tuple[str, ...]
+    spread: float = 1.0
+
+    @classmethod
+    def from_block(cls, block: Any, runs: Sequence[str], where: str) -> Rule:
+        """The rule of a ``decide`` block, or a ConfigError naming what is wrong in it."""
+        import difflib
+
+        if not isinstance(block, dict):
+            raise ConfigError(f"{where} must map {', '.join(RULE_KEYS)} to values, got {block!r}")
+        unknown = sorted(set(block) - set(RULE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (valid: {', '.join(RULE_KEYS)})")
+        for role in ("method", "baseline"):
+            if block.get(role) not in runs:
+                names = ", ".join(runs)
+                raise ConfigError(f"{where}.{role} must name one of the runs ({names}), got {block.get(role)!r}")
+        if block["method"] == block["baseline"]:
+            raise ConfigError(f"{where}: method and baseline are the same run, {block['method']!r}")
+        metrics = block.get("metrics", ["mean_acc_best5"])
+        if not isinstance(metrics, list) or not metrics:
+            raise ConfigError(f"{where}.metrics must be a non-empty list of: {', '.join(DECIDABLE)}")
+        for metric in metrics:
+            if metric not in DECIDABLE:
+                close = difflib.get_close_matches(str(metric), DECIDABLE, n=1)
+                hint = f" Did you mean '{close[0]}'?" if close else ""
+                raise ConfigError(f"{where}.metrics: unknown metric {metric!r}.{hint} Valid: {', '.join(DECIDABLE)}")
+        spread = block.get("spread", 1.0)
+        if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not 0 <= spread < float("inf"):
+            raise ConfigError(f"{where}.spread must be a number of standard deviations >= 0, got {spread!r}")
+        return cls(block["method"], block["baseline"], tuple(dict.fromkeys(metrics)), float(spread))
+
+    def describe(self, seeds: list[int]) -> str:
+        return (
+            f"{self.method} is ahead of {self.baseline} in a cell, on each metric separately, where its mean over "
+            f"seeds {', '.join(map(str, seeds))} less {self.spread:g} standard deviation(s) beats {self.baseline}'s "
+            f"mean plus {self.spread:g} of its own (higher accuracy; for rounds to target fewer rounds, a seed that "
+            "never reached the target counted at the evaluation after its last round); behind where "
+            f"{self.baseline}'s beats {self.method}'s the same way; level otherwise"
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The rule in one cell: per metric, the method's mean less the baseline's and the verdict (ahead, level,
+    behind), or None where a seed of either has no finished run."""
+
+    setting: Setting
+    baseline: Setting
+    results: dict[str, tuple[float, str] | None]
+
+
+def seed_values(out: Path, setting: Setting, seeds: list[int], metric: str) -> list[float] | None:
+    """Each seed's ``metric``, or None when a seed has no finished run (one that evaluated its last round;
+    summary.json is written at every evaluation) or, except for rounds to target, no value. Rounds to target
+    that a seed never reached count as the evaluation after its last round (num-rounds + eval-every): the
+    earliest it could have come."""
+    values = []
+    for seed in seeds:
+        folder = setting.folder(out, seed)
+        if not (folder / "summary.json").exists() or not (folder / "manifest.json").exists():
+            return None
+        summary = json.loads((folder / "summary.json").read_text())
+        cfg = json.loads((folder / "manifest.json").read_text()).get("config", {})
+        if summary.get("last_round") != cfg.get("num-rounds"):
+            return None
+        value = summary.get(metric)
+        if value is None and metric == "rounds_to_target":
+            value = cfg["num-rounds"] + cfg.get("eval-every", 1)
+        if value is None:
+            return None
+        values.append(float(value))
+    return values
+
+
+def verdict(method: list[float], baseline: list[float], spread: float, higher_is_better: bool) -> str:
+    """ahead, behind or level: mean - spread * std of one against mean + spread * std of the other."""
+    m, b = statistics.fmean(method), statistics.fmean(baseline)
+    margin = spread * sum(statistics.stdev(v) if len(v) > 1 else 0.0 for v in (method, baseline))
+    gain = m - b if higher_is_better else b - m
+    return "ahead" if gain > margin else "behind" if -gain > margin else "level"
+
+
+def decide(out: Path, names: Sequence[str | Setting], seeds: list[int], rule: Rule) -> list[Decision]:
+    """The rule in every cell of the method's that has a baseline cell (the baseline's cell holds the method's
+    values of the factors the baseline uses)."""
+    settings = as_settings(names)
+    baselines = [s for s in settings if s.run == rule.baseline]
+    decisions = []
+    for setting in (s for s in settings if s.run == rule.method):
+        matches = [b for b in baselines if set(b.cell) <= set(setting.cell)]
+        if len(matches) != 1:
+            continue
+        results: dict[str, tuple[float, str] | None] = {}
+        for metric in rule.metrics:
+            ours, theirs = (seed_values(out, s, seeds, metric) for s in (setting, matches[0]))
+            higher = DECIDABLE[metric][2]
+            results[metric] = (
+                None
+                if ours is None or theirs is None
+                else (statistics.fmean(ours) - statistics.fmean(theirs), verdict(ours, theirs, rule.spread, higher))
+            )
+        decisions.append(Decision(setting, matches[0], results))
+    return decisions
+
+
+def _difference(metric: str, value: float) -> str:
+    return f"{100 * value:+.2f}" if DECIDABLE[metric][1] == "points" else f"{value:+.1f}"
+
+
+def decision_table(decisions: list[Decision], rule: Rule, seeds: list[int]) -> str:
+    """The rule, a count of verdicts per metric, and one row per cell: each metric's difference and verdict."""
+    factors = factors_of([d.setting for d in decisions])
+    lines = [f"Rule (fixed in the sweep file before its runs): {rule.describe(seeds)}.", ""]
+    for metric in rule.metrics:
+        found = [d.results[metric][1] for d in decisions if d.results[metric] is not None]  # type: ignore[index]
+        counts = ", ".join(f"{found.count(v)} {v}" for v in ("ahead", "level", "behind"))
+        missing = len(decisions) - len(found)
+        lines.append(
+            f"- {DECIDABLE[metric][0]}: {rule.method} {counts} of {len(decisions)} cells"
+            + (f" ({missing} incomplete)" if missing else "")
+        )
+    header = [*factors] + [
+        f"{DECIDABLE[m][0]}: {rule.method} − {rule.baseline} ({DECIDABLE[m][1]})" for m in rule.metrics
+    ]
+    lines += ["", "| " + " | ".join(header or ["-"]) + " |", "|" + "|".join("---" for _ in header or ["-"]) + "|"]
+    for d in decisions:
+        cell = dict(d.setting.cell)
+        results = [
+            "incomplete" if d.results[m] is None else f"{_difference(m, d.results[m][0])} {d.results[m][1]}"  # type: ignore[index]
+            for m in rule.metrics
+        ]
+        lines.append("| " + " | ".join([format_value(cell[k]) for k in factors] + results) + " |")
+    return "\n".join(lines) + "\n"
+
+
+BOX = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.7}  # readable on any colour
+
+
+def plot_decisions(decisions: list[Decision], rule: Rule, path: Path, title: str) -> None:
+    """One heatmap per metric of the method's mean less the baseline's per cell: columns the grid's last
+    factor's values, rows every combination of the others; coloured so that the method's better side is blue
+    (fewer rounds, more accuracy), and a mark and a frame on the cells the rule decides (▲ ahead, ▼ behind)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    factors = factors_of([d.setting for d in decisions])
+    columns = list(dict.fromkeys(dict(d.setting.cell).get(factors[-1]) for d in decisions)) if factors else [None]
+    rows = list(dict.fromkeys(tuple((k, v) for k, v in d.setting.cell if k != factors[-1]) for d in decisions))
+    rows = rows or [()]
+    fig, axes = plt.subplots(
+        1,
+        len(rule.metrics),
+        figsize=(1.2 + 1.6 * len(columns) * len(rule.metrics) + 2.2, 1.2 + 0.5 * len(rows)),
+        squeeze=False,
+    )
+    for n, (ax, metric) in enumerate(zip(axes[0], rule.metrics)):
+        name, unit, higher = DECIDABLE[metric]
+        scale = 100.0 if unit == "points" else 1.0
+        grid = np.full((len(rows), len(columns)), np.nan)
+        for d in decisions:
+            cell = dict(d.setting.cell)
+            i = rows.index(tuple((k, v) for k, v in d.setting.cell if k != factors[-1])) if factors else 0
+            j = columns.index(cell.get(factors[-1])) if factors else 0
+            result = d.results[metric]
+            if result is not None:
+                grid[i, j] = scale * result[0]
+                mark = {"ahead": " ▲", "behind": " ▼"}.get(result[1], "")
+                ax.text(j, i, f"{scale * result[0]:+.1f}{mark}", ha="center", va="center", fontsize="small", bbox=BOX)
+                if mark:
+                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2.5, ec="black"))
+            else:
+                ax.text(j, i, "?", ha="center", va="center", fontsize="small", color="grey")
+        limit = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
+        ax.imshow(grid, cmap="RdBu" if higher else "RdBu_r", vmin=-limit or -1, vmax=limit or 1, aspect="auto")
+        ax.set_title(f"{name} ({unit})", fontsize="medium")
+        ax.set_xticks(range(len(columns)), [format_value(c) if factors else "" for c in columns])
+        ax.set_xlabel(factors[-1] if factors else "")
+        ax.set_yticks(range(len(rows)), [cell_name(r).replace(",", ", ") for r in rows] if n == 0 else [])
+    fig.suptitle(f"{title}: {rule.method} − {rule.baseline} (▲ ahead, ▼ behind by the rule)")
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -220,11 +499,11 @@ def replace_section(text: str, key: str, section: str) -> str:
     return head + block + (after[1:] if after.startswith("\n") else after)
 
 
-def _manifests(out: Path, names: list[str], seeds: list[int]) -> list[dict[str, Any]]:
+def _manifests(out: Path, names: Sequence[str | Setting], seeds: list[int]) -> list[dict[str, Any]]:
     found = []
-    for name in names:
+    for setting in as_settings(names):
         for seed in seeds:
-            path = run_folder(out, name, seed) / "manifest.json"
+            path = setting.folder(out, seed) / "manifest.json"
             if path.exists() and (path.parent / "summary.json").exists():
                 found.append(json.loads(path.read_text()))
     return found
@@ -280,13 +559,15 @@ def report_section(
     title: str,
     command: str,
     out: Path,
-    names: list[str],
+    names: Sequence[str | Setting],
     seeds: list[int],
     plot: str,
+    rule: Rule | None = None,
     headline: str = "best5",
 ) -> str:
     """The section of ``key``: title, command, provenance (commit, machine, dates, wall time), the table
-    over ``seeds`` (headed by ``headline``'s figures) and the plot (``plot``: its path relative to the page)."""
+    over ``seeds`` (headed by ``headline``'s figures) and the plot (``plot``: its path relative to the page);
+    with a ``rule``, its decisions and their heatmap (``decisions_plot(plot)``)."""
     manifests = _manifests(out, names, seeds)
     table, rows = compare(out, names, seeds, headline)
     commits = sorted(
@@ -318,7 +599,16 @@ def report_section(
         table,
         f"![{title}]({plot})",
     ]
+    if rule is not None:
+        decisions = decision_table(decide(out, names, seeds, rule), rule, seeds)
+        heatmap = f"![{title}: {rule.method} − {rule.baseline}]({decisions_plot(plot)})"
+        lines += ["", f"### {rule.method} against {rule.baseline}", "", decisions, heatmap]
     return "\n".join(lines) + "\n"
+
+
+def decisions_plot(plot: str) -> str:
+    """Where a section's heatmap of decisions goes: beside its plot, ``<key>-decisions.png``."""
+    return plot.removesuffix(".png") + "-decisions.png"
 
 
 def write_report(
@@ -327,16 +617,21 @@ def write_report(
     title: str,
     command: str,
     out: Path,
-    names: list[str],
+    names: Sequence[str | Setting],
     seeds: list[int],
+    rule: Rule | None = None,
     headline: str = "best5",
 ) -> Path:
-    """Write ``key``'s section of ``page`` (made if missing) and its plot in ``results/`` beside it."""
+    """Write ``key``'s section of ``page`` (made if missing) and its plot in ``results/`` beside it (with a
+    ``rule``, also the heatmap of its decisions)."""
     plot = page.parent / "results" / f"{key}.png"
     plot.parent.mkdir(parents=True, exist_ok=True)
     text = page.read_text() if page.exists() else "# Results\n"
-    section = report_section(key, title, command, out, names, seeds, plot.relative_to(page.parent).as_posix(), headline)
-    new_text = replace_section(text, key, section)  # before the plot: damaged markers change nothing
+    relative = plot.relative_to(page.parent).as_posix()
+    section = report_section(key, title, command, out, names, seeds, relative, rule, headline)
+    new_text = replace_section(text, key, section)  # before the plots: damaged markers change nothing
     plot_comparison(out, names, seeds, plot, title)
+    if rule is not None:
+        plot_decisions(decide(out, names, seeds, rule), rule, page.parent / decisions_plot(relative), title)
     page.write_text(new_text)
     return plot

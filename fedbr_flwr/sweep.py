@@ -11,14 +11,25 @@ A sweep file holds the shared settings as top-level keys plus a ``sweep`` block:
       runs:                 # name: the keys that differ
         FedAvg: {strategy: fedavg}
         FedBR: {strategy: fedbr}
+      grid:                 # optional: factors crossed with every run that uses their key, and the seeds
+        lr: [0.005, 0.05]
+        local-steps: [10, 50]
+      decide:               # optional: the rule that decides each cell (report.Rule)
+        method: FedBR
+        baseline: FedAvg
+        metrics: [mean_acc_best5, worst_acc_best5, rounds_to_target]
+        spread: 1           # standard deviations on each side
 
-Settings are applied as: file keys <- command-line key=value <- the run's keys <- seed. Each run goes
-to <out>/<name>/seed<k>/ (the usual run files; other characters than letters, digits and
-+.=- in the name become _). A run whose folder already holds a finished run of
-the same config is kept, not repeated, so an interrupted sweep continues where it stopped. The
-comparison (mean and standard deviation over seeds) goes to <out>/comparison.md, .csv and .png;
-with --report PAGE also into the file's section of a markdown results page, with its command, commit,
-machine and wall time (fedbr_flwr/report.py).
+Settings are applied as: file keys <- command-line key=value <- the grid cell's keys <- the run's keys
+<- seed (a grid key set on the command line or by a run is an error). Each run goes to
+<out>/<name>/seed<k>/, in a grid to <out>/<name>/<cell>/seed<k>/ with <cell> its factors' key=value
+in key order, e.g. local-steps=50,lr=0.005 (the usual run files; other characters than letters, digits
+and +.=- in the name become _); a grid key of an algorithm a run does not use is not crossed with that
+run. A run whose folder already holds a finished run of the same config is kept, not repeated, so an
+interrupted sweep continues where it stopped. The comparison (mean and standard deviation over seeds;
+in a grid one row per run and cell) goes to <out>/comparison.md, .csv and .png, with a decide rule its
+verdict per cell below it and as decisions.png; with --report PAGE also into the file's section of a
+markdown results page, with its command, commit, machine and wall time (fedbr_flwr/report.py).
 Exit codes: 0 every run finished, 1 some run failed (the others still ran), 2 bad configuration.
 """
 
@@ -26,17 +37,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
+import math
 import shlex
 import signal
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from .cli import config_from_settings, finished_run_problem, prepare, size_for_runtime, supernodes
-from .config import ConfigError, load_yaml, parse_override
+from .config import ConfigError, load_yaml, normalise_key, parse_override, schema, unknown_key
 from .launcher import RunFailed, RunHost, run_flower
-from .report import HEADLINES, run_folder, write_comparison, write_report
+from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 from .run_io import check_path_length
 
 VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address")  # may differ between machines or sessions
@@ -55,15 +69,32 @@ def sweep_headline(path: str) -> str:
     return str(sweep.get("headline", "best5")) if isinstance(sweep, dict) else "best5"
 
 
-def load_sweep(path: str) -> tuple[dict[str, Any], list[int], dict[str, dict[str, Any]]]:
+SWEEP_KEYS = ("seeds", "runs", "title", "headline", "grid", "decide")
+Factor = list[dict[str, Any]]  # a grid factor's values, each as the config keys it sets
+NOT_FACTORS = ("seed", "output-dir", "git-commit", "strategy")  # the seeds, the runs and the sweep set these
+
+
+@dataclass(frozen=True)
+class SweepFile:
+    """A sweep file: its shared settings, seeds, runs (name: settings), grid (factor: its values, each the
+    config keys it sets; crossed with every run that uses the keys) and decision rule (None: no ``decide``)."""
+
+    base: dict[str, Any]
+    seeds: list[int]
+    runs: dict[str, dict[str, Any]]
+    grid: dict[str, Factor] = field(default_factory=dict)
+    rule: Rule | None = None
+
+
+def load_sweep(path: str) -> SweepFile:
     data = load_yaml(path)
     sweep = data.pop("sweep", None)
     if not isinstance(sweep, dict) or not isinstance(sweep.get("runs"), dict) or not sweep["runs"]:
         raise ConfigError(f"{path} needs a 'sweep' block with a non-empty 'runs' mapping (name: settings)")
-    unknown = set(sweep) - {"seeds", "runs", "title", "headline"}
+    unknown = set(sweep) - set(SWEEP_KEYS)
     if unknown:
         raise ConfigError(
-            f"{path}: unknown key(s) in 'sweep': {', '.join(sorted(unknown))} (valid: seeds, runs, title, headline)"
+            f"{path}: unknown key(s) in 'sweep': {', '.join(sorted(unknown))} (valid: {', '.join(SWEEP_KEYS)})"
         )
     if sweep.get("headline", "best5") not in HEADLINES:
         raise ConfigError(f"{path}: 'sweep.headline' must be one of {', '.join(HEADLINES)}, got {sweep['headline']!r}")
@@ -80,31 +111,136 @@ def load_sweep(path: str) -> tuple[dict[str, Any], list[int], dict[str, dict[str
     folders = [run_folder(Path("."), name, 0) for name in runs]
     if len(set(folders)) != len(folders) or any(str(f.parent) in ("", ".") for f in folders):
         raise ConfigError(f"{path}: run names must differ in their letters and digits: {', '.join(runs)}")
-    return data, seeds, runs
+    grid = load_grid(sweep.get("grid", {}), path)
+    rule = Rule.from_block(sweep["decide"], list(runs), f"{path}: 'sweep.decide'") if "decide" in sweep else None
+    return SweepFile(data, seeds, runs, grid, rule)
+
+
+def load_grid(grid: Any, path: str) -> dict[str, Factor]:
+    """The ``grid`` block: per factor, a non-empty list of values. A factor named by a config key lists that
+    key's values (``lr: [0.01, 0.1]``); any other name lists mappings of the same config keys, which then move
+    together (``budget: [{local-steps: 10, num-rounds: 40}, {local-steps: 50, num-rounds: 8}]``). Each key one
+    the schema knows (with a did-you-mean otherwise), in one factor only, and not one the sweep sets itself."""
+    if not isinstance(grid, dict):
+        raise ConfigError(f"{path}: 'sweep.grid' must map config keys to lists of values, got {grid!r}")
+    factors: dict[str, Factor] = {}
+    taken: set[str] = set()
+    for raw_name, values in grid.items():
+        where = f"{path}: 'sweep.grid.{raw_name}'"
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{where} must be a non-empty list of values, got {values!r}")
+        linked = all(isinstance(v, dict) for v in values)
+        mixed = not linked and any(isinstance(v, dict) for v in values)
+        if mixed or (linked and len({tuple(sorted(v)) for v in values}) != 1) or values == [{}]:
+            raise ConfigError(f"{where}: its values must all be values of one key, or all set the same keys")
+        settings = values if linked else [{raw_name: v} for v in values]
+        keys = [grid_key(k, path) for k in settings[0]]
+        repeated = [k for k in keys if k in taken]
+        if repeated:
+            raise ConfigError(f"{where}: key '{repeated[0]}' is listed twice; each key in one factor")
+        taken.update(keys)
+        factors[str(raw_name)] = [{normalise_key(k): v for k, v in value.items()} for value in settings]
+    return factors
+
+
+def grid_key(raw_key: str, path: str) -> str:
+    """A grid key: one of the schema's (with a did-you-mean otherwise), not one the sweep sets itself."""
+    keys = schema()
+    key = normalise_key(raw_key)
+    if key not in keys:
+        raise ConfigError(f"{path}: 'sweep.grid': {unknown_key(raw_key, keys)}")
+    if key in NOT_FACTORS:
+        raise ConfigError(
+            f"{path}: 'sweep.grid': key '{raw_key}' is set by the sweep (seeds: sweep.seeds; methods: runs)"
+        )
+    return key
+
+
+def grid_keys(grid: dict[str, Factor]) -> list[str]:
+    return [key for values in grid.values() for key in values[0]]
+
+
+def run_factors(name: str, settings: dict[str, Any], grid: dict[str, Factor]) -> list[str]:
+    """The grid keys that apply to run ``name`` (its ``settings`` without the grid's): a key of an algorithm or
+    component the run does not use (DisTrans' offset lr for FedAvg) is not crossed with it."""
+    from .registry import active_owners
+
+    if not grid:
+        return []
+    try:
+        owners = active_owners(config_from_settings(settings))
+    except ConfigError as exc:
+        raise ConfigError(f"run '{name}': {exc}") from None
+    keys = schema()
+    return [key for key in grid_keys(grid) if keys[key].owner is None or keys[key].owner in owners]
+
+
+def check_grid_is_alone(grid: dict[str, Factor], cli: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
+    """A grid key set on the command line or by a run would silently replace the grid's values: stop."""
+    factor_keys = grid_keys(grid)
+    for where, settings in [("the command line", cli)] + [(f"run '{n}'", s) for n, s in runs.items()]:
+        taken = [normalise_key(k) for k in settings if normalise_key(k) in factor_keys]
+        if taken:
+            raise ConfigError(f"{where} sets {', '.join(taken)}, a factor of the grid: give its values in 'sweep.grid'")
+
+
+def cells(grid: dict[str, Factor]) -> list[tuple[tuple[str, Any], ...]]:
+    """Every combination of the grid's values as (key, value) pairs, the first factor's slowest ((): no grid,
+    one cell)."""
+    return [tuple(kv for value in values for kv in value.items()) for values in itertools.product(*grid.values())]
 
 
 def plan(
     path: str, overrides: Sequence[str], out: Path, only: Sequence[str] | None, seeds: Sequence[int] | None = None
-) -> list[tuple[str, int, dict[str, Any]]]:
-    """Every (run name, seed, validated config), or a ConfigError before anything runs."""
-    base, file_seeds, runs = load_sweep(path)
-    seeds = list(seeds) if seeds else file_seeds
+) -> list[tuple[Setting, int, dict[str, Any]]]:
+    """Every (setting: run name and grid cell, seed, validated config), seed by seed, cell by cell, run by run;
+    or a ConfigError before anything runs."""
+    spec = load_sweep(path)
+    runs = spec.runs
+    seeds = list(seeds) if seeds else spec.seeds
     if only:
         missing = sorted(set(only) - set(runs))
         if missing:
             raise ConfigError(f"--only names unknown runs: {', '.join(missing)}. Runs: {', '.join(runs)}")
         runs = {name: runs[name] for name in runs if name in only}
     cli_overrides = dict(parse_override(item) for item in overrides)
-    jobs = []
+    check_grid_is_alone(spec.grid, cli_overrides, runs)
+    factors = {name: run_factors(name, {**spec.base, **cli_overrides, **s}, spec.grid) for name, s in runs.items()}
+    unused = [key for key in grid_keys(spec.grid) if not any(key in f for f in factors.values())]
+    if unused:
+        raise ConfigError(f"{path}: grid key(s) {', '.join(unused)} apply to none of the runs {', '.join(runs)}")
+    jobs: list[tuple[Setting, int, dict[str, Any]]] = []
+    folders = set()
     for seed in seeds:
-        for name, settings in runs.items():
-            merged = {**base, **cli_overrides, **settings, "seed": seed, "output-dir": str(run_folder(out, name, seed))}
-            try:
-                cfg = config_from_settings(merged)
-            except ConfigError as exc:
-                raise ConfigError(f"run '{name}' (seed {seed}): {exc}") from None
-            jobs.append((name, seed, cfg))
+        for cell in cells(spec.grid):
+            for name, settings in runs.items():
+                own = tuple((k, v) for k, v in cell if k in factors[name])
+                merged = {**spec.base, **cli_overrides, **dict(own), **settings, "seed": seed}
+                try:
+                    cfg = config_from_settings(merged)
+                except ConfigError as exc:
+                    where = f"run '{name}'" + (f" in cell {cell_name(own)}" if own else "")
+                    raise ConfigError(f"{where} (seed {seed}): {exc}") from None
+                setting = Setting(name, tuple((k, cfg[k]) for k, _ in own))  # 1e-3 and 0.001 alike
+                cfg["output-dir"] = str(setting.folder(out, seed))
+                if cfg["output-dir"] not in folders:  # else: a cell that differs in keys this run does not use
+                    folders.add(cfg["output-dir"])
+                    jobs.append((setting, seed, cfg))
+    check_cells_differ(spec.grid, [setting for setting, seed, _ in jobs if seed == seeds[0]])
     return jobs
+
+
+def check_cells_differ(grid: dict[str, Factor], settings: list[Setting]) -> None:
+    """Two values of a factor that read the same (1e-3 and 0.001, or names that differ only in characters a
+    folder cannot hold) would share one run folder: each run must have one folder per combination of the
+    values of the factors it uses."""
+    for run in dict.fromkeys(s.run for s in settings):
+        own = [s for s in settings if s.run == run]
+        keys = {k for k, _ in own[0].cell}
+        used = [values for values in grid.values() if keys & set(values[0])]
+        if len(own) != math.prod(map(len, used)):
+            listed = "; ".join(", ".join(cell_name(tuple(v.items())) for v in values) for values in used)
+            raise ConfigError(f"grid values that read the same would share a run folder ({listed}): list each once")
 
 
 def finished_with_same_config(cfg: dict[str, Any]) -> bool:
@@ -128,12 +264,12 @@ def finished_with_same_config(cfg: dict[str, Any]) -> bool:
 
 
 def run_all(
-    jobs: list[tuple[str, int, dict[str, Any]]], quiet: bool, isolated: bool = False
-) -> dict[tuple[str, int], str]:
+    jobs: list[tuple[Setting, int, dict[str, Any]]], quiet: bool, isolated: bool = False
+) -> dict[tuple[Setting, int], str]:
     status = {}
     with contextlib.nullcontext(None) if isolated else shared_host(jobs) as host:
         for i, (name, seed, cfg) in enumerate(jobs, 1):
-            label = f"[{i}/{len(jobs)}] {name} seed {seed}"
+            label = f"[{i}/{len(jobs)}] {name.label} seed {seed}"
             cfg = prepare(size_for_runtime(cfg), overwrite=True)
             if finished_with_same_config(cfg):
                 print(f"fedbr-sweep: {label}: already finished in {cfg['output-dir']}; kept", flush=True)
@@ -155,7 +291,7 @@ def run_all(
 
 
 @contextlib.contextmanager
-def shared_host(jobs: list[tuple[str, int, dict[str, Any]]]) -> Iterator[RunHost | None]:
+def shared_host(jobs: list[tuple[Setting, int, dict[str, Any]]]) -> Iterator[RunHost | None]:
     """One simulation process for the sweep's runs (``launcher.RunHost``): the second and later runs start on
     the first's imports, Ray runtime and client processes. None (each run a process of its own) when the
     runs name different Ray clusters."""
@@ -221,7 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = list(dict.fromkeys(seed for _, seed, _ in jobs))
     if args.dry_run:
         for name, seed, cfg in jobs:
-            print(f"{name} seed {seed}: strategy={cfg['strategy']} -> {cfg['output-dir']}")
+            print(f"{name.label} seed {seed}: strategy={cfg['strategy']} -> {cfg['output-dir']}")
+        print(f"{len(jobs)} runs ({len(names)} settings x {len(seeds)} seeds)")
         return 0
     status = {}
     if not args.table_only:
@@ -238,19 +375,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the command-line overrides say what the file alone does not
     title = " ".join([sweep_title(args.file) or Path(args.file).stem, *args.overrides])
     headline = sweep_headline(args.file)
-    table = write_comparison(out, names, seeds, title, headline)
+    rule = load_sweep(args.file).rule
+    table = write_comparison(out, names, seeds, title, rule, headline)
     print("\n" + table)
-    print(f"comparison: {out / 'comparison.md'}, comparison.csv, comparison.png")
+    print(f"comparison: {out / 'comparison.md'}, comparison.csv, comparison.png" + (", decisions.png" if rule else ""))
     if args.report:
         try:
-            write_report(args.report, Path(args.file).stem, title, report_command(argv), out, names, seeds, headline)
+            write_report(
+                args.report, Path(args.file).stem, title, report_command(argv), out, names, seeds, rule, headline
+            )
         except (ConfigError, OSError) as exc:
             print(f"fedbr-sweep: error: cannot write the report to {args.report}: {exc}", file=sys.stderr)
             return 2
         print(f"report: section '{Path(args.file).stem}' of {args.report}")
     failed = {k: v for k, v in status.items() if v.startswith("failed")}
     for (name, seed), why in failed.items():
-        print(f"fedbr-sweep: {name} seed {seed} {why}", file=sys.stderr)
+        print(f"fedbr-sweep: {name.label} seed {seed} {why}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -13,6 +13,7 @@ CASES = [
     ("cnn", 10, 1, 28, (371850, 371850), 128),
     ("cnn-small", 10, 1, 28, (14538, 14538), 32),
     ("lenet", 10, 1, 28, (105962, 105962), 64),
+    ("lenet-nonorm", 10, 1, 28, (105866, 105866), 64),  # lenet less its two GroupNorms' 2 * (16 + 32) parameters
     ("vgg11", 10, 3, 32, (9.2e6, 9.25e6), 512),
     ("cct", 100, 3, 32, (3.7e6, 3.9e6), 256),
     ("resnet18", 10, 3, 32, (11.1e6, 11.25e6), 512),
@@ -131,6 +132,15 @@ def test_the_lenet_learns_rotated_mnist_centrally_where_the_small_cnn_does_not()
     small = central_accuracies("cnn-small", lr=0.05)
     assert lenet[-1] >= 0.85 and lenet[0] >= 0.6
     assert small[-1] < 0.7
+
+
+def test_the_lenet_without_norm_layers_is_the_lenet_less_its_group_norms_at_the_same_cost():
+    plain, normed = build_model("lenet-nonorm", 10, 1, 28), build_model("lenet", 10, 1, 28)
+    assert not any(isinstance(m, nn.GroupNorm) for m in plain.modules())
+    assert sum(isinstance(m, nn.GroupNorm) for m in normed.modules()) == 2
+    kinds = [type(m) for m in normed.features if not isinstance(m, nn.GroupNorm)]
+    assert kinds == [type(m) for m in plain.features]
+    assert forward_flops("lenet-nonorm") == forward_flops("lenet")  # the flop counter counts convs and matmuls
 
 
 def test_the_lenet_costs_less_per_image_than_the_small_cnn():

@@ -205,3 +205,88 @@ def test_a_page_with_damaged_markers_is_left_as_it_was(tmp_path, capsys):
     assert "cannot write the report" in capsys.readouterr().err
     assert page.read_text() == "# Results\n" + report._begin("s") + "\n"
     assert not (tmp_path / "results").exists() or not list((tmp_path / "results").iterdir())
+
+
+def test_a_verdict_compares_mean_less_spread_standard_deviations_with_the_others_mean_plus_them():
+    ours, theirs = [0.90, 0.92, 0.94], [0.85, 0.87, 0.89]  # means 0.92 and 0.87, standard deviations 0.02
+    assert report.verdict(ours, theirs, 1.0, True) == "ahead"  # 0.92 - 0.02 > 0.87 + 0.02
+    assert report.verdict(ours, theirs, 1.5, True) == "level"  # 0.92 - 0.03 < 0.87 + 0.03
+    assert report.verdict(theirs, ours, 1.0, True) == "behind"
+    assert report.verdict([10, 12, 14], [20, 22, 24], 1.0, False) == "ahead"  # fewer rounds
+    assert report.verdict([10, 12, 14], [13, 15, 17], 1.0, False) == "level"  # 12 + 2 > 15 - 2
+    assert report.verdict([0.5], [0.5], 0.0, True) == "level"
+
+
+GRID_RUNS = {  # cell lr -> run -> each seed's accuracies at rounds 2 and 4 (target 60%)
+    0.01: {"FedAvg": [[0.5, 0.6], [0.5, 0.62], [0.5, 0.64]], "FedBR": [[0.6, 0.7], [0.6, 0.72], [0.6, 0.74]]},
+    0.1: {"FedAvg": [[0.3, 0.4]] * 3, "FedBR": [[0.3, 0.7], [0.3, 0.3], [0.3, 0.32]]},
+}
+RULE = report.Rule("FedBR", "FedAvg", ("mean_acc_best5", "rounds_to_target"), 1.0)
+
+
+def fake_grid(out):
+    settings = []
+    for lr, runs in GRID_RUNS.items():
+        for run, seeds in runs.items():
+            setting = report.Setting(run, (("lr", lr),))
+            settings.append(setting)
+            for seed, accs in enumerate(seeds):
+                fake_run(setting.folder(out, seed), accs, target=0.6, cfg={"lr": lr, "eval-every": 2})
+    return settings
+
+
+def test_the_rule_decides_each_cell_on_each_metric_counting_a_target_never_reached_after_the_last_round(tmp_path):
+    out = tmp_path / "out"
+    settings = fake_grid(out)
+    fast, slow = report.decide(out, settings, [0, 1, 2], RULE)
+    assert fast.setting == report.Setting("FedBR", (("lr", 0.01),)) and fast.baseline.run == "FedAvg"
+    assert fast.results["mean_acc_best5"] == (pytest.approx(0.10), "ahead")  # 0.66 - 0.01 > 0.56 + 0.01
+    assert fast.results["rounds_to_target"] == (pytest.approx(-2.0), "ahead")  # round 2 against round 4
+    assert slow.results["mean_acc_best5"] == (pytest.approx(0.02), "level")  # 0.37 ± 0.11 against 0.35 ± 0
+    assert slow.results["rounds_to_target"] == (pytest.approx(-2 / 3), "level")  # 4, 6, 6 (± 1.15) against 6, 6, 6
+    table = report.decision_table([fast, slow], RULE, [0, 1, 2])
+    assert "- mean acc, best 5: FedBR 1 ahead, 1 level, 0 behind of 2 cells" in table
+    assert "| lr | mean acc, best 5: FedBR − FedAvg (points) | rounds to target: FedBR − FedAvg (rounds) |" in table
+    assert "| 0.01 | +10.00 ahead | -2.0 ahead |" in table and "| 0.1 | +2.00 level | -0.7 level |" in table
+    fake_run(out / "FedAvg" / "lr=0.1" / "seed2", [0.3], cfg={"num-rounds": 4})  # stopped after round 2 of 4
+    assert report.decide(out, settings, [0, 1, 2], RULE)[1].results["mean_acc_best5"] is None
+    (out / "FedAvg" / "lr=0.1" / "seed2" / "summary.json").unlink()  # a seed still to run decides nothing
+    assert report.decide(out, settings, [0, 1, 2], RULE)[1].results["mean_acc_best5"] is None
+
+
+def test_the_heatmap_marks_the_cells_the_rule_decides(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    out = tmp_path / "out"
+    decisions = report.decide(out, fake_grid(out), [0, 1, 2], RULE)
+    drawn = {}
+    close = plt.close
+    monkeypatch.setattr(
+        plt,
+        "close",
+        lambda fig: (drawn.update({ax.get_title(): [t.get_text() for t in ax.texts] for ax in fig.axes}), close(fig)),
+    )
+    report.plot_decisions(decisions, RULE, out / "d.png", "t")
+    assert drawn["mean acc, best 5 (points)"] == ["+10.0 ▲", "+2.0"]
+    assert drawn["rounds to target (rounds)"] == ["-2.0 ▲", "-0.7"]
+    assert (out / "d.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_grid_sweeps_report_has_the_factors_as_columns_and_the_rules_decisions(tmp_path):
+    text = SWEEP.replace("seeds: [0, 1]", "seeds: [0, 1, 2]").replace(
+        "    FedBR no max: {strategy: fedbr, fedbr-max-step: false}\n",
+        "    FedBR: {strategy: fedbr}\n  grid: {lr: [0.01, 0.1]}\n"
+        "  decide: {method: FedBR, baseline: FedAvg, metrics: [mean_acc_best5, rounds_to_target]}\n",
+    )
+    path, out, page = write(tmp_path, text), tmp_path / "out", tmp_path / "results.md"
+    fake_grid(out)
+    assert sweep.main([path, "--out", str(out), "--table-only", "--report", str(page)]) == 0
+    section = page.read_text()
+    assert "| run | lr | seeds | mean acc, best 5 (%) |" in section and "| FedBR | 0.1 | 3 | 37.00 ± 11.27 |" in section
+    assert "runs: 12 (4 settings x seeds 0, 1, 2)" in section
+    assert "### FedBR against FedAvg\n\nRule (fixed in the sweep file before its runs): FedBR is ahead" in section
+    assert "| 0.1 | +2.00 level | -0.7 level |" in section
+    assert "![s: FedBR − FedAvg](results/s-decisions.png)" in section
+    assert (tmp_path / "results" / "s-decisions.png").exists()
+    assert "| 0.01 | +10.00 ahead | -2.0 ahead |" in (out / "comparison.md").read_text()
+    assert (out / "decisions.png").exists()

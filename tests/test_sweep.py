@@ -31,13 +31,18 @@ def write(tmp_path, text=SWEEP):
 
 def test_plan_orders_settings_file_then_command_line_then_run_then_seed(tmp_path):
     jobs = sweep.plan(write(tmp_path), ["num-rounds=3", "local-steps=4"], tmp_path / "out", None)
-    assert [(n, s) for n, s, _ in jobs] == [("FedAvg", 0), ("FedBR no max", 0), ("FedAvg", 1), ("FedBR no max", 1)]
+    assert [(n.label, s) for n, s, _ in jobs] == [
+        ("FedAvg", 0),
+        ("FedBR no max", 0),
+        ("FedAvg", 1),
+        ("FedBR no max", 1),
+    ]
     cfg = dict(jobs[1][2])
     assert cfg["num-rounds"] == 3 and cfg["local-steps"] == 4 and cfg["strategy"] == "fedbr"
     assert cfg["fedbr-max-step"] is False and cfg["seed"] == 0
     assert cfg["output-dir"] == str(tmp_path / "out" / "FedBR_no_max" / "seed0")
     only = sweep.plan(write(tmp_path), [], tmp_path / "out", ["FedAvg"], seeds=[5])
-    assert [(n, s) for n, s, _ in only] == [("FedAvg", 5)]
+    assert [(n.label, s) for n, s, _ in only] == [("FedAvg", 5)]
 
 
 @pytest.mark.parametrize(
@@ -233,6 +238,8 @@ CPU_SIZED = {
     "experiments/feddyn_rotmnist5k.yaml": ROTATED_MNIST,
     "experiments/distrans_table1_mnist5k.yaml": DISTRANS_MNIST,
     "experiments/distrans_table4_mnist5k.yaml": DISTRANS_MNIST,
+    "experiments/regimes_rotmnist5k.yaml": ROTATED_MNIST,
+    "experiments/regimes_distrans_mnist5k.yaml": DISTRANS_MNIST,
 }
 
 
@@ -283,3 +290,171 @@ def test_fedbr_on_cifar10_uses_the_papers_lambda(path, tmp_path):
     jobs = sweep.plan(str(Path(__file__).resolve().parents[1] / path), [], tmp_path, None, seeds=[0])
     fedbr = [cfg for _, _, cfg in jobs if cfg["strategy"] == "fedbr"]
     assert fedbr and all(cfg["dataset"] == "cifar10" and cfg["fedbr-lambda"] == 0.1 for cfg in fedbr)
+
+
+GRID = """
+num-clients: 2
+num-rounds: 1
+local-steps: 1
+batch-size: 8
+sweep:
+  seeds: [0, 1]
+  runs:
+    FedAvg: {strategy: fedavg}
+    FedBR: {strategy: fedbr}
+  grid:
+    lr: [0.01, 1e-3]
+    local_steps: [1, 2]
+"""
+
+
+def test_a_grid_crosses_every_run_with_every_cell_and_seed_in_a_folder_per_cell(tmp_path):
+    jobs = sweep.plan(write(tmp_path, GRID), ["num-rounds=3"], tmp_path / "out", None)
+    assert len(jobs) == 2 * 2 * 2 * 2
+    assert [(n.label, s) for n, s, _ in jobs[:4]] == [
+        ("FedAvg lr=0.01,local-steps=1", 0),
+        ("FedBR lr=0.01,local-steps=1", 0),
+        ("FedAvg lr=0.01,local-steps=2", 0),
+        ("FedBR lr=0.01,local-steps=2", 0),
+    ]
+    setting, seed, cfg = jobs[6]  # FedAvg, lr 1e-3 (read as 0.001), 2 local steps, seed 0
+    assert (setting.run, setting.cell, seed) == ("FedAvg", (("lr", 0.001), ("local-steps", 2)), 0)
+    assert cfg["lr"] == 0.001 and cfg["local-steps"] == 2 and cfg["num-rounds"] == 3 and cfg["strategy"] == "fedavg"
+    assert cfg["output-dir"] == str(tmp_path / "out" / "FedAvg" / "local-steps=2,lr=0.001" / "seed0")  # key order
+    assert len({cfg["output-dir"] for _, _, cfg in jobs}) == len(jobs)
+    assert [s for _, s, _ in jobs] == [0] * 8 + [1] * 8
+
+
+def test_a_grid_key_of_an_algorithm_a_run_does_not_use_is_not_crossed_with_it(tmp_path):
+    text = GRID.replace("FedBR: {strategy: fedbr}", "DisTrans: {strategy: distrans}").replace(
+        "local_steps: [1, 2]", "distrans-offset-lr: [0.001, 0.01, 0.1]\n    classes-per-client: [6, 2]"
+    )
+    text = text.replace("num-clients: 2", "num-clients: 2\npartition: classes")
+    jobs = sweep.plan(write(tmp_path, text), [], tmp_path, None)
+    labels = [n.label for n, s, _ in jobs if s == 0]
+    assert labels.count("FedAvg lr=0.01,classes-per-client=6") == 1
+    assert [x for x in labels if x.startswith("FedAvg")] == [
+        f"FedAvg lr={lr},classes-per-client={c}" for lr in (0.01, 0.001) for c in (6, 2)
+    ]
+    assert len([x for x in labels if x.startswith("DisTrans")]) == 2 * 3 * 2
+    assert "DisTrans lr=0.001,distrans-offset-lr=0.1,classes-per-client=2" in labels
+
+
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        ("lrr: [0.1]", "unknown config key 'lrr'. Did you mean 'lr'\\?"),
+        ("lr: [0.1, -1]", "run 'FedAvg' in cell lr=-1 \\(seed 0\\): config key 'lr' = -1.0 must be"),
+        ("lr: []", "'sweep.grid.lr' must be a non-empty list"),
+        ("lr: 0.1", "'sweep.grid.lr' must be a non-empty list"),
+        ("lr: [0.1, {lr: 0.2}]", "all be values of one key, or all set the same keys"),
+        ("budget: [{local-steps: 1, num-rounds: 2}, {local-steps: 2}]", "or all set the same keys"),
+        ("budget: [{local-steps: 1, num-roundz: 2}]", "Did you mean 'num-rounds'\\?"),
+        ("seed: [1, 2]", "key 'seed' is set by the sweep"),
+        ("lr: [0.001, 1e-3]", "would share a run folder \\(lr=0.001, lr=1e-3\\)"),
+        ("fedbr-mu: [0.1, 1]", "apply to none of the runs FedAvg"),
+        ("local-steps: [1]\n    local_steps: [2]", "key 'local-steps' is listed twice"),
+    ],
+)
+def test_bad_grids_stop_before_any_run(tmp_path, grid, message):
+    text = SWEEP.replace("    FedBR no max: {strategy: fedbr, fedbr-max-step: false}\n", "") + f"  grid:\n    {grid}\n"
+    with pytest.raises(ConfigError, match=message):
+        sweep.plan(write(tmp_path, text), [], tmp_path / "out", None)
+
+
+def test_a_grid_key_set_on_the_command_line_or_by_a_run_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="the command line sets lr, a factor of the grid"):
+        sweep.plan(write(tmp_path, GRID), ["lr=0.5"], tmp_path / "out", None)
+    text = GRID.replace("{strategy: fedbr}", "{strategy: fedbr, local-steps: 5}")
+    with pytest.raises(ConfigError, match="run 'FedBR' sets local-steps, a factor of the grid"):
+        sweep.plan(write(tmp_path, text), [], tmp_path / "out", None)
+
+
+@pytest.mark.parametrize(
+    "decide, message",
+    [
+        ("{method: FedBR, baseline: FedAvgg}", "'sweep.decide'.baseline must name one of the runs"),
+        ("{method: FedBR, baseline: FedBR}", "method and baseline are the same run"),
+        ("{method: FedBR, baseline: FedAvg, metrics: [mean_acc]}", "Did you mean 'mean_acc_best5'\\?"),
+        ("{method: FedBR, baseline: FedAvg, spread: -1}", "spread must be a number of standard deviations >= 0"),
+        ("{method: FedBR, baseline: FedAvg, margin: 1}", "unknown key\\(s\\) margin"),
+    ],
+)
+def test_bad_decision_rules_stop_before_any_run(tmp_path, decide, message):
+    with pytest.raises(ConfigError, match=message):
+        sweep.plan(write(tmp_path, GRID + f"  decide: {decide}\n"), [], tmp_path / "out", None)
+
+
+def test_a_bad_grid_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert sweep.main([write(tmp_path, GRID.replace("local_steps", "local_stepz")), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Did you mean 'local-steps'?" in err
+    assert not out.exists()
+
+
+def test_dry_run_lists_every_run_of_a_grid(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert sweep.main([write(tmp_path, GRID), "--out", str(out), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 17 and lines[-1] == "16 runs (8 settings x 2 seeds)"
+    folder = out / "FedAvg" / "local-steps=1,lr=0.01" / "seed0"
+    assert lines[0] == f"FedAvg lr=0.01,local-steps=1 seed 0: strategy=fedavg -> {folder}"
+    assert not out.exists()
+
+
+def test_a_grid_sweep_runs_each_cell_once_then_keeps_them(tmp_path, capsys, monkeypatch):
+    """The grid's runs, each Flower run replaced by the files of a finished one; run again, every one is kept, and
+    the comparison has one row per run and cell with the factors as columns."""
+    ran = []
+
+    def finished_run(cfg, supernodes, out_dir, echo, host):
+        ran.append(out_dir)
+        accs = [0.1, 0.3 + cfg["lr"] * 10 + cfg["local-steps"] / 10]
+        fake_run(out_dir, cfg, accs, last_round=cfg["num-rounds"])
+
+    monkeypatch.setattr(sweep.RunHost, "close", lambda self: None)
+    monkeypatch.setattr(sweep, "run_flower", finished_run)
+    path, out = write(tmp_path, GRID), tmp_path / "out"
+    assert sweep.main([path, "--out", str(out), "--quiet", "--seeds", "0"]) == 0
+    assert len(ran) == 8 and len(set(ran)) == 8
+    assert (out / "FedBR" / "local-steps=2,lr=0.001" / "seed0" / "summary.json").exists()
+    table = (out / "comparison.md").read_text().splitlines()
+    assert table[4].startswith("| run | lr | local-steps | seeds | mean acc, best 5 (%) |")
+    assert any(line.startswith("| FedAvg | 0.01 | 1 | 1 | 50.00 |") for line in table)
+    assert any(line.startswith("| FedBR | 0.001 | 2 | 1 | 51.00 |") for line in table)
+    capsys.readouterr()
+    assert sweep.main([path, "--out", str(out), "--quiet", "--seeds", "0"]) == 0
+    assert len(ran) == 8 and capsys.readouterr().out.count("already finished") == 8
+
+
+def test_a_factor_of_mappings_moves_several_keys_together(tmp_path):
+    budget = "budget: [{local-steps: 1, num-rounds: 4}, {local-steps: 2, num-rounds: 2}]"
+    text = GRID.replace("local_steps: [1, 2]", budget)
+    jobs = sweep.plan(write(tmp_path, text), [], tmp_path / "out", None, seeds=[0])
+    assert [n.label for n, _, _ in jobs if n.run == "FedAvg"] == [
+        "FedAvg lr=0.01,local-steps=1,num-rounds=4",
+        "FedAvg lr=0.01,local-steps=2,num-rounds=2",
+        "FedAvg lr=0.001,local-steps=1,num-rounds=4",
+        "FedAvg lr=0.001,local-steps=2,num-rounds=2",
+    ]
+    assert all(cfg["local-steps"] * cfg["num-rounds"] == 4 for _, _, cfg in jobs)
+    assert jobs[-1][2]["output-dir"].endswith("FedBR/local-steps=2,lr=0.001,num-rounds=2/seed0")
+
+
+def test_the_regime_studies_plan_the_grids_their_comments_describe(tmp_path):
+    """experiments/regimes_*.yaml (issue 43): the runs, cells and rules their comments fix before their runs."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "experiments"
+    jobs = sweep.plan(str(root / "regimes_rotmnist5k.yaml"), [], tmp_path, None)
+    assert len(jobs) == 72 and {s for _, s, _ in jobs} == {0, 1, 2}
+    cfgs = [cfg for _, _, cfg in jobs]
+    assert {c["model"] for c in cfgs} == {"lenet", "lenet-nonorm"} and {c["lr"] for c in cfgs} == {0.005, 0.016, 0.05}
+    assert {c["local-steps"] for c in cfgs} == {10, 50} and {c["local-steps"] * c["num-rounds"] for c in cfgs} == {400}
+    assert {c["strategy"] for c in cfgs} == {"fedavg", "fedbr"}
+    rule = sweep.load_sweep(str(root / "regimes_rotmnist5k.yaml")).rule
+    assert rule == sweep.Rule("FedBR", "FedAvg", ("mean_acc_best5", "worst_acc_best5", "rounds_to_target"), 1.0)
+    jobs = sweep.plan(str(root / "regimes_distrans_mnist5k.yaml"), [], tmp_path, None)
+    assert len(jobs) == 3 * (2 + 2 * 3)
+    assert {c["distrans-offset-lr"] for _, _, c in jobs if c["strategy"] == "distrans"} == {0.001, 0.03, 1.0}

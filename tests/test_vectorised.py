@@ -336,7 +336,7 @@ def tiny_backbone(name: str, num_classes: int, in_channels: int, image_size: int
     return model.build_model(name, num_classes, in_channels, 8)
 
 
-@pytest.mark.parametrize("backbone", ["cnn", "lenet", "vgg11", "resnet18", "cct"])
+@pytest.mark.parametrize("backbone", ["cnn", "lenet", "lenet-nonorm", "vgg11", "resnet18", "cct"])
 @pytest.mark.parametrize("strategy", ["fedavg", "fedbr"])
 def test_every_backbone_trains_under_vmap_as_each_member_alone(backbone, strategy, monkeypatch):
     """Beyond cnn-small (which the lockstep federations cover): the paper's CNN, VGG11, ResNet18-GN and CCT
