@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import ConfigError
-from .metrics import format_accuracy_axes, read_jsonl
+from .metrics import format_accuracy_axes, read_jsonl, run_problem
 
 Cell = tuple[tuple[str, Any], ...]  # a grid cell: (key, value) per factor, in the grid's order
 
@@ -131,14 +131,17 @@ def compare(
     rows = []
     target = None
     for setting in settings:
-        summaries = {}
+        summaries, failed = {}, {}
         for seed in seeds:
-            path = setting.folder(out, seed) / "summary.json"
-            if path.exists():
-                summaries[seed] = json.loads(path.read_text())
-                target = summaries[seed].get("target_acc")
+            summary, why = seed_result(setting.folder(out, seed))
+            if summary is not None:
+                summaries[seed] = summary
+                target = summary.get("target_acc")
+            elif why:
+                failed[seed] = why
         row: dict[str, Any] = {"run": setting.run, **{k: dict(setting.cell).get(k) for k in factors}}
-        row["seeds"] = len(summaries)
+        row["seeds"] = len(summaries)  # the finished seeds, which every figure of the row is over
+        row["not_finished"] = "; ".join(f"seed {seed} {why}" for seed, why in failed.items())
         num_rounds = max((s.get("last_round") or 0 for s in summaries.values()), default=0)
         for column, key, _, _ in columns:
             if key is None:  # last_fifth_move: of the mean curve over seeds, so no spread
@@ -147,9 +150,7 @@ def compare(
                 continue
             mean, std, n = _stats([s.get(key) for s in summaries.values()])
             row[column], row[f"{column}_std"], row[f"{column}_n"] = mean, std, n
-        row["mean_acc_best5_per_seed"] = " / ".join(
-            "-" if s.get("mean_acc_best5") is None else f"{100 * s['mean_acc_best5']:.2f}" for s in summaries.values()
-        )
+        row["mean_acc_best5_per_seed"] = " / ".join(per_seed_cell(summaries.get(s), s in failed) for s in seeds)
         rows.append(row)
     shown = [c for c in columns if _shown(rows, c[0])]
     header = ["run", *factors, "seeds"] + [
@@ -158,14 +159,25 @@ def compare(
     per_seed = len(seeds) > 1
     if per_seed:
         header.append(f"seed {' / '.join(map(str, seeds))}: mean acc, best 5 (%)")
+    failures = any(row["not_finished"] for row in rows)
+    if failures:
+        header.append("not finished (left out)")
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for row in rows:
         values = ["-" if row[k] is None else format_value(row[k]) for k in factors]
         cells = [row["run"], *values, str(row["seeds"])] + [_cell(row, column, kind) for column, _, _, kind in shown]
         if per_seed:
             cells.append(row["mean_acc_best5_per_seed"] or "-")
+        if failures:
+            cells.append(row["not_finished"] or "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n", rows
+
+
+def per_seed_cell(summary: dict[str, Any] | None, failed: bool) -> str:
+    if summary is None:
+        return "failed" if failed else "-"
+    return "-" if summary.get("mean_acc_best5") is None else f"{100 * summary['mean_acc_best5']:.2f}"
 
 
 def _shown(rows: list[dict[str, Any]], column: str) -> bool:
@@ -333,6 +345,25 @@ class Decision:
     results: dict[str, tuple[float, str] | None]
 
 
+def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
+    """A seed's summary where its run finished (it evaluated its last round, and some round trained); else None
+    and why not: "" where it never started, else how far it came ("failed after round 2"). summary.json is
+    rewritten at every evaluation, so a run that died leaves one that looks like a shorter run's."""
+    if not folder.is_dir():
+        return None, ""
+    rounds = [int(r["round"]) for r in read_jsonl(folder / "rounds.jsonl") if "round" in r]
+    stopped = f"failed after round {max(rounds)}" if rounds else "failed before its first round"
+    if not (folder / "summary.json").exists() or not (folder / "manifest.json").exists():
+        return None, stopped
+    summary = json.loads((folder / "summary.json").read_text())
+    cfg = json.loads((folder / "manifest.json").read_text()).get("config", {})
+    if summary.get("last_round") != cfg.get("num-rounds"):
+        return None, stopped
+    if run_problem(summary):
+        return None, "failed: no round trained"
+    return summary, ""
+
+
 def seed_values(out: Path, setting: Setting, seeds: list[int], metric: str) -> list[float] | None:
     """Each seed's ``metric``, or None when a seed has no finished run (one that evaluated its last round;
     summary.json is written at every evaluation) or, except for rounds to target, no value. Rounds to target
@@ -341,12 +372,10 @@ def seed_values(out: Path, setting: Setting, seeds: list[int], metric: str) -> l
     values = []
     for seed in seeds:
         folder = setting.folder(out, seed)
-        if not (folder / "summary.json").exists() or not (folder / "manifest.json").exists():
+        summary, _ = seed_result(folder)
+        if summary is None:
             return None
-        summary = json.loads((folder / "summary.json").read_text())
         cfg = json.loads((folder / "manifest.json").read_text()).get("config", {})
-        if summary.get("last_round") != cfg.get("num-rounds"):
-            return None
         value = summary.get(metric)
         if value is None and metric == "rounds_to_target":
             value = cfg["num-rounds"] + cfg.get("eval-every", 1)

@@ -78,6 +78,26 @@ def test_comparison_gives_mean_std_per_seed_and_the_late_move(tmp_path):
     assert rows[0]["run"] == "A" and float(rows[0]["last_fifth_move"]) == pytest.approx(0.04)
 
 
+def test_a_run_that_did_not_finish_is_shown_as_failed_and_never_averaged(tmp_path):
+    """Seed 1 of A died in round 3 of 10: its summary.json (rewritten at each evaluation) looks like a short
+    run's. Its figures stay out of A's means, the row says it covers one seed, and which seed failed where."""
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.2, 0.6, 0.7, 0.72, 0.74])
+    died = out / "A" / "seed1"
+    fake_run(died, [0.9], cfg={"num-rounds": 10})
+    (died / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in (1, 2, 3)))
+    fake_run(out / "B" / "seed0", [0.1, 0.3, 0.3, 0.3, 0.3])
+    fake_run(out / "B" / "seed1", [0.1, 0.3, 0.3, 0.3, 0.5])
+    lines = report.write_comparison(out, ["A", "B"], [0, 1], "t").splitlines()
+    assert lines[0].endswith("| seed 0 / 1: mean acc, best 5 (%) | not finished (left out) |")
+    a, b = (dict(zip(lines[0].split(" | "), line.split(" | "))) for line in lines[2:4])
+    assert a["seeds"] == "1" and a["mean acc, best 5 (%)"] == "59.20"  # seed 0 alone, no "±"
+    assert lines[2].endswith("| 59.20 / failed | seed 1 failed after round 3 |")
+    assert b["seeds"] == "2" and lines[3].endswith("| 26.00 / 30.00 | - |")
+    rows = list(csv.DictReader(open(out / "comparison.csv")))
+    assert rows[0]["seeds"] == "1" and rows[0]["not_finished"] == "seed 1 failed after round 3"
+
+
 def test_pooled_accuracy_is_shown_only_where_it_differs_from_the_mean(tmp_path):
     out = tmp_path / "out"
     fake_run(out / "A" / "seed0", [0.5, 0.6], pooled=0.55)
