@@ -19,8 +19,9 @@ from typing import Iterator
 
 from .errors import ConfigError
 
-LOCK_FILES = {"launcher": ".fedbr-run.lock", "writer": ".fedbr-writer.lock"}
+LOCK_FILES = {"launcher": ".fedbr-run.lock", "writer": ".fedbr-writer.lock"}  # a run folder's
 ROLES = {"launcher": "the command that started it", "writer": "its ServerApp, which writes the run files"}
+SWEEP_LOCK = ".fedbr-sweep.lock"  # a sweep's --out: one sweep at a time writes its runs there
 
 _held: dict[Path, list] = {}  # lock file -> [fd, depth]: this process's locks (re-entrant)
 _guard = threading.Lock()
@@ -51,6 +52,11 @@ def _busy(path: Path) -> bool:
 
 
 def _error(out_dir: Path, role: str, path: Path) -> ConfigError:
+    if role == "sweep":
+        return ConfigError(
+            f"{out_dir} is in use by another fedbr-sweep: pid {_holder(path)} holds {path}. Wait for that sweep "
+            "to end (running this one again then continues it), or pick another --out"
+        )
     return ConfigError(
         f"{out_dir} is in use by a live run: pid {_holder(path)} ({ROLES[role]}) holds {path}. "
         "Wait for that run to end or stop that process, or pick another output-dir"
@@ -69,9 +75,10 @@ def check_free(out_dir: Path) -> None:
 @contextmanager
 def hold(out_dir: Path, role: str = "launcher") -> Iterator[None]:
     """Hold the run folder's ``role`` lock while the block runs; ConfigError if another process holds it
-    (or, for the launcher, the writer's: a ServerApp left writing). Re-entrant within a process."""
+    (or, for the launcher, the writer's: a ServerApp left writing). Re-entrant within a process. Role "sweep":
+    a sweep's output folder, which its runs' folders are in."""
     out_dir = Path(out_dir).expanduser().resolve()
-    path = out_dir / LOCK_FILES[role]
+    path = out_dir / (SWEEP_LOCK if role == "sweep" else LOCK_FILES[role])
     with _guard:
         if path in _held:
             _held[path][1] += 1

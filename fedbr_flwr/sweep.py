@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from . import runlock
 from .cli import config_from_settings, finished_run_problem, prepare, size_for_runtime, supernodes
 from .config import ConfigError, load_yaml, normalise_key, parse_override, schema, unknown_key
 from .launcher import RunFailed, RunHost, run_flower
@@ -363,9 +364,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = {}
     if not args.table_only:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        out.mkdir(parents=True, exist_ok=True)
         try:
-            status = run_all(jobs, args.quiet, args.isolated)
+            with runlock.hold(out, "sweep"):
+                status = run_all(jobs, args.quiet, args.isolated)
         except ConfigError as exc:
             print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
             return 2

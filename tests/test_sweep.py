@@ -458,3 +458,27 @@ def test_the_regime_studies_plan_the_grids_their_comments_describe(tmp_path):
     jobs = sweep.plan(str(root / "regimes_distrans_mnist5k.yaml"), [], tmp_path, None)
     assert len(jobs) == 3 * (2 + 2 * 3)
     assert {c["distrans-offset-lr"] for _, _, c in jobs if c["strategy"] == "distrans"} == {0.001, 0.03, 1.0}
+
+
+def test_a_second_sweep_into_the_same_out_stops_at_once_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    """While one fedbr-sweep runs into --out (here: another process holding its lock), a second one stops with
+    one line naming the holder, exit 2, before any run: it neither aborts in the middle at a locked run folder
+    nor records the other's runs as failed."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom fedbr_flwr import runlock\nwith runlock.hold(sys.argv[1], 'sweep'):\n"
+         "    print('held', flush=True)\n    sys.stdin.read()", str(out)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(sweep, "run_flower", lambda *a, **k: pytest.fail("a run was started"))
+        assert sweep.main([write(tmp_path, GRID), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"in use by another fedbr-sweep: pid {holder.pid} holds" in err[0]
+        assert sorted(p.name for p in out.iterdir()) == [".fedbr-sweep.lock"]
+    finally:
+        holder.communicate("", timeout=30)
