@@ -159,6 +159,43 @@ def simulate(run_config: dict[str, Any], run_id: int, supernodes: int, cpus: flo
     )
 
 
+def replace_dead_actors() -> None:
+    """Flower's Ray backend puts an actor back into its pool after the message it ran failed, also when the
+    actor's process died (a client's segfault or ``os._exit``): every later message it draws goes to the dead
+    actor and fails, an honest client's too. Here a message that failed with a dead actor has every dead actor
+    of the pool replaced by a new one, so that only the crashed client's message is lost. Patched over Flower's
+    class, which its simulation looks up per run (as ``keep_actors_between_runs``, which builds on it)."""
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    class DeadActorsReplaced(raybackend.RayBackend):
+        def process_message(self, message, context):  # type: ignore[no-untyped-def]
+            import ray
+
+            try:
+                return super().process_message(message, context)
+            except ray.exceptions.RayActorError:
+                if self.pool is not None:
+                    renew_dead_actors(self.pool)
+                raise
+
+    raybackend.RayBackend = DeadActorsReplaced  # type: ignore[misc]
+
+
+def renew_dead_actors(pool: Any, timeout_s: float = 10.0) -> int:
+    """Replace each idle actor of a Flower actor pool that does not answer by a new one; how many were."""
+    import ray
+
+    renewed = 0
+    for actor in list(pool.pool):
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - dead, or its node lost: either way it runs nothing more
+            if actor in pool.pool:
+                pool.pool[pool.pool.index(actor)] = pool.create_actor_fn()
+                renewed += 1
+    return renewed
+
+
 def keep_actors_between_runs() -> None:
     """Flower's Ray backend ends every run by terminating its actors (the client processes) and shutting Ray
     down, so every run would start Ray and client processes, which import torch, again. In a process that
@@ -222,6 +259,7 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
     that failed, the process ends (exit 1) instead of starting another: what a failure leaves behind (in Ray,
     the actors, threads) is not trusted with the next run. So does a process still running a client of the run
     before (``leftover_clients``): it answers the next request ``{"run-id", "retired": why}`` and ends."""
+    replace_dead_actors()
     keep_actors_between_runs()  # before each run's simulate() chooses its backend (choose_backend_per_run)
     # as the process starts (fedbr-run starts it before checking the run's configuration): Ray where a run will
     # likely use it, else only the imports
@@ -346,6 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"usage: {(__doc__ or '').split(':', 1)[0].strip('`')}", file=sys.stderr)
         return 2
     path, run_id, supernodes, cpus, gpus = args
+    replace_dead_actors()
     print(STARTED.format(run_id, os.getpid()), flush=True)
     simulate(run_config_from(Path(path)), int(run_id), int(supernodes), float(cpus), float(gpus))
     return 0

@@ -276,6 +276,28 @@ class HangingClient(FedAvgClient):
 '''
 
 
+CRASHING_CLIENT = '''"""Test only: FedAvg whose client 0's process dies in its round-2 fit (as in a segfault)."""
+import os
+
+from clients.fedavg import FedAvgClient
+from fedbr_flwr.registry import register_client
+
+
+@register_client("crashing-client-0")
+class CrashingClient(FedAvgClient):
+    def fit(self, arrays, config):
+        if self.pid == 0 and int(config["server-round"]) == 2:
+            os._exit(1)
+        return super().fit(arrays, config)
+'''
+
+
+@pytest.fixture
+def crashing_client(tmp_path, monkeypatch):
+    """An algorithm whose client 0's process dies in round 2 (``plugin_algorithm``)."""
+    yield from plugin_algorithm(tmp_path, monkeypatch, "crashing", CRASHING_CLIENT)
+
+
 @pytest.fixture
 def diverging_client(tmp_path, monkeypatch):
     """An algorithm with a diverging client (``plugin_algorithm``)."""
@@ -315,6 +337,24 @@ def plugin_algorithm(tmp_path, monkeypatch, module: str, source: str):
         registry.CLIENTS.update(saved)
         sys.modules.pop(f"clients.{module}", None)
         registry._loaded = True
+
+
+def test_on_ray_a_crashed_client_process_loses_only_its_own_message(tmp_path, crashing_client):
+    """Client 0's actor process dies in round 2. Flower's Ray backend put the dead actor back into its pool, so
+    from round 3 on honest client 1 failed too, evaluations were partial and the summary rested on round 1; the
+    dead actor is replaced now, and every later round has both clients."""
+    out = tmp_path / "run"
+    settings = {"num-clients": 2, "num-rounds": 3, "local-steps": 1, "batch-size": 8, "eval-every": 1}
+    code = cli.main(
+        [f"{k}={v}" for k, v in settings.items()]
+        + ["strategy=crashing-client-0", "backend=ray", "global-test=false", f"output-dir={out}"]
+    )
+    rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert code == 0 and [r["clients"] for r in rounds] == [2, 1, 2], rounds
+    assert rounds[1]["failed_clients"] == [0]
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["clients_evaluated"] for e in evals if e["round"] == 3] == [2]
+    assert json.loads((out / "summary.json").read_text())["final_round"] == 3
 
 
 def test_a_run_that_leaves_a_client_hanging_hands_the_next_run_a_new_process(tmp_path, capsys, hanging_client):

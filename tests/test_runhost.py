@@ -69,6 +69,7 @@ def test_serve_runs_each_request_with_its_output_in_its_log_then_stops_after_a_f
 
     monkeypatch.setattr(simulation, "simulate", fake_simulate)
     monkeypatch.setattr(simulation, "keep_actors_between_runs", lambda: None)
+    monkeypatch.setattr(simulation, "replace_dead_actors", lambda: None)
     monkeypatch.setattr(simulation, "start_ray", lambda: None)
     monkeypatch.setattr(simulation, "import_both_sides", lambda: None)
     own_stdout_stderr()
@@ -115,6 +116,7 @@ def test_serve_hands_no_run_to_a_process_still_running_a_client_of_the_run_befor
 
     monkeypatch.setattr(simulation, "simulate", fake_simulate)
     monkeypatch.setattr(simulation, "keep_actors_between_runs", lambda: None)
+    monkeypatch.setattr(simulation, "replace_dead_actors", lambda: None)
     monkeypatch.setattr(simulation, "start_ray", lambda: None)
     monkeypatch.setattr(simulation, "import_both_sides", lambda: None)
     own_stdout_stderr()
@@ -296,3 +298,23 @@ def test_a_private_runtimes_workers_get_the_module_path_from_the_environment_and
     joined = simulation.ray_init_args({"RAY_ADDRESS": "10.0.0.1:6379"})
     assert joined["address"] == "10.0.0.1:6379"
     assert joined["runtime_env"] == {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}}
+
+
+def test_a_dead_actor_in_the_pool_is_replaced_by_a_new_one_and_the_others_kept(monkeypatch):
+    import ray
+
+    class Actor:
+        def __init__(self, alive):
+            self.alive = alive
+            self.__ray_ready__ = type("Method", (), {"remote": lambda _: self})()
+
+    def get(ref, timeout):
+        if not ref.alive:
+            raise ray.exceptions.RayActorError()
+        return True
+
+    monkeypatch.setattr(ray, "get", get)
+    alive, dead, new = Actor(True), Actor(False), Actor(True)
+    pool = type("Pool", (), {"pool": [alive, dead], "create_actor_fn": lambda _: new})()
+    assert simulation.renew_dead_actors(pool) == 1
+    assert pool.pool == [alive, new]
