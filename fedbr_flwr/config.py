@@ -79,7 +79,23 @@ COMMON: dict[str, Key] = {
     "fraction-fit": Key(1.0, "share of clients sampled per round", check=FRACTION),
     "weighting": Key("uniform", "averaging weights", choices=("uniform", "samples")),
     "eval-every": Key(2, "evaluate the global model every E rounds (and at the last)", check=POSITIVE),
-    "global-test": Key(True, "also evaluate the global model on the dataset's test split (server side)"),
+    "global-test": Key(
+        True,
+        "also evaluate the global model on the balanced global test (server side): the dataset's test split "
+        "once per angle 0, 15, ..., 135 under rotation (the 0 degree copy unrotated), else once",
+    ),
+    "extra-local-tests": Key(
+        False,
+        "RotatedMNIST (mnist, mnist5k): also evaluate the global model on the reference code's 10 extra local "
+        "test sets (server side): the test split dealt into 10 sets by fresh Dirichlet(alpha) label draws, set k "
+        "rotated 15*k degrees",
+    ),
+    "server-test-every": Key(
+        0,
+        "run the server-side tests (global-test, extra-local-tests) every N rounds, a multiple of eval-every, "
+        "and at the last; 0: at every evaluation",
+        check=NON_NEGATIVE,
+    ),
     "target-acc": Key(0.5, "threshold for 'rounds to reach' in the summary", check=FRACTION),
     "engine": Key(
         "clients",
@@ -282,6 +298,7 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
     check_batch_sizes(cfg)
     check_sampling(cfg)
     check_cohort_step(cfg)
+    check_server_tests(cfg)
     for owner in active_owners(cfg):  # each algorithm's and component's own cross-key checks
         settings_of(owner).check(cfg)
 
@@ -302,6 +319,20 @@ def check_cohort_step(cfg: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"strategy '{cfg['strategy']}' has no vectorised local step: use cohort-step=loop "
             "(or auto, which picks loop for it)"
+        )
+
+
+def check_server_tests(cfg: Mapping[str, Any]) -> None:
+    every, eval_every = cfg["server-test-every"], cfg["eval-every"]
+    if every and every % eval_every:
+        raise ConfigError(
+            f"server-test-every = {every} is not a multiple of eval-every = {eval_every}: the server-side tests "
+            "are recorded with an evaluation (use a multiple of eval-every, or 0 for every evaluation)"
+        )
+    if cfg["extra-local-tests"] and cfg["dataset"] not in ("mnist", "mnist5k"):
+        raise ConfigError(
+            f"extra-local-tests = true is RotatedMNIST's (dataset mnist or mnist5k), not {cfg['dataset']}'s: "
+            "the reference code builds them for RotatedMNIST only"
         )
 
 

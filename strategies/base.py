@@ -20,6 +20,7 @@ import torch
 
 from fedbr_flwr import codec
 from fedbr_flwr.broadcast import SharedData
+from fedbr_flwr.dataset import ServerTests
 from fedbr_flwr.registry import client_class, components_of, server_component_class, settings_of
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.flower import FlowerStrategy
@@ -42,14 +43,14 @@ class FederatedStrategy(FlowerStrategy):
         cfg: dict[str, Any],
         recorder: RunRecorder,
         modules: dict[str, torch.nn.Module],
-        global_test: tuple[torch.Tensor, torch.Tensor] | None,
+        server_tests: ServerTests | None,
     ):
         self.client_class = client_class(cfg["strategy"])
         super().__init__(cfg, recorder, bool(self.client_class.state_keys))
         self.settings = settings_of(self.name).from_config(cfg)
         self.modules = modules  # the global model (and FedBR's head, DANN's discriminator), as clients build them
         self.model = modules["model"]
-        self.global_test = global_test
+        self.server_tests = server_tests  # what the server evaluates the global model on (None: nothing)
         initial = self.initial_arrays()
         self.global_names = list(initial)
         self.shared: SharedData | None = None  # data broadcast to every client (set by FedBR, FedMix, VHL)

@@ -175,8 +175,8 @@ class OffsetAggregator:
 
 @register_strategy("distrans")
 class DisTransStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, modules, global_test):
-        super().__init__(cfg, recorder, modules, global_test)  # self.model: the double-input model
+    def __init__(self, cfg, recorder, modules, server_tests):
+        super().__init__(cfg, recorder, modules, server_tests)  # self.model: the double-input model
         self.info = INFO[cfg["dataset"]]
         # built right after the seeded model, so that it is seeded too; unused when auto picks none
         self.network = (

@@ -10,8 +10,8 @@ from .base import FederatedStrategy
 
 @register_strategy("feddyn")
 class FedDynStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, modules, global_test):
-        super().__init__(cfg, recorder, modules, global_test)
+    def __init__(self, cfg, recorder, modules, server_tests):
+        super().__init__(cfg, recorder, modules, server_tests)
         self.h = {name: np.zeros_like(a) for name, a in self.initial_arrays().items()}
 
     def aggregate(self, updates, weights):

@@ -21,8 +21,8 @@ def update_server_control(control: np.ndarray, deltas: list[np.ndarray], num_cli
 
 @register_strategy("scaffold")
 class ScaffoldStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, modules, global_test):
-        super().__init__(cfg, recorder, modules, global_test)
+    def __init__(self, cfg, recorder, modules, server_tests):
+        super().__init__(cfg, recorder, modules, server_tests)
         self.control = {
             name[len(MODEL) :]: np.zeros_like(a) for name, a in self.initial_arrays().items() if name.startswith(MODEL)
         }

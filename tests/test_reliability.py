@@ -350,8 +350,8 @@ def test_readers_treat_null_as_missing(tmp_path):
 
 
 def test_an_evaluation_line_says_whether_every_client_was_evaluated():
-    complete = eval_record(2, [(0, 1.0, 20, 0.2), (1, 1.0, 20, 0.4)], 0, [0, 1], {}, (None, None))
-    partial = eval_record(2, [(1, 1.0, 20, 0.269)], 1, [0, 1], {}, (None, None))
+    complete = eval_record(2, [(0, 1.0, 20, 0.2), (1, 1.0, 20, 0.4)], 0, [0, 1], {}, {})
+    partial = eval_record(2, [(1, 1.0, 20, 0.269)], 1, [0, 1], {}, {})
     assert (complete["clients_evaluated"], complete["clients_expected"]) == (2, 2)
     assert (partial["clients_evaluated"], partial["clients_expected"]) == (1, 2)
     assert partial["eval_failed_clients"] == [0]

@@ -15,13 +15,13 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.strategy import Strategy
 
 from .. import payload
-from ..dataset import FILE_DATASETS, data_folder, partition_sizes, save_partition
+from ..dataset import FILE_DATASETS, ServerTests, data_folder, partition_sizes, save_partition
 from ..errors import ConfigError
 from ..training import evaluate, load_module_arrays
 from . import routing
 from .checkpointing import Checkpointer
 from .federation import Federation
-from .recording import eval_record, round_record
+from .recording import eval_record, round_record, server_test_fields
 from .updates import ClientUpdate, byte_budget, count_problem, known_size, screen_evaluations, update_problem
 
 
@@ -31,7 +31,7 @@ class FlowerStrategy(Strategy):
     # What the algorithm layer (strategies/base.py, FederatedStrategy) provides and this adapter calls:
     # declared here for the type checker, defined there with FedAvg's behaviour.
     model: torch.nn.Module
-    global_test: tuple[torch.Tensor, torch.Tensor] | None
+    server_tests: ServerTests | None
     initial_arrays: Callable[[], payload.Named]
     returned_shapes: Callable[[], dict[str, tuple[int, ...]]]
     before_round: Callable[[int], None]
@@ -60,7 +60,7 @@ class FlowerStrategy(Strategy):
         self.server_metrics: dict[str, float] = {}  # what aggregate() measured this round (recorded with it)
         self._round: dict[str, Any] = {"start": time.perf_counter(), "bytes_down": 0}  # the round's start and bytes
         self._last_train: dict[str, float] = {}
-        self._global_result: dict[int, tuple[float, float]] = {}
+        self._server_results: dict[int, dict[str, Any]] = {}  # round -> the server-side tests' fields
 
     # ------------------------------------------------------------ Flower's Strategy API
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters:
@@ -177,7 +177,7 @@ class FlowerStrategy(Strategy):
             len(failures),
             sorted(self.federation.clients_by_pid),
             self._last_train,
-            self._global_result.get(server_round, (None, None)),
+            self._server_results.pop(server_round, {}),
         )
         if rejected:
             record["eval_rejected"] = rejected
@@ -188,18 +188,29 @@ class FlowerStrategy(Strategy):
         return record["loss"], {"mean_acc": record["mean_acc"], "worst_acc": record["worst_acc"]}
 
     def evaluate(self, server_round: int, parameters: Parameters):
-        if self.global_test is None or server_round == 0 or not self.is_eval_round(server_round):
+        tests = self.server_tests
+        if tests is None or server_round == 0 or not self.is_server_test_round(server_round):
             return None
         load_module_arrays(self.model, "model", payload.from_parameters(parameters))
+        module = self.global_test_module()
         device = next(self.model.parameters()).device
-        x, y = self.global_test
-        loss, acc = evaluate(self.global_test_module(), x.to(device), y.to(device))
-        self._global_result[server_round] = (loss, acc)
-        return loss, {"global_acc": acc}
+        by_angle = {
+            angle: evaluate(module, x.to(device), y.to(device)) for angle, (x, y) in tests.global_copies.items()
+        }
+        extra = [evaluate(module, x.to(device), y.to(device)) for x, y in tests.extra_local]
+        fields = self._server_results[server_round] = server_test_fields(by_angle, extra)
+        loss = fields.get("global_loss", fields.get("extra_local_loss"))
+        return loss, {k: v for k, v in fields.items() if isinstance(v, float) and not k.endswith("_loss")}
 
     # ------------------------------------------------------------ the round's parts
     def is_eval_round(self, server_round: int) -> bool:
         return server_round % self.cfg["eval-every"] == 0 or server_round == self.cfg["num-rounds"]
+
+    def is_server_test_round(self, server_round: int) -> bool:
+        """An evaluation round in which the server also runs its own tests (``server-test-every``)."""
+        every = self.cfg["server-test-every"]
+        last = server_round == self.cfg["num-rounds"]
+        return self.is_eval_round(server_round) and (not every or server_round % every == 0 or last)
 
     def end_round(self, server_round: int) -> None:
         if self.latest is not None:
