@@ -255,7 +255,10 @@ def finished_with_same_config(cfg: dict[str, Any]) -> bool:
     if json.loads(summary.read_text()).get("last_round") != cfg["num-rounds"]:
         return False  # summary.json is refreshed at every evaluation: this run stopped early
     old = json.loads(manifest.read_text())["config"]
-    differs = sorted(k for k in cfg if k not in VOLATILE_KEYS and old.get(k) != cfg[k])
+    defaults = {k: spec.default for k, spec in schema().items()}
+    # a key the run's version did not have yet: that run behaved as the key's default does (new keys keep the
+    # old behaviour by default), so a sweep continued after an upgrade keeps its finished runs
+    differs = sorted(k for k in cfg if k not in VOLATILE_KEYS and (old[k] if k in old else defaults.get(k)) != cfg[k])
     if differs:
         raise ConfigError(
             f"{out} holds a finished run with different settings ({', '.join(differs)}); "

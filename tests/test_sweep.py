@@ -101,6 +101,18 @@ def test_finished_runs_are_kept_and_a_different_one_is_refused(tmp_path):
         sweep.finished_with_same_config(cfg)
 
 
+def test_a_run_finished_before_a_key_existed_is_kept_where_the_key_is_at_its_default(tmp_path):
+    """A sweep continued after an upgrade that added keys keeps its finished runs: they ran as the new keys'
+    defaults do. A new key set to another value is a different run."""
+    (name, seed, cfg), *_ = sweep.plan(write(tmp_path), [], tmp_path / "out", None)
+    folder = tmp_path / "out" / "FedAvg" / "seed0"
+    older = {k: v for k, v in cfg.items() if k not in ("server-test-every", "groupdro-mixup")}
+    fake_run(folder, older, [0.1], last_round=cfg["num-rounds"])
+    assert sweep.finished_with_same_config(cfg)
+    with pytest.raises(ConfigError, match="different settings \\(server-test-every\\)"):
+        sweep.finished_with_same_config({**cfg, "server-test-every": 4})
+
+
 def test_a_sweep_runs_each_job_in_order_then_keeps_them(tmp_path, capsys, monkeypatch):
     """The loop over several jobs, each Flower run replaced by the files of a finished one (a real one: below).
     Every run is handed the one simulation process the sweep keeps (``launcher.RunHost``), closed at the end."""
