@@ -21,6 +21,9 @@ NUMPY_STREAMS = {
     "client-sampling": 6,  # clients sampled each round (round)
     "rsm-allotment": 7,  # how many RSM means each client contributes (version)
     "other-class-test": 8,  # one class per client: the other classes' test images added to its local test (partition)
+    "attackers": 9,  # attack-clients: which partitions attack
+    "attack-noise": 10,  # attack=noise: an attacker's noise (round, partition)
+    "attack-collusion": 11,  # attack=collude: the one noise every attacker sends (round)
 }
 
 # torch streams: sha256(seed, *coords, salt); None: no salt
