@@ -288,25 +288,3 @@ def test_one_sign_flipper_breaks_the_mean_and_not_the_median(tmp_path):
     assert manifest["attack"] == {"kind": "sign-flip", "clients": [2], "factor": 10.0, "noise": 1.0}
     assert all(r["attackers"] == [2] for r in rounds) and "aggregation" not in rounds[0]
     assert robust_rounds[0]["aggregation"] == {"rule": "median"}
-
-
-@pytest.mark.e2e
-def test_a_deployment_with_one_attacking_supernode_and_median_reaches_the_honest_accuracy(tmp_path):
-    """Three SuperNodes on 127.0.0.1; the one of partition 1 sends its updates sign-flipped x10 (it reads
-    the attack from the run config, as a compromised machine would act on its own). Under median the run
-    completes within a few points of the same deployment's honest run."""
-    from fedbr_flwr import deploy
-    from fedbr_flwr.cli import prepare
-    from fedbr_flwr.launcher import submit_run
-    from fedbr_flwr.metrics import read_jsonl
-
-    settings = {**FED, "num-clients": 3, "num-rounds": 4, "eval-every": 4}
-    runs = {"honest": {}, "attacked": {"attack": "sign-flip", "attack-ids": "1", "aggregation": "median"}}
-    with deploy.local_deployment(tmp_path, 3) as dep:
-        for name, extra in runs.items():
-            cfg = prepare(validate({**settings, **extra, "output-dir": str(tmp_path / name)}), overwrite=False)
-            submit_run(cfg, dep.env, deploy.CONNECTION, tmp_path / name, echo="none")
-    honest, attacked = (read_jsonl(tmp_path / name / "metrics.jsonl")[-1]["global_acc"] for name in runs)
-    rounds = read_jsonl(tmp_path / "attacked" / "rounds.jsonl")
-    assert [r["clients"] for r in rounds] == [3] * 4 and all(r["attackers"] == [1] for r in rounds)
-    assert honest > 0.25 and attacked > honest - 0.07, (attacked, honest)
