@@ -16,10 +16,14 @@ from typing import Any, Mapping
 
 import yaml
 
+from .attack import ATTACKS, check_attack
 from .errors import ConfigError, quoted
-from .settings import BELOW_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, UNIT_INTERVAL, Key
+from .server.robust import RULES, WEIGHTED_RULES, minimum_updates
+from .settings import BELOW_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, UNIT_INTERVAL, Check, Key
 
 __all__ = ["COMMON", "ConfigError", "Key", "defaults", "schema", "validate"]
+
+HALF_FRACTION = Check(lambda v: 0 <= v < 0.5, "in [0, 0.5)")
 
 COMMON: dict[str, Key] = {
     # what runs
@@ -78,6 +82,31 @@ COMMON: dict[str, Key] = {
     # server
     "fraction-fit": Key(1.0, "share of clients sampled per round", check=FRACTION),
     "weighting": Key("uniform", "averaging weights", choices=("uniform", "samples")),
+    "aggregation": Key(
+        "mean",
+        "how the server combines the clients' arrays (every array of every strategy): mean, coordinate-wise "
+        "median or trimmed-mean, krum / multi-krum (Krum's pick, or the mean of the n - f best-scored updates), "
+        "norm-bound (each update clipped to a norm, then averaged); docs/robust-aggregation.md",
+        choices=RULES,
+    ),
+    "trim-fraction": Key(
+        0.1, "aggregation=trimmed-mean: share of values cut at each end of each coordinate", check=HALF_FRACTION
+    ),
+    "byzantine-clients": Key(
+        1,
+        "aggregation=krum / multi-krum: attackers assumed among a round's updates (f; needs n > 2f + 2)",
+        check=NON_NEGATIVE,
+    ),
+    "norm-bound": Key(
+        0.0,
+        "aggregation=norm-bound: the largest norm of a client's update (0: norm-bound-multiple x the round's median)",
+        check=NON_NEGATIVE,
+    ),
+    "norm-bound-multiple": Key(
+        1.0,
+        "aggregation=norm-bound with norm-bound = 0: the bound as a multiple of the median update norm",
+        check=POSITIVE,
+    ),
     "eval-every": Key(2, "evaluate the global model every E rounds (and at the last)", check=POSITIVE),
     "global-test": Key(
         True,
@@ -153,6 +182,18 @@ COMMON: dict[str, Key] = {
         "save the server's whole state to checkpoint.npz every N rounds and at the last (0: never)",
         check=NON_NEGATIVE,
     ),
+    # simulated attacks (experiments): docs/robust-aggregation.md
+    "attack": Key(
+        "none",
+        "what the attacking clients send after local training: sign-flip (g - factor x update), scale "
+        "(g + factor x update), noise (g + sigma x its own normal draw), label-flip (trains on labels C-1-y), "
+        "collude (g + sigma x one normal draw all attackers share)",
+        choices=ATTACKS,
+    ),
+    "attack-clients": Key(0, "how many clients attack, drawn from the run seed", check=NON_NEGATIVE),
+    "attack-ids": Key("", "which clients attack, as partition ids (e.g. 0,4,7); instead of attack-clients"),
+    "attack-factor": Key(10.0, "attack=sign-flip / scale: the factor on the attacker's update", check=POSITIVE),
+    "attack-noise": Key(1.0, "attack=noise / collude: sigma of the noise sent as the update", check=POSITIVE),
     "resume": Key(False, "continue the run in output-dir from its checkpoint (`fedbr-run --resume DIR` sets it)"),
 }
 
@@ -299,6 +340,8 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
     check_sampling(cfg)
     check_cohort_step(cfg)
     check_server_tests(cfg)
+    check_aggregation(cfg)
+    check_attack(cfg)
     for owner in active_owners(cfg):  # each algorithm's and component's own cross-key checks
         settings_of(owner).check(cfg)
 
@@ -350,6 +393,31 @@ def check_sampling(cfg: Mapping[str, Any]) -> None:
             f"min-fit-clients = {cfg['min-fit-clients']} but only {sampled} of the {cfg['num-clients']} "
             f"clients are sampled per round (fraction-fit = {cfg['fraction-fit']}): lower "
             "min-fit-clients or raise fraction-fit"
+        )
+
+
+def check_aggregation(cfg: Mapping[str, Any]) -> None:
+    """A rule without a weighted form refuses weights; Krum needs n > 2f + 2 sampled clients (once num-clients
+    is known)."""
+    rule = cfg["aggregation"]
+    if rule not in WEIGHTED_RULES:
+        if cfg["weighting"] == "samples":
+            raise ConfigError(
+                f"aggregation={rule} has no weighted form: use weighting=uniform, or one of {', '.join(WEIGHTED_RULES)}"
+            )
+        if cfg["strategy"] == "groupdro":
+            raise ConfigError(
+                f"groupdro weighs clients by its own rule, and aggregation={rule} has no weighted form: "
+                f"use one of {', '.join(WEIGHTED_RULES)}"
+            )
+    if not cfg["num-clients"] or rule not in ("krum", "multi-krum"):
+        return
+    sampled = sampled_per_round(cfg["fraction-fit"], cfg["num-clients"])
+    need = minimum_updates(rule, cfg["byzantine-clients"])
+    if sampled < need:
+        raise ConfigError(
+            f"aggregation={rule} with byzantine-clients = {cfg['byzantine-clients']} needs n > 2f + 2, i.e. at least "
+            f"{need} clients a round, but {sampled} are sampled: lower byzantine-clients or sample more clients"
         )
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import codec, seeds
+from .attack import flipped_labels, is_label_flipper
 from .errors import ConfigError
 from .partition import fedbr_lda, partition, partition_hash, split_train_test
 
@@ -521,6 +522,8 @@ def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.de
     x = normalise(rotate(to_float(images), image_angles(cfg, partition_id, len(labels))), info)
     y = torch.from_numpy(labels)
     n = len(train_idx)
+    if is_label_flipper(cfg, partition_id):  # a simulated attacker trains on flipped labels (its test set keeps them)
+        y = torch.cat([flipped_labels(y[:n], info.num_classes), y[n:]])
     return ClientData(
         partition_id=partition_id,
         x_train=x[:n].to(device),

@@ -22,6 +22,9 @@ NUMPY_STREAMS = {
     "rsm-allotment": 7,  # how many RSM means each client contributes (version)
     "other-class-test": 8,  # one class per client: the other classes' test images added to its local test (partition)
     "extra-local-tests": 9,  # RotatedMNIST's extra local tests: the test split dealt into 10 sets
+    "attackers": 10,  # attack-clients: which partitions attack
+    "attack-noise": 11,  # attack=noise: an attacker's noise (round, partition)
+    "attack-collusion": 12,  # attack=collude: the one noise every attacker sends (round)
 }
 
 # torch streams: sha256(seed, *coords, salt); None: no salt

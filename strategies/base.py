@@ -24,7 +24,7 @@ from fedbr_flwr.dataset import ServerTests
 from fedbr_flwr.registry import client_class, components_of, server_component_class, settings_of
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.flower import FlowerStrategy
-from fedbr_flwr.server.updates import ClientUpdate, named_mean
+from fedbr_flwr.server.updates import ClientUpdate
 from fedbr_flwr.settings import NoSettings, Settings
 from fedbr_flwr.training import module_arrays
 
@@ -100,7 +100,21 @@ class FederatedStrategy(FlowerStrategy):
 
     def aggregate(self, updates: list[ClientUpdate], weights: list[float]) -> Named:
         """The new global arrays from the accepted updates (in partition order)."""
-        return named_mean([u.arrays for u in updates], weights, self.global_names)
+        return self.combine(updates, weights, self.global_names, relative_to=self.round_global)
+
+    def combine(
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        names: list[str],
+        relative_to: Named | None = None,
+        clip: bool = True,
+    ) -> Named:
+        """The aggregate of the arrays called ``names`` over the round's updates under the configured rule
+        (``aggregation``; ``mean``: the weighted mean): every mean a strategy takes goes through here.
+        ``relative_to``: what they are updates of (None: changes, from zero); ``clip=False``: values that are no
+        update (``fedbr_flwr.server.robust.RoundPlan.combine``)."""
+        return self.plan.combine([u.arrays for u in updates], weights, names, relative_to, clip)
 
     def after_aggregate(self, new_global: Named) -> None:
         for component in self.components:

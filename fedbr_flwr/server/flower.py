@@ -15,6 +15,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.strategy import Strategy
 
 from .. import payload
+from ..attack import attackers
 from ..dataset import FILE_DATASETS, ServerTests, data_folder, partition_sizes, save_partition
 from ..errors import ConfigError
 from ..training import evaluate, load_module_arrays
@@ -22,6 +23,7 @@ from . import routing
 from .checkpointing import Checkpointer
 from .federation import Federation
 from .recording import eval_record, round_record, server_test_fields
+from .robust import RobustRule, RoundPlan, minimum_updates
 from .updates import ClientUpdate, byte_budget, count_problem, known_size, screen_evaluations, update_problem
 
 
@@ -58,6 +60,8 @@ class FlowerStrategy(Strategy):
         self.update_dtypes: dict[str, np.dtype] | None = None  # and the dtype of each
         self.sampled: list[int] = []  # partition ids sent fit instructions this round
         self.server_metrics: dict[str, float] = {}  # what aggregate() measured this round (recorded with it)
+        self.robust_rule = RobustRule.from_config(cfg)
+        self.plan = RoundPlan()  # this round's aggregation (aggregate_fit sets it from the accepted updates)
         self._round: dict[str, Any] = {"start": time.perf_counter(), "bytes_down": 0}  # the round's start and bytes
         self._last_train: dict[str, float] = {}
         self._server_results: dict[int, dict[str, Any]] = {}  # round -> the server-side tests' fields
@@ -104,17 +108,22 @@ class FlowerStrategy(Strategy):
         accepted, rejected = self._screen(server_round, answers)
         missing = sorted(set(self.sampled) - {a.pid for a in answers})
         self.server_metrics = {}
-        skipped = len(accepted) < self.cfg["min-fit-clients"]
+        self.plan = RoundPlan(self.robust_rule)
+        fewest = max(self.cfg["min-fit-clients"], minimum_updates(self.robust_rule.name, self.robust_rule.byzantine))
+        skipped = len(accepted) < fewest
         if skipped:
             self.recorder.progress.emit(
                 "error",
                 f"round {server_round}: {len(accepted)} valid update(s), "
-                f"min-fit-clients = {self.cfg['min-fit-clients']}: the global model "
-                "is unchanged",
+                f"min-fit-clients = {self.cfg['min-fit-clients']}"
+                + ("" if self.plan.is_mean else f", aggregation={self.robust_rule.name} needs {fewest}")
+                + ": the global model is unchanged",
                 round=server_round,
             )
             self.latest = self.round_global if self.round_global is not None else self.latest
         else:
+            if not self.plan.is_mean and self.round_global is not None:
+                self.plan = self.robust_rule.plan([u.arrays for u in accepted], self.round_global)
             self.latest = self.aggregate(accepted, self.aggregation_weights(accepted))
             self.after_aggregate(self.latest)
         record = round_record(
@@ -131,6 +140,11 @@ class FlowerStrategy(Strategy):
             self.server_metrics,
             routing.placement(answers),
         )
+        robust = self.plan.record([u.pid for u in accepted]) if not skipped else {}
+        if robust:
+            record["aggregation"] = robust
+        if self.cfg["attack"] != "none":
+            record["attackers"] = sorted(set(attackers(self.cfg)) & {a.pid for a in answers})
         self._last_train = record["train"]
         self.recorder.log_round(record)
         if skipped or self.latest is None:
@@ -251,6 +265,13 @@ class FlowerStrategy(Strategy):
                 f"server's ({server_hash}): check that both use the same dataset files and config"
             )
         extra = self.after_discovery()
+        if self.cfg["attack"] != "none":
+            extra["attack"] = {
+                "kind": self.cfg["attack"],
+                "clients": attackers(self.cfg),
+                "factor": self.cfg["attack-factor"],
+                "noise": self.cfg["attack-noise"],
+            }
         if self.cfg["dataset"] in FILE_DATASETS:  # where this machine read it (clients resolve their own)
             extra = {"data_folder": str(data_folder(self.cfg["data-dir"])), **extra}
         self.recorder.write_manifest(
