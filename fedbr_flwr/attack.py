@@ -50,6 +50,19 @@ def attackers(cfg: Mapping[str, Any]) -> list[int]:
     return sorted(int(p) for p in seeds.rng("attackers", cfg["seed"]).choice(n, count, replace=False))
 
 
+def attack_manifest(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest's record of the run's simulated attack (none without one)."""
+    if cfg["attack"] == "none":
+        return {}
+    kind = {"kind": cfg["attack"], "clients": attackers(cfg)}
+    return {"attack": {**kind, "factor": cfg["attack-factor"], "noise": cfg["attack-noise"]}}
+
+
+def attackers_that_answered(cfg: Mapping[str, Any], answered: set[int]) -> dict[str, Any]:
+    """The rounds.jsonl record of the round's attacking clients (none without an attack)."""
+    return {} if cfg["attack"] == "none" else {"attackers": sorted(set(attackers(cfg)) & answered)}
+
+
 def check_attack(cfg: Mapping[str, Any]) -> None:
     """One-line errors for an attack that cannot run as configured."""
     kind, count, ids = cfg["attack"], cfg["attack-clients"], cfg["attack-ids"]

@@ -18,6 +18,7 @@ from fedbr_flwr import cli, payload
 from fedbr_flwr.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.metrics import plot_history, read_jsonl, summarize, summary_table
+from fedbr_flwr.report import Setting
 from fedbr_flwr.run_io import RunRecorder, keep_rounds_up_to
 from fedbr_flwr.server.recording import eval_record
 from strategies.fedavg import FedAvgStrategy
@@ -197,8 +198,8 @@ def test_fedbr_sweep_counts_a_run_that_trained_nothing_as_failed(tmp_path, monke
 
     monkeypatch.setattr(sweep, "run_flower", run_that_trained_nothing)
     cfg = validate({"num-rounds": 2, "num-clients": 2, "output-dir": str(tmp_path / "run")})
-    status = sweep.run_all([("fedavg", 0, cfg)], quiet=True)
-    assert status[("fedavg", 0)].startswith("failed: no round trained")
+    status = sweep.run_all([(Setting("fedavg"), 0, cfg)], quiet=True)
+    assert status[(Setting("fedavg"), 0)].startswith("failed: no round trained")
 
 
 def test_fedbr_run_exits_1_when_no_round_trained(tmp_path, capsys, monkeypatch):

@@ -184,6 +184,11 @@ class RoundPlan:
         (mean,) = weighted_mean([[c] for c in clipped], weights)
         return mean.astype(values[0].dtype)
 
+    def round_entry(self, pids: list[int], skipped: bool) -> dict[str, Any]:
+        """rounds.jsonl's ``aggregation`` entry for a round that aggregated ``pids``' updates (none if it skipped)."""
+        entry = {} if skipped else self.record(pids)
+        return {"aggregation": entry} if entry else {}
+
     def record(self, pids: list[int]) -> dict[str, Any]:
         """What rounds.jsonl says of this round's aggregation (nothing under ``mean``)."""
         if self.is_mean:
