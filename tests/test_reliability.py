@@ -165,7 +165,7 @@ def test_a_run_with_some_rounds_without_update_names_them_and_is_a_result(tmp_pa
     assert cli.finished_run_problem(tmp_path) is None
 
 
-def run_that_trained_nothing(cfg, nodes, out, echo, superlink=False, host=None):
+def run_that_trained_nothing(cfg, nodes, out, echo, superlink=False, host=None, watch=None):
     """In place of Flower: write the files of a run in which every update was rejected."""
     recorder = RunRecorder(cfg, out)
     for r in range(1, cfg["num-rounds"] + 1):
