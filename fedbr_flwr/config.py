@@ -17,7 +17,8 @@ from typing import Any, Mapping
 import yaml
 
 from .errors import ConfigError, quoted
-from .settings import BELOW_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, UNIT_INTERVAL, Key
+from .settings import BELOW_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, UNIT_INTERVAL, Check, Key
+from .tracking import valid_trackers
 
 __all__ = ["COMMON", "ConfigError", "Key", "defaults", "schema", "validate"]
 
@@ -138,6 +139,15 @@ COMMON: dict[str, Key] = {
         check=NON_NEGATIVE,
     ),
     "resume": Key(False, "continue the run in output-dir from its checkpoint (`fedbr-run --resume DIR` sets it)"),
+    # experiment tracking (server side; docs/running.md)
+    "tracking": Key(
+        "none",
+        "also log each round's metrics, evaluations and the config to tensorboard (the run folder's tensorboard/) "
+        "and/or wandb (respects WANDB_MODE=offline), comma-separated; each needs its extra "
+        '(pip install -e ".[tensorboard]", ".[wandb]"; docs/running.md)',
+        check=Check(valid_trackers, "none or a comma-separated list of: tensorboard, wandb"),
+        names=True,
+    ),
 }
 
 # keys of earlier versions: what replaced them

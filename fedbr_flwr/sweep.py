@@ -47,14 +47,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from . import runlock
+from . import runlock, tracking
 from .cli import config_from_settings, finished_run_problem, prepare, size_for_runtime, supernodes
 from .config import ConfigError, load_yaml, normalise_key, parse_override, schema, unknown_key
 from .launcher import RunFailed, RunHost, run_flower
 from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 from .run_io import check_path_length
 
-VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address")  # may differ between machines or sessions
+# may differ between machines or sessions
+VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address", "tracking")
 
 
 def sweep_title(path: str) -> str | None:
@@ -265,8 +266,9 @@ def finished_with_same_config(cfg: dict[str, Any]) -> bool:
 
 
 def run_all(
-    jobs: list[tuple[Setting, int, dict[str, Any]]], quiet: bool, isolated: bool = False
+    jobs: list[tuple[Setting, int, dict[str, Any]]], quiet: bool, isolated: bool = False, out: Path | None = None
 ) -> dict[tuple[Setting, int], str]:
+    """Each job in turn; ``out``, the sweep's folder, is each run's W&B group where tracking is on."""
     status = {}
     with contextlib.nullcontext(None) if isolated else shared_host(jobs) as host:
         for i, (name, seed, cfg) in enumerate(jobs, 1):
@@ -279,6 +281,10 @@ def run_all(
             print(f"fedbr-sweep: {label}: {cfg['strategy']} -> {cfg['output-dir']}", flush=True)
             try:
                 out_dir = Path(cfg["output-dir"])
+                if out is not None and tracking.requested(cfg):
+                    tracking.label_sweep_run(
+                        out_dir, out.name, str(out_dir.relative_to(out)), [name.label[:64], f"seed{seed}"]
+                    )
                 run_flower(cfg, supernodes(cfg), out_dir, echo="none" if quiet else "progress", host=host)
                 ok = (out_dir / "summary.json").exists()
                 problem = finished_run_problem(out_dir) if ok else "no final evaluation"
@@ -366,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
             with runlock.hold(out, "sweep"):
-                status = run_all(jobs, args.quiet, args.isolated)
+                status = run_all(jobs, args.quiet, args.isolated, out)
         except ConfigError as exc:
             print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
             return 2
