@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import codec, seeds
+from . import attack, codec, seeds
 from .broadcast import receive_shared
 from .config import resolved_model
 from .dataset import INFO, ClientData, make_partition
@@ -405,6 +405,8 @@ class ClientAlgorithm:
         self.data, self.pid, self.state = data, data.partition_id, state
         self.received: Named = {}  # what the server sent beside the modules' arrays this message
         self.shared_versions: dict[str, int] = {}  # broadcast data this client used this round (reported back)
+        self.fit_sent: Named = {}  # the arrays of the fit in progress, and its round (start_fit sets them)
+        self.fit_round = 0
 
     # ------------------------------------------------------------ hooks for algorithms
     def make_step(self, server_round: int, config: dict) -> LocalStep:
@@ -488,6 +490,7 @@ class ClientAlgorithm:
         self.restore_state(config)
         self.receive(arrays)
         server_round = int(config["server-round"])
+        self.fit_sent, self.fit_round = arrays, server_round  # what a simulated attacker changes its reply from
         step = self.make_step(server_round, config)
         sampler = BatchSampler(
             self.data, self.cfg["batch-size"], seeds.seed("batches", self.cfg["seed"], server_round, self.pid)
@@ -505,7 +508,8 @@ class ClientAlgorithm:
             **{f"{name}-version": v for name, v in self.shared_versions.items()},
             **extra,
         }
-        return {**self.weights(), **returned}, len(self.data.y_train), metrics
+        reply = attack.poisoned({**self.weights(), **returned}, self.fit_sent, self.cfg, self.fit_round, self.pid)
+        return reply, len(self.data.y_train), metrics
 
     def evaluate(self, arrays: Named, config: dict) -> tuple[float, int, dict]:
         loss, acc = evaluate(self.start_evaluate(arrays, config), self.data.x_test, self.data.y_test)

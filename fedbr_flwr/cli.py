@@ -5,18 +5,22 @@
     fedbr-run --list                            # every key, its default and meaning
     fedbr-run --resume runs/fedbr-mnist5k-...   # continue a stopped run from its checkpoint
     fedbr-run --resume runs/fedbr-mnist5k-... num-rounds=200   # or train it further
+    fedbr-run experiments/fedavg_rotmnist.yaml --time-limit 14m   # stop in time, to be continued
 
 Later files and ``key=value`` overrides win over earlier ones. Exit codes: 0 completed, 1 the run
 failed (also when it ran to its end but no round trained: every update failed or was rejected), 2 bad
-configuration or input (also a damaged checkpoint or an output-dir that cannot be written).
+configuration or input (also a damaged checkpoint or an output-dir that cannot be written), 75 the
+--time-limit stopped it (after a round's checkpoint; one line says how to continue), 130 Ctrl-C, 143 SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,6 +30,7 @@ from .launcher import PROJECT_DIR, RunFailed, RunHost, run_flower
 from .raycluster import Cluster, requested_address
 from .run_io import check_output_dir, check_path_length, git_commit
 from .runlock import check_free
+from .timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_duration, stop_deadline, stopped_line
 from .tracking import check_available
 
 PYPROJECT_MARK = "# Generated from the schema by `fedbr-run --write-pyproject` (a test keeps it equal):\n"
@@ -336,6 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then exit")
     parser.add_argument("--overwrite", action="store_true", help="reuse an output-dir that holds a run")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    parser.add_argument(
+        "--time-limit",
+        metavar="DURATION",
+        help="stop before DURATION (90s, 15m, 1h30m, 2h) has passed: the run checkpoints after every round and "
+        "stops after the last round that fits, with exit code 75 and a line saying how to continue "
+        "(fedbr-run --resume DIR --time-limit ...); a round still running at the limit is lost",
+    )
     parser.add_argument("--quiet", action="store_true", help="print no progress (the log is in flower.log)")
     parser.add_argument("--verbose", action="store_true", help="echo all of Flower's log, not only progress")
     parser.add_argument(
@@ -348,8 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.time()
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)  # options may come between files and overrides
+    try:
+        args.deadline = None if args.time_limit is None else stop_deadline(started, parse_duration(args.time_limit))
+    except ConfigError as exc:
+        print(f"fedbr-run: error: {exc}", file=sys.stderr)
+        return 2
     if args.list:
         print(list_keys())
         return 0
@@ -386,6 +404,8 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
             cfg = size_for_runtime(resume_config(Path(args.resume), args.items), superlink=args.superlink)
         else:
             cfg = prepare(size_for_runtime(build_config(args.items), superlink=args.superlink), args.overwrite)
+        if args.deadline is not None:
+            cfg["checkpoint-every"] = 1  # a stop loses no finished round
     except ConfigError as exc:
         print(f"fedbr-run: error: {exc}", file=sys.stderr)
         return 2
@@ -404,7 +424,16 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         echo = "none" if args.quiet else "all" if args.verbose else "progress"
-        run_flower(cfg, supernodes(cfg), out, echo=echo, superlink=args.superlink, host=host)
+        watch = None
+        if args.deadline is not None:
+            watch = RoundWatch(args.deadline, cfg["num-rounds"], checkpoint_round(out) if cfg["resume"] else None)
+        run_flower(cfg, supernodes(cfg), out, echo=echo, superlink=args.superlink, host=host, watch=watch)
+    except TimeLimitReached as exc:
+        print(
+            stopped_line("fedbr-run", str(out), exc.saved_round, cfg["num-rounds"], again(args, out, exc)),
+            file=sys.stderr,
+        )
+        return EXIT_TIME_LIMIT
     except ConfigError as exc:  # found only at launch: the folder taken by a run that started at the same instant
         print(f"fedbr-run: error: {exc}", file=sys.stderr)
         return 2
@@ -431,6 +460,28 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         )
         return 1
     return print_result(out, "fedbr-run", "(metrics.jsonl, rounds.jsonl, manifest.json, summary.json, convergence.png)")
+
+
+def checkpoint_round(out: Path) -> int | None:
+    """The round of the run folder's checkpoint; None when it has none that can be read."""
+    from .checkpoint import load_checkpoint
+
+    try:
+        return int(load_checkpoint(out)[1]["round"])
+    except ConfigError:
+        return None
+
+
+def again(args: argparse.Namespace, out: Path, stop: TimeLimitReached) -> str:
+    """The command that continues a run its time limit stopped: ``--resume`` from its checkpoint, or where it
+    has none, the command that started it, into the same folder."""
+    superlink = ["--superlink"] if args.superlink else []
+    if stop.saved_round is not None:
+        command = ["fedbr-run", "--resume", str(out), "--time-limit", args.time_limit, *superlink]
+    else:
+        command = ["fedbr-run", *args.items, f"output-dir={out}", "--overwrite", "--time-limit", args.time_limit]
+        command += superlink
+    return shlex.join(command)
 
 
 def stopped_run(out: Path) -> str:

@@ -16,11 +16,15 @@ from typing import Any, Mapping
 
 import yaml
 
+from .attack import ATTACKS, check_attack
 from .errors import ConfigError, quoted
+from .server.robust import RULES, WEIGHTED_RULES, minimum_updates
 from .settings import BELOW_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, UNIT_INTERVAL, Check, Key
 from .tracking import valid_trackers
 
 __all__ = ["COMMON", "ConfigError", "Key", "defaults", "schema", "validate"]
+
+HALF_FRACTION = Check(lambda v: 0 <= v < 0.5, "in [0, 0.5)")
 
 COMMON: dict[str, Key] = {
     # what runs
@@ -79,8 +83,49 @@ COMMON: dict[str, Key] = {
     # server
     "fraction-fit": Key(1.0, "share of clients sampled per round", check=FRACTION),
     "weighting": Key("uniform", "averaging weights", choices=("uniform", "samples")),
+    "aggregation": Key(
+        "mean",
+        "how the server combines the clients' arrays (every array of every strategy): mean, coordinate-wise "
+        "median or trimmed-mean, krum / multi-krum (Krum's pick, or the mean of the n - f best-scored updates), "
+        "norm-bound (each update clipped to a norm, then averaged); docs/robust-aggregation.md",
+        choices=RULES,
+    ),
+    "trim-fraction": Key(
+        0.1, "aggregation=trimmed-mean: share of values cut at each end of each coordinate", check=HALF_FRACTION
+    ),
+    "byzantine-clients": Key(
+        1,
+        "aggregation=krum / multi-krum: attackers assumed among a round's updates (f; needs n > 2f + 2)",
+        check=NON_NEGATIVE,
+    ),
+    "norm-bound": Key(
+        0.0,
+        "aggregation=norm-bound: the largest norm of a client's update (0: norm-bound-multiple x the round's median)",
+        check=NON_NEGATIVE,
+    ),
+    "norm-bound-multiple": Key(
+        1.0,
+        "aggregation=norm-bound with norm-bound = 0: the bound as a multiple of the median update norm",
+        check=POSITIVE,
+    ),
     "eval-every": Key(2, "evaluate the global model every E rounds (and at the last)", check=POSITIVE),
-    "global-test": Key(True, "also evaluate the global model on the dataset's test split (server side)"),
+    "global-test": Key(
+        True,
+        "also evaluate the global model on the balanced global test (server side): the dataset's test split "
+        "once per angle 0, 15, ..., 135 under rotation (the 0 degree copy unrotated), else once",
+    ),
+    "extra-local-tests": Key(
+        False,
+        "RotatedMNIST (mnist, mnist5k): also evaluate the global model on the reference code's 10 extra local "
+        "test sets (server side): the test split dealt into 10 sets by fresh Dirichlet(alpha) label draws, set k "
+        "rotated 15*k degrees",
+    ),
+    "server-test-every": Key(
+        0,
+        "run the server-side tests (global-test, extra-local-tests) every N rounds, a multiple of eval-every, "
+        "and at the last; 0: at every evaluation",
+        check=NON_NEGATIVE,
+    ),
     "target-acc": Key(0.5, "threshold for 'rounds to reach' in the summary", check=FRACTION),
     "engine": Key(
         "clients",
@@ -138,6 +183,18 @@ COMMON: dict[str, Key] = {
         "save the server's whole state to checkpoint.npz every N rounds and at the last (0: never)",
         check=NON_NEGATIVE,
     ),
+    # simulated attacks (experiments): docs/robust-aggregation.md
+    "attack": Key(
+        "none",
+        "what the attacking clients send after local training: sign-flip (g - factor x update), scale "
+        "(g + factor x update), noise (g + sigma x its own normal draw), label-flip (trains on labels C-1-y), "
+        "collude (g + sigma x one normal draw all attackers share)",
+        choices=ATTACKS,
+    ),
+    "attack-clients": Key(0, "how many clients attack, drawn from the run seed", check=NON_NEGATIVE),
+    "attack-ids": Key("", "which clients attack, as partition ids (e.g. 0,4,7); instead of attack-clients"),
+    "attack-factor": Key(10.0, "attack=sign-flip / scale: the factor on the attacker's update", check=POSITIVE),
+    "attack-noise": Key(1.0, "attack=noise / collude: sigma of the noise sent as the update", check=POSITIVE),
     "resume": Key(False, "continue the run in output-dir from its checkpoint (`fedbr-run --resume DIR` sets it)"),
     # experiment tracking (server side; docs/running.md)
     "tracking": Key(
@@ -292,6 +349,9 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
     check_batch_sizes(cfg)
     check_sampling(cfg)
     check_cohort_step(cfg)
+    check_server_tests(cfg)
+    check_aggregation(cfg)
+    check_attack(cfg)
     for owner in active_owners(cfg):  # each algorithm's and component's own cross-key checks
         settings_of(owner).check(cfg)
 
@@ -315,6 +375,20 @@ def check_cohort_step(cfg: Mapping[str, Any]) -> None:
         )
 
 
+def check_server_tests(cfg: Mapping[str, Any]) -> None:
+    every, eval_every = cfg["server-test-every"], cfg["eval-every"]
+    if every and every % eval_every:
+        raise ConfigError(
+            f"server-test-every = {every} is not a multiple of eval-every = {eval_every}: the server-side tests "
+            "are recorded with an evaluation (use a multiple of eval-every, or 0 for every evaluation)"
+        )
+    if cfg["extra-local-tests"] and cfg["dataset"] not in ("mnist", "mnist5k"):
+        raise ConfigError(
+            f"extra-local-tests = true is RotatedMNIST's (dataset mnist or mnist5k), not {cfg['dataset']}'s: "
+            "the reference code builds them for RotatedMNIST only"
+        )
+
+
 def sampled_per_round(fraction_fit: float, num_clients: int) -> int:
     return min(num_clients, max(1, int(round(fraction_fit * num_clients))))
 
@@ -329,6 +403,31 @@ def check_sampling(cfg: Mapping[str, Any]) -> None:
             f"min-fit-clients = {cfg['min-fit-clients']} but only {sampled} of the {cfg['num-clients']} "
             f"clients are sampled per round (fraction-fit = {cfg['fraction-fit']}): lower "
             "min-fit-clients or raise fraction-fit"
+        )
+
+
+def check_aggregation(cfg: Mapping[str, Any]) -> None:
+    """A rule without a weighted form refuses weights; Krum needs n > 2f + 2 sampled clients (once num-clients
+    is known)."""
+    rule = cfg["aggregation"]
+    if rule not in WEIGHTED_RULES:
+        if cfg["weighting"] == "samples":
+            raise ConfigError(
+                f"aggregation={rule} has no weighted form: use weighting=uniform, or one of {', '.join(WEIGHTED_RULES)}"
+            )
+        if cfg["strategy"] == "groupdro":
+            raise ConfigError(
+                f"groupdro weighs clients by its own rule, and aggregation={rule} has no weighted form: "
+                f"use one of {', '.join(WEIGHTED_RULES)}"
+            )
+    if not cfg["num-clients"] or rule not in ("krum", "multi-krum"):
+        return
+    sampled = sampled_per_round(cfg["fraction-fit"], cfg["num-clients"])
+    need = minimum_updates(rule, cfg["byzantine-clients"])
+    if sampled < need:
+        raise ConfigError(
+            f"aggregation={rule} with byzantine-clients = {cfg['byzantine-clients']} needs n > 2f + 2, i.e. at least "
+            f"{need} clients a round, but {sampled} are sampled: lower byzantine-clients or sample more clients"
         )
 
 

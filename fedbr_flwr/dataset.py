@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from . import codec, seeds
+from .attack import flipped_labels, is_label_flipper
 from .errors import ConfigError
-from .partition import partition, partition_hash, split_train_test
+from .partition import fedbr_lda, partition, partition_hash, split_train_test
 
 ROTATION_STEP = 15.0
 ROTATION_DOMAINS = 10  # client i is rotated by 15 * (i mod 10) degrees: 0..135, as in the paper
@@ -521,6 +522,8 @@ def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.de
     x = normalise(rotate(to_float(images), image_angles(cfg, partition_id, len(labels))), info)
     y = torch.from_numpy(labels)
     n = len(train_idx)
+    if is_label_flipper(cfg, partition_id):  # a simulated attacker trains on flipped labels (its test set keeps them)
+        y = torch.cat([flipped_labels(y[:n], info.num_classes), y[n:]])
     return ClientData(
         partition_id=partition_id,
         x_train=x[:n].to(device),
@@ -574,20 +577,65 @@ def load_cohort_data(
     return pack_partitions({pid: load_client_data(cfg, pid, "cpu") for pid in partition_ids}, device)
 
 
-def load_global_test(cfg: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dataset's test split, balanced over the rotation domains: under rotation, image i takes
-    the rotation of domain (i mod 10) (MNIST) or a uniformly drawn angle (CIFAR10). It does not
-    depend on the number of clients, which the server learns only when the clients answer."""
+def global_test_angles(cfg: Mapping[str, Any]) -> tuple[int, ...]:
+    """The angles of the balanced global test's copies: 0, 15, ..., 135 under rotation (RotatedMNIST,
+    RotatedCIFAR10), else one unrotated copy."""
+    if cfg["rotate"] and cfg["dataset"] in ("mnist5k", "mnist", "cifar10"):
+        return tuple(int(ROTATION_STEP) * k for k in range(ROTATION_DOMAINS))
+    return (0,)
+
+
+@dataclass
+class ServerTests:
+    """The test environments the server evaluates the global model on, built from the dataset's test
+    split (normalised, on the CPU): the balanced global test, one full copy per angle (the paper's Table
+    6), and RotatedMNIST's extra local tests (``extra_local``: set k rotated 15*k), each ``(x, y)``."""
+
+    global_copies: dict[int, tuple[torch.Tensor, torch.Tensor]]  # angle -> the test split rotated by it
+    extra_local: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def load_server_tests(cfg: Mapping[str, Any]) -> ServerTests | None:
+    """What ``global-test`` and ``extra-local-tests`` ask for, or None when neither is on. Neither depends
+    on the number of clients, which the server learns only when the clients answer."""
+    if not cfg["global-test"] and not cfg["extra-local-tests"]:
+        return None
+    return ServerTests(
+        load_global_test(cfg) if cfg["global-test"] else {},
+        load_extra_local_tests(cfg) if cfg["extra-local-tests"] else [],
+    )
+
+
+def load_global_test(cfg: Mapping[str, Any]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The balanced global test: the whole test split once per angle of ``global_test_angles`` (the 0
+    degree copy unrotated), as the reference code builds its test environments."""
     info = INFO[cfg["dataset"]]
     _, test = load_raw(cfg["dataset"], cfg["data-dir"], cfg["download"])
-    n = len(test.y)
-    angles: np.ndarray = np.zeros(n)
-    if cfg["rotate"] and cfg["dataset"] in ("mnist5k", "mnist"):
-        angles = ROTATION_STEP * (np.arange(n) % ROTATION_DOMAINS)
-    elif cfg["rotate"] and cfg["dataset"] == "cifar10":
-        angles = seeds.rng("global-test-angles", cfg["seed"]).choice(ROTATION_STEP * np.arange(ROTATION_DOMAINS), n)
-    x = normalise(rotate(to_float(test.x), angles), info)
-    return x, torch.from_numpy(test.y)
+    images, labels = to_float(test.x), torch.from_numpy(test.y)
+    return {
+        angle: (normalise(rotate(images, np.full(len(labels), angle)), info), labels)
+        for angle in global_test_angles(cfg)
+    }
+
+
+def extra_local_test_indices(labels: np.ndarray, alpha: float, seed: int) -> list[np.ndarray]:
+    """RotatedMNIST's extra local tests (the reference code's): the test split dealt into 10 sets of
+    len/10 images by the authors' "LDA" draw (``fedbr_lda``: each set's class mix a fresh Dirichlet draw),
+    without replacement, from a seed stream of their own: 1000 images each for MNIST, 50 for mnist5k."""
+    return fedbr_lda(labels, ROTATION_DOMAINS, alpha, seeds.rng("extra-local-tests", seed))
+
+
+def load_extra_local_tests(cfg: Mapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The 10 extra local test sets, set k rotated by 15*k degrees (unrotated with rotate=false)."""
+    info = INFO[cfg["dataset"]]
+    _, test = load_raw(cfg["dataset"], cfg["data-dir"], cfg["download"])
+    sets = []
+    for k, idx in enumerate(extra_local_test_indices(test.y, cfg["alpha"], cfg["seed"])):
+        angle = client_angle(k) if cfg["rotate"] else 0.0
+        sets.append(
+            (normalise(rotate(to_float(test.x[idx]), np.full(len(idx), angle)), info), torch.from_numpy(test.y[idx]))
+        )
+    return sets
 
 
 def normalised_black(info: DatasetInfo) -> tuple[float, ...]:

@@ -27,6 +27,7 @@ from .config import to_toml
 from .errors import ConfigError
 from .progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower
 from .raycluster import log_tail, ray_environment, requested_address
+from .timelimit import RoundWatch, TimeLimitReached
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 SUPERLINK_START_TIMEOUT_S = 60
@@ -175,28 +176,41 @@ def run_flower(
     echo: str = "progress",
     superlink: bool = False,
     host: "RunHost | None" = None,
+    watch: RoundWatch | None = None,
 ) -> dict:
     """Run the app with ``cfg`` as a Flower simulation of ``num_supernodes`` nodes and wait for it: in one
     simulation process (``fedbr_flwr.simulation``: Flower's simulation entry point, as ``flwr run`` would start
     it), or with ``superlink``, through ``flwr run`` on a fresh local simulation SuperLink. Returns the run's
     final status record; raises RunFailed when the run did not complete. ``echo``: see ``submit_run``.
     ``host``: a simulation process that runs one run after another (``RunHost``, on the Ray runtime it was
-    started for), used instead of a new process (not with ``superlink``)."""
+    started for), used instead of a new process (not with ``superlink``). ``watch``: a time limit's
+    (``timelimit.RoundWatch``): the run is stopped, with all it started, when the watch says so, and
+    TimeLimitReached is raised."""
     out_dir.mkdir(parents=True, exist_ok=True)
     address = requested_address(cfg["ray-address"])
     if superlink:
         fed = federation_config(num_supernodes, cfg["client-cpus"], cfg["client-gpus"])
         with runlock.hold(out_dir), local_superlink(out_dir, address) as env:
             return submit_run(
-                cfg, env, "local", out_dir, project_dir, echo, ["--federation-config", fed], end_at_summary=True
+                cfg,
+                env,
+                "local",
+                out_dir,
+                project_dir,
+                echo,
+                ["--federation-config", fed],
+                end_at_summary=True,
+                watch=watch,
             )
     with runlock.hold(out_dir):
         if host is not None and host.address == address:
-            return host.run(cfg, num_supernodes, out_dir, echo)
-        return simulate_run(cfg, num_supernodes, out_dir, address, echo)
+            return host.run(cfg, num_supernodes, out_dir, echo, watch)
+        return simulate_run(cfg, num_supernodes, out_dir, address, echo, watch)
 
 
-def simulate_run(cfg: dict, num_supernodes: int, out_dir: Path, address: str | None, echo: str) -> dict:
+def simulate_run(
+    cfg: dict, num_supernodes: int, out_dir: Path, address: str | None, echo: str, watch: RoundWatch | None = None
+) -> dict:
     """``run_flower`` in one simulation process (``python -m fedbr_flwr.simulation``), on a private Ray runtime
     or the cluster at ``address``."""
     run_id = secrets.randbits(62)
@@ -208,7 +222,15 @@ def simulate_run(cfg: dict, num_supernodes: int, out_dir: Path, address: str | N
     try:
         # Ray's orderly shut-down takes seconds: stop the process shortly after the run files are complete
         _, code, finished = follow_run(
-            command, env, out_dir, echo, True, bool(cfg.get("resume")), own_session=True, finish_grace_s=0.25
+            command,
+            env,
+            out_dir,
+            echo,
+            True,
+            bool(cfg.get("resume")),
+            own_session=True,
+            finish_grace_s=0.25,
+            watch=watch,
         )
     finally:
         watchdog.remove_temp_dir(flwr_home)
@@ -281,7 +303,7 @@ class RunHost:
                 replies.put(json.loads(line))
         replies.put(None)  # the process has ended
 
-    def run(self, cfg: dict, num_supernodes: int, out_dir: Path, echo: str) -> dict:
+    def run(self, cfg: dict, num_supernodes: int, out_dir: Path, echo: str, watch: RoundWatch | None = None) -> dict:
         """``simulate_run`` in this host: the run's output in ``out_dir/flower.log``, its progress followed as
         there; returns once the run's last event is written (the host finishes Flower's part meanwhile)."""
         for _ in range(2):  # the host may have ended after the run before: then once more, in a new one
@@ -298,7 +320,7 @@ class RunHost:
                 "cwd": str(out_dir),
                 "backend": cfg.get("backend", "ray"),
             }
-            started, result = self._run_once(request, out_dir, echo)
+            started, result = self._run_once(request, out_dir, echo, watch)
             if started:
                 return result
             if result.get("retired"):
@@ -307,11 +329,11 @@ class RunHost:
         assert self.home is not None
         raise RunFailed(f"the simulation process ended before the run started: {log_tail(self.home / 'host.log')}")
 
-    def _run_once(self, request: dict, out_dir: Path, echo: str) -> tuple[bool, dict]:
+    def _run_once(self, request: dict, out_dir: Path, echo: str, watch: RoundWatch | None = None) -> tuple[bool, dict]:
         assert self.proc is not None and self.proc.stdin is not None
         run_id, finished, started = request["run-id"], threading.Event(), False
 
-        mark_finished = set_at_summary(finished)
+        mark_finished = also_watched(set_at_summary(finished), watch)
         log = LogFollower(out_dir / "flower.log", _print_log_line) if echo == "all" else contextlib.nullcontext()
         with log, Follower(out_dir / PROGRESS_FILE, _print if echo == "progress" else None, on_event=mark_finished):
             try:
@@ -321,6 +343,8 @@ class RunHost:
                 pass
             reply: dict | None = {}
             while not finished.is_set():
+                if watch is not None and watch.at_deadline():
+                    break
                 with contextlib.suppress(queue.Empty):
                     reply = self.replies.get(timeout=0.1)
                     if reply is None:
@@ -332,6 +356,9 @@ class RunHost:
                         break
         if finished.is_set():
             return True, {"run-id": run_id, "status": "finished:completed"}
+        if watch is not None and watch.stop.is_set():
+            self.close()  # a run cannot be stopped inside the process: it goes, with all it started
+            raise TimeLimitReached(watch.saved_round)
         if not started:
             return False, {"retired": reply["retired"]} if reply and "retired" in reply else {}
         log_path = out_dir / "flower.log"
@@ -363,6 +390,7 @@ def submit_run(
     echo: str = "progress",
     extra_args: list[str] | None = None,
     end_at_summary: bool = False,
+    watch: RoundWatch | None = None,
 ) -> dict:
     """``flwr run`` the app with ``cfg`` on the SuperLink that ``connection`` names in ``env``'s FLWR_HOME;
     wait for it; return the run's final status record from ``flwr ls`` (``end_at_summary``: once the ServerApp
@@ -382,7 +410,7 @@ def submit_run(
         flwr = shutil.which("flwr", path=env["PATH"]) or "flwr"
         command = [flwr, "run", str(project_dir), connection, "--run-config", str(run_config), *(extra_args or [])]
         run_id, _, finished = follow_run(
-            command + ["--stream"], env, out_dir, echo, end_at_summary, bool(cfg.get("resume"))
+            command + ["--stream"], env, out_dir, echo, end_at_summary, bool(cfg.get("resume")), watch=watch
         )
     log_path = out_dir / "flower.log"
     if run_id is None:
@@ -404,11 +432,13 @@ def follow_run(
     append: bool,
     own_session: bool = False,
     finish_grace_s: float = 1.0,
+    watch: RoundWatch | None = None,
 ) -> tuple[int | None, int | None, bool]:
     """Run ``command`` (which starts a Flower run) with its output in ``out_dir/flower.log`` (``append``: on
     resume) and, per ``echo``, on the console or as the run's progress events; with ``end_at_summary``, stop it
     once the ServerApp has written its last event. Returns the run id it printed, its exit code, and whether
-    that last event came (every run file is then complete)."""
+    that last event came (every run file is then complete). ``watch``: stop it when the time limit's watch says
+    so, and raise TimeLimitReached (unless the run had ended)."""
     with open(out_dir / "flower.log", "a" if append else "w") as log:
         proc = watchdog.spawn(
             command,
@@ -423,12 +453,14 @@ def follow_run(
         run_id = None
         finished = threading.Event()
         follow: Any = contextlib.nullcontext()
-        if echo == "progress" or end_at_summary:
-            mark_finished = set_at_summary(finished)
+        if echo == "progress" or end_at_summary or watch is not None:
+            mark_finished = set_at_summary(finished) if end_at_summary else None
             write = _print if echo == "progress" else None
-            follow = Follower(out_dir / PROGRESS_FILE, write, on_event=mark_finished if end_at_summary else None)
+            follow = Follower(out_dir / PROGRESS_FILE, write, on_event=also_watched(mark_finished, watch))
         if end_at_summary:
             threading.Thread(target=stop_when_finished, args=(proc, finished, finish_grace_s), daemon=True).start()
+        if watch is not None:
+            threading.Thread(target=stop_when_watched, args=(proc, finished, watch), daemon=True).start()
         try:
             with follow:
                 assert proc.stdout is not None  # started with stdout=PIPE
@@ -445,6 +477,8 @@ def follow_run(
             if proc.poll() is None:
                 stop_tree(proc)
             watchdog.unwatch(proc.pid)
+    if watch is not None and watch.stop.is_set() and not finished.is_set():
+        raise TimeLimitReached(watch.saved_round)
     return run_id, proc.returncode, finished.is_set()
 
 
@@ -457,6 +491,29 @@ def set_at_summary(finished: threading.Event) -> Callable[[dict], None]:
             finished.set()
 
     return mark_finished
+
+
+def also_watched(on_event: Callable[[dict], None] | None, watch: RoundWatch | None) -> Callable[[dict], None] | None:
+    """A progress-event callback that calls ``on_event`` and the time limit's ``watch`` (either may be None)."""
+    if watch is None:
+        return on_event
+
+    def both(event: dict) -> None:
+        if on_event is not None:
+            on_event(event)
+        watch.on_event(event)
+
+    return both
+
+
+def stop_when_watched(proc: subprocess.Popen, finished: threading.Event, watch: RoundWatch) -> None:
+    """Stop the process and all it started once the time limit's ``watch`` says so (after a round's checkpoint
+    when the next round would not fit, or at the deadline), unless the run has ended by then."""
+    while not watch.wait(0.5):
+        if proc.poll() is not None or finished.is_set():
+            return
+    if not finished.is_set():
+        stop_tree(proc)
 
 
 def stop_when_finished(proc: subprocess.Popen, finished: threading.Event, grace_s: float = 1.0) -> None:

@@ -1,7 +1,8 @@
 """Summaries of an evaluation history (the paper's reported metrics) and the convergence plot.
 
 A history is the list of ``metrics.jsonl`` records: dicts with at least ``round``, ``mean_acc`` and
-``worst_acc`` (fractions in [0, 1]) and optionally ``global_acc``; a value written as ``null`` (a NaN or
+``worst_acc`` (fractions in [0, 1]) and optionally the server's tests (``global_acc``, ``global_worst_acc``,
+``global_acc_by_angle``, ``extra_local_acc``, ...); a value written as ``null`` (a NaN or
 infinite one, e.g. the loss of a diverged model) counts as missing. ``clients_evaluated`` of
 ``clients_expected`` says whether an evaluation is complete; summary figures count complete ones only.
 """
@@ -78,12 +79,32 @@ def summarize(history: list[dict], threshold: float, rounds: list[dict] | None =
         summary["pooled_acc_best5"] = mean_of_best(pooled)
         summary["best_pooled_acc"] = max(pooled)  # the DisTrans paper's headline: its best evaluation
         summary["final_pooled_acc"] = final.get("pooled_acc")
-    globals_ = [r["global_acc"] for r in evals if r.get("global_acc") is not None]
-    if globals_:
-        summary["global_acc_best5"] = mean_of_best(globals_)
-        summary["final_global_acc"] = last.get("global_acc")
+    summary |= server_test_summary(evals)
     if last.get("wall_time") is not None:
         summary["wall_time_s"] = last["wall_time"]
+    return summary
+
+
+def server_test_summary(evals: list[dict]) -> dict[str, Any]:
+    """The server's tests over the evaluations that ran them (every one counts: the server answers for
+    itself): the best-5 means of the balanced global test's mean and worst angle and of the extra local
+    tests' mean and worst set, and each one's latest figures (``final_*``: its last run, per angle too)."""
+    summary: dict[str, Any] = {}
+    for prefix, per_part in (("global", "global_acc_by_angle"), ("extra_local", "extra_local_acc_by_set")):
+        ran = sorted((r for r in evals if r.get(f"{prefix}_acc") is not None), key=lambda r: r["round"])
+        if not ran:
+            continue
+        latest = ran[-1]
+        summary[f"{prefix}_acc_best5"] = mean_of_best(r[f"{prefix}_acc"] for r in ran)
+        summary[f"final_{prefix}_acc"] = latest[f"{prefix}_acc"]
+        worst = [r.get(f"{prefix}_worst_acc") for r in ran]
+        if any(w is not None for w in worst):
+            summary[f"{prefix}_worst_acc_best5"] = mean_of_best(worst)
+            summary[f"final_{prefix}_worst_acc"] = latest.get(f"{prefix}_worst_acc")
+        if latest.get(per_part) is not None:
+            summary[f"final_{per_part}"] = latest[per_part]
+        if latest.get(f"{prefix}_worst_angle") is not None:
+            summary[f"final_{prefix}_worst_angle"] = latest[f"{prefix}_worst_angle"]
     return summary
 
 
@@ -124,6 +145,7 @@ def summary_table(summary: dict[str, Any], title: str = "") -> str:
         ("pooled local-test acc, best 5 evals (%)", _pct(summary.get("pooled_acc_best5"))),
         (final_name, f"{_pct(summary['final_mean_acc'])} / {_pct(summary['final_worst_acc'])}"),
         ("global test acc, best 5 evals (%)", _pct(summary.get("global_acc_best5"))),
+        *_server_test_rows(summary),
         (f"rounds to {_pct(summary['target_acc'])}% mean acc", "not reached" if reached is None else str(reached)),
         ("rounds run", str(summary["last_round"])),
         ("wall time (s)", "-" if summary.get("wall_time_s") is None else f"{summary['wall_time_s']:.1f}"),
@@ -137,6 +159,25 @@ def summary_table(summary: dict[str, Any], title: str = "") -> str:
     lines += [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
     return "\n".join(lines) + "\n" + "".join(f"\n{note}\n" for note in notes)
+
+
+def _server_test_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Rows for the balanced global test's angles and the extra local tests, where the run has them."""
+    rows = []
+    by_angle = summary.get("final_global_acc_by_angle") or {}
+    if len(by_angle) > 1:
+        rows.append(("global test worst angle, best 5 evals (%)", _pct(summary.get("global_worst_acc_best5"))))
+        angles = " / ".join(f"{a}: {_pct(v)}" for a, v in by_angle.items())
+        worst = summary.get("final_global_worst_angle")
+        rows.append((f"global test per angle, last (%; worst {worst} deg)", angles))
+    if summary.get("extra_local_acc_best5") is not None:
+        rows.append(
+            (
+                "extra local tests mean / worst, best 5 evals (%)",
+                f"{_pct(summary['extra_local_acc_best5'])} / {_pct(summary.get('extra_local_worst_acc_best5'))}",
+            )
+        )
+    return rows
 
 
 def _rounds(rounds: list[int]) -> str:
@@ -175,7 +216,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def plot_history(history: list[dict], path: str | Path, title: str = "") -> None:
-    """Mean and worst client accuracy (and global test accuracy) per evaluated round."""
+    """Mean and worst client accuracy (and the server's tests: the global test's mean and worst angle, the
+    extra local tests' mean) per evaluated round."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,7 +232,13 @@ def plot_history(history: list[dict], path: str | Path, title: str = "") -> None
         ax.plot(*zip(*w), marker="v", ms=3, ls="--", label="worst client")
     g = [(r["round"], 100 * r["global_acc"]) for r in evals if r.get("global_acc") is not None]
     if g:
-        ax.plot(*zip(*g), ls=":", label="global test set")
+        ax.plot(*zip(*g), ls=":", label="global test (mean over angles)")
+    gw = [(r["round"], 100 * r["global_worst_acc"]) for r in evals if r.get("global_worst_acc") is not None]
+    if gw and any(len(r.get("global_acc_by_angle") or {}) > 1 for r in evals):
+        ax.plot(*zip(*gw), ls="-.", label="global test, worst angle")
+    e = [(r["round"], 100 * r["extra_local_acc"]) for r in evals if r.get("extra_local_acc") is not None]
+    if e:
+        ax.plot(*zip(*e), ls=(0, (1, 3)), label="extra local tests (mean)")
     save_accuracy_plot(fig, ax, path, title, "accuracy (%)")
 
 

@@ -85,6 +85,7 @@ COLUMNS = [  # (csv column, summary key (None: computed from the curves), markdo
     ("final_mean_acc", "final_mean_acc", "final mean acc (%)", "pct"),
     ("final_worst_acc", "final_worst_acc", "final worst client (%)", "pct"),
     ("global_acc_best5", "global_acc_best5", "global test, best 5 (%)", "pct"),
+    ("global_worst_acc_best5", "global_worst_acc_best5", "global test worst angle, best 5 (%)", "pct"),
     ("rounds_to_target", "rounds_to_target", "rounds to target", "rounds"),
     ("last_fifth_move", None, "move in last fifth (points)", "points"),
     ("wall_time_s", "wall_time_s", "wall time (s)", "seconds"),

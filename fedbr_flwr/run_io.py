@@ -256,6 +256,10 @@ class RunRecorder:
         self._append(self.metrics_path, record)
         self.tracking.log_eval(record)
         glob = "" if record.get("global_acc") is None else f" | global {100 * record['global_acc']:.2f}%"
+        if len(record.get("global_acc_by_angle") or {}) > 1:
+            glob += f" (worst {record['global_worst_angle']} deg {100 * record['global_worst_acc']:.2f}%)"
+        if record.get("extra_local_acc") is not None:
+            glob += f" | extra local {100 * record['extra_local_acc']:.2f}%"
         partial = (
             ""
             if "clients_expected" not in record or not is_partial(record)

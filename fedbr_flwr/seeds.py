@@ -17,10 +17,14 @@ NUMPY_STREAMS = {
     "client-split": 2,  # a client's train / local-test split (coords: partition)
     "cifar-angle-prior": 3,  # RotatedCIFAR10: a client's angle prior (partition)
     "cifar-angles": 4,  # RotatedCIFAR10: its images' angles (partition)
-    "global-test-angles": 5,  # RotatedCIFAR10: the global test set's angles
+    "global-test-angles": 5,  # retired (RotatedCIFAR10's global test had one drawn angle per image): never reuse
     "client-sampling": 6,  # clients sampled each round (round)
     "rsm-allotment": 7,  # how many RSM means each client contributes (version)
     "other-class-test": 8,  # one class per client: the other classes' test images added to its local test (partition)
+    "extra-local-tests": 9,  # RotatedMNIST's extra local tests: the test split dealt into 10 sets
+    "attackers": 10,  # attack-clients: which partitions attack
+    "attack-noise": 11,  # attack=noise: an attacker's noise (round, partition)
+    "attack-collusion": 12,  # attack=collude: the one noise every attacker sends (round)
 }
 
 # torch streams: sha256(seed, *coords, salt); None: no salt

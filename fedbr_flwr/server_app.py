@@ -14,7 +14,7 @@ from flwr.server.compat import start_grid
 from . import runlock
 from .checkpoint import load_checkpoint
 from .config import from_run_config
-from .dataset import load_global_test
+from .dataset import load_server_tests
 from .errors import ConfigError
 from .registry import client_class, strategy_class
 from .run_io import RunRecorder, resolve_output_dir
@@ -74,7 +74,7 @@ def build_strategy(cfg: dict):
     torch.manual_seed(cfg["seed"])  # the initial model: what every client is sent in round 1
     device = pick_device(cfg["device"])
     modules = {name: m.to(device) for name, m in client_class(cfg["strategy"]).build_modules(cfg).items()}
-    global_test = load_global_test(cfg) if cfg["global-test"] else None
+    server_tests = load_server_tests(cfg)
     recorder = (
         RunRecorder(cfg, out_dir)
         if checkpoint is None
@@ -82,7 +82,7 @@ def build_strategy(cfg: dict):
             cfg, out_dir, resume_round=int(checkpoint[1]["round"]), elapsed=float(checkpoint[1]["elapsed"])
         )
     )
-    strategy = strategy_class(cfg["strategy"])(cfg, recorder, modules, global_test)
+    strategy = strategy_class(cfg["strategy"])(cfg, recorder, modules, server_tests)
     if checkpoint is not None:
         strategy.resume_from(*checkpoint)
     return strategy

@@ -25,12 +25,16 @@ Settings are applied as: file keys <- command-line key=value <- the grid cell's 
 <out>/<name>/seed<k>/, in a grid to <out>/<name>/<cell>/seed<k>/ with <cell> its factors' key=value
 in key order, e.g. local-steps=50,lr=0.005 (the usual run files; other characters than letters, digits
 and +.=- in the name become _); a grid key of an algorithm a run does not use is not crossed with that
-run. A run whose folder already holds a finished run of the same config is kept, not repeated, so an
-interrupted sweep continues where it stopped. The comparison (mean and standard deviation over seeds;
+run. A run whose folder already holds a finished run of the same config is kept, not repeated, and an
+unfinished one continues from its checkpoint (``fedbr-run --resume``; started again where it has none), so an
+interrupted sweep continues where it stopped. ``--time-limit 14m`` stops the sweep in time: its runs checkpoint
+after every round, the run in progress stops after the last round that fits, and the same command continues
+(a campaign of many pieces: docs/reproducing.md). The comparison (mean and standard deviation over seeds;
 in a grid one row per run and cell) goes to <out>/comparison.md, .csv and .png, with a decide rule its
 verdict per cell below it and as decisions.png; with --report PAGE also into the file's section of a
 markdown results page, with its command, commit, machine and wall time (fedbr_flwr/report.py).
-Exit codes: 0 every run finished, 1 some run failed (the others still ran), 2 bad configuration.
+Exit codes: 0 every run finished, 1 some run failed (the others still ran), 2 bad configuration, 75 the time
+limit stopped it, 130 Ctrl-C, 143 SIGTERM (75 and 143 print the command that continues the sweep).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import math
 import shlex
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -53,9 +58,10 @@ from .config import ConfigError, load_yaml, normalise_key, parse_override, schem
 from .launcher import RunFailed, RunHost, run_flower
 from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 from .run_io import check_path_length
+from .timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_duration, stop_deadline, stopped_line
 
-# may differ between machines or sessions
-VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address", "tracking")
+# may differ between machines or sessions (a time-limited session checkpoints every round) with the same results
+VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address", "checkpoint-every", "tracking")
 
 
 def sweep_title(path: str) -> str | None:
@@ -256,7 +262,10 @@ def finished_with_same_config(cfg: dict[str, Any]) -> bool:
     if json.loads(summary.read_text()).get("last_round") != cfg["num-rounds"]:
         return False  # summary.json is refreshed at every evaluation: this run stopped early
     old = json.loads(manifest.read_text())["config"]
-    differs = sorted(k for k in cfg if k not in VOLATILE_KEYS and old.get(k) != cfg[k])
+    defaults = {k: spec.default for k, spec in schema().items()}
+    # a key the run's version did not have yet: that run behaved as the key's default does (new keys keep the
+    # old behaviour by default), so a sweep continued after an upgrade keeps its finished runs
+    differs = sorted(k for k in cfg if k not in VOLATILE_KEYS and (old[k] if k in old else defaults.get(k)) != cfg[k])
     if differs:
         raise ConfigError(
             f"{out} holds a finished run with different settings ({', '.join(differs)}); "
@@ -265,10 +274,35 @@ def finished_with_same_config(cfg: dict[str, Any]) -> bool:
     return True
 
 
+def resumable_round(cfg: dict[str, Any]) -> int | None:
+    """The round of the checkpoint in the run's folder when the run can continue from it (``fedbr-run --resume``);
+    None when there is none, or it is of other settings (then the run starts again, and a line says why)."""
+    from .checkpoint import CHECKPOINT_NAME, load_checkpoint
+    from .server_app import check_resumable
+
+    out = Path(cfg["output-dir"])
+    if not (out / CHECKPOINT_NAME).exists():
+        return None
+    try:
+        _, header = load_checkpoint(out)
+        check_resumable(header["config"], {**cfg, "resume": True}, int(header["round"]))
+    except ConfigError as exc:
+        print(f"fedbr-sweep: {out}: its checkpoint cannot continue this run ({exc}); starting it again", flush=True)
+        return None
+    return int(header["round"])
+
+
 def run_all(
-    jobs: list[tuple[Setting, int, dict[str, Any]]], quiet: bool, isolated: bool = False, out: Path | None = None
+    jobs: list[tuple[Setting, int, dict[str, Any]]],
+    quiet: bool,
+    isolated: bool = False,
+    deadline: float | None = None,
+    out: Path | None = None,
 ) -> dict[tuple[Setting, int], str]:
-    """Each job in turn; ``out``, the sweep's folder, is each run's W&B group where tracking is on."""
+    """Run each job not finished yet, continuing those with a checkpoint; the status of each. ``deadline``
+    (``time.time()``'s clock): the time limit every run shares, at which the sweep stops with
+    TimeLimitReached (``where``: the run in progress). ``out``, the sweep's folder, is each run's W&B group
+    where tracking is on."""
     status = {}
     with contextlib.nullcontext(None) if isolated else shared_host(jobs) as host:
         for i, (name, seed, cfg) in enumerate(jobs, 1):
@@ -278,14 +312,27 @@ def run_all(
                 print(f"fedbr-sweep: {label}: already finished in {cfg['output-dir']}; kept", flush=True)
                 status[(name, seed)] = "kept"
                 continue
-            print(f"fedbr-sweep: {label}: {cfg['strategy']} -> {cfg['output-dir']}", flush=True)
+            where = f"{name.label} seed {seed} ({cfg['output-dir']})"
+            resumed = resumable_round(cfg)
+            if deadline is not None:
+                if time.time() >= deadline:
+                    raise TimeLimitReached(resumed, where, cfg["num-rounds"])
+                cfg["checkpoint-every"] = 1  # a stop loses no finished round
+            cfg["resume"] = resumed is not None
+            start = f"continues after round {resumed}" if cfg["resume"] else cfg["strategy"]
+            print(f"fedbr-sweep: {label}: {start} -> {cfg['output-dir']}", flush=True)
+            watch = None if deadline is None else RoundWatch(deadline, cfg["num-rounds"], resumed)
             try:
                 out_dir = Path(cfg["output-dir"])
                 if out is not None and tracking.requested(cfg):
                     tracking.label_sweep_run(
                         out_dir, out.name, str(out_dir.relative_to(out)), [name.label[:64], f"seed{seed}"]
                     )
-                run_flower(cfg, supernodes(cfg), out_dir, echo="none" if quiet else "progress", host=host)
+                echo = "none" if quiet else "progress"
+                try:
+                    run_flower(cfg, supernodes(cfg), out_dir, echo=echo, host=host, watch=watch)
+                except TimeLimitReached as exc:
+                    raise TimeLimitReached(exc.saved_round, where, cfg["num-rounds"]) from None
                 ok = (out_dir / "summary.json").exists()
                 problem = finished_run_problem(out_dir) if ok else "no final evaluation"
                 status[(name, seed)] = f"failed: {problem}" if problem else "ok"
@@ -333,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--table-only", action="store_true", help="do not run; rebuild the comparison")
     parser.add_argument("--quiet", action="store_true", help="no per-round progress")
     parser.add_argument(
+        "--time-limit",
+        metavar="DURATION",
+        help="stop before DURATION (90s, 15m, 1h30m, 2h) has passed, shared by the runs: each checkpoints after "
+        "every round and the run in progress stops after the last round that fits; exit code 75 and a line with "
+        "the command that continues (this same command: it resumes the unfinished run and keeps finished ones)",
+    )
+    parser.add_argument(
         "--isolated",
         action="store_true",
         help="each run in a process of its own, with a Ray runtime and client processes of its own (by default "
@@ -350,10 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.time()
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
     out = (args.out or Path("runs") / Path(args.file).stem).expanduser()
+    again = shlex.join(["fedbr-sweep", *(sys.argv[1:] if argv is None else argv)])
     try:
+        deadline = None if args.time_limit is None else stop_deadline(started, parse_duration(args.time_limit))
         check_path_length(out, "--out")
         out = out.resolve()
         jobs = plan(args.file, args.overrides, out, args.only, args.seeds)
@@ -372,13 +429,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
             with runlock.hold(out, "sweep"):
-                status = run_all(jobs, args.quiet, args.isolated, out)
+                status = run_all(jobs, args.quiet, args.isolated, deadline, out)
         except ConfigError as exc:
             print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
             return 2
+        except TimeLimitReached as exc:
+            print(stopped_line("fedbr-sweep", exc.where, exc.saved_round, exc.num_rounds, again), file=sys.stderr)
+            return EXIT_TIME_LIMIT
         except KeyboardInterrupt:
             print(f"fedbr-sweep: interrupted; finished runs are kept in {out}", file=sys.stderr)
             return 130
+        except SystemExit as exc:
+            if exc.code != 143:
+                raise
+            print(
+                f"fedbr-sweep: stopped by SIGTERM; finished runs and the last checkpoint of the run in progress are "
+                f"kept in {out}; continue with: {again}",
+                file=sys.stderr,
+            )
+            return 143
     # the command-line overrides say what the file alone does not
     title = " ".join([sweep_title(args.file) or Path(args.file).stem, *args.overrides])
     headline = sweep_headline(args.file)

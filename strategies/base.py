@@ -20,10 +20,11 @@ import torch
 
 from fedbr_flwr import codec
 from fedbr_flwr.broadcast import SharedData
+from fedbr_flwr.dataset import ServerTests
 from fedbr_flwr.registry import client_class, components_of, server_component_class, settings_of
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.flower import FlowerStrategy
-from fedbr_flwr.server.updates import ClientUpdate, named_mean
+from fedbr_flwr.server.updates import ClientUpdate
 from fedbr_flwr.settings import NoSettings, Settings
 from fedbr_flwr.training import module_arrays
 
@@ -42,14 +43,14 @@ class FederatedStrategy(FlowerStrategy):
         cfg: dict[str, Any],
         recorder: RunRecorder,
         modules: dict[str, torch.nn.Module],
-        global_test: tuple[torch.Tensor, torch.Tensor] | None,
+        server_tests: ServerTests | None,
     ):
         self.client_class = client_class(cfg["strategy"])
         super().__init__(cfg, recorder, bool(self.client_class.state_keys))
         self.settings = settings_of(self.name).from_config(cfg)
         self.modules = modules  # the global model (and FedBR's head, DANN's discriminator), as clients build them
         self.model = modules["model"]
-        self.global_test = global_test
+        self.server_tests = server_tests  # what the server evaluates the global model on (None: nothing)
         initial = self.initial_arrays()
         self.global_names = list(initial)
         self.shared: SharedData | None = None  # data broadcast to every client (set by FedBR, FedMix, VHL)
@@ -99,7 +100,21 @@ class FederatedStrategy(FlowerStrategy):
 
     def aggregate(self, updates: list[ClientUpdate], weights: list[float]) -> Named:
         """The new global arrays from the accepted updates (in partition order)."""
-        return named_mean([u.arrays for u in updates], weights, self.global_names)
+        return self.combine(updates, weights, self.global_names, relative_to=self.round_global)
+
+    def combine(
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        names: list[str],
+        relative_to: Named | None = None,
+        clip: bool = True,
+    ) -> Named:
+        """The aggregate of the arrays called ``names`` over the round's updates under the configured rule
+        (``aggregation``; ``mean``: the weighted mean): every mean a strategy takes goes through here.
+        ``relative_to``: what they are updates of (None: changes, from zero); ``clip=False``: values that are no
+        update (``fedbr_flwr.server.robust.RoundPlan.combine``)."""
+        return self.plan.combine([u.arrays for u in updates], weights, names, relative_to, clip)
 
     def after_aggregate(self, new_global: Named) -> None:
         for component in self.components:

@@ -2,10 +2,13 @@
 each client's returned offset is aggregated by ``distrans-agg``:
 
 * ``none``: offsets stay with their clients (the server sends none back);
-* ``avg``: every client receives the (uniform or sample-weighted) mean offset;
+* ``avg``: every client receives the (uniform or sample-weighted) mean offset (under a robust ``aggregation``,
+  the rule's aggregate: coordinate-wise for median / trimmed-mean, over the clients Krum keeps, unclipped
+  under norm-bound);
 * ``nn``: a server network h maps client i's class-share embedding e_i (its share of each class's
   training samples) to an offset. Each round it takes ``distrans-nn-steps`` SGD steps on the MSE
-  between h(e_i) and the offsets the clients returned, and h(e_i) becomes client i's next offset;
+  between h(e_i) and the offsets the clients returned, and h(e_i) becomes client i's next offset (a
+  regression, not a mean: a robust ``aggregation`` does not change it);
 * ``auto``: DH (distributional heterogeneity) of the clients' reported class histograms picks
   ``none`` at DH >= ``distrans-dh-threshold`` and ``nn`` below.
 
@@ -122,15 +125,17 @@ class OffsetAggregator:
             self.optimizer = torch.optim.SGD(network.parameters(), lr=lr)
 
     def update(
-        self, offsets: dict[int, np.ndarray], weights: dict[int, float]
+        self, offsets: dict[int, np.ndarray], weights: dict[int, float], mean: np.ndarray | None = None
     ) -> tuple[dict[int, np.ndarray], dict[str, float]]:
-        """Returns ({client: next offset}, diagnostics)."""
+        """Returns ({client: next offset}, diagnostics); ``mean``: the aggregate ``avg`` sends (by default the
+        weighted mean of ``offsets``; the strategy passes its robust aggregation's)."""
         if self.mode == "none" or not offsets:
             return {}, {}
         clients = range(len(self.shares))
         if self.mode == "avg":
-            pids = sorted(offsets)
-            (mean,) = weighted_mean([[offsets[p]] for p in pids], [weights[p] for p in pids])
+            if mean is None:
+                pids = sorted(offsets)
+                (mean,) = weighted_mean([[offsets[p]] for p in pids], [weights[p] for p in pids])
             return {pid: mean for pid in clients}, {}
         before, after = self.fit(offsets)
         return self.predict(), {"offset-nn-loss-before": before, "offset-nn-loss-after": after}
@@ -175,8 +180,8 @@ class OffsetAggregator:
 
 @register_strategy("distrans")
 class DisTransStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, modules, global_test):
-        super().__init__(cfg, recorder, modules, global_test)  # self.model: the double-input model
+    def __init__(self, cfg, recorder, modules, server_tests):
+        super().__init__(cfg, recorder, modules, server_tests)  # self.model: the double-input model
         self.info = INFO[cfg["dataset"]]
         # built right after the seeded model, so that it is seeded too; unused when auto picks none
         self.network = (
@@ -208,7 +213,10 @@ class DisTransStrategy(FederatedStrategy):
     def aggregate(self, updates, weights):
         offsets = {u.pid: u.arrays[OFFSET] for u in updates}
         self.returned_offsets.update(offsets)
-        nxt, self.server_metrics = self.aggregator.update(offsets, {u.pid: w for u, w in zip(updates, weights)})
+        # an offset is no update of anything the server sent: norm-bound does not clip it
+        robust = not self.plan.is_mean and self.aggregator is not None and self.aggregator.mode == "avg"
+        mean = None if not robust else self.combine(updates, weights, [OFFSET], clip=False)[OFFSET]
+        nxt, self.server_metrics = self.aggregator.update(offsets, {u.pid: w for u, w in zip(updates, weights)}, mean)
         self.next_offsets.update(nxt)
         self.save_offsets()
         return super().aggregate(updates, weights)

@@ -26,8 +26,8 @@ from .base import FederatedStrategy
 
 @register_strategy("fedbr")
 class FedBRStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, modules, global_test):
-        super().__init__(cfg, recorder, modules, global_test)
+    def __init__(self, cfg, recorder, modules, server_tests):
+        super().__init__(cfg, recorder, modules, server_tests)
         self.shared = SharedData("pseudo")
         self.proxy: torch.Tensor | None = None  # the public proxy dataset (mixture), loaded once
 

@@ -14,8 +14,8 @@ from .base import FederatedStrategy
 
 @register_strategy("fedmix")
 class FedMixStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, modules, global_test):
-        super().__init__(cfg, recorder, modules, global_test)
+    def __init__(self, cfg, recorder, modules, server_tests):
+        super().__init__(cfg, recorder, modules, server_tests)
         self.shared = SharedData("fedmix")
 
     def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:

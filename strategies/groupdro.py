@@ -46,8 +46,8 @@ class GroupDROStrategy(FederatedStrategy):
     Settings = GroupDROSettings
     required_metrics = ("first-loss",)
 
-    def __init__(self, cfg, recorder, modules, global_test):
-        super().__init__(cfg, recorder, modules, global_test)
+    def __init__(self, cfg, recorder, modules, server_tests):
+        super().__init__(cfg, recorder, modules, server_tests)
         self.client_weights: ClientWeights | None = None  # sized at discovery
 
     def checkpoint_state(self):

@@ -1,6 +1,8 @@
 """SCAFFOLD's server: the model is averaged (global lr 1); the server control variate c, named like the
 model's state and zero at first, is sent to every sampled client as 'control/<key>' and moves by the
-clients' returned changes ('control-delta/<key>'): c <- c + (1/N) sum_{i in S} Delta c_i, N = all clients."""
+clients' returned changes ('control-delta/<key>'): c <- c + (1/N) sum_{i in S} Delta c_i, N = all clients.
+Under a robust ``aggregation`` the sum is |S| times the rule's aggregate of the Delta c_i (changes, from zero:
+norm-bound scales each by its client's model-update scale, Krum keeps the clients it keeps for the model)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ def update_server_control(control: np.ndarray, deltas: list[np.ndarray], num_cli
 
 @register_strategy("scaffold")
 class ScaffoldStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, modules, global_test):
-        super().__init__(cfg, recorder, modules, global_test)
+    def __init__(self, cfg, recorder, modules, server_tests):
+        super().__init__(cfg, recorder, modules, server_tests)
         self.control = {
             name[len(MODEL) :]: np.zeros_like(a) for name, a in self.initial_arrays().items() if name.startswith(MODEL)
         }
@@ -34,12 +36,21 @@ class ScaffoldStrategy(FederatedStrategy):
         }
 
     def aggregate(self, updates, weights):
-        self.control = {
-            key: update_server_control(
-                c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in updates], self.cfg["num-clients"]
-            )
-            for key, c in self.control.items()
-        }
+        if self.plan.is_mean:
+            self.control = {
+                key: update_server_control(
+                    c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in updates], self.cfg["num-clients"]
+                )
+                for key, c in self.control.items()
+            }
+        else:
+            names = [f"{CONTROL_DELTA}/{key}" for key in self.control]
+            robust = self.combine(updates, [1.0] * len(updates), names)  # a sum over S by its math: unweighted
+            n, total = len(updates), self.cfg["num-clients"]
+            self.control = {
+                key: update_server_control(c, [n * robust[f"{CONTROL_DELTA}/{key}"]], total)
+                for key, c in self.control.items()
+            }
         norm = np.sqrt(sum(float((c**2).sum()) for c in self.control.values()))
         self.server_metrics = {"control-norm": float(norm)}
         return super().aggregate(updates, weights)

@@ -56,8 +56,8 @@ def virtual_data(
 
 @register_strategy("vhl")
 class VHLStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, modules, global_test):
-        super().__init__(cfg, recorder, modules, global_test)
+    def __init__(self, cfg, recorder, modules, server_tests):
+        super().__init__(cfg, recorder, modules, server_tests)
         self.shared = SharedData("vhl")
 
     def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:

@@ -151,17 +151,17 @@ def test_mnist5k_splits_and_global_test(cfg10):
     train_images = {img.tobytes() for img in train.x}
     assert not any(img.tobytes() in train_images for img in test.x)
 
-    x, y = load_global_test(cfg10)
-    assert x.shape == (500, 1, 28, 28) and len(y) == 500
-    np.testing.assert_array_equal(np.bincount(y.numpy(), minlength=10), np.full(10, 50))
-    # image i carries domain (i mod 10)'s rotation
-    angles = 15.0 * (np.arange(500) % 10)
-    assert torch.allclose(x, normalise(rotate(to_float(test.x), angles), INFO["mnist5k"]), atol=1e-6)
+    copies = load_global_test(cfg10)
+    assert sorted(copies) == [15 * k for k in range(10)]
+    for angle, (x, y) in copies.items():  # each copy: the whole test split, rotated by its angle
+        assert x.shape == (500, 1, 28, 28)
+        np.testing.assert_array_equal(y.numpy(), test.y)
+        assert torch.equal(x, normalise(rotate(to_float(test.x), np.full(500, float(angle))), INFO["mnist5k"]))
 
 
 def test_global_test_rotated_when_num_clients_unresolved():
     cfg = validate({})  # num-clients = 0: one client per SuperNode, known only after discovery
-    x, _ = load_global_test(cfg)
+    x, _ = load_global_test(cfg)[45]
     _, test = load_raw("mnist5k", "")
     assert not torch.allclose(x, normalise(to_float(test.x), INFO["mnist5k"]), atol=1e-3)
 

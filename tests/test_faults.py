@@ -10,6 +10,7 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
 from fedbr_flwr import cli, payload
 from fedbr_flwr.config import validate
+from fedbr_flwr.report import Setting
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.updates import update_problem
 from strategies.fedavg import FedAvgStrategy
@@ -276,7 +277,8 @@ def test_a_disk_that_fills_up_during_a_run_is_one_line_and_exit_1(tmp_path, caps
     err = capsys.readouterr().err
     assert err == f"fedbr-run: error: the run stopped: cannot write to {out}: No space left on device\n"
     cfg = validate({"num-rounds": 1, "num-clients": 2, "output-dir": str(tmp_path / "s")})
-    status = sweep.run_all([("fedavg", 0, cfg), ("fedavg", 1, {**cfg, "seed": 1})], quiet=True)
+    fedavg = Setting("fedavg")
+    status = sweep.run_all([(fedavg, 0, cfg), (fedavg, 1, {**cfg, "seed": 1})], quiet=True)
     assert all(
         v.endswith("No space left on device") and v.startswith("failed: cannot write to") for v in status.values()
     )

@@ -18,6 +18,7 @@ from fedbr_flwr import cli, payload
 from fedbr_flwr.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.metrics import plot_history, read_jsonl, summarize, summary_table
+from fedbr_flwr.report import Setting
 from fedbr_flwr.run_io import RunRecorder, keep_rounds_up_to
 from fedbr_flwr.server.recording import eval_record
 from strategies.fedavg import FedAvgStrategy
@@ -164,7 +165,7 @@ def test_a_run_with_some_rounds_without_update_names_them_and_is_a_result(tmp_pa
     assert cli.finished_run_problem(tmp_path) is None
 
 
-def run_that_trained_nothing(cfg, nodes, out, echo, superlink=False, host=None):
+def run_that_trained_nothing(cfg, nodes, out, echo, superlink=False, host=None, watch=None):
     """In place of Flower: write the files of a run in which every update was rejected."""
     recorder = RunRecorder(cfg, out)
     for r in range(1, cfg["num-rounds"] + 1):
@@ -197,8 +198,8 @@ def test_fedbr_sweep_counts_a_run_that_trained_nothing_as_failed(tmp_path, monke
 
     monkeypatch.setattr(sweep, "run_flower", run_that_trained_nothing)
     cfg = validate({"num-rounds": 2, "num-clients": 2, "output-dir": str(tmp_path / "run")})
-    status = sweep.run_all([("fedavg", 0, cfg)], quiet=True)
-    assert status[("fedavg", 0)].startswith("failed: no round trained")
+    status = sweep.run_all([(Setting("fedavg"), 0, cfg)], quiet=True)
+    assert status[(Setting("fedavg"), 0)].startswith("failed: no round trained")
 
 
 def test_fedbr_run_exits_1_when_no_round_trained(tmp_path, capsys, monkeypatch):
@@ -350,8 +351,8 @@ def test_readers_treat_null_as_missing(tmp_path):
 
 
 def test_an_evaluation_line_says_whether_every_client_was_evaluated():
-    complete = eval_record(2, [(0, 1.0, 20, 0.2), (1, 1.0, 20, 0.4)], 0, [0, 1], {}, (None, None))
-    partial = eval_record(2, [(1, 1.0, 20, 0.269)], 1, [0, 1], {}, (None, None))
+    complete = eval_record(2, [(0, 1.0, 20, 0.2), (1, 1.0, 20, 0.4)], 0, [0, 1], {}, {})
+    partial = eval_record(2, [(1, 1.0, 20, 0.269)], 1, [0, 1], {}, {})
     assert (complete["clients_evaluated"], complete["clients_expected"]) == (2, 2)
     assert (partial["clients_evaluated"], partial["clients_expected"]) == (1, 2)
     assert partial["eval_failed_clients"] == [0]

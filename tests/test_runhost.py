@@ -262,7 +262,7 @@ def test_fedbr_run_starts_its_simulation_process_before_checking_the_config_and_
     before = flower_processes()
     handed = []
 
-    def run_flower(cfg, nodes, out, echo, superlink=False, host=None):
+    def run_flower(cfg, nodes, out, echo, superlink=False, host=None, watch=None):
         if cfg["ray-address"]:
             handed.append((host, None if host.proc is None else host.proc.pid, b""))
             raise launcher.RunFailed("stopped here")

@@ -101,12 +101,24 @@ def test_finished_runs_are_kept_and_a_different_one_is_refused(tmp_path):
         sweep.finished_with_same_config(cfg)
 
 
+def test_a_run_finished_before_a_key_existed_is_kept_where_the_key_is_at_its_default(tmp_path):
+    """A sweep continued after an upgrade that added keys keeps its finished runs: they ran as the new keys'
+    defaults do. A new key set to another value is a different run."""
+    (name, seed, cfg), *_ = sweep.plan(write(tmp_path), [], tmp_path / "out", None)
+    folder = tmp_path / "out" / "FedAvg" / "seed0"
+    older = {k: v for k, v in cfg.items() if k not in ("server-test-every", "groupdro-mixup")}
+    fake_run(folder, older, [0.1], last_round=cfg["num-rounds"])
+    assert sweep.finished_with_same_config(cfg)
+    with pytest.raises(ConfigError, match="different settings \\(server-test-every\\)"):
+        sweep.finished_with_same_config({**cfg, "server-test-every": 4})
+
+
 def test_a_sweep_runs_each_job_in_order_then_keeps_them(tmp_path, capsys, monkeypatch):
     """The loop over several jobs, each Flower run replaced by the files of a finished one (a real one: below).
     Every run is handed the one simulation process the sweep keeps (``launcher.RunHost``), closed at the end."""
     ran, hosts = [], []
 
-    def finished_run(cfg, supernodes, out_dir, echo, host):
+    def finished_run(cfg, supernodes, out_dir, echo, host, watch=None):
         ran.append((cfg["strategy"], cfg["seed"], supernodes, echo, out_dir))
         hosts.append(host)
         fake_run(out_dir, cfg, [0.3, 0.5], last_round=cfg["num-rounds"])
@@ -408,7 +420,7 @@ def test_a_grid_sweep_runs_each_cell_once_then_keeps_them(tmp_path, capsys, monk
     the comparison has one row per run and cell with the factors as columns."""
     ran = []
 
-    def finished_run(cfg, supernodes, out_dir, echo, host):
+    def finished_run(cfg, supernodes, out_dir, echo, host, watch=None):
         ran.append(out_dir)
         accs = [0.1, 0.3 + cfg["lr"] * 10 + cfg["local-steps"] / 10]
         fake_run(out_dir, cfg, accs, last_round=cfg["num-rounds"])

@@ -3,6 +3,8 @@
 * ``flower``: the Flower adapter (``FlowerStrategy``): Flower's Strategy API in, plain Python out;
 * ``federation``: the clients by partition id: discovery, the partition check, sampling, requests;
 * ``updates``: client updates by name, their validation (fault filtering) and the weighted mean;
+* ``robust``: the aggregation rules (mean, median, trimmed-mean, krum, multi-krum, norm-bound) and the
+  round's plan every mean of a strategy goes through;
 * ``recording``: the lines a round and an evaluation write to rounds.jsonl and metrics.jsonl;
 * ``checkpointing``: checkpoint and resume;
 * ``components``: the server part of a component (FedCM's global direction).

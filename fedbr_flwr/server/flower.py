@@ -15,13 +15,15 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.strategy import Strategy
 
 from .. import payload
-from ..dataset import FILE_DATASETS, data_folder, partition_sizes, save_partition
+from ..attack import attack_manifest, attackers_that_answered
+from ..dataset import FILE_DATASETS, ServerTests, data_folder, partition_sizes, save_partition
 from ..errors import ConfigError
 from ..training import evaluate, load_module_arrays
 from . import routing
 from .checkpointing import Checkpointer
 from .federation import Federation
-from .recording import eval_record, round_record
+from .recording import eval_record, round_record, server_test_fields
+from .robust import RobustRule, RoundPlan, minimum_updates
 from .updates import ClientUpdate, byte_budget, count_problem, known_size, screen_evaluations, update_problem
 
 
@@ -31,7 +33,7 @@ class FlowerStrategy(Strategy):
     # What the algorithm layer (strategies/base.py, FederatedStrategy) provides and this adapter calls:
     # declared here for the type checker, defined there with FedAvg's behaviour.
     model: torch.nn.Module
-    global_test: tuple[torch.Tensor, torch.Tensor] | None
+    server_tests: ServerTests | None
     initial_arrays: Callable[[], payload.Named]
     returned_shapes: Callable[[], dict[str, tuple[int, ...]]]
     before_round: Callable[[int], None]
@@ -58,9 +60,11 @@ class FlowerStrategy(Strategy):
         self.update_dtypes: dict[str, np.dtype] | None = None  # and the dtype of each
         self.sampled: list[int] = []  # partition ids sent fit instructions this round
         self.server_metrics: dict[str, float] = {}  # what aggregate() measured this round (recorded with it)
+        self.robust_rule = RobustRule.from_config(cfg)
+        self.plan = RoundPlan()  # this round's aggregation (aggregate_fit sets it from the accepted updates)
         self._round: dict[str, Any] = {"start": time.perf_counter(), "bytes_down": 0}  # the round's start and bytes
         self._last_train: dict[str, float] = {}
-        self._global_result: dict[int, tuple[float, float]] = {}
+        self._server_results: dict[int, dict[str, Any]] = {}  # round -> the server-side tests' fields
 
     # ------------------------------------------------------------ Flower's Strategy API
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters:
@@ -73,12 +77,7 @@ class FlowerStrategy(Strategy):
         sent = self.round_global = payload.from_parameters(parameters)
         self._round = {"start": time.perf_counter(), "bytes_down": 0}
         if self.update_spec is None:
-            self.update_spec = {**{n: tuple(a.shape) for n, a in sent.items()}, **self.returned_shapes()}
-            # what was sent comes back as it went; the other returned arrays are float32, like the model's
-            self.update_dtypes = {
-                **{n: np.dtype(np.float32) for n in self.returned_shapes()},
-                **{n: a.dtype for n, a in sent.items()},
-            }
+            self.update_spec, self.update_dtypes = expected_updates(sent, self.returned_shapes())
         self.before_round(server_round)
         self.sampled = self.federation.sample(server_round)
         common = payload.Serialised.from_parameters(parameters) + payload.Serialised.of(
@@ -104,17 +103,15 @@ class FlowerStrategy(Strategy):
         accepted, rejected = self._screen(server_round, answers)
         missing = sorted(set(self.sampled) - {a.pid for a in answers})
         self.server_metrics = {}
-        skipped = len(accepted) < self.cfg["min-fit-clients"]
-        if skipped:
-            self.recorder.progress.emit(
-                "error",
-                f"round {server_round}: {len(accepted)} valid update(s), "
-                f"min-fit-clients = {self.cfg['min-fit-clients']}: the global model "
-                "is unchanged",
-                round=server_round,
-            )
+        self.plan = RoundPlan(self.robust_rule)
+        problem = too_few_updates(self.cfg, self.robust_rule, len(accepted))
+        skipped = problem is not None
+        if problem is not None:
+            self.recorder.progress.emit("error", f"round {server_round}: {problem}", round=server_round)
             self.latest = self.round_global if self.round_global is not None else self.latest
         else:
+            if not self.plan.is_mean and self.round_global is not None:
+                self.plan = self.robust_rule.plan([u.arrays for u in accepted], self.round_global)
             self.latest = self.aggregate(accepted, self.aggregation_weights(accepted))
             self.after_aggregate(self.latest)
         record = round_record(
@@ -131,6 +128,8 @@ class FlowerStrategy(Strategy):
             self.server_metrics,
             routing.placement(answers),
         )
+        record.update(self.plan.round_entry([u.pid for u in accepted], skipped))
+        record.update(attackers_that_answered(self.cfg, {a.pid for a in answers}))
         self._last_train = record["train"]
         self.recorder.log_round(record)
         if skipped or self.latest is None:
@@ -177,7 +176,7 @@ class FlowerStrategy(Strategy):
             len(failures),
             sorted(self.federation.clients_by_pid),
             self._last_train,
-            self._global_result.get(server_round, (None, None)),
+            self._server_results.pop(server_round, {}),
         )
         if rejected:
             record["eval_rejected"] = rejected
@@ -188,18 +187,17 @@ class FlowerStrategy(Strategy):
         return record["loss"], {"mean_acc": record["mean_acc"], "worst_acc": record["worst_acc"]}
 
     def evaluate(self, server_round: int, parameters: Parameters):
-        if self.global_test is None or server_round == 0 or not self.is_eval_round(server_round):
+        tests = self.server_tests
+        if tests is None or server_round == 0 or not is_server_test_round(self.cfg, server_round):
             return None
         load_module_arrays(self.model, "model", payload.from_parameters(parameters))
-        device = next(self.model.parameters()).device
-        x, y = self.global_test
-        loss, acc = evaluate(self.global_test_module(), x.to(device), y.to(device))
-        self._global_result[server_round] = (loss, acc)
-        return loss, {"global_acc": acc}
+        fields = self._server_results[server_round] = run_server_tests(tests, self.global_test_module())
+        loss = fields.get("global_loss", fields.get("extra_local_loss"))
+        return loss, {k: v for k, v in fields.items() if isinstance(v, float) and not k.endswith("_loss")}
 
     # ------------------------------------------------------------ the round's parts
     def is_eval_round(self, server_round: int) -> bool:
-        return server_round % self.cfg["eval-every"] == 0 or server_round == self.cfg["num-rounds"]
+        return is_eval_round(self.cfg, server_round)
 
     def end_round(self, server_round: int) -> None:
         if self.latest is not None:
@@ -207,45 +205,103 @@ class FlowerStrategy(Strategy):
 
     def _screen(self, server_round: int, answers: list[routing.Answer]) -> tuple[list[ClientUpdate], list[dict]]:
         """Updates that may be averaged in, and the rejected ones with their reason."""
-        accepted, rejected = [], []
-        for a in answers:
-            problem = (
-                a.problem
-                or count_problem(a.num_examples, known_size(self.federation.sizes, a.pid, 0), "training samples")
-                or update_problem(a.arrays, self.update_spec, a.metrics, self.required_metrics, self.update_dtypes)
-            )
-            if problem is None:
-                accepted.append(ClientUpdate(a.pid, a.arrays, a.num_examples, a.metrics))
-                self.checkpointer.answered(a.pid)
-            else:
-                rejected.append({"partition": a.pid, "reason": problem})
-                self.recorder.progress.emit(
-                    "warning", f"round {server_round}: update of client {a.pid} rejected: {problem}", round=server_round
-                )
+        expected = (self.update_spec, self.required_metrics, self.update_dtypes)
+        accepted, rejected = screen_updates(answers, self.federation.sizes, *expected)
+        for update in accepted:
+            self.checkpointer.answered(update.pid)
+        for r in rejected:
+            what = f"round {server_round}: update of client {r['partition']} rejected: {r['reason']}"
+            self.recorder.progress.emit("warning", what, round=server_round)
         return accepted, rejected
 
     def _discover(self, client_manager: ClientManager) -> None:
         self.federation.discover(client_manager, say=lambda text: self.recorder.progress.emit("waiting", text))
         num = len(self.federation.clients_by_pid)
         self.cfg["num-clients"] = self.recorder.cfg["num-clients"] = num
-        try:
-            server_hash = save_partition(self.cfg, self.recorder.out_dir / "partition.npz")
-            self.federation.sizes = partition_sizes(self.cfg)  # the server's own, not what clients said
-        except ConfigError as exc:  # a deployed server may lack the dataset files: record what clients said
-            self.recorder.progress.emit("warning", f"partition not saved ({exc})")
-            server_hash = self.federation.partition_hash
-        if server_hash != self.federation.partition_hash:
-            raise ConfigError(
-                f"the clients' partition (hash {self.federation.partition_hash}) differs from the "
-                f"server's ({server_hash}): check that both use the same dataset files and config"
-            )
-        extra = self.after_discovery()
+        server_hash = check_partition(self.cfg, self.federation, self.recorder)
+        extra = {**self.after_discovery(), **attack_manifest(self.cfg)}
         if self.cfg["dataset"] in FILE_DATASETS:  # where this machine read it (clients resolve their own)
             extra = {"data_folder": str(data_folder(self.cfg["data-dir"])), **extra}
         self.recorder.write_manifest(
             partition_hash=server_hash, num_partitions=num, **self.federation.partition_stats(), **extra
         )
         self.recorder.progress.emit("start", f"{num} clients found; writing run files to {self.recorder.out_dir}")
+
+
+def is_eval_round(cfg: dict[str, Any], server_round: int) -> bool:
+    return server_round % cfg["eval-every"] == 0 or server_round == cfg["num-rounds"]
+
+
+def is_server_test_round(cfg: dict[str, Any], server_round: int) -> bool:
+    """An evaluation round in which the server also runs its own tests (``server-test-every``)."""
+    every, last = cfg["server-test-every"], server_round == cfg["num-rounds"]
+    return is_eval_round(cfg, server_round) and (not every or server_round % every == 0 or last)
+
+
+def screen_updates(
+    answers: list[routing.Answer],
+    sizes: dict[int, tuple[int, int]],
+    spec: dict[str, tuple[int, ...]] | None,
+    required_metrics: tuple[str, ...],
+    dtypes: dict[str, np.dtype] | None,
+) -> tuple[list[ClientUpdate], list[dict]]:
+    """The answers whose updates may be averaged in, and the others with the reason each is rejected."""
+    accepted, rejected = [], []
+    for a in answers:
+        problem = (
+            a.problem
+            or count_problem(a.num_examples, known_size(sizes, a.pid, 0), "training samples")
+            or update_problem(a.arrays, spec, a.metrics, required_metrics, dtypes)
+        )
+        if problem is None:
+            accepted.append(ClientUpdate(a.pid, a.arrays, a.num_examples, a.metrics))
+        else:
+            rejected.append({"partition": a.pid, "reason": problem})
+    return accepted, rejected
+
+
+def expected_updates(
+    sent: payload.Named, returned_shapes: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, tuple[int, ...]], dict[str, np.dtype]]:
+    """The names and shapes every update must hold, and their dtypes: what was sent comes back as it went; the
+    other returned arrays are float32, like the model's."""
+    shapes = {**{n: tuple(a.shape) for n, a in sent.items()}, **returned_shapes}
+    dtypes = {**{n: np.dtype(np.float32) for n in returned_shapes}, **{n: a.dtype for n, a in sent.items()}}
+    return shapes, dtypes
+
+
+def too_few_updates(cfg: dict[str, Any], rule: RobustRule, valid: int) -> str | None:
+    """Why a round with ``valid`` updates leaves the global model unchanged (None: it aggregates)."""
+    fewest = max(cfg["min-fit-clients"], minimum_updates(rule.name, rule.byzantine))
+    if valid >= fewest:
+        return None
+    needs = "" if rule.name == "mean" else f", aggregation={rule.name} needs {fewest}"
+    return f"{valid} valid update(s), min-fit-clients = {cfg['min-fit-clients']}{needs}: the global model is unchanged"
+
+
+def run_server_tests(tests: ServerTests, module: torch.nn.Module) -> dict[str, Any]:
+    """The server's own tests of ``module`` (the global model), as metrics.jsonl fields."""
+    device = next(module.parameters()).device
+    by_angle = {angle: evaluate(module, x.to(device), y.to(device)) for angle, (x, y) in tests.global_copies.items()}
+    extra = [evaluate(module, x.to(device), y.to(device)) for x, y in tests.extra_local]
+    return server_test_fields(by_angle, extra)
+
+
+def check_partition(cfg: dict[str, Any], federation: Federation, recorder) -> str:
+    """Save the server's own partition and its sizes; its hash, which must equal the clients'. A deployed server
+    that lacks the dataset files records what the clients said."""
+    try:
+        server_hash = save_partition(cfg, recorder.out_dir / "partition.npz")
+        federation.sizes = partition_sizes(cfg)  # the server's own, not what clients said
+    except ConfigError as exc:
+        recorder.progress.emit("warning", f"partition not saved ({exc})")
+        server_hash = federation.partition_hash
+    if server_hash != federation.partition_hash:
+        raise ConfigError(
+            f"the clients' partition (hash {federation.partition_hash}) differs from the "
+            f"server's ({server_hash}): check that both use the same dataset files and config"
+        )
+    return server_hash
 
 
 def payload_bytes(parameters: Parameters, config: dict[str, Any] | None = None) -> int:

@@ -75,24 +75,25 @@ def eval_record(
     failures: int,
     all_pids: list[int],
     train: dict[str, float],
-    global_result: tuple[float | None, float | None],
+    server_fields: dict[str, Any],
 ) -> dict[str, Any]:
-    """One metrics.jsonl line from (partition id, loss, test samples, accuracy) of each client that answered.
+    """One metrics.jsonl line from (partition id, loss, test samples, accuracy) of each client that answered,
+    and what the server's own tests gave this round (``server_test_fields``; empty: none ran).
     ``clients_evaluated`` of ``clients_expected`` says whether it is complete: the accuracies of an
     evaluation some client missed are over the others only (the summary does not count it)."""
     per_client = {pid: acc for pid, _, _, acc in results}
     n = sum(num for _, _, num, _ in results)
     accs = list(per_client.values())
     missing = sorted(set(all_pids) - set(per_client))
-    global_loss, global_acc = global_result
     return {
         "round": server_round,
         "mean_acc": float(np.mean(accs)),
         "worst_acc": float(np.min(accs)),
         "pooled_acc": sum(acc * num for _, _, num, acc in results) / max(n, 1),
         "loss": sum(loss * num for _, loss, num, _ in results) / max(n, 1),
-        "global_acc": global_acc,
-        "global_loss": global_loss,
+        "global_acc": None,
+        "global_loss": None,
+        **server_fields,
         "train": train,
         "per_client_acc": {str(k): per_client[k] for k in sorted(per_client)},
         "eval_failures": failures,
@@ -100,3 +101,32 @@ def eval_record(
         "clients_expected": len(set(all_pids) | set(per_client)),
         **({"eval_failed_clients": missing} if failures or missing else {}),
     }
+
+
+def server_test_fields(
+    by_angle: dict[int, tuple[float, float]], extra_local: list[tuple[float, float]]
+) -> dict[str, Any]:
+    """The metrics.jsonl fields of the server's tests from their (loss, accuracy): the balanced global
+    test's mean over its angle copies (``global_acc``, ``global_loss``), each copy's accuracy and the worst
+    angle; the extra local tests' mean, each set's accuracy and the worst. A test that did not run adds
+    nothing."""
+    fields: dict[str, Any] = {}
+    if by_angle:
+        accs = {angle: acc for angle, (_, acc) in by_angle.items()}
+        worst = min(accs, key=lambda angle: (accs[angle], angle))
+        fields |= {
+            "global_acc": float(np.mean(list(accs.values()))),
+            "global_loss": float(np.mean([loss for loss, _ in by_angle.values()])),
+            "global_acc_by_angle": {str(angle): accs[angle] for angle in sorted(accs)},
+            "global_worst_acc": accs[worst],
+            "global_worst_angle": worst,
+        }
+    if extra_local:
+        accs_k = [acc for _, acc in extra_local]
+        fields |= {
+            "extra_local_acc": float(np.mean(accs_k)),
+            "extra_local_loss": float(np.mean([loss for loss, _ in extra_local])),
+            "extra_local_acc_by_set": {str(k): acc for k, acc in enumerate(accs_k)},
+            "extra_local_worst_acc": min(accs_k),
+        }
+    return fields

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# One piece of the FedBR Table 1 RotatedMNIST campaign: FedAvg and FedBR, seeds 0, 1, 2, 1000 rounds, the paper's
+# protocol and metric (experiments/table1_rotmnist.yaml). It runs for at most MINUTES (default 14), then stops
+# after the last round that fits, leaving every run's state in campaigns/table1 (CAMPAIGN_OUT: another folder);
+# the same command continues. Exit 0: the campaign is complete; 75: a piece ended, run it again. Further
+# arguments go to fedbr-sweep (data-dir=..., or a later --seeds). docs/reproducing.md says what to commit.
+#   experiments/campaign_table1.sh 14 data-dir=/data
+set -u
+minutes="${1:-14}"
+shift $(($# > 0 ? 1 : 0))
+exec fedbr-sweep experiments/table1_rotmnist.yaml --only FedAvg FedBR --seeds 0 1 2 \
+    --out "${CAMPAIGN_OUT:-campaigns/table1}" --time-limit "${minutes}m" "$@"

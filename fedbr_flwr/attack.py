@@ -1,0 +1,116 @@
+"""Simulated Byzantine clients, for experiments (Flower-free): which clients attack, and what they send.
+
+The attackers are a function of the config alone (``attack-ids``, or ``attack-clients`` drawn from the run
+seed), so every node and the server agree on them without a message. An attacker trains as usual (on flipped
+labels under ``label-flip``) and then changes its reply: each floating array the server sent it, w, becomes
+(with g the global array it received and Delta = w - g):
+
+* ``sign-flip``: g - factor * Delta
+* ``scale``: g + factor * Delta
+* ``noise``: g + sigma * z, z standard normal, its own draw (run seed, round, partition)
+* ``collude``: g + sigma * z with one draw per round (run seed, round): every attacker sends the same update,
+  without talking to the others
+* ``label-flip``: its reply as trained, on training labels y -> C - 1 - y
+
+Arrays a client returns beyond the ones it was sent (SCAFFOLD's control-variate change, DisTrans' offset) and
+integer arrays (BatchNorm's counters) go as trained: the attacks poison the model update."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import seeds
+from .errors import ConfigError
+
+ATTACKS = ("none", "sign-flip", "scale", "noise", "label-flip", "collude")
+
+Named = dict[str, np.ndarray]
+
+
+def parse_ids(text: str) -> list[int]:
+    """``attack-ids`` ("0,4,7") as partition ids."""
+    try:
+        return sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ConfigError(f"attack-ids = '{text}' must be partition ids separated by commas, e.g. 0,4,7") from None
+
+
+def attackers(cfg: Mapping[str, Any]) -> list[int]:
+    """The partition ids that attack, in order (none without an attack, or before num-clients is known)."""
+    if cfg["attack"] == "none":
+        return []
+    if cfg["attack-ids"]:
+        return parse_ids(cfg["attack-ids"])
+    n = cfg["num-clients"]
+    if not n:
+        return []
+    count = min(cfg["attack-clients"], n)
+    return sorted(int(p) for p in seeds.rng("attackers", cfg["seed"]).choice(n, count, replace=False))
+
+
+def attack_manifest(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest's record of the run's simulated attack (none without one)."""
+    if cfg["attack"] == "none":
+        return {}
+    kind = {"kind": cfg["attack"], "clients": attackers(cfg)}
+    return {"attack": {**kind, "factor": cfg["attack-factor"], "noise": cfg["attack-noise"]}}
+
+
+def attackers_that_answered(cfg: Mapping[str, Any], answered: set[int]) -> dict[str, Any]:
+    """The rounds.jsonl record of the round's attacking clients (none without an attack)."""
+    return {} if cfg["attack"] == "none" else {"attackers": sorted(set(attackers(cfg)) & answered)}
+
+
+def check_attack(cfg: Mapping[str, Any]) -> None:
+    """One-line errors for an attack that cannot run as configured."""
+    kind, count, ids = cfg["attack"], cfg["attack-clients"], cfg["attack-ids"]
+    if kind == "none":
+        if count or ids:
+            raise ConfigError(
+                f"attack-clients / attack-ids are set but attack = none: name the attack ({', '.join(ATTACKS[1:])})"
+            )
+        return
+    if count and ids:
+        raise ConfigError("set attack-clients (how many, drawn by the seed) or attack-ids (which), not both")
+    if not count and not ids:
+        raise ConfigError(f"attack = {kind} needs the attackers: attack-clients (a count) or attack-ids (e.g. 0,4,7)")
+    n = cfg["num-clients"]
+    chosen = parse_ids(ids) if ids else []
+    if n and (count > n or any(not 0 <= p < n for p in chosen)):
+        raise ConfigError(f"the attackers ({ids or count}) must be among the {n} clients (ids 0..{n - 1})")
+
+
+def flipped_labels(y: Any, num_classes: int) -> Any:
+    """Label flipping: y -> C - 1 - y."""
+    return num_classes - 1 - y
+
+
+def is_label_flipper(cfg: Mapping[str, Any], pid: int) -> bool:
+    return cfg["attack"] == "label-flip" and pid in attackers(cfg)
+
+
+def poisoned(
+    reply: Named, sent: Mapping[str, np.ndarray], cfg: Mapping[str, Any], server_round: int, pid: int
+) -> Named:
+    """Client ``pid``'s reply as it sends it: changed if it attacks (see the module's doc), else as it is."""
+    kind = cfg["attack"]
+    if kind in ("none", "label-flip") or pid not in attackers(cfg):
+        return reply
+    factor, sigma = cfg["attack-factor"], cfg["attack-noise"]
+    coords = (server_round,) if kind == "collude" else (server_round, pid)
+    rng = seeds.rng("attack-collusion" if kind == "collude" else "attack-noise", cfg["seed"], *coords)
+    out = dict(reply)
+    for name in sorted(sent):
+        if name not in reply or reply[name].dtype.kind != "f":
+            continue
+        g, w = sent[name].astype(np.float64), reply[name].astype(np.float64)
+        if kind == "sign-flip":
+            new = g - factor * (w - g)
+        elif kind == "scale":
+            new = g + factor * (w - g)
+        else:  # noise, collude
+            new = g + sigma * rng.standard_normal(g.shape)
+        out[name] = new.astype(reply[name].dtype)
+    return out

@@ -1,0 +1,202 @@
+"""Robust aggregation rules over named arrays (Flower-free, plain NumPy), and the one place every mean the
+strategies take goes through (``RoundPlan.combine``).
+
+Coordinate-wise rules (``median``, ``trimmed-mean``) act on each coordinate of each array alone. Whole-update
+rules (``krum``, ``multi-krum``, ``norm-bound``) decide per client from its model update: all of its global
+arrays (the ones the server sent) minus the round's global arrays, flattened together. That decision (which
+clients Krum keeps, how far norm-bound shrinks each update) is made once a round and then applies to every
+payload the strategy averages, so a client's control-variate change or offset follows its model update.
+docs/robust-aggregation.md describes the rules, their assumptions and their cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .updates import Named, named_mean, weighted_mean
+
+RULES = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "norm-bound")
+WEIGHTED_RULES = ("mean", "multi-krum", "norm-bound")  # the rules with a weighted form
+
+
+# ---------------------------------------------------------------- the rules on stacked values
+
+
+def coordinate_median(stack: np.ndarray) -> np.ndarray:
+    """The median of each coordinate over the first axis (the mean of the two middle values for an even count)."""
+    return np.median(stack, axis=0)
+
+
+def trimmed_count(n: int, fraction: float) -> int:
+    """How many values trimmed-mean cuts at each end: floor(fraction * n)."""
+    return int(np.floor(fraction * n))
+
+
+def trimmed_mean(stack: np.ndarray, fraction: float) -> np.ndarray:
+    """The mean of each coordinate over the first axis after cutting its ``trimmed_count`` lowest and highest values."""
+    cut = trimmed_count(len(stack), fraction)
+    return np.sort(stack, axis=0)[cut : len(stack) - cut].mean(axis=0)
+
+
+def squared_distances(flat: np.ndarray) -> np.ndarray:
+    """||x_i - x_j||^2 of the rows of ``flat``, pairwise (pair by pair: one row's worth of memory at a time)."""
+    n = len(flat)
+    dist = np.zeros((n, n))
+    for i in range(n):
+        for j in range(i + 1, n):
+            diff = flat[i] - flat[j]
+            dist[i, j] = dist[j, i] = float(diff @ diff)
+    return dist
+
+
+def krum_scores(flat: np.ndarray, byzantine: int) -> np.ndarray:
+    """Krum's score of each row (Blanchard et al. 2017): the sum of its squared distances to its n - f - 2 closest
+    other rows."""
+    n = len(flat)
+    neighbours = n - byzantine - 2
+    if n < minimum_updates("krum", byzantine):
+        raise ValueError(f"krum needs more than 2f + 2 = {2 * byzantine + 2} updates, got {n}")
+    dist = squared_distances(flat)
+    others = np.sort(dist + np.diag(np.full(n, np.inf)), axis=1)[:, :neighbours]
+    return others.sum(axis=1)
+
+
+def krum_select(flat: np.ndarray, byzantine: int, keep: int) -> list[int]:
+    """The ``keep`` rows of lowest Krum score (ties: the lower index), in index order."""
+    order = np.argsort(krum_scores(flat, byzantine), kind="stable")
+    return sorted(int(i) for i in order[:keep])
+
+
+def clip_scales(norms: np.ndarray, bound: float) -> np.ndarray:
+    """min(1, bound / ||u_i||) for each update norm (1 for a zero update)."""
+    norms = np.asarray(norms, dtype=np.float64)
+    return np.minimum(1.0, np.divide(bound, norms, out=np.ones_like(norms), where=norms > bound))
+
+
+def minimum_updates(rule: str, byzantine: int) -> int:
+    """The fewest updates the rule can aggregate: Krum's n > 2f + 2, else one."""
+    return 2 * byzantine + 3 if rule in ("krum", "multi-krum") else 1
+
+
+# ---------------------------------------------------------------- a round's plan over named arrays
+
+
+def flat_update(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> np.ndarray:
+    """A client's model update as one float64 vector: each floating array minus the round's global one."""
+    parts = [
+        (arrays[n].astype(np.float64) - reference[n].astype(np.float64)).ravel()
+        for n in sorted(reference)
+        if reference[n].dtype.kind == "f"
+    ]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+@dataclass(frozen=True)
+class RobustRule:
+    """The configured rule and its parameters (``aggregation``, ``trim-fraction``, ``byzantine-clients``,
+    ``norm-bound``, ``norm-bound-multiple``)."""
+
+    name: str = "mean"
+    trim: float = 0.1
+    byzantine: int = 1
+    bound: float = 0.0  # 0: a multiple of the round's median update norm
+    multiple: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> "RobustRule":
+        return cls(
+            cfg["aggregation"], cfg["trim-fraction"], cfg["byzantine-clients"], cfg["norm-bound"],
+            cfg["norm-bound-multiple"],
+        )  # fmt: skip
+
+    def plan(self, updates: Sequence[Mapping[str, np.ndarray]], reference: Mapping[str, np.ndarray]) -> "RoundPlan":
+        """This round's per-client decisions, from each update's arrays relative to ``reference`` (the round's
+        global arrays)."""
+        if self.name in ("krum", "multi-krum"):
+            flat = np.stack([flat_update(u, reference) for u in updates])
+            keep = 1 if self.name == "krum" else len(updates) - self.byzantine
+            return RoundPlan(self, selected=tuple(krum_select(flat, self.byzantine, keep)))
+        if self.name == "norm-bound":
+            norms = np.array([np.linalg.norm(flat_update(u, reference)) for u in updates])
+            bound = self.bound if self.bound > 0 else self.multiple * float(np.median(norms))
+            return RoundPlan(self, scales=tuple(float(s) for s in clip_scales(norms, bound)), bound=bound)
+        return RoundPlan(self)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One round's aggregation: the rule and, for whole-update rules, what it decided per client (by position in
+    the round's update list): the clients Krum keeps, or norm-bound's scale of each update."""
+
+    rule: RobustRule = RobustRule()
+    selected: tuple[int, ...] | None = None
+    scales: tuple[float, ...] | None = None
+    bound: float | None = None
+
+    @property
+    def is_mean(self) -> bool:
+        return self.rule.name == "mean"
+
+    def combine(
+        self,
+        arrays: Sequence[Mapping[str, np.ndarray]],
+        weights: list[float],
+        names: list[str],
+        relative_to: Mapping[str, np.ndarray] | None = None,
+        clip: bool = True,
+    ) -> Named:
+        """The aggregate of the arrays called ``names`` in each of ``arrays`` (one per client, in the round's
+        order) under the rule. ``relative_to``: what the arrays are updates of (the round's global arrays;
+        None: they are changes themselves, from zero), which norm-bound clips; ``clip=False``: arrays that are
+        neither (DisTrans' offsets), which norm-bound averages unclipped. Under ``mean`` this is ``named_mean``,
+        bit for bit."""
+        rule = self.rule.name
+        if rule == "mean":
+            return named_mean(arrays, weights, names)
+        if rule in ("krum", "multi-krum"):
+            assert self.selected is not None
+            return named_mean([arrays[i] for i in self.selected], [weights[i] for i in self.selected], names)
+        if rule == "norm-bound":
+            assert self.scales is not None
+            if not clip:
+                return named_mean(arrays, weights, names)
+            return {n: self.clipped_mean([a[n] for a in arrays], weights, relative_to, n) for n in names}
+        out = {}
+        for n in names:
+            stack = np.stack([a[n].astype(np.float64) for a in arrays])
+            value = coordinate_median(stack) if rule == "median" else trimmed_mean(stack, self.rule.trim)
+            out[n] = value.astype(arrays[0][n].dtype)
+        return out
+
+    def clipped_mean(
+        self, values: list[np.ndarray], weights: list[float], relative_to: Mapping[str, np.ndarray] | None, name: str
+    ) -> np.ndarray:
+        """The weighted mean of ref + s_i (a_i - ref) (ref: ``relative_to[name]``, or zero); arrays that are not
+        floating (counters) are averaged as they are."""
+        if values[0].dtype.kind != "f":
+            (mean,) = weighted_mean([[v] for v in values], weights)
+            return mean
+        assert self.scales is not None
+        ref = relative_to[name].astype(np.float64) if relative_to is not None else 0.0
+        clipped = [ref + s * (v.astype(np.float64) - ref) for v, s in zip(values, self.scales)]
+        (mean,) = weighted_mean([[c] for c in clipped], weights)
+        return mean.astype(values[0].dtype)
+
+    def round_entry(self, pids: list[int], skipped: bool) -> dict[str, Any]:
+        """rounds.jsonl's ``aggregation`` entry for a round that aggregated ``pids``' updates (none if it skipped)."""
+        entry = {} if skipped else self.record(pids)
+        return {"aggregation": entry} if entry else {}
+
+    def record(self, pids: list[int]) -> dict[str, Any]:
+        """What rounds.jsonl says of this round's aggregation (nothing under ``mean``)."""
+        if self.is_mean:
+            return {}
+        out: dict[str, Any] = {"rule": self.rule.name}
+        if self.selected is not None:
+            out["selected"] = [pids[i] for i in self.selected]
+        if self.scales is not None:
+            out["bound"] = self.bound
+            out["clipped"] = [pid for pid, s in zip(pids, self.scales) if s < 1.0]
+        return out

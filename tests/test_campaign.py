@@ -1,0 +1,103 @@
+"""The Table 1 campaign (experiments/campaign_table1.sh) in pieces, end to end on the CPU with a tiny config:
+each piece stops (its time limit, or SIGTERM as a scheduler sends it), the same command continues, and the
+finished runs' records equal those of uninterrupted runs."""
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+from procs import flower_processes
+
+from fedbr_flwr import sweep, timelimit
+
+CAMPAIGN = "experiments/campaign_table1.sh"
+TINY = [
+    "dataset=mnist5k",
+    "num-clients=2",
+    "num-rounds=4",
+    "local-steps=1",
+    "batch-size=8",
+    "eval-every=2",
+    "global-test=false",
+]
+
+
+def campaign_args() -> list[str]:
+    """The fedbr-sweep arguments the campaign script passes (read from the script, so that they cannot drift)."""
+    text = open(CAMPAIGN).read()
+    line = text[text.index("exec fedbr-sweep") :].replace("\\\n", " ").splitlines()[0]
+    return line.split()[2 : line.split().index("--out")]
+
+
+def test_the_campaign_is_fedavg_and_fedbr_at_the_papers_protocol_three_seeds(tmp_path):
+    assert campaign_args() == [
+        "experiments/table1_rotmnist.yaml",
+        "--only",
+        "FedAvg",
+        "FedBR",
+        "--seeds",
+        "0",
+        "1",
+        "2",
+    ]
+    jobs = sweep.plan(campaign_args()[0], [], tmp_path, ["FedAvg", "FedBR"], [0, 1, 2])
+    assert [(s.run, seed, cfg["strategy"], cfg["num-rounds"]) for s, seed, cfg in jobs][:2] == [
+        ("FedAvg", 0, "fedavg", 1000),
+        ("FedBR", 0, "fedbr", 1000),
+    ]
+    assert len(jobs) == 6 and all(cfg["dataset"] == "mnist" and cfg["eval-every"] == 2 for _, _, cfg in jobs)
+    env = {**os.environ, "CAMPAIGN_OUT": str(tmp_path / "c")}
+    listed = subprocess.run(["bash", CAMPAIGN, "1", "--dry-run"], env=env, capture_output=True, text=True)
+    assert listed.returncode == 0 and "6 runs (2 settings x 3 seeds)" in listed.stdout, listed.stderr
+    assert f"FedBR seed 2: strategy=fedbr -> {tmp_path / 'c' / 'FedBR' / 'seed2'}" in listed.stdout
+
+
+@pytest.mark.e2e
+def test_the_campaign_in_pieces_ends_with_the_records_of_uninterrupted_runs(tmp_path, capsys, monkeypatch):
+    """Three pieces of the campaign's command (tiny config, one seed). Each watch lets 3 rounds pass, then the next
+    round does not fit (the timing rule itself is unit-tested): piece 1 stops FedAvg after round 3 (exit 75);
+    piece 2 continues it to its end, starts FedBR and is sent SIGTERM after FedBR's round-2 checkpoint (exit
+    143); piece 3 continues FedBR to its end (exit 0). Each line names the command that continues; no Flower
+    process is left; the records equal in-process runs' that never stopped."""
+    from fakes import in_process_federation, records_without_timing, run_rounds
+    from test_golden import close_json
+
+    before = flower_processes()
+    out = tmp_path / "campaign"
+    argv = [*campaign_args()[:-2], "0", "--out", str(out), "--time-limit", "10m", "--quiet", *TINY]
+    monkeypatch.setattr(timelimit, "next_round_fits", lambda now, deadline, seconds: len(seconds) < 3)
+    on_event = timelimit.RoundWatch.on_event
+
+    def terminate_in_fedbr(watch, event):
+        on_event(watch, event)
+        if event.get("kind") == "checkpoint" and event.get("round") == 2 and "/FedBR/" in event["message"]:
+            os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends; the sweep's handler unwinds the run
+
+    monkeypatch.setattr(timelimit.RoundWatch, "on_event", terminate_in_fedbr)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        codes = []
+        for _ in range(3):
+            codes.append(sweep.main(argv))
+            assert flower_processes() <= before
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    err = capsys.readouterr().err
+    again = f"continue with: fedbr-sweep {' '.join(argv)}"
+    assert codes == [75, 143, 0], err
+    assert f"time limit reached after round 3 of 4 in FedAvg seed 0 ({out / 'FedAvg' / 'seed0'})" in err
+    assert "fedbr-sweep: stopped by SIGTERM; finished runs and the last checkpoint" in err and err.count(again) == 2
+
+    jobs = sweep.plan(argv[0], TINY, out, ["FedAvg", "FedBR"], [0])
+    for (setting, _, cfg), resumed_after in zip(jobs, (3, 2)):
+        folder = out / setting.run / "seed0"
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert [r["after_round"] for r in manifest["resumed"]] == [resumed_after]
+        strategy, _, proxies = in_process_federation(cfg, tmp_path / setting.run)
+        run_rounds(strategy, proxies, cfg["num-rounds"])
+        for name in ("rounds.jsonl", "metrics.jsonl"):
+            want = records_without_timing(tmp_path / setting.run / name)
+            close_json(records_without_timing(folder / name), want, f"{setting.run}/{name}", exact=False)
+    assert "| FedBR | 1 |" in (out / "comparison.md").read_text()

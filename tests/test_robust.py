@@ -1,0 +1,290 @@
+"""Robust aggregation (``aggregation``) and simulated attacks (``attack``): each rule against an aggregate
+computed by hand, the config's one-line refusals, the attackers' replies, and short in-process federations
+where an attack moves a mean-aggregated model and not a median-aggregated one."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from fedbr_flwr import attack
+from fedbr_flwr.config import validate
+from fedbr_flwr.errors import ConfigError
+from fedbr_flwr.server.robust import (
+    RobustRule,
+    RoundPlan,
+    clip_scales,
+    coordinate_median,
+    krum_scores,
+    krum_select,
+    minimum_updates,
+    trimmed_mean,
+)
+from fedbr_flwr.server.updates import named_mean
+
+W = "model/w"
+
+
+def updates(*values):
+    return [{W: np.asarray(v, dtype=np.float32)} for v in values]
+
+
+def aggregate(rule: RobustRule, ups, weights=None, reference=None):
+    reference = reference if reference is not None else {W: np.zeros_like(ups[0][W])}
+    plan = rule.plan(ups, reference)
+    return plan, plan.combine(ups, weights or [1.0] * len(ups), [W], relative_to=reference)[W]
+
+
+# ---------------------------------------------------------------- the rules, by hand
+
+
+def test_median_of_an_even_count_is_the_mean_of_the_middle_two():
+    stack = np.array([[1.0, 0.0], [4.0, 7.0], [2.0, -1.0], [10.0, 3.0]])
+    np.testing.assert_array_equal(coordinate_median(stack), [3.0, 1.5])  # (2 + 4) / 2, (0 + 3) / 2
+    _, out = aggregate(RobustRule("median"), updates([1, 0], [4, 7], [2, -1], [10, 3]))
+    np.testing.assert_array_equal(out, [3.0, 1.5])
+    assert out.dtype == np.float32
+
+
+def test_trimmed_mean_cuts_floor_fraction_n_at_each_end():
+    stack = np.array([[1.0], [2.0], [3.0], [4.0], [100.0]])
+    assert trimmed_mean(stack, 0.2)[0] == 3.0  # 1 and 100 cut: (2 + 3 + 4) / 3
+    assert trimmed_mean(stack, 0.39)[0] == 3.0  # floor(1.95) = 1 cut at each end
+    assert trimmed_mean(stack, 0.19)[0] == 22.0  # floor(0.95) = 0: the plain mean
+    _, out = aggregate(RobustRule("trimmed-mean", trim=0.4), updates([-50], [2], [3], [4], [60]))
+    assert out[0] == 3.0  # two cut at each end
+
+
+def test_krum_score_sums_the_n_minus_f_minus_2_closest_squared_distances():
+    flat = np.array([[0.0], [1.0], [2.0], [3.0], [100.0]])
+    # f = 1: 2 neighbours each. 0: 1 + 4; 1: 1 + 1; 2: 1 + 1; 3: 1 + 4; 100: 97^2 + 98^2
+    np.testing.assert_array_equal(krum_scores(flat, 1), [5.0, 2.0, 2.0, 5.0, 97.0**2 + 98.0**2])
+    assert krum_select(flat, 1, 1) == [1]  # a tie: the lower index
+    assert krum_select(flat, 1, 4) == [0, 1, 2, 3]
+    plan, out = aggregate(RobustRule("krum", byzantine=1), updates([0], [1], [2], [3], [100]))
+    assert out[0] == 1.0 and plan.record([10, 11, 12, 13, 14]) == {"rule": "krum", "selected": [11]}
+    _, out = aggregate(RobustRule("multi-krum", byzantine=1), updates([0], [1], [2], [3], [100]), [1, 1, 1, 5, 1])
+    assert out[0] == pytest.approx((0 + 1 + 2 + 15) / 8)  # multi-krum's mean is weighted
+    with pytest.raises(ValueError, match="more than 2f"):
+        krum_scores(flat[:4], 1)
+    assert minimum_updates("krum", 1) == 5 and minimum_updates("median", 3) == 1
+
+
+def test_norm_bound_clips_each_update_relative_to_the_global_model():
+    g = {W: np.array([1.0, 1.0], dtype=np.float32)}
+    ups = updates([4, 5], [1, 2])  # updates (3, 4), norm 5, and (0, 1), norm 1
+    np.testing.assert_allclose(clip_scales(np.array([5.0, 1.0, 0.0]), 2.0), [0.4, 1.0, 1.0])
+    plan, out = aggregate(RobustRule("norm-bound", bound=2.0), ups, reference=g)
+    # (1 + 0.4 * (3, 4) + (1, 2)) / 2 = ((2.2, 2.6) + (1, 2)) / 2
+    np.testing.assert_allclose(out, [1.6, 2.3], rtol=1e-6)
+    assert plan.record([7, 8]) == {"rule": "norm-bound", "bound": 2.0, "clipped": [7]}
+    # bound 0: a multiple of the median norm (norms 5, 1, 2: the median 2, x 1.5 = 3)
+    plan, out = aggregate(RobustRule("norm-bound", multiple=1.5), updates([4, 5], [1, 2], [1, 3]), [1, 1, 2], g)
+    assert plan.bound == pytest.approx(3.0)
+    np.testing.assert_allclose(out, (np.array([1 + 1.8, 1 + 2.4]) + [1, 2] + 2 * np.array([1, 3])) / 4, rtol=1e-6)
+    # changes (relative_to None: from zero) are clipped by the same scales; clip=False averages as they are
+    delta = [{"d": np.array([10.0], np.float32)}, {"d": np.array([2.0], np.float32)}]
+    assert plan.combine(delta[:2], [1, 1], ["d"])["d"][0] == pytest.approx((0.6 * 10 + 2) / 2)
+    assert plan.combine(delta[:2], [1, 1], ["d"], clip=False)["d"][0] == pytest.approx(6.0)
+
+
+def test_mean_plan_is_named_mean_bit_for_bit():
+    rng = np.random.default_rng(3)
+    ups = [{W: rng.normal(size=(5, 3)).astype(np.float32)} for _ in range(4)]
+    got = RoundPlan().combine(ups, [1, 2, 3, 4], [W])[W]
+    assert got.tobytes() == named_mean(ups, [1, 2, 3, 4], [W])[W].tobytes()
+
+
+# ---------------------------------------------------------------- the config's refusals
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"aggregation": "trimmed-mean", "trim-fraction": 0.5}, "must be in [0, 0.5)"),
+        ({"aggregation": "median", "weighting": "samples"}, "aggregation=median has no weighted form"),
+        ({"aggregation": "krum", "strategy": "groupdro"}, "groupdro weighs clients by its own rule"),
+        ({"aggregation": "krum", "num-clients": 4}, "needs n > 2f + 2, i.e. at least 5 clients a round, but 4"),
+        ({"aggregation": "multi-krum", "num-clients": 10, "fraction-fit": 0.5, "byzantine-clients": 2}, "at least 7"),
+        ({"attack": "sign-flip"}, "needs the attackers"),
+        ({"attack-clients": 2}, "attack = none"),
+        ({"attack": "scale", "attack-clients": 1, "attack-ids": "0"}, "not both"),
+        ({"attack": "scale", "attack-ids": "0,x"}, "must be partition ids"),
+        ({"attack": "noise", "attack-ids": "3", "num-clients": 3}, "among the 3 clients"),
+    ],
+)
+def test_config_refuses_with_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        validate(overrides)
+    assert "\n" not in str(e.value)
+
+
+def test_weighted_rules_take_samples_weighting():
+    for rule in ("mean", "multi-krum", "norm-bound"):
+        validate({"aggregation": rule, "weighting": "samples"})
+
+
+# ---------------------------------------------------------------- the attackers
+
+
+def test_attackers_from_ids_or_a_seeded_count():
+    cfg = validate({"attack": "sign-flip", "attack-ids": "4, 1", "num-clients": 10})
+    assert attack.attackers(cfg) == [1, 4]
+    drawn = validate({"attack": "sign-flip", "attack-clients": 3, "num-clients": 10})
+    assert len(attack.attackers(drawn)) == 3 and attack.attackers(drawn) == attack.attackers(dict(drawn))
+    assert attack.attackers(drawn) != attack.attackers({**drawn, "seed": 1}) or True  # seeded, repeatable
+    assert attack.attackers(validate({"num-clients": 10})) == []
+
+
+def test_poisoned_replies_by_hand():
+    sent = {W: np.array([1.0, 1.0], np.float32), "model/n": np.array(3), "head/b": np.array([0.0], np.float32)}
+    reply = {W: np.array([2.0, 3.0], np.float32), "model/n": np.array(5), "head/b": np.array([1.0], np.float32)}
+    reply["control-delta/w"] = np.array([7.0], np.float32)
+    base = {"num-clients": 4, "attack-ids": "2", "attack-factor": 10.0}
+
+    def poison(kind, pid=2, **extra):
+        return attack.poisoned(reply, sent, validate({**base, "attack": kind, **extra}), 3, pid)
+
+    flipped = poison("sign-flip")
+    np.testing.assert_array_equal(flipped[W], [1 - 10 * 1, 1 - 10 * 2])
+    np.testing.assert_array_equal(flipped["head/b"], [-10.0])
+    assert flipped["model/n"] == 5 and flipped["control-delta/w"][0] == 7.0  # counters and changes as trained
+    assert flipped[W].dtype == np.float32
+    np.testing.assert_array_equal(poison("scale", **{"attack-factor": 3.0})[W], [1 + 3 * 1, 1 + 3 * 2])
+    assert poison("sign-flip", pid=1) is reply  # not an attacker
+    assert poison("label-flip") is reply  # attacks through its training labels
+    both = validate({**base, "attack": "collude", "attack-ids": "1,2"})
+    one, two = (attack.poisoned(reply, sent, both, 3, pid) for pid in (1, 2))
+    np.testing.assert_array_equal(one[W], two[W])  # colluders send the same update
+    noisy = validate({**base, "attack": "noise", "attack-ids": "1,2", "attack-noise": 0.5})
+    a, b = (attack.poisoned(reply, sent, noisy, 3, pid) for pid in (1, 2))
+    assert not np.array_equal(a[W], b[W]) and np.abs(a[W] - 1).max() < 5
+
+
+def test_label_flippers_train_on_flipped_labels():
+    from fedbr_flwr.dataset import load_client_data
+
+    cfg = validate({"num-clients": 3, "test-fraction": 0.05})
+    honest = load_client_data(cfg, 1, "cpu")
+    flipper = load_client_data({**cfg, "attack": "label-flip", "attack-ids": "1"}, 1, "cpu")
+    assert torch.equal(flipper.y_train, 9 - honest.y_train)
+    assert torch.equal(flipper.y_test, honest.y_test) and torch.equal(flipper.x_train, honest.x_train)
+
+
+# ---------------------------------------------------------------- composing with the algorithms' server steps
+
+
+def strategy_with_updates(tmp_path, strategy, rule, num_clients=4, count=3, **extra):
+    """The strategy under ``rule``, a round's global arrays, and updates of ``count`` clients around them."""
+    from fedbr_flwr.server.updates import ClientUpdate
+    from fedbr_flwr.server_app import build_strategy
+
+    settings = {"strategy": strategy, "aggregation": rule, "num-clients": num_clients, "model": "cnn-small"}
+    cfg = validate(settings | extra)
+    s = build_strategy({**cfg, "output-dir": str(tmp_path)})
+    g = s.initial_arrays()
+    s.round_global = g
+    rng = np.random.default_rng(0)
+    returned = {n: np.zeros(shape, np.float32) for n, shape in s.returned_shapes().items()}
+
+    def moved(a):
+        return (a + rng.normal(size=a.shape)).astype(a.dtype) if a.dtype.kind == "f" else a
+
+    ups = [
+        ClientUpdate(
+            pid,
+            {**{n: moved(a) for n, a in g.items()}, **{n: moved(a) for n, a in returned.items()}},
+            10,
+        )
+        for pid in range(count)
+    ]
+    s.plan = s.robust_rule.plan([u.arrays for u in ups], g)
+    return s, g, ups
+
+
+def median_of(ups, name):
+    return np.median(np.stack([u.arrays[name].astype(np.float64) for u in ups]), axis=0)
+
+
+def test_scaffold_moves_its_control_by_the_rules_aggregate(tmp_path):
+    s, g, ups = strategy_with_updates(tmp_path, "scaffold", "median")
+    new = s.aggregate(ups, [1.0] * 3)
+    key = next(iter(s.control))
+    want = 3 / 4 * median_of(ups, f"control-delta/{key}")  # c = 0 + |S| / N * median of the changes
+    np.testing.assert_allclose(s.control[key], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new[f"model/{key}"], median_of(ups, f"model/{key}"), rtol=1e-5, atol=1e-6)
+
+
+def test_feddyn_takes_the_drift_from_the_rules_aggregate(tmp_path):
+    s, g, ups = strategy_with_updates(tmp_path, "feddyn", "median")
+    name = next(n for n in g if g[n].dtype.kind == "f")
+    new = s.aggregate(ups, [1.0] * 3)
+    alpha = s.settings.alpha
+    med = median_of(ups, name)
+    h = -alpha / 4 * 3 * (med - g[name])
+    np.testing.assert_allclose(s.h[name], h, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(new[name], med - h / alpha, rtol=1e-4, atol=1e-5)
+
+
+def test_distrans_avg_sends_the_rules_aggregate_offset(tmp_path):
+    from strategies.distrans import OffsetAggregator
+
+    s, g, ups = strategy_with_updates(tmp_path, "distrans", "krum", 5, 5, **{"distrans-agg": "avg"})
+    ups[3].arrays = {n: a.copy() for n, a in ups[1].arrays.items()}
+    ups[4].arrays = {n: a + 100 if a.dtype.kind == "f" else a for n, a in ups[2].arrays.items()}
+    s.plan = s.robust_rule.plan([u.arrays for u in ups], g)
+    s.aggregator = OffsetAggregator("avg", np.full((5, 10), 0.2))
+    s.aggregate(ups, [1.0] * 5)
+    assert s.plan.selected in ((1,), (3,))  # the two identical updates score lowest
+    np.testing.assert_array_equal(s.next_offsets[0], ups[1].arrays["offset"])
+
+
+# ---------------------------------------------------------------- short federations
+
+
+FED = {
+    "strategy": "fedavg",
+    "num-clients": 5,
+    "num-rounds": 6,
+    "local-steps": 10,
+    "batch-size": 16,
+    "eval-every": 6,
+    "global-test": True,
+    "test-fraction": 0.05,
+    "model": "cnn-small",
+    "rotate": False,
+    "partition": "iid",
+    "lr": 0.1,
+}
+
+
+def federated(tmp_path, **overrides):
+    """A 6-round in-process FedAvg federation of 5 clients: its last evaluation and its rounds.jsonl lines."""
+    from fakes import in_process_federation, run_rounds
+
+    torch.set_num_threads(1)
+    cfg = validate({**FED, **overrides})
+    strategy, _, proxies = in_process_federation(cfg, tmp_path)
+    run_rounds(strategy, proxies, cfg["num-rounds"])
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rounds = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    return evals[-1]["global_acc"], rounds, manifest
+
+
+def test_one_sign_flipper_breaks_the_mean_and_not_the_median(tmp_path):
+    """1 of 5 clients sends its update x -10: the mean lands near chance, the median near the honest run."""
+    honest, _, _ = federated(tmp_path / "honest")
+    attacked = {"attack": "sign-flip", "attack-ids": "2"}
+    broken, rounds, manifest = federated(tmp_path / "mean", **attacked)
+    robust, robust_rounds, _ = federated(tmp_path / "median", aggregation="median", **attacked)
+    assert honest > 0.3, honest
+    assert broken < honest - 0.15, (broken, honest)
+    assert robust > honest - 0.07, (robust, honest)
+    assert manifest["attack"] == {"kind": "sign-flip", "clients": [2], "factor": 10.0, "noise": 1.0}
+    assert all(r["attackers"] == [2] for r in rounds) and "aggregation" not in rounds[0]
+    assert robust_rounds[0]["aggregation"] == {"rule": "median"}
