@@ -31,6 +31,7 @@ from .raycluster import Cluster, requested_address
 from .run_io import check_output_dir, check_path_length, git_commit
 from .runlock import check_free
 from .timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_duration, stop_deadline, stopped_line
+from .tracking import check_available
 
 PYPROJECT_MARK = "# Generated from the schema by `fedbr-run --write-pyproject` (a test keeps it equal):\n"
 DEFAULT_SIMULATED_CLIENTS = 10
@@ -61,6 +62,7 @@ def settings_from(items: Sequence[str]) -> dict[str, Any]:
 
 def config_from_settings(settings: dict[str, Any]) -> dict[str, Any]:
     cfg = validate(settings)
+    check_available(cfg)
     if cfg["num-clients"] == 0:
         cfg["num-clients"] = DEFAULT_SIMULATED_CLIENTS
         check_sampling(cfg)
@@ -91,6 +93,7 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
     here = {"ray-address": "", "backend": "auto"}  # where it runs now: the resume command's choice
     cfg = validate({**saved, **here, **overrides, "resume": True, "output-dir": str(out_dir)})
     check_resumable(saved, cfg, int(header["round"]))
+    check_available(cfg)
     cfg["git-commit"] = git_commit(PROJECT_DIR) or "unknown"
     print(f"fedbr-run: resuming {out_dir} after round {header['round']} of {cfg['num-rounds']}", flush=True)
     return cfg
@@ -202,6 +205,7 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
     if cfg["num-clients"]:  # 0 (a deployment: one client per SuperNode) is checked when the nodes are known
         make_partition(cfg)  # fails here, before Flower starts, on a missing dataset or an impossible split
     check_proxy_dataset(cfg)
+    check_available(cfg)
     check_output_dir(out)  # a file in its place, no permission: a message now, not a traceback from Flower
     return cfg
 

@@ -20,6 +20,7 @@ from .attack import ATTACKS, check_attack
 from .errors import ConfigError, quoted
 from .server.robust import RULES, WEIGHTED_RULES, minimum_updates
 from .settings import BELOW_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, UNIT_INTERVAL, Check, Key
+from .tracking import valid_trackers
 
 __all__ = ["COMMON", "ConfigError", "Key", "defaults", "schema", "validate"]
 
@@ -195,6 +196,15 @@ COMMON: dict[str, Key] = {
     "attack-factor": Key(10.0, "attack=sign-flip / scale: the factor on the attacker's update", check=POSITIVE),
     "attack-noise": Key(1.0, "attack=noise / collude: sigma of the noise sent as the update", check=POSITIVE),
     "resume": Key(False, "continue the run in output-dir from its checkpoint (`fedbr-run --resume DIR` sets it)"),
+    # experiment tracking (server side; docs/running.md)
+    "tracking": Key(
+        "none",
+        "also log each round's metrics, evaluations and the config to tensorboard (the run folder's tensorboard/) "
+        "and/or wandb (respects WANDB_MODE=offline), comma-separated; each needs its extra "
+        '(pip install -e ".[tensorboard]", ".[wandb]"; docs/running.md)',
+        check=Check(valid_trackers, "none or a comma-separated list of: tensorboard, wandb"),
+        names=True,
+    ),
 }
 
 # keys of earlier versions: what replaced them

@@ -21,6 +21,7 @@ from . import jsonsafe
 from .errors import ConfigError, quoted
 from .metrics import is_partial, plot_history, read_jsonl, run_problem, summarize, summary_table
 from .progress import SUMMARY_EVENT, Progress
+from .tracking import Tracking
 
 PACKAGES = ("flwr", "torch", "torchvision", "numpy", "ray", "mlxtend", "pyyaml", "matplotlib")
 CODE_PACKAGES = ("fedbr_flwr", "clients", "strategies", "pseudodata")
@@ -203,6 +204,8 @@ class RunRecorder:
         self.start = time.time() - elapsed
         self.title = f"{cfg['strategy']} on {cfg['dataset']}"
         self.progress = Progress(out_dir, resumed=resume_round is not None)
+        # TensorBoard / W&B get exactly the records the line files get
+        self.tracking = Tracking(cfg, out_dir, resume_round, warn=lambda text: self.progress.emit("warning", text))
 
     def elapsed(self) -> float:
         return time.time() - self.start
@@ -237,6 +240,7 @@ class RunRecorder:
 
     def log_round(self, record: dict[str, Any]) -> None:
         self._append(self.rounds_path, record)
+        self.tracking.log_round(record)
         shown = {**record.get("train", {}), **record.get("server", {})}
         extras = "".join(f" | {k} {v:.4f}" for k, v in shown.items())
         failed = f" | {record['failures']} failed or rejected" if record.get("failures") else ""
@@ -250,6 +254,7 @@ class RunRecorder:
     def log_eval(self, record: dict[str, Any]) -> None:
         record = {**record, "wall_time": round(self.elapsed(), 3)}
         self._append(self.metrics_path, record)
+        self.tracking.log_eval(record)
         glob = "" if record.get("global_acc") is None else f" | global {100 * record['global_acc']:.2f}%"
         if len(record.get("global_acc_by_angle") or {}) > 1:
             glob += f" (worst {record['global_worst_angle']} deg {100 * record['global_worst_acc']:.2f}%)"
@@ -279,6 +284,7 @@ class RunRecorder:
         (self.out_dir / "summary.md").write_text(summary_table(summary, self.title))
         if history:
             plot_history(history, self.out_dir / "convergence.png", self.title)
+        self.tracking.close()
         problem = run_problem(summary)
         if problem:
             self.progress.emit("error", problem)

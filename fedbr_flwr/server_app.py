@@ -45,6 +45,7 @@ RESUMABLE_KEYS = (
     "backend",
     "resume",
     "git-commit",
+    "tracking",
 )
 
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from . import runlock
+from . import runlock, tracking
 from .cli import config_from_settings, finished_run_problem, prepare, size_for_runtime, supernodes
 from .config import ConfigError, load_yaml, normalise_key, parse_override, schema, unknown_key
 from .launcher import RunFailed, RunHost, run_flower
@@ -61,7 +61,7 @@ from .run_io import check_path_length
 from .timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_duration, stop_deadline, stopped_line
 
 # may differ between machines or sessions (a time-limited session checkpoints every round) with the same results
-VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address", "checkpoint-every")
+VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address", "checkpoint-every", "tracking")
 
 
 def sweep_title(path: str) -> str | None:
@@ -297,10 +297,12 @@ def run_all(
     quiet: bool,
     isolated: bool = False,
     deadline: float | None = None,
+    out: Path | None = None,
 ) -> dict[tuple[Setting, int], str]:
     """Run each job not finished yet, continuing those with a checkpoint; the status of each. ``deadline``
     (``time.time()``'s clock): the time limit every run shares, at which the sweep stops with
-    TimeLimitReached (``where``: the run in progress)."""
+    TimeLimitReached (``where``: the run in progress). ``out``, the sweep's folder, is each run's W&B group
+    where tracking is on."""
     status = {}
     with contextlib.nullcontext(None) if isolated else shared_host(jobs) as host:
         for i, (name, seed, cfg) in enumerate(jobs, 1):
@@ -322,6 +324,10 @@ def run_all(
             watch = None if deadline is None else RoundWatch(deadline, cfg["num-rounds"], resumed)
             try:
                 out_dir = Path(cfg["output-dir"])
+                if out is not None and tracking.requested(cfg):
+                    tracking.label_sweep_run(
+                        out_dir, out.name, str(out_dir.relative_to(out)), [name.label[:64], f"seed{seed}"]
+                    )
                 echo = "none" if quiet else "progress"
                 try:
                     run_flower(cfg, supernodes(cfg), out_dir, echo=echo, host=host, watch=watch)
@@ -423,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
             with runlock.hold(out, "sweep"):
-                status = run_all(jobs, args.quiet, args.isolated, deadline)
+                status = run_all(jobs, args.quiet, args.isolated, deadline, out)
         except ConfigError as exc:
             print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
             return 2

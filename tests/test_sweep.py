@@ -252,6 +252,7 @@ CPU_SIZED = {
     "experiments/distrans_table4_mnist5k.yaml": DISTRANS_MNIST,
     "experiments/regimes_rotmnist5k.yaml": ROTATED_MNIST,
     "experiments/regimes_distrans_mnist5k.yaml": DISTRANS_MNIST,
+    "experiments/robust_rotmnist5k.yaml": ROTATED_MNIST,
 }
 
 

@@ -1,0 +1,208 @@
+"""Experiment tracking (tracking = tensorboard / wandb): in-process federations stopped after round 3 and
+resumed from their round-2 checkpoint, read back with TensorBoard's own event reader and W&B's own record
+format: every round once, with the values of metrics.jsonl and rounds.jsonl."""
+
+import struct
+
+import numpy as np
+import pytest
+
+from fedbr_flwr import tracking
+from fedbr_flwr.cli import config_from_settings
+from fedbr_flwr.config import ConfigError, validate
+from fedbr_flwr.metrics import read_jsonl
+from fedbr_flwr.progress import read_events
+from fedbr_flwr.run_io import RunRecorder
+from fedbr_flwr.server.checkpointing import ResumedRun
+
+from fakes import in_process_federation, run_rounds
+
+
+def run_cfg(**extra):
+    return validate(
+        {
+            "num-clients": 3,
+            "local-steps": 2,
+            "batch-size": 8,
+            "num-rounds": 4,
+            "eval-every": 1,
+            "checkpoint-every": 2,
+            "global-test": False,
+            **extra,
+        }
+    )
+
+
+def stopped_and_resumed(cfg, out):
+    """3 rounds (the checkpoint is at round 2), then the run resumed by new objects to round 4."""
+    first, _, proxies = in_process_federation(cfg, out)
+    run_rounds(first, proxies, 3)
+    resumed, _, proxies = in_process_federation({**cfg, "resume": True}, out)
+    run_rounds(ResumedRun(resumed, 2), proxies, 2)
+
+
+def expected_curves(out):
+    """tag -> [(round, value)] as metrics.jsonl and rounds.jsonl hold them (after the resume rewrote them)."""
+    curves = {}
+    for record in read_jsonl(out / "rounds.jsonl"):
+        values = {
+            **{f"train/{k}": v for k, v in record["train"].items()},
+            **{f"server/{k}": v for k, v in record.get("server", {}).items()},
+            "round/seconds": record["seconds"],
+            "round/bytes_up": record["bytes_up"],
+            "round/clients": record["clients"],
+        }
+        for tag, value in values.items():
+            curves.setdefault(tag, []).append((record["round"], value))
+    for record in read_jsonl(out / "metrics.jsonl"):
+        for key in ("mean_acc", "worst_acc", "pooled_acc", "loss", "wall_time"):
+            curves.setdefault(f"eval/{key}", []).append((record["round"], record[key]))
+    return curves
+
+
+def test_tensorboard_holds_every_round_once_with_the_values_of_the_run_files(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed here")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    stopped_and_resumed(run_cfg(strategy="fedbr", tracking="tensorboard"), out)
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    expected = expected_curves(out)
+    assert "train/con-cos-pos" in expected and "train/head-update-norm" in expected  # FedBR's diagnostics
+    for tag, points in expected.items():
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert got == [(step, float(np.float32(value))) for step, value in points], tag
+    histograms = events.Histograms("eval/per_client_acc")
+    assert [h.step for h in histograms] == [1, 2, 3, 4]
+    assert all(h.histogram_value.num == 3 for h in histograms)  # one accuracy per client
+    assert "_hparams_/experiment" in events.Tags()["tensors"] or events.PluginTagToContent("hparams")
+
+
+def wandb_records(path):
+    """The protobuf records of a .wandb file (a LevelDB-style log: 32 KiB blocks of chunks with a 7-byte header,
+    after the file's own 7-byte header)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, pending, block = path.read_bytes(), 7, b"", 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk  # FULL or FIRST start a record
+        if kind in (1, 4):  # FULL or LAST end it
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def test_wandb_offline_history_holds_every_round_once_with_the_values_of_the_run_files(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="the wandb extra is not installed here")
+    import json
+
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network, no account
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "sweep" / "FedAvg" / "seed0"
+    out.mkdir(parents=True)
+    tracking.label_sweep_run(out, "sweep", "FedAvg/seed0", ["FedAvg", "seed0"])
+    stopped_and_resumed(run_cfg(tracking="wandb"), out)
+
+    files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2  # the run, and its resumed part under the same id
+    records = [r for f in files for r in wandb_records(f)]
+    runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert {(r.run_id, r.run_group, r.display_name, tuple(r.tags)) for r in runs} == {
+        (tracking.read_state(out)["wandb_id"], "sweep", "FedAvg/seed0", ("FedAvg", "seed0"))
+    }
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    assert [row["_step"] for row in history] == [1, 2, 3, 4]
+    by_step = {row["_step"]: row for row in history}
+    for tag, points in expected_curves(out).items():
+        if tag in ("round/seconds", "eval/wall_time"):  # round 3 is measured again after the resume
+            continue
+        assert [(step, by_step[step][tag]) for step, _ in points] == points, tag
+    assert all(by_step[step]["eval/per_client_acc/_type"] == "histogram" for step in by_step)
+
+
+def test_an_unavailable_extra_stops_before_the_run_with_the_command_to_install_it(monkeypatch):
+    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError) as exc:
+        config_from_settings({"tracking": "tensorboard"})
+    assert str(exc.value) == 'tracking=tensorboard needs the tensorboard extra: pip install -e ".[tensorboard]"'
+    assert config_from_settings({})["tracking"] == "none"
+    with pytest.raises(ConfigError, match="tracking' = 'tensorbord' must be none or a comma-separated list"):
+        validate({"tracking": "tensorbord"})
+
+
+def test_a_failing_tracker_is_one_warning_and_the_run_goes_on(tmp_path, monkeypatch):
+    class FullDisk:
+        def __init__(self, *args):
+            pass
+
+        def log(self, *args):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            raise AssertionError("a tracker that failed is not used again")
+
+    monkeypatch.setitem(tracking.OPENERS, "tensorboard", FullDisk)
+    cfg = run_cfg(tracking="tensorboard", **{"num-rounds": 2})
+    strategy, _, proxies = in_process_federation(cfg, tmp_path)
+    run_rounds(strategy, proxies, 2)
+
+    events, _ = read_events(tmp_path / "progress.jsonl")
+    warnings = [e["message"] for e in events if e["kind"] == "warning"]
+    assert warnings == [
+        "tracking: tensorboard failed (OSError: [Errno 28] No space left on device); the run goes on without it"
+    ]
+    assert [r["round"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert (tmp_path / "summary.md").exists()
+
+
+def test_a_tracker_that_cannot_start_is_one_warning(tmp_path, monkeypatch):
+    def unreachable(*args):
+        raise ConnectionError("api.wandb.ai unreachable")
+
+    monkeypatch.setitem(tracking.OPENERS, "wandb", unreachable)
+    recorder = RunRecorder(run_cfg(tracking="wandb"), tmp_path)
+    recorder.log_round({"round": 1, "train": {"loss": 0.5}, "seconds": 0.1})
+    events, _ = read_events(tmp_path / "progress.jsonl")
+    assert [e["message"] for e in events if e["kind"] == "warning"] == [
+        "tracking: wandb failed (ConnectionError: api.wandb.ai unreachable); the run goes on without it"
+    ]
+
+
+def test_a_sweep_labels_each_run_for_its_wandb_group_before_it_runs(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="the wandb extra is not installed here")
+    from fedbr_flwr import sweep
+    from fedbr_flwr.report import Setting
+
+    seen = {}
+
+    def run_flower(cfg, nodes, out_dir, **kwargs):
+        seen[out_dir.relative_to(tmp_path).as_posix()] = tracking.read_state(out_dir)
+
+    monkeypatch.setattr(sweep, "run_flower", run_flower)
+    out = tmp_path / "mysweep"
+    jobs = [
+        (setting, seed, validate({"tracking": "wandb", "num-clients": 2, "output-dir": str(setting.folder(out, seed))}))
+        for setting in (Setting("FedAvg"), Setting("FedBR", (("lr", 0.01),)))
+        for seed in (0, 1)
+    ]
+    sweep.run_all(jobs, quiet=True, isolated=True, out=out)
+    assert seen == {
+        f"mysweep/{name}/seed{seed}": {"group": "mysweep", "name": f"{name}/seed{seed}", "tags": [label, f"seed{seed}"]}
+        for name, label in (("FedAvg", "FedAvg"), ("FedBR/lr=0.01", "FedBR lr=0.01"))
+        for seed in (0, 1)
+    }
