@@ -48,6 +48,11 @@ from .training import (
 
 Named = dict[str, np.ndarray]
 RESTORED_KEY = "client-state-restored"
+# A fit's new cross-round state waits as pending until the server's next message says, under UPDATE_USED,
+# the last round whose update from this client it used: the state is kept if that is the fit's round.
+UPDATE_USED = "update-used"
+PENDING_PREFIX = "pending/"  # the pending records of the state keys
+PENDING_ROUND = "pending-round"  # meta: the round of the fit that left them
 
 
 # ---------------------------------------------------------------- a client's own state
@@ -68,6 +73,10 @@ class NodeState:
     def put_meta(self, key: str, values: dict) -> None:
         raise NotImplementedError
 
+    def drop(self, key: str) -> None:
+        """Forget the record ``key`` (arrays or metadata), if there is one."""
+        raise NotImplementedError
+
 
 class MemoryState(NodeState):
     def __init__(self):
@@ -84,6 +93,33 @@ class MemoryState(NodeState):
 
     def put_meta(self, key, values):
         self.records[key] = dict(values)
+
+    def drop(self, key):
+        self.records.pop(key, None)
+
+
+class PendingState(NodeState):
+    """``base`` as ``after_fit`` sees it: what it writes under ``keys`` goes to their pending records
+    (and is read back from there); everything else is ``base``'s own."""
+
+    def __init__(self, base: NodeState, keys: tuple[str, ...]):
+        self.base, self.keys = base, keys
+
+    def arrays(self, key):
+        pending = self.base.arrays(PENDING_PREFIX + key) if key in self.keys else None
+        return pending if pending is not None else self.base.arrays(key)
+
+    def put_arrays(self, key, arrays):
+        self.base.put_arrays(PENDING_PREFIX + key if key in self.keys else key, arrays)
+
+    def meta(self, key):
+        return self.base.meta(key)
+
+    def put_meta(self, key, values):
+        self.base.put_meta(key, values)
+
+    def drop(self, key):
+        self.base.drop(key)
 
 
 # ---------------------------------------------------------------- local steps and their components
@@ -397,6 +433,7 @@ class ClientAlgorithm:
         self.data, self.pid, self.state = data, data.partition_id, state
         self.received: Named = {}  # what the server sent beside the modules' arrays this message
         self.shared_versions: dict[str, int] = {}  # broadcast data this client used this round (reported back)
+        self.fit_round = 0  # the round of its last fit (start_fit sets it)
 
     # ------------------------------------------------------------ hooks for algorithms
     def make_step(self, server_round: int, config: dict) -> LocalStep:
@@ -479,7 +516,7 @@ class ClientAlgorithm:
         this client's batch stream."""
         self.restore_state(config)
         self.receive(arrays)
-        server_round = int(config["server-round"])
+        server_round = self.fit_round = int(config["server-round"])
         step = self.make_step(server_round, config)
         sampler = BatchSampler(
             self.data, self.cfg["batch-size"], seeds.seed("batches", self.cfg["seed"], server_round, self.pid)
@@ -488,7 +525,7 @@ class ClientAlgorithm:
 
     def finish_fit(self, step: LocalStep, stats: dict[str, float], seconds: float) -> tuple[Named, int, dict]:
         """A fit after its local steps (the modules hold this client's trained weights): what it returns."""
-        returned, extra = self.after_fit(step)
+        returned, extra = self.after_fit_pending(step)
         metrics = {
             **stats,
             "partition-id": self.pid,
@@ -498,6 +535,34 @@ class ClientAlgorithm:
             **extra,
         }
         return {**self.weights(), **returned}, len(self.data.y_train), metrics
+
+    def after_fit_pending(self, step: LocalStep) -> tuple[Named, dict[str, float]]:
+        """``after_fit``, with the state it keeps under ``state_keys`` written as pending: the server may
+        reject this update or skip the round, and then the client goes on from the state it had."""
+        state, self.state = self.state, PendingState(self.state, self.state_keys)
+        try:
+            returned, extra = self.after_fit(step)
+        finally:
+            self.state = state
+        if self.state_keys:
+            self.state.put_meta(PENDING_ROUND, {"round": self.fit_round})
+        return returned, extra
+
+    def settle_pending(self, config: dict) -> None:
+        """Keep the state the last fit left pending when the server used that fit's update (its message
+        says so under ``UPDATE_USED``; a caller that says nothing, such as the bare loop, used it), else
+        drop it."""
+        pending = self.state.meta(PENDING_ROUND)
+        if pending is None:
+            return
+        used = UPDATE_USED not in config or int(config[UPDATE_USED]) == int(pending["round"])
+        for key in self.state_keys:
+            arrays = self.state.arrays(PENDING_PREFIX + key)
+            if arrays is not None:
+                if used:
+                    self.state.put_arrays(key, arrays)
+                self.state.drop(PENDING_PREFIX + key)
+        self.state.drop(PENDING_ROUND)
 
     def evaluate(self, arrays: Named, config: dict) -> tuple[float, int, dict]:
         loss, acc = evaluate(self.start_evaluate(arrays, config), self.data.x_test, self.data.y_test)
@@ -517,6 +582,7 @@ class ClientAlgorithm:
         """The arrays asked for by a named request (``config["request"]``)."""
         name = str(config.get("request", ""))
         if name == "client-state":
+            self.restore_state(config)
             return {"state": codec.to_uint8(self.export_state())}
         handlers = self.requests()
         if name not in handlers:
@@ -536,8 +602,10 @@ class ClientAlgorithm:
         return codec.encode(arrays)
 
     def restore_state(self, config: dict) -> None:
-        """After a resume the server hands back the state this client had at the checkpoint, until the
-        client answers; it is applied once, before anything reads the state."""
+        """The state the server's message settles: the last fit's pending state kept or dropped
+        (``settle_pending``); and after a resume, the state this client had at the checkpoint, which the
+        server hands back until the client answers, applied once, before anything reads the state."""
+        self.settle_pending(config)
         if "client-state" not in config or self.state.meta(RESTORED_KEY) is not None:
             return
         saved = codec.decode(config["client-state"])

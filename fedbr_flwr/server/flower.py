@@ -117,6 +117,7 @@ class FlowerStrategy(Strategy):
         else:
             self.latest = self.aggregate(accepted, self.aggregation_weights(accepted))
             self.after_aggregate(self.latest)
+            self.checkpointer.updates_used(server_round, [u.pid for u in accepted])
         record = round_record(
             server_round,
             accepted,
