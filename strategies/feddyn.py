@@ -1,11 +1,15 @@
 """FedDyn's server: h <- h - alpha/m sum_k (w_k - w_round) over the clients that answered (m: all
-clients); the new global model is the mean of theirs minus h / alpha."""
+clients); the new global model is the mean of theirs minus h / alpha. Client k trains with
+alpha_k = alpha * n_mean / n_k (sent in its fit config), as in the official code."""
 
 import numpy as np
 
 from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.server.updates import size_share
 
 from .base import FederatedStrategy
+
+ALPHA_K = "feddyn-alpha-k"  # as clients/feddyn.py reads it
 
 
 @register_strategy("feddyn")
@@ -13,6 +17,10 @@ class FedDynStrategy(FederatedStrategy):
     def __init__(self, cfg, recorder, modules, global_test):
         super().__init__(cfg, recorder, modules, global_test)
         self.h = {name: np.zeros_like(a) for name, a in self.initial_arrays().items()}
+
+    def fit_config(self, server_round, pid):  # alpha_k = alpha / (n_k / n_mean)
+        alpha_k = self.settings.alpha / size_share(self.federation.sizes, pid)
+        return {**super().fit_config(server_round, pid), ALPHA_K: alpha_k}
 
     def aggregate(self, updates, weights):
         alpha, m = self.settings.alpha, self.cfg["num-clients"]  # its settings, declared in clients/feddyn.py
