@@ -37,6 +37,7 @@ from .settings import NoSettings, Settings
 from .training import (
     BatchSampler,
     Optimiser,
+    clip_norm_,
     compile_features,
     evaluate,
     load_module_arrays,
@@ -227,9 +228,12 @@ class LocalStep:
         raise NotImplementedError
 
     def step(self, loss: torch.Tensor) -> None:
-        """One SGD step of the model on ``loss``."""
+        """One SGD step of the model on ``loss`` (its gradient clipped to clip-grad-norm)."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self.cfg["clip-grad-norm"]:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            clip_norm_(grads, self.cfg["clip-grad-norm"])
         self.optimizer.step()
 
     def transform(self, batch: Batch) -> Batch:
@@ -317,13 +321,17 @@ class FunctionalStep(LocalStep):
 
     def run_phase(self, phase: Phase, inputs: Inputs, shared: dict) -> dict[str, torch.Tensor]:
         """One phase on the live parameters: its loss, the gradients of its groups only, the components'
-        adjustment, each group's SGD step; returns its detached stats."""
+        adjustment, the gradients of its groups clipped together (clip-grad-norm), each group's SGD step;
+        returns its detached stats."""
         loss, stats = phase.loss(self.groups, inputs, shared)
         for group in phase.groups:
             self.optimizers[group].zero_grad(set_to_none=True)
         (-loss if phase.ascent else loss).backward(inputs=[p for g in phase.groups for p in self.groups[g].values()])
         if phase.adjust:
             self.adjust_gradients(cast(list[torch.Tensor], [p.grad for p in self.groups["model"].values()]))
+        if self.cfg["clip-grad-norm"]:
+            grads = [p.grad for g in phase.groups for p in self.groups[g].values()]
+            clip_norm_(cast(list[torch.Tensor], grads), self.cfg["clip-grad-norm"])
         for group in phase.groups:
             self.optimizers[group].step()
         return {k: v.detach() for k, v in stats.items()}

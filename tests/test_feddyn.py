@@ -1,13 +1,17 @@
-"""FedDyn as its authors run it: alpha scaled by each client's size."""
+"""FedDyn as its authors run it: alpha scaled by each client's size, gradients clipped (a common key)."""
 
+import numpy as np
 import pytest
+import torch
 from test_adding_an_algorithm import toy_data
+from torch.nn import functional as F
 
 from fedbr_flwr import registry
 from fedbr_flwr.algorithm import MemoryState
 from fedbr_flwr.config import validate
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.updates import size_share
+from fedbr_flwr.training import clip_norm_
 
 
 def test_a_clients_size_share_is_its_training_samples_over_the_mean():
@@ -27,3 +31,47 @@ def test_the_server_sends_each_client_its_alpha_k_and_the_client_trains_with_it(
     client = registry.client_class("feddyn")(cfg, toy_data(), "cpu", MemoryState())
     assert client.make_step(1, {"feddyn-alpha-k": 0.2}).alpha == 0.2
     assert client.make_step(1, {}).alpha == 0.1  # no size known: alpha
+
+
+def test_clip_norm_scales_a_gradient_above_the_norm_down_to_it_and_leaves_one_below():
+    grads = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])]  # joint norm 5
+    clip_norm_(grads, 1.0)
+    torch.testing.assert_close(grads[0], torch.tensor([0.6, 0.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(grads[1], torch.tensor([[0.8]]), atol=1e-6, rtol=0)
+    small = [torch.tensor([0.3, 0.4])]
+    clip_norm_(small, 1.0)
+    torch.testing.assert_close(small[0], torch.tensor([0.3, 0.4]))
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "feddyn"])
+def test_a_local_step_clips_the_corrected_gradient_by_hand(strategy, tmp_path):
+    """One SGD step with clip-grad-norm: w - lr * g * c / ||g||, g the whole gradient (FedDyn's -g_k included)."""
+    lr, clip = 0.1, 0.05
+    cfg = validate(
+        {
+            "strategy": strategy,
+            "lr": lr,
+            "clip-grad-norm": clip,
+            "local-steps": 1,
+            "batch-size": 16,
+            "num-clients": 4,
+            "global-test": False,
+        }
+    )
+    client = registry.client_class(strategy)(cfg, toy_data(), "cpu", MemoryState())
+    if strategy == "feddyn":
+        client.state.put_arrays(
+            "feddyn-g", {n: np.full(p.shape, 0.3, np.float32) for n, p in client.model.named_parameters()}
+        )
+    step = client.make_step(1, {})
+    x, y = client.data.x_train, client.data.y_train
+    params = list(client.model.parameters())
+    before = [p.detach().clone() for p in params]
+    grads = list(torch.autograd.grad(F.cross_entropy(client.model(x), y), params))
+    if strategy == "feddyn":
+        grads = [g - 0.3 for g in grads]  # the proximal term is zero at the round's weights
+    norm = float(np.sqrt(sum(float((g.double() ** 2).sum()) for g in grads)))
+    assert norm > clip  # the clipping binds
+    step.update(x, y)
+    for p, b, g in zip(params, before, grads):
+        torch.testing.assert_close(p.detach(), b - lr * g * (clip / (norm + 1e-6)), atol=1e-7, rtol=1e-5)
