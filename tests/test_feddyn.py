@@ -1,4 +1,7 @@
-"""FedDyn as its authors run it: alpha scaled by each client's size, gradients clipped (a common key)."""
+"""FedDyn as its authors run it: alpha scaled by each client's size, gradients clipped (a common key),
+and the mean of the round's client models reported beside the server model."""
+
+import json
 
 import numpy as np
 import pytest
@@ -6,12 +9,14 @@ import torch
 from test_adding_an_algorithm import toy_data
 from torch.nn import functional as F
 
-from fedbr_flwr import registry
+from fedbr_flwr import payload, registry
 from fedbr_flwr.algorithm import MemoryState
 from fedbr_flwr.config import validate
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.updates import size_share
 from fedbr_flwr.training import clip_norm_
+
+from fakes import in_process_federation
 
 
 def test_a_clients_size_share_is_its_training_samples_over_the_mean():
@@ -75,3 +80,48 @@ def test_a_local_step_clips_the_corrected_gradient_by_hand(strategy, tmp_path):
     step.update(x, y)
     for p, b, g in zip(params, before, grads):
         torch.testing.assert_close(p.detach(), b - lr * g * (clip / (norm + 1e-6)), atol=1e-7, rtol=1e-5)
+
+
+def test_the_clients_mean_is_reported_and_the_served_model_recorded_beside_it(tmp_path):
+    """gamma = mean of the round's client models is evaluated (local and global tests), as the authors
+    report it; theta = gamma - h / alpha is what clients train from, its global test accuracy recorded."""
+    cfg = validate(
+        {
+            "strategy": "feddyn",
+            "feddyn-alpha": 0.1,
+            "num-clients": 2,
+            "local-steps": 2,
+            "batch-size": 8,
+            "test-fraction": 0.05,
+            "global-test": True,
+            "eval-every": 1,
+            "device": "cpu",
+        }
+    )
+    strategy, _, proxies = in_process_federation(cfg, tmp_path)
+    start = strategy.initialize_parameters(None)
+    results = [(proxy, proxy.fit(ins, None, 1)) for proxy, ins in strategy.configure_fit(1, start, None)]
+    models = [payload.from_parameters(res.parameters) for _, res in results]
+    served, _ = strategy.aggregate_fit(1, results, [])
+    theta = payload.from_parameters(served)
+    gamma = {name: (models[0][name] + models[1][name]) / 2 for name in theta}
+    (_, ins), _ = strategy.configure_evaluate(1, served, None)
+    sent = payload.from_parameters(ins.parameters)
+    for name in theta:
+        np.testing.assert_allclose(sent[name], gamma[name], rtol=1e-5, atol=1e-7)
+    assert any(not np.allclose(theta[n], gamma[n]) for n in theta)  # h is not zero after a round
+
+    _, metrics = strategy.evaluate(1, served)
+    assert metrics["global_acc"] == strategy.global_test_accuracy(gamma)[1]
+    assert strategy._served_result[1] == strategy.global_test_accuracy(theta)[1]
+    eval_results = [
+        (proxy, proxy.evaluate(ins, None, 1)) for proxy, ins in strategy.configure_evaluate(1, served, None)
+    ]
+    strategy.aggregate_evaluate(1, eval_results, [])
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["served_global_acc"] == strategy._served_result[1]
+
+    resumed, _, _ = in_process_federation(cfg, tmp_path / "resumed")
+    resumed.restore_state(strategy.checkpoint_state())  # a resume (or a skipped round) reports the same gamma
+    for name in theta:
+        np.testing.assert_array_equal(resumed.reported_arrays(theta)[name], strategy.mean[name])

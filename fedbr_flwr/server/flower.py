@@ -44,6 +44,7 @@ class FlowerStrategy(Strategy):
     after_aggregate: Callable[[payload.Named], None]
     after_discovery: Callable[[], dict[str, Any]]
     global_test_module: Callable[[], torch.nn.Module]
+    reported_arrays: Callable[[payload.Named], payload.Named]
     checkpoint_state: Callable[[], payload.Named]
     restore_state: Callable[[payload.Named], None]
 
@@ -61,6 +62,7 @@ class FlowerStrategy(Strategy):
         self._round: dict[str, Any] = {"start": time.perf_counter(), "bytes_down": 0}  # the round's start and bytes
         self._last_train: dict[str, float] = {}
         self._global_result: dict[int, tuple[float, float]] = {}
+        self._served_result: dict[int, float] = {}  # the served model's global test accuracy, where another is reported
 
     # ------------------------------------------------------------ Flower's Strategy API
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters:
@@ -149,11 +151,14 @@ class FlowerStrategy(Strategy):
             )
             for pid in self.federation.clients_by_pid
         }
+        served = payload.from_parameters(parameters)
+        reported = self.reported_arrays(served)
+        common = (
+            payload.Serialised.from_parameters(parameters) if reported is served else payload.Serialised.of(reported)
+        )
         return [
             (proxy, EvaluateIns(params, config))
-            for proxy, params, config in routing.messages(
-                self.federation, payload.Serialised.from_parameters(parameters), parts
-            )
+            for proxy, params, config in routing.messages(self.federation, common, parts)
         ]
 
     def aggregate_evaluate(self, server_round: int, results: list, failures: list):
@@ -182,6 +187,8 @@ class FlowerStrategy(Strategy):
         )
         if rejected:
             record["eval_rejected"] = rejected
+        if server_round in self._served_result:
+            record["served_global_acc"] = self._served_result[server_round]
         self.recorder.log_eval(record)
         self.end_round(server_round)
         if server_round == self.cfg["num-rounds"]:
@@ -191,12 +198,21 @@ class FlowerStrategy(Strategy):
     def evaluate(self, server_round: int, parameters: Parameters):
         if self.global_test is None or server_round == 0 or not self.is_eval_round(server_round):
             return None
-        load_module_arrays(self.model, "model", payload.from_parameters(parameters))
-        device = next(self.model.parameters()).device
-        x, y = self.global_test
-        loss, acc = evaluate(self.global_test_module(), x.to(device), y.to(device))
+        served = payload.from_parameters(parameters)
+        reported = self.reported_arrays(served)
+        if reported is not served:
+            self._served_result[server_round] = self.global_test_accuracy(served)[1]
+        loss, acc = self.global_test_accuracy(reported)
         self._global_result[server_round] = (loss, acc)
         return loss, {"global_acc": acc}
+
+    def global_test_accuracy(self, arrays: payload.Named) -> tuple[float, float]:
+        """(loss, accuracy) on the global test set of the model holding ``arrays``."""
+        assert self.global_test is not None
+        load_module_arrays(self.model, "model", arrays)
+        device = next(self.model.parameters()).device
+        x, y = self.global_test
+        return evaluate(self.global_test_module(), x.to(device), y.to(device))
 
     # ------------------------------------------------------------ the round's parts
     def is_eval_round(self, server_round: int) -> bool:
