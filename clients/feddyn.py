@@ -1,5 +1,6 @@
-"""FedDyn (Acar et al. 2021): client k minimises L_k(w) - <g_k, w> + alpha/2 ||w - w_round||^2, then
-g_k <- g_k - alpha (w_k - w_round). g_k starts at zero and lives in the client's node state."""
+"""FedDyn (Acar et al. 2021): client k minimises L_k(w) - <g_k, w> + alpha_k/2 ||w - w_round||^2, then
+g_k <- g_k - alpha_k (w_k - w_round). g_k starts at zero and lives in the client's node state; alpha_k
+comes with the round's config (the server scales alpha by the client's size, as the official code does)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fedbr_flwr.registry import register_client
 from fedbr_flwr.settings import POSITIVE, Settings, setting
 
 STATE_KEY = "feddyn-g"  # g_k in the node state, by parameter name
+ALPHA_K = "feddyn-alpha-k"  # alpha_k in the fit config (strategies/feddyn.py)
 
 
 @dataclass(frozen=True)
@@ -22,20 +24,23 @@ class FedDynSettings(Settings):
 
 
 class FedDynStep(SupervisedStep):
-    """FedAvg's step on CE + alpha/2 ||w - w_round||^2, with -g_k added to every gradient: the linear
+    """FedAvg's step on CE + alpha_k/2 ||w - w_round||^2, with -g_k added to every gradient: the linear
     term's gradient, which does not depend on w (so it is a correction, like SCAFFOLD's, and vmaps)."""
 
-    per_member_state = ("g",)  # each client's own; w_round and alpha are the round's, the same for all
+    per_member_state = ("g", "alpha")  # each client's own (alpha_k reaches the loss as a constant); w_round: all's
 
     def __init__(self, model, cfg, alpha: float, g: list[torch.Tensor]):
         super().__init__(model, cfg)
         self.start = [p.detach().clone() for p in model.parameters()]  # w_round
         self.alpha, self.g = alpha, g
 
+    def constants(self):
+        return {"alpha": torch.tensor(self.alpha, device=self.start[0].device)}
+
     def loss(self, params, inputs, shared):
         total, stats = super().loss(params, inputs, shared)
         prox = proximal_term(list(params["model"].values()), self.start)
-        total = total + self.alpha / 2 * prox
+        total = total + inputs["alpha"] / 2 * prox
         return total, {**stats, "loss": total, "prox": prox}
 
     def adjust_gradients(self, grads: list[torch.Tensor]) -> None:
@@ -54,7 +59,7 @@ class FedDynClient(ClientAlgorithm):
             torch.as_tensor(stored[name], device=self.device) if name in stored else torch.zeros_like(p)
             for name, p in self.model.named_parameters()
         ]
-        return FedDynStep(self.model, self.cfg, self.settings.alpha, g)
+        return FedDynStep(self.model, self.cfg, float(config.get(ALPHA_K, self.settings.alpha)), g)
 
     def after_fit(self, step):
         self.state.put_arrays(

@@ -37,6 +37,7 @@ from .settings import NoSettings, Settings
 from .training import (
     BatchSampler,
     Optimiser,
+    clip_norm_,
     compile_features,
     evaluate,
     load_module_arrays,
@@ -48,6 +49,11 @@ from .training import (
 
 Named = dict[str, np.ndarray]
 RESTORED_KEY = "client-state-restored"
+# A fit's new cross-round state waits as pending until the server's next message says, under UPDATE_USED,
+# the last round whose update from this client it used: the state is kept if that is the fit's round.
+UPDATE_USED = "update-used"
+PENDING_PREFIX = "pending/"  # the pending records of the state keys
+PENDING_ROUND = "pending-round"  # meta: the round of the fit that left them
 
 
 # ---------------------------------------------------------------- a client's own state
@@ -68,6 +74,10 @@ class NodeState:
     def put_meta(self, key: str, values: dict) -> None:
         raise NotImplementedError
 
+    def drop(self, key: str) -> None:
+        """Forget the record ``key`` (arrays or metadata), if there is one."""
+        raise NotImplementedError
+
 
 class MemoryState(NodeState):
     def __init__(self):
@@ -84,6 +94,33 @@ class MemoryState(NodeState):
 
     def put_meta(self, key, values):
         self.records[key] = dict(values)
+
+    def drop(self, key):
+        self.records.pop(key, None)
+
+
+class PendingState(NodeState):
+    """``base`` as ``after_fit`` sees it: what it writes under ``keys`` goes to their pending records
+    (and is read back from there); everything else is ``base``'s own."""
+
+    def __init__(self, base: NodeState, keys: tuple[str, ...]):
+        self.base, self.keys = base, keys
+
+    def arrays(self, key):
+        pending = self.base.arrays(PENDING_PREFIX + key) if key in self.keys else None
+        return pending if pending is not None else self.base.arrays(key)
+
+    def put_arrays(self, key, arrays):
+        self.base.put_arrays(PENDING_PREFIX + key if key in self.keys else key, arrays)
+
+    def meta(self, key):
+        return self.base.meta(key)
+
+    def put_meta(self, key, values):
+        self.base.put_meta(key, values)
+
+    def drop(self, key):
+        self.base.drop(key)
 
 
 # ---------------------------------------------------------------- local steps and their components
@@ -191,9 +228,12 @@ class LocalStep:
         raise NotImplementedError
 
     def step(self, loss: torch.Tensor) -> None:
-        """One SGD step of the model on ``loss``."""
+        """One SGD step of the model on ``loss`` (its gradient clipped to clip-grad-norm)."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self.cfg["clip-grad-norm"]:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            clip_norm_(grads, self.cfg["clip-grad-norm"])
         self.optimizer.step()
 
     def transform(self, batch: Batch) -> Batch:
@@ -281,13 +321,17 @@ class FunctionalStep(LocalStep):
 
     def run_phase(self, phase: Phase, inputs: Inputs, shared: dict) -> dict[str, torch.Tensor]:
         """One phase on the live parameters: its loss, the gradients of its groups only, the components'
-        adjustment, each group's SGD step; returns its detached stats."""
+        adjustment, the gradients of its groups clipped together (clip-grad-norm), each group's SGD step;
+        returns its detached stats."""
         loss, stats = phase.loss(self.groups, inputs, shared)
         for group in phase.groups:
             self.optimizers[group].zero_grad(set_to_none=True)
         (-loss if phase.ascent else loss).backward(inputs=[p for g in phase.groups for p in self.groups[g].values()])
         if phase.adjust:
             self.adjust_gradients(cast(list[torch.Tensor], [p.grad for p in self.groups["model"].values()]))
+        if self.cfg["clip-grad-norm"]:
+            grads = [p.grad for g in phase.groups for p in self.groups[g].values()]
+            clip_norm_(cast(list[torch.Tensor], grads), self.cfg["clip-grad-norm"])
         for group in phase.groups:
             self.optimizers[group].step()
         return {k: v.detach() for k, v in stats.items()}
@@ -405,7 +449,7 @@ class ClientAlgorithm:
         self.data, self.pid, self.state = data, data.partition_id, state
         self.received: Named = {}  # what the server sent beside the modules' arrays this message
         self.shared_versions: dict[str, int] = {}  # broadcast data this client used this round (reported back)
-        self.fit_sent: Named = {}  # the arrays of the fit in progress, and its round (start_fit sets them)
+        self.fit_sent: Named = {}  # the arrays of the fit in progress (start_fit sets them, and its round)
         self.fit_round = 0
 
     # ------------------------------------------------------------ hooks for algorithms
@@ -489,8 +533,8 @@ class ClientAlgorithm:
         this client's batch stream."""
         self.restore_state(config)
         self.receive(arrays)
-        server_round = int(config["server-round"])
-        self.fit_sent, self.fit_round = arrays, server_round  # what a simulated attacker changes its reply from
+        server_round = self.fit_round = int(config["server-round"])
+        self.fit_sent = arrays  # what a simulated attacker changes its reply from
         step = self.make_step(server_round, config)
         sampler = BatchSampler(
             self.data, self.cfg["batch-size"], seeds.seed("batches", self.cfg["seed"], server_round, self.pid)
@@ -499,7 +543,7 @@ class ClientAlgorithm:
 
     def finish_fit(self, step: LocalStep, stats: dict[str, float], seconds: float) -> tuple[Named, int, dict]:
         """A fit after its local steps (the modules hold this client's trained weights): what it returns."""
-        returned, extra = self.after_fit(step)
+        returned, extra = self.after_fit_pending(step)
         metrics = {
             **stats,
             "partition-id": self.pid,
@@ -510,6 +554,34 @@ class ClientAlgorithm:
         }
         reply = attack.poisoned({**self.weights(), **returned}, self.fit_sent, self.cfg, self.fit_round, self.pid)
         return reply, len(self.data.y_train), metrics
+
+    def after_fit_pending(self, step: LocalStep) -> tuple[Named, dict[str, float]]:
+        """``after_fit``, with the state it keeps under ``state_keys`` written as pending: the server may
+        reject this update or skip the round, and then the client goes on from the state it had."""
+        state, self.state = self.state, PendingState(self.state, self.state_keys)
+        try:
+            returned, extra = self.after_fit(step)
+        finally:
+            self.state = state
+        if self.state_keys:
+            self.state.put_meta(PENDING_ROUND, {"round": self.fit_round})
+        return returned, extra
+
+    def settle_pending(self, config: dict) -> None:
+        """Keep the state the last fit left pending when the server used that fit's update (its message
+        says so under ``UPDATE_USED``; a caller that says nothing, such as the bare loop, used it), else
+        drop it."""
+        pending = self.state.meta(PENDING_ROUND)
+        if pending is None:
+            return
+        used = UPDATE_USED not in config or int(config[UPDATE_USED]) == int(pending["round"])
+        for key in self.state_keys:
+            arrays = self.state.arrays(PENDING_PREFIX + key)
+            if arrays is not None:
+                if used:
+                    self.state.put_arrays(key, arrays)
+                self.state.drop(PENDING_PREFIX + key)
+        self.state.drop(PENDING_ROUND)
 
     def evaluate(self, arrays: Named, config: dict) -> tuple[float, int, dict]:
         loss, acc = evaluate(self.start_evaluate(arrays, config), self.data.x_test, self.data.y_test)
@@ -529,6 +601,7 @@ class ClientAlgorithm:
         """The arrays asked for by a named request (``config["request"]``)."""
         name = str(config.get("request", ""))
         if name == "client-state":
+            self.restore_state(config)
             return {"state": codec.to_uint8(self.export_state())}
         handlers = self.requests()
         if name not in handlers:
@@ -548,8 +621,10 @@ class ClientAlgorithm:
         return codec.encode(arrays)
 
     def restore_state(self, config: dict) -> None:
-        """After a resume the server hands back the state this client had at the checkpoint, until the
-        client answers; it is applied once, before anything reads the state."""
+        """The state the server's message settles: the last fit's pending state kept or dropped
+        (``settle_pending``); and after a resume, the state this client had at the checkpoint, which the
+        server hands back until the client answers, applied once, before anything reads the state."""
+        self.settle_pending(config)
         if "client-state" not in config or self.state.meta(RESTORED_KEY) is not None:
             return
         saved = codec.decode(config["client-state"])

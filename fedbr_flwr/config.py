@@ -68,6 +68,12 @@ COMMON: dict[str, Key] = {
     "lr": Key(0.05, "client SGD learning rate", check=POSITIVE),
     "momentum": Key(0.0, "client SGD momentum", check=BELOW_ONE),
     "weight-decay": Key(0.0, "client SGD weight decay", check=NON_NEGATIVE),
+    "clip-grad-norm": Key(
+        0.0,
+        "clip each local SGD step's gradient to this L2 norm, per client, over the parameters the step "
+        "trains, after the algorithm's corrections (the FedDyn authors' code clips at 10); 0: no clipping",
+        check=NON_NEGATIVE,
+    ),
     "device": Key("auto", "client training device; auto = cuda when available", choices=("auto", "cpu", "cuda")),
     "precision": Key(
         "fp32",

@@ -49,6 +49,9 @@ class RecordState(NodeState):
     def put_meta(self, key, values):
         self.records[self.prefix + key] = ConfigRecord(dict(values))
 
+    def drop(self, key):
+        self.records.pop(self.prefix + key, None)
+
 
 class FlowerClient(NumPyClient):
     """The NumPyClient of every algorithm: it converts messages to named arrays and back."""

@@ -97,6 +97,20 @@ class PlainSGD:
 Optimiser = torch.optim.Optimizer | PlainSGD  # what a client's local step steps
 
 
+def clip_scale(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The factor that brings one client's ``grads`` to a joint L2 norm of at most ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` computes it: max_norm / (norm + 1e-6), at most 1. A tensor, without a
+    data-dependent branch (a CUDA graph can capture it, vmap can batch it)."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+@torch.no_grad()
+def clip_norm_(grads: list[torch.Tensor], max_norm: float) -> None:
+    """``grads`` (one client's) scaled in place by ``clip_scale``."""
+    torch._foreach_mul_(grads, clip_scale(grads, max_norm))
+
+
 def round_sgd(
     owner: nn.Module,
     params: Iterable[torch.Tensor],

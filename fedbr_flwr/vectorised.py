@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .algorithm import FunctionalStep, Inputs, Params, Phase, modules_in
-from .training import BatchSampler, Optimiser, StepStats, autocast
+from .training import BatchSampler, Optimiser, StepStats, autocast, clip_norm_, clip_scale
 
 
 @dataclass
@@ -258,6 +258,7 @@ def shared_prepare_gradients(
     the last phase's gradients, the stats), each with a leading member dimension."""
     *earlier, last = template.phases
     hyper = {g: template.optimizers[g].param_groups[0] for phase in earlier for g in phase.groups}
+    clip = template.cfg["clip-grad-norm"]  # an earlier phase's gradients clipped here, per member
 
     def member(params: Params, momentum: Params, inputs: Inputs):
         params, stepped, buffers, stats = dict(params), {}, {}, {}
@@ -270,6 +271,9 @@ def shared_prepare_gradients(
                 return (-loss if phase.ascent else loss), terms  # noqa: B023
 
             grads, terms = torch.func.grad(objective, has_aux=True)({g: params[g] for g in phase.groups})
+            if clip:
+                scale = clip_scale([t for named in grads.values() for t in named.values()], clip)
+                grads = {g: {n: t * scale for n, t in named.items()} for g, named in grads.items()}
             for g in phase.groups:
                 params[g], buffers[g] = sgd_values(params[g], grads[g], momentum.get(g), hyper[g])
                 stepped[g] = params[g]
@@ -325,12 +329,17 @@ def run_members(
             return stack([m.step.draw(*own) for m, own in zip(members, stack.split(*batches()))])
 
     momentum: Params = {}  # shares_prepare: the earlier phases' momentum buffers, from the first step on
+    clip = template.cfg["clip-grad-norm"]  # each member's gradient of a phase, clipped on its own
 
     def apply(phase: Phase, grads: Params) -> None:
-        """The components' adjustments of each member's slice, then each group's SGD over the stacked values."""
+        """The components' adjustments of each member's slice, each member's clipping (clip-grad-norm), then
+        each group's SGD over the stacked values."""
         if phase.adjust:
             for i, member in enumerate(members):
                 member.step.adjust_gradients([g[i] for g in grads["model"].values()])
+        if clip:
+            for i in range(len(members)):
+                clip_norm_([grads[group][name][i] for group in phase.groups for name in grads[group]], clip)
         for group in phase.groups:
             for name, tensor in params[group].items():
                 tensor.grad = grads[group][name]

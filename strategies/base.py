@@ -8,8 +8,8 @@ Hooks, in the order a round calls them:
 every sampled client: SCAFFOLD's c; components add theirs, e.g. FedCM's Delta), ``client_arrays`` (to one
 client: DisTrans' offset), ``fit_config``, ``after_answers``, ``aggregation_weights`` (GroupDRO),
 ``aggregate`` (the new global arrays), ``after_aggregate``; and ``after_discovery`` (once),
-``global_test_module``, ``checkpoint_state`` / ``restore_state`` (what a checkpoint holds beyond the
-global arrays)."""
+``global_test_module``, ``reported_arrays`` (the model evaluated), ``checkpoint_state`` /
+``restore_state`` (what a checkpoint holds beyond the global arrays)."""
 
 from __future__ import annotations
 
@@ -127,6 +127,12 @@ class FederatedStrategy(FlowerStrategy):
     def global_test_module(self) -> torch.nn.Module:
         """What the server evaluates on the global test set, once ``self.model`` holds the new weights."""
         return self.client_class.predictor(self.model, self.cfg)
+
+    def reported_arrays(self, served: Named) -> Named:
+        """The global arrays whose model is evaluated and reported (on the clients' local test sets and the
+        global test set), given those the clients train from (``served``); FedDyn's authors report another
+        model. Returning ``served`` itself: the same."""
+        return served
 
     def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
         """(x, y) to broadcast as ``self.shared``; called before round 1 and whenever ``shared_is_stale``."""

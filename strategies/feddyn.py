@@ -1,12 +1,17 @@
 """FedDyn's server: h <- h - alpha/m sum_k (w_k - w_round) over the clients that answered (m: all
-clients); the new global model is the mean of theirs minus h / alpha. Under a robust ``aggregation`` the
-mean is the rule's aggregate and the sum of the drifts |S| times its distance from w_round."""
+clients); the new global model is the mean of theirs minus h / alpha (under a robust ``aggregation``, the
+rule's aggregate and |S| times its distance from w_round). Client k trains with alpha_k = alpha * n_mean / n_k
+(sent in its fit config), and the model evaluated is the mean of the round's client models, as in the
+official code (the served model's global test accuracy: served_global_acc)."""
 
 import numpy as np
 
 from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.server.updates import size_share
 
 from .base import FederatedStrategy
+
+ALPHA_K = "feddyn-alpha-k"  # as clients/feddyn.py reads it
 
 
 @register_strategy("feddyn")
@@ -14,10 +19,15 @@ class FedDynStrategy(FederatedStrategy):
     def __init__(self, cfg, recorder, modules, server_tests):
         super().__init__(cfg, recorder, modules, server_tests)
         self.h = {name: np.zeros_like(a) for name, a in self.initial_arrays().items()}
+        self.mean = None  # the mean of the last aggregated round's client models: what is reported
+
+    def fit_config(self, server_round, pid):  # alpha_k = alpha / (n_k / n_mean)
+        alpha_k = self.settings.alpha / size_share(self.federation.sizes, pid)
+        return {**super().fit_config(server_round, pid), ALPHA_K: alpha_k}
 
     def aggregate(self, updates, weights):
         alpha, m = self.settings.alpha, self.cfg["num-clients"]  # its settings, declared in clients/feddyn.py
-        mean = super().aggregate(updates, weights)
+        mean = self.mean = super().aggregate(updates, weights)
         for name, h in self.h.items():
             if self.plan.is_mean:
                 drift = sum(u.arrays[name] - self.round_global[name] for u in updates)
@@ -26,9 +36,15 @@ class FedDynStrategy(FederatedStrategy):
             self.h[name] = (h - alpha / m * drift).astype(h.dtype)
         return {name: (mean[name] - self.h[name] / alpha).astype(mean[name].dtype) for name in mean}
 
+    def reported_arrays(self, served):
+        return served if self.mean is None else self.mean
+
     def checkpoint_state(self):
-        return {**super().checkpoint_state(), **{f"feddyn/h/{name}": h for name, h in self.h.items()}}
+        mean = {f"feddyn/mean/{name}": a for name, a in (self.mean or {}).items()}
+        return {**super().checkpoint_state(), **{f"feddyn/h/{name}": h for name, h in self.h.items()}, **mean}
 
     def restore_state(self, arrays):
         super().restore_state(arrays)
         self.h = {name: arrays[f"feddyn/h/{name}"] for name in self.h}
+        if any(key.startswith("feddyn/mean/") for key in arrays):
+            self.mean = {name: arrays[f"feddyn/mean/{name}"] for name in self.h}

@@ -107,6 +107,7 @@ def in_process_federation(cfg, tmp_path):
     in-process and discovered. Returns (strategy, the clients' ClientAlgorithm objects, proxies)."""
     import torch
 
+    from fedbr_flwr.server.flower import discover
     from fedbr_flwr.server_app import build_strategy
 
     strategy = build_strategy({**cfg, "output-dir": str(tmp_path)})
@@ -114,7 +115,7 @@ def in_process_federation(cfg, tmp_path):
     torch.manual_seed(123)
     clients = [flower_client(cfg, pid) for pid in range(cfg["num-clients"])]
     proxies = [InProcessProxy(c) for c in clients]
-    strategy._discover(FixedClientManager(proxies))
+    discover(strategy, FixedClientManager(proxies))
     return strategy, [c.algorithm for c in clients], proxies
 
 

@@ -43,7 +43,8 @@ def test_the_guide_shows_feddyns_real_files_as_they_are():
     assert sorted(files) == FEDDYN_FILES
     for path, text in files.items():
         assert text == (ROOT / path).read_text(), f"the guide's {path} differs from the file: copy the file into it"
-    assert sum(len(t.splitlines()) for p, t in files.items() if p.endswith(".py")) < 100
+    # short enough to read in one go, with FedDyn run as its authors run it (alpha_k, the reported model)
+    assert sum(len(t.splitlines()) for p, t in files.items() if p.endswith(".py")) < 130
 
 
 def as_new_algorithm(text: str) -> str:

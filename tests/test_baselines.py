@@ -24,7 +24,7 @@ from clients.moon import MoonClient, MoonSettings, MoonStep, moon_contrastive_lo
 from clients.scaffold import ScaffoldClient, ScaffoldStep
 from clients.vhl import RealClasses, VHLSettings, VHLStep, supervised_alignment_loss, vhl_model
 from fedbr_flwr import payload
-from fedbr_flwr.algorithm import MemoryState
+from fedbr_flwr.algorithm import UPDATE_USED, MemoryState
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import ClientData
 from fedbr_flwr.model import build_model
@@ -176,6 +176,7 @@ def test_scaffold_client_keeps_its_variate_across_rounds_and_returns_its_change(
     first_change = {k: v for k, v in out1.items() if k.startswith("control-delta/")}
     # a fresh client object on the same node state (a node may rebuild its client)
     client2 = ScaffoldClient(cfg, toy_data(0), torch.device("cpu"), state)
+    client2.restore_state({UPDATE_USED: 1})  # the server's next message: it used round 1's update
     kept = state_arrays(client2.model, "control-delta", client2.local_control())  # c_i started at 0: c_i = its change
     for name, change in first_change.items():
         np.testing.assert_allclose(kept[name], change)
@@ -243,6 +244,7 @@ def test_moon_negative_pair_is_the_clients_own_last_local_model():
     # next round: a fresh client object on the same node; the server sends other (global) weights
     client2 = MoonClient(cfg, toy_data(0), torch.device("cpu"), state)
     other_global = {k: w + 0.5 for k, w in global_weights.items()}
+    client2.restore_state({UPDATE_USED: 1})  # the server used round 1's update
     client2.receive(other_global)
     algo = client2.make_step(2, {})
     for key, got in algo.previous_features.state_dict().items():  # its own round-1 result, not a global model

@@ -20,7 +20,7 @@ from clients.distrans import (
     initial_offset,
 )
 from fedbr_flwr import payload
-from fedbr_flwr.algorithm import MemoryState
+from fedbr_flwr.algorithm import UPDATE_USED, MemoryState
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import INFO, ClientData
 from fedbr_flwr.model import build_model
@@ -231,8 +231,10 @@ def make_client(pid, state, **overrides):
     return DisTransClient(cfg, client_data(pid), "cpu", state)
 
 
-def offset_used(client, arrays):
-    """The offset the client trains and evaluates with after receiving ``arrays``."""
+def offset_used(client, arrays, used_round=1):
+    """The offset the client trains and evaluates with after receiving ``arrays`` in a message that says
+    the server used its update of ``used_round`` (its fit's offset was pending until then)."""
+    client.restore_state({UPDATE_USED: used_round})
     client.receive(arrays)
     return client.offset.t.detach().numpy().copy()
 
@@ -255,6 +257,16 @@ def test_client_keeps_its_offset_across_rounds_in_its_state():
     # another client's state is its own
     other = make_client(2, MemoryState())
     assert not np.array_equal(offset_used(other, model_arrays), first)
+
+
+def test_a_client_whose_update_was_not_used_goes_on_from_the_offset_it_had():
+    client = make_client(1, MemoryState())
+    model_arrays = client.weights()
+    client.fit(model_arrays, {"server-round": 1, UPDATE_USED: 0})
+    first = offset_used(client, model_arrays, used_round=1)
+    weights, _, _ = client.fit(model_arrays, {"server-round": 2, UPDATE_USED: 1})
+    assert not np.array_equal(weights["offset"], first)
+    np.testing.assert_array_equal(offset_used(client, model_arrays, used_round=1), first)  # round 2's was not used
 
 
 def test_a_server_sent_offset_replaces_the_stored_one():

@@ -232,6 +232,10 @@ LOCKSTEP_CASES = {
     "fedbr-six-members": {"strategy": "fedbr", "num-clients": 6, "fraction-fit": 0.67},
     "fedbr-lenet": {"strategy": "fedbr", "model": "lenet"},
     "moon-lenet": {"strategy": "moon", "model": "lenet"},
+    # each member's gradient clipped on its own: per phase (DANN's two), and inside FedBR's shared-prepare step
+    "feddyn-clipped": {"strategy": "feddyn", "feddyn-alpha": 0.1, "clip-grad-norm": 0.05, "partition": "dirichlet"},
+    "fedbr-clipped": {"strategy": "fedbr", "clip-grad-norm": 0.05},
+    "dann-clipped": {"strategy": "dann", "clip-grad-norm": 0.05},
 }
 
 

@@ -2,7 +2,9 @@
 if never stopped: the global arrays, the strategy's state (its own, its components', the broadcast
 data), the server's RNG states, and each client's own state, collected from the clients at checkpoint
 time (Flower loses ``context.state`` when a run ends). After a resume each client gets its saved state
-back with its messages until it answers once."""
+back with its messages until it answers once. Every message to a client with state also says the last
+round whose update from it the server used, so that the client keeps the state of a fit only when its
+update was used (``fedbr_flwr.algorithm.ClientAlgorithm.settle_pending``)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 from flwr.server.strategy import Strategy
 
 from .. import codec
+from ..algorithm import UPDATE_USED
 from ..checkpoint import rng_state, save_checkpoint, set_rng_state
 from ..errors import ConfigError
 from ..run_io import RunRecorder, code_hash
@@ -32,6 +35,7 @@ class Checkpointer:
         self.clients_have_state = clients_have_state
         self.client_states: dict[int, bytes] = {}  # each client's own state, as last collected
         self.pending: dict[int, bytes] = {}  # after a resume: handed back until each client answers
+        self.used_rounds: dict[int, int] = {}  # the last round whose update from each client was used
         self.resumed_round = 0  # the checkpoint's round when this run continues another
         self.saved_round = 0  # the round of the last checkpoint this run wrote
         self.completed: tuple[int, Named, Named] | None = None  # the last finished round: (round, global, state)
@@ -109,7 +113,7 @@ class Checkpointer:
         """Ask every client for its own state; a client that cannot answer keeps the state it last sent."""
         answers = self.federation.request(
             "client-state",
-            {pid: {} for pid in self.federation.clients_by_pid},
+            {pid: self.config_for(pid) for pid in self.federation.clients_by_pid},
             0,
             "its state for the checkpoint",
             required=False,
@@ -145,7 +149,14 @@ class Checkpointer:
         )
 
     def config_for(self, pid: int) -> dict[str, Any]:
-        return {"client-state": self.pending[pid]} if pid in self.pending else {}
+        """What every message to client ``pid`` carries about its own state: the last round whose update was
+        used (clients with state only), and after a resume its saved state until it answers."""
+        config: dict[str, Any] = {UPDATE_USED: self.used_rounds.get(pid, 0)} if self.clients_have_state else {}
+        return {**config, "client-state": self.pending[pid]} if pid in self.pending else config
+
+    def updates_used(self, server_round: int, pids: list[int]) -> None:
+        """The updates of ``pids`` went into round ``server_round``'s global arrays."""
+        self.used_rounds.update({pid: server_round for pid in pids})
 
     def answered(self, pid: int) -> None:
         self.pending.pop(pid, None)

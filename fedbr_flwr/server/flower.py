@@ -46,6 +46,7 @@ class FlowerStrategy(Strategy):
     after_aggregate: Callable[[payload.Named], None]
     after_discovery: Callable[[], dict[str, Any]]
     global_test_module: Callable[[], torch.nn.Module]
+    reported_arrays: Callable[[payload.Named], payload.Named]
     checkpoint_state: Callable[[], payload.Named]
     restore_state: Callable[[payload.Named], None]
 
@@ -72,7 +73,7 @@ class FlowerStrategy(Strategy):
 
     def configure_fit(self, server_round: int, parameters: Parameters, client_manager: ClientManager):
         if not self.federation.discovered:
-            self._discover(client_manager)
+            discover(self, client_manager)
         self.checkpointer.restore_after_discovery(self.restore_state)
         sent = self.round_global = payload.from_parameters(parameters)
         self._round = {"start": time.perf_counter(), "bytes_down": 0}
@@ -88,8 +89,7 @@ class FlowerStrategy(Strategy):
             for pid in self.sampled
         }
         instructions = [
-            (proxy, FitIns(params, config))
-            for proxy, params, config in routing.messages(self.federation, common, parts)
+            (p, FitIns(params, config)) for p, params, config in routing.messages(self.federation, common, parts)
         ]
         self._round["bytes_down"] = sum(payload_bytes(ins.parameters, ins.config) for _, ins in instructions)
         return instructions
@@ -97,8 +97,7 @@ class FlowerStrategy(Strategy):
     def aggregate_fit(self, server_round: int, results: list, failures: list):
         answers = routing.fit_answers(self.federation, results, byte_budget(self.update_spec, self.update_dtypes))
         errors = [routing.describe_failure(self.federation, f) for f in failures]
-        for error in errors:
-            self.recorder.progress.emit("warning", f"round {server_round}: a client failed: {error}")
+        self._warn(server_round, [f"a client failed: {error}" for error in errors])
         self.after_answers({a.pid: a.metrics for a in answers})
         accepted, rejected = self._screen(server_round, answers)
         missing = sorted(set(self.sampled) - {a.pid for a in answers})
@@ -114,6 +113,7 @@ class FlowerStrategy(Strategy):
                 self.plan = self.robust_rule.plan([u.arrays for u in accepted], self.round_global)
             self.latest = self.aggregate(accepted, self.aggregation_weights(accepted))
             self.after_aggregate(self.latest)
+            self.checkpointer.updates_used(server_round, [u.pid for u in accepted])
         record = round_record(
             server_round,
             accepted,
@@ -147,23 +147,19 @@ class FlowerStrategy(Strategy):
             )
             for pid in self.federation.clients_by_pid
         }
+        common = reported_payload(parameters, self.reported_arrays)
         return [
             (proxy, EvaluateIns(params, config))
-            for proxy, params, config in routing.messages(
-                self.federation, payload.Serialised.from_parameters(parameters), parts
-            )
+            for proxy, params, config in routing.messages(self.federation, common, parts)
         ]
 
     def aggregate_evaluate(self, server_round: int, results: list, failures: list):
         answers, rejected = screen_evaluations(
             routing.evaluate_answers(self.federation, results), self.federation.sizes
         )
-        for r in rejected:
-            self.recorder.progress.emit(
-                "warning",
-                f"round {server_round}: evaluation of client {r['partition']} not counted: it {r['reason']}",
-                round=server_round,
-            )
+        self._warn(
+            server_round, [f"evaluation of client {r['partition']} not counted: it {r['reason']}" for r in rejected]
+        )
         for pid, *_ in answers:
             self.checkpointer.answered(pid)
         if not answers:
@@ -190,10 +186,23 @@ class FlowerStrategy(Strategy):
         tests = self.server_tests
         if tests is None or server_round == 0 or not is_server_test_round(self.cfg, server_round):
             return None
-        load_module_arrays(self.model, "model", payload.from_parameters(parameters))
-        fields = self._server_results[server_round] = run_server_tests(tests, self.global_test_module())
+        served = payload.from_parameters(parameters)
+        reported = self.reported_arrays(served)
+        fields = self._server_results[server_round] = self.server_tests_of(reported)
+        if reported is not served:  # FedDyn: the clients' mean is reported, the model they train from recorded
+            fields["served_global_acc"] = self.server_tests_of(served).get("global_acc")
         loss = fields.get("global_loss", fields.get("extra_local_loss"))
         return loss, {k: v for k, v in fields.items() if isinstance(v, float) and not k.endswith("_loss")}
+
+    def _warn(self, server_round: int, lines: list[str]) -> None:
+        for line in lines:
+            self.recorder.progress.emit("warning", f"round {server_round}: {line}", round=server_round)
+
+    def server_tests_of(self, arrays: payload.Named) -> dict[str, Any]:
+        """The server's tests of the model holding ``arrays``, as metrics.jsonl fields."""
+        assert self.server_tests is not None
+        load_module_arrays(self.model, "model", arrays)
+        return run_server_tests(self.server_tests, self.global_test_module())
 
     # ------------------------------------------------------------ the round's parts
     def is_eval_round(self, server_round: int) -> bool:
@@ -209,23 +218,29 @@ class FlowerStrategy(Strategy):
         accepted, rejected = screen_updates(answers, self.federation.sizes, *expected)
         for update in accepted:
             self.checkpointer.answered(update.pid)
-        for r in rejected:
-            what = f"round {server_round}: update of client {r['partition']} rejected: {r['reason']}"
-            self.recorder.progress.emit("warning", what, round=server_round)
+        self._warn(server_round, [f"update of client {r['partition']} rejected: {r['reason']}" for r in rejected])
         return accepted, rejected
 
-    def _discover(self, client_manager: ClientManager) -> None:
-        self.federation.discover(client_manager, say=lambda text: self.recorder.progress.emit("waiting", text))
-        num = len(self.federation.clients_by_pid)
-        self.cfg["num-clients"] = self.recorder.cfg["num-clients"] = num
-        server_hash = check_partition(self.cfg, self.federation, self.recorder)
-        extra = {**self.after_discovery(), **attack_manifest(self.cfg)}
-        if self.cfg["dataset"] in FILE_DATASETS:  # where this machine read it (clients resolve their own)
-            extra = {"data_folder": str(data_folder(self.cfg["data-dir"])), **extra}
-        self.recorder.write_manifest(
-            partition_hash=server_hash, num_partitions=num, **self.federation.partition_stats(), **extra
-        )
-        self.recorder.progress.emit("start", f"{num} clients found; writing run files to {self.recorder.out_dir}")
+
+def discover(strategy: FlowerStrategy, client_manager: ClientManager) -> None:
+    """The federation's clients found (``Federation.discover``), the partition checked, the manifest written."""
+    federation, recorder, cfg = strategy.federation, strategy.recorder, strategy.cfg
+    federation.discover(client_manager, say=lambda text: recorder.progress.emit("waiting", text))
+    num = len(federation.clients_by_pid)
+    cfg["num-clients"] = recorder.cfg["num-clients"] = num
+    server_hash = check_partition(cfg, federation, recorder)
+    extra = {**strategy.after_discovery(), **attack_manifest(cfg)}
+    if cfg["dataset"] in FILE_DATASETS:  # where this machine read it (clients resolve their own)
+        extra = {"data_folder": str(data_folder(cfg["data-dir"])), **extra}
+    recorder.write_manifest(partition_hash=server_hash, num_partitions=num, **federation.partition_stats(), **extra)
+    recorder.progress.emit("start", f"{num} clients found; writing run files to {recorder.out_dir}")
+
+
+def reported_payload(parameters: Parameters, reported_arrays: Callable[[payload.Named], payload.Named]):
+    """What an evaluation sends: the served global arrays, or what the strategy reports instead (FedDyn)."""
+    served = payload.from_parameters(parameters)
+    reported = reported_arrays(served)
+    return payload.Serialised.from_parameters(parameters) if reported is served else payload.Serialised.of(reported)
 
 
 def is_eval_round(cfg: dict[str, Any], server_round: int) -> bool:

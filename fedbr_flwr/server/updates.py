@@ -136,6 +136,14 @@ def known_size(sizes: Mapping[int, tuple[int, int]], pid: int, which: int) -> in
     return sizes[pid][which] if pid in sizes else None
 
 
+def size_share(sizes: Mapping[int, tuple[int, int]], pid: int) -> float:
+    """Client ``pid``'s training samples over the mean of every client's (``sizes``: pid -> (training, local
+    test)); 1.0 where its size is not known."""
+    if pid not in sizes:
+        return 1.0
+    return sizes[pid][0] / (sum(train for train, _ in sizes.values()) / len(sizes))
+
+
 def screen_evaluations(
     answers: Sequence[Any], sizes: Mapping[int, tuple[int, int]]
 ) -> tuple[list[tuple[int, float, int, float]], list[dict[str, Any]]]:
