@@ -62,7 +62,10 @@ def test_client_app_forwards_to_the_worker_and_gets_flowers_state_back(tmp_path)
     control = {k.replace("model/", "control/"): np.zeros_like(w) for k, w in weights.items()}
     returned, n, metrics = client.fit(payload.to_list({**weights, **control}), {"server-round": 1})
     assert n > 0 and metrics["partition-id"] == 1 and len(payload.from_list(returned)) == 2 * len(weights)
-    assert "scaffold-control" in context.state  # SCAFFOLD's c_i came back into Flower's node state
+    # SCAFFOLD's c_i came back into Flower's node state, pending until the server says it used the update
+    assert "pending/scaffold-control" in context.state and "scaffold-control" not in context.state
+    client.fit(payload.to_list({**weights, **control}), {"server-round": 2, "update-used": 1})
+    assert "scaffold-control" in context.state
 
 
 def test_client_app_without_a_worker_says_how_to_start_one(tmp_path):
