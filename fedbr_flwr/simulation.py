@@ -181,19 +181,36 @@ def replace_dead_actors() -> None:
     raybackend.RayBackend = DeadActorsReplaced  # type: ignore[misc]
 
 
-def renew_dead_actors(pool: Any, timeout_s: float = 10.0) -> int:
-    """Replace each idle actor of a Flower actor pool that does not answer by a new one; how many were."""
+def renew_dead_actors(pool: Any, timeout_s: float = 10.0, start_s: float = 60.0) -> int:
+    """Replace each idle actor of a Flower actor pool that does not answer by a new one that starts within
+    ``start_s``; where none can start (the dead actor's node is gone, and its resources with it), by a live actor
+    of the pool, which then takes two places in it (Ray queues an actor's tasks), so that the other actors serve
+    its clients: Flower's engine runs as many messages at once as the pool had actors, so its size must stay.
+    A dead actor with no live one to stand in stays (its messages fail rather than wait). How many were dead."""
     import ray
 
-    renewed = 0
+    live: list[Any] = []
+    dead: list[Any] = []
     for actor in list(pool.pool):
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - dead, or its node lost: either way it runs nothing more
-            if actor in pool.pool:
-                pool.pool[pool.pool.index(actor)] = pool.create_actor_fn()
-                renewed += 1
-    return renewed
+        (live if answers(actor, timeout_s) else dead).append(actor)
+    for actor in dead:
+        new = pool.create_actor_fn()
+        if not answers(new, start_s):
+            ray.kill(new)
+            new = live[0] if live else actor
+        pool.pool[pool.pool.index(actor)] = new
+    return len(dead)
+
+
+def answers(actor: Any, timeout_s: float) -> bool:
+    """Whether a Ray actor is up and answers within ``timeout_s``."""
+    import ray
+
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - dead, not scheduled (no node has its resources), or its node lost
+        return False
+    return True
 
 
 def keep_actors_between_runs() -> None:

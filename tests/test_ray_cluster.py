@@ -247,8 +247,10 @@ def test_a_resumed_run_runs_where_the_resume_command_says(tmp_path, monkeypatch)
 @pytest.mark.e2e
 def test_a_node_that_dies_mid_run_fails_its_clients_and_the_run_goes_on(tmp_path, two_nodes):
     """The second node is killed (its `ray start` and every process of its session) after round 2: its cohort's
-    clients are recorded as failed, with one line naming Ray's reason; the other cohort's clients keep training
-    on the head to the last round; the head lives on. Runs last: it leaves the cluster one node short."""
+    clients are recorded as failed in the round it died in (if their message was on it), with one line naming
+    Ray's reason; its dead actor's place in the pool goes to the head's, so from then on the head serves both
+    cohorts to the last round, every client training; the head lives on. Runs last: it leaves the cluster one
+    node short."""
     address, node_ids, nodes = two_nodes
     out = tmp_path / "run"
     command = [sys.executable, "-m", "fedbr_flwr.cli", *RUN[:-1], "num-rounds=5", f"ray-address={address}"]
@@ -267,7 +269,10 @@ def test_a_node_that_dies_mid_run_fails_its_clients_and_the_run_goes_on(tmp_path
             proc.kill()
     rounds = rounds_of(out)
     assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5] and rounds[0]["clients"] == 4
-    after = rounds[3:]  # round 3 may still have been under way on the dying node
-    assert all(r["clients"] == 2 and len(r["failed_clients"]) == 2 for r in after), after
-    assert all("\n" not in e and "Actor" in e for r in after for e in r["errors"]), after
+    # the round under way when the node died may fail its cohort (if its message was on the node by then)
+    failed = [r for r in rounds[2:] if r.get("failed_clients")]
+    assert len(failed) <= 1 and all(len(r["failed_clients"]) == 2 for r in failed), rounds
+    assert all("\n" not in e and "Actor" in e for r in failed for e in r["errors"]), failed
+    after = rounds[3:]
+    assert all(r["clients"] == 4 and not r.get("failed_clients") for r in after), after
     assert {node for r in after for node in r["nodes"]} == {alive_nodes(address)[0]}

@@ -301,20 +301,41 @@ def test_a_private_runtimes_workers_get_the_module_path_from_the_environment_and
 
 
 def test_a_dead_actor_in_the_pool_is_replaced_by_a_new_one_and_the_others_kept(monkeypatch):
+    pool, (alive, dead, new) = fake_actor_pool(monkeypatch, [True, False], new_starts=True)
+    assert simulation.renew_dead_actors(pool) == 1
+    assert pool.pool == [alive, new]
+
+
+def test_a_dead_actor_whose_replacement_cannot_start_gives_its_place_to_a_live_one(monkeypatch):
+    """Its node is gone with the resources a new actor needs: a new one would never start, and every message
+    sent to it would wait for ever. A live actor takes its place too (the pool keeps its size, which is how many
+    messages Flower's engine runs at once), so the other actors serve its clients."""
+    pool, (alive, dead, new) = fake_actor_pool(monkeypatch, [True, False], new_starts=False)
+    assert simulation.renew_dead_actors(pool) == 1
+    assert pool.pool == [alive, alive] and pool.killed == [new]
+    alone, (only, _) = fake_actor_pool(monkeypatch, [False], new_starts=False)
+    simulation.renew_dead_actors(alone)
+    assert alone.pool == [only]  # no live actor to stand in: its messages fail at once instead of waiting
+
+
+def fake_actor_pool(monkeypatch, alive: list[bool], new_starts: bool):
+    """A Flower actor pool of fake actors (``alive``: which answer) whose new actor starts or not; ray.get and
+    ray.kill act on them."""
     import ray
 
     class Actor:
-        def __init__(self, alive):
-            self.alive = alive
+        def __init__(self, up):
+            self.up = up
             self.__ray_ready__ = type("Method", (), {"remote": lambda _: self})()
 
     def get(ref, timeout):
-        if not ref.alive:
-            raise ray.exceptions.RayActorError()
+        if not ref.up:
+            raise ray.exceptions.GetTimeoutError()
         return True
 
+    actors = [Actor(up) for up in alive]
+    new = Actor(new_starts)
+    pool = type("Pool", (), {"pool": list(actors), "killed": [], "create_actor_fn": lambda _: new})()
     monkeypatch.setattr(ray, "get", get)
-    alive, dead, new = Actor(True), Actor(False), Actor(True)
-    pool = type("Pool", (), {"pool": [alive, dead], "create_actor_fn": lambda _: new})()
-    assert simulation.renew_dead_actors(pool) == 1
-    assert pool.pool == [alive, new]
+    monkeypatch.setattr(ray, "kill", lambda actor: pool.killed.append(actor))
+    return pool, (*actors, new)
