@@ -56,6 +56,15 @@ def request(tmp_path, run_id):
     }
 
 
+def serve_runs_with(monkeypatch, fake_simulate):
+    """``serve`` with each run's ``simulate`` replaced, and nothing of Ray or the imports started ahead."""
+    monkeypatch.setattr(simulation, "simulate", fake_simulate)
+    monkeypatch.setattr(simulation, "keep_actors_between_runs", lambda: None)
+    monkeypatch.setattr(simulation, "replace_dead_actors", lambda: None)
+    monkeypatch.setattr(simulation, "start_ray", lambda: None)
+    monkeypatch.setattr(simulation, "import_both_sides", lambda: None)
+
+
 def test_serve_runs_each_request_with_its_output_in_its_log_then_stops_after_a_failed_run(
     tmp_path, monkeypatch, own_stdout_stderr
 ):
@@ -67,11 +76,7 @@ def test_serve_runs_each_request_with_its_output_in_its_log_then_stops_after_a_f
         if run_id == 2:
             raise RuntimeError("the ServerApp broke")
 
-    monkeypatch.setattr(simulation, "simulate", fake_simulate)
-    monkeypatch.setattr(simulation, "keep_actors_between_runs", lambda: None)
-    monkeypatch.setattr(simulation, "replace_dead_actors", lambda: None)
-    monkeypatch.setattr(simulation, "start_ray", lambda: None)
-    monkeypatch.setattr(simulation, "import_both_sides", lambda: None)
+    serve_runs_with(monkeypatch, fake_simulate)
     own_stdout_stderr()
     requests = [request(tmp_path, i) for i in (1, 2, 3)]
     replies = io.StringIO()
@@ -114,11 +119,7 @@ def test_serve_hands_no_run_to_a_process_still_running_a_client_of_the_run_befor
         while not clients_running():
             threading.Event().wait(0.01)
 
-    monkeypatch.setattr(simulation, "simulate", fake_simulate)
-    monkeypatch.setattr(simulation, "keep_actors_between_runs", lambda: None)
-    monkeypatch.setattr(simulation, "replace_dead_actors", lambda: None)
-    monkeypatch.setattr(simulation, "start_ray", lambda: None)
-    monkeypatch.setattr(simulation, "import_both_sides", lambda: None)
+    serve_runs_with(monkeypatch, fake_simulate)
     own_stdout_stderr()
     replies = io.StringIO()
     try:
