@@ -19,7 +19,8 @@ from torch.nn import functional as F
 
 from fedbr_flwr import seeds
 from fedbr_flwr.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
-from fedbr_flwr.dataset import INFO, DatasetInfo, normalise
+from fedbr_flwr.catalog import INFO, DatasetInfo
+from fedbr_flwr.dataset import normalise
 from fedbr_flwr.model import SplitModel
 from fedbr_flwr.registry import register_client
 from fedbr_flwr.settings import FRACTION, OPEN_FRACTION, POSITIVE, Settings, setting

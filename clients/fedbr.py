@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from fedbr_flwr import seeds
 from fedbr_flwr.algorithm import Batch, ClientAlgorithm, FunctionalStep, Phase, StepView, call
-from fedbr_flwr.dataset import INFO
+from fedbr_flwr.catalog import INFO
 from fedbr_flwr.errors import ConfigError
 from fedbr_flwr.losses import soft_cross_entropy
 from fedbr_flwr.model import SplitModel
@@ -103,7 +103,7 @@ class FedBRSettings(Settings):
         "auto",
         "public dataset for mixture pseudo-data, read from "
         "the data folder; auto: cifar100 for cifar10, cifar10 for cifar100, mnist5k for MNIST",
-        choices=("auto", "mnist5k", "mnist", "cifar10", "cifar100", "synthetic"),
+        choices=("auto", *INFO),
     )
     pseudo_refresh: str = setting(
         "pseudo-refresh",

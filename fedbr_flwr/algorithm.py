@@ -29,8 +29,9 @@ from torch.nn import functional as F
 
 from . import attack, codec, seeds
 from .broadcast import receive_shared
+from .catalog import INFO
 from .config import resolved_model
-from .dataset import INFO, ClientData, make_partition
+from .dataset import ClientData, make_partition
 from .model import build_model
 from .registry import component_class, components_of
 from .settings import NoSettings, Settings

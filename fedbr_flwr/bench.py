@@ -36,9 +36,10 @@ from typing import Sequence, cast
 import torch
 
 from .broadcast import SharedData
+from .catalog import INFO
 from .cli import build_config, size_for_runtime, size_resources, supernodes
 from .config import ConfigError, resolved_model
-from .dataset import INFO, load_client_data, load_cohort_data
+from .dataset import load_client_data, load_cohort_data
 from .launcher import RunFailed, run_flower
 from .metrics import read_jsonl
 from .model import SplitModel

@@ -229,7 +229,7 @@ def check_proxy_dataset(cfg: dict[str, Any]) -> None:
         return
     from pseudodata import proxy_dataset
 
-    from .dataset import load_raw
+    from .catalog import load_raw
 
     load_raw(proxy_dataset(cfg), cfg["data-dir"], cfg["download"])
 

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import yaml
 
 from .attack import ATTACKS, check_attack
+from .catalog import INFO
 from .errors import ConfigError, quoted
 from .server.robust import RULES, WEIGHTED_RULES, minimum_updates
 from .settings import BELOW_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, UNIT_INTERVAL, Check, Key
@@ -37,7 +38,7 @@ COMMON: dict[str, Key] = {
     "dataset": Key(
         "mnist5k",
         "dataset; synthetic: random CIFAR-size images and labels, for benchmarks",
-        choices=("mnist5k", "mnist", "cifar10", "cifar100", "synthetic"),
+        choices=tuple(INFO),
     ),
     "data-dir": Key(
         "",
@@ -320,17 +321,10 @@ def _check_ownership(cfg: Mapping[str, Any], overrides: Mapping[str, Any], keys:
             )
 
 
-# Images in each dataset's training split (fedbr_flwr.dataset loads them; tests/test_config.py compares the
-# built-in ones): the most one batch can usefully hold, and a bound that keeps a typo from allocating terabytes.
-TRAIN_SPLIT_SIZES = {"mnist5k": 4500, "mnist": 60000, "cifar10": 50000, "cifar100": 50000, "synthetic": 5000}
-
-
 def check_batch_sizes(cfg: Mapping[str, Any]) -> None:
     """batch-size (and a pseudo-batch's size) at most the dataset's training split: a client draws its batch
     from its own partition, a part of that split."""
-    limit = TRAIN_SPLIT_SIZES.get(cfg["dataset"])
-    if limit is None:
-        return
+    limit = INFO[cfg["dataset"]].train_size
     for key in ("batch-size", "pseudo-size"):
         if cfg.get(key, 0) > limit:
             raise ConfigError(
@@ -347,7 +341,7 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
         close = difflib.get_close_matches(cfg["strategy"], names, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"unknown strategy {quoted(cfg['strategy'])}.{hint} Valid: {', '.join(names)}")
-    num_classes = 100 if cfg["dataset"] == "cifar100" else 10
+    num_classes = INFO[cfg["dataset"]].num_classes
     if cfg["partition"] == "classes" and cfg["classes-per-client"] > num_classes:
         raise ConfigError(
             f"'classes-per-client' = {cfg['classes-per-client']} exceeds the {num_classes} classes of {cfg['dataset']}"
@@ -388,7 +382,7 @@ def check_server_tests(cfg: Mapping[str, Any]) -> None:
             f"server-test-every = {every} is not a multiple of eval-every = {eval_every}: the server-side tests "
             "are recorded with an evaluation (use a multiple of eval-every, or 0 for every evaluation)"
         )
-    if cfg["extra-local-tests"] and cfg["dataset"] not in ("mnist", "mnist5k"):
+    if cfg["extra-local-tests"] and INFO[cfg["dataset"]].rotation != "client":
         raise ConfigError(
             f"extra-local-tests = true is RotatedMNIST's (dataset mnist or mnist5k), not {cfg['dataset']}'s: "
             "the reference code builds them for RotatedMNIST only"
@@ -549,8 +543,7 @@ def to_toml(cfg: Mapping[str, Any]) -> str:
 def resolved_model(cfg: Mapping[str, Any]) -> str:
     if cfg["model"] != "auto":
         return cfg["model"]
-    by_dataset = {"mnist5k": "cnn", "mnist": "cnn", "cifar10": "vgg11", "cifar100": "cct", "synthetic": "vgg11"}
-    return by_dataset[cfg["dataset"]]
+    return INFO[cfg["dataset"]].default_model
 
 
 CONFIGURATION_PAGE_HEAD = """# Configuration reference

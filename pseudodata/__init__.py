@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
+from fedbr_flwr.catalog import INFO
+
 if TYPE_CHECKING:
     import torch
 
@@ -30,7 +32,7 @@ def proxy_dataset(cfg: Mapping[str, Any]) -> str:
     """Mixture's public dataset: proxy-dataset, or by the run's dataset when 'auto'."""
     if cfg["proxy-dataset"] != "auto":
         return cfg["proxy-dataset"]
-    return {"cifar10": "cifar100", "cifar100": "cifar10", "synthetic": "synthetic"}.get(cfg["dataset"], "mnist5k")
+    return INFO[cfg["dataset"]].proxy
 
 
 def build(
@@ -44,7 +46,6 @@ def build(
     return each listed client's means, in the order of the mapping (partition order). Mixture: B means
     of M samples of ``proxy``, seeded by (seed, version)."""
     from fedbr_flwr import seeds
-    from fedbr_flwr.dataset import INFO
 
     from .rsm import allot, assemble, sample_means
 

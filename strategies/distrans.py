@@ -26,7 +26,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedbr_flwr import codec
-from fedbr_flwr.dataset import INFO, DatasetInfo, normalise
+from fedbr_flwr.catalog import INFO, DatasetInfo
+from fedbr_flwr.dataset import normalise
 from fedbr_flwr.errors import ConfigError
 from fedbr_flwr.partition import heterogeneity_from_counts
 from fedbr_flwr.registry import register_strategy

@@ -9,7 +9,7 @@ from torch import nn
 
 from fedbr_flwr import seeds
 from fedbr_flwr.broadcast import SharedData
-from fedbr_flwr.dataset import INFO
+from fedbr_flwr.catalog import INFO
 from fedbr_flwr.registry import register_strategy
 
 from .base import FederatedStrategy

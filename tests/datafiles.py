@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torchvision.datasets as tvd
 
-from fedbr_flwr import dataset
+from fedbr_flwr import catalog
 
 MNIST_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
@@ -49,7 +49,7 @@ def write_mnist(raw: Path, arrays: dict[str, np.ndarray], gz: bool = True) -> No
 
 
 def trust_mnist(monkeypatch, raw: Path) -> None:
-    """Make torchvision's MNIST.resources (.gz md5s) and dataset.MNIST_RAW_MD5 (uncompressed md5s)
+    """Make torchvision's MNIST.resources (.gz md5s) and catalog.MNIST_RAW_MD5 (uncompressed md5s)
     match the files now in ``raw``."""
     resources, plain = [], {}
     for stem in MNIST_STEMS:
@@ -63,7 +63,7 @@ def trust_mnist(monkeypatch, raw: Path) -> None:
             except Exception:  # a corrupt .gz: its contents have no md5
                 plain[stem] = "0" * 32
     monkeypatch.setattr(tvd.MNIST, "resources", resources)
-    monkeypatch.setattr(dataset, "MNIST_RAW_MD5", plain)
+    monkeypatch.setattr(catalog, "MNIST_RAW_MD5", plain)
 
 
 def cifar_class(name: str):

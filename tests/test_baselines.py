@@ -801,7 +801,8 @@ def test_two_rounds_in_process(tmp_path, name, extra):
 def central_accuracy(model: torch.nn.Module, steps: int, lr: float, batch: int = 32, seed: int = 0) -> float:
     """``steps`` of plain SGD on all of mnist5k's training digits (no federation), then accuracy on its
     global test set."""
-    from fedbr_flwr.dataset import INFO, load_raw, normalise
+    from fedbr_flwr.catalog import INFO, load_raw
+    from fedbr_flwr.dataset import normalise
 
     train, test = load_raw("mnist5k", "")
     x = normalise(torch.from_numpy(train.x).float() / 255.0, INFO["mnist5k"])

@@ -279,8 +279,7 @@ def test_a_batch_larger_than_the_training_split_is_refused():
 
 @pytest.mark.parametrize("dataset", ["mnist5k", "synthetic"])
 def test_the_training_split_sizes_are_the_loaded_ones(dataset):
-    from fedbr_flwr.config import TRAIN_SPLIT_SIZES
-    from fedbr_flwr.dataset import load_raw
+    from fedbr_flwr.catalog import INFO, load_raw
 
     train, _ = load_raw(dataset)
-    assert len(train.y) == TRAIN_SPLIT_SIZES[dataset]
+    assert len(train.y) == INFO[dataset].train_size

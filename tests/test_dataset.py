@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from fedbr_flwr.config import ConfigError, validate
+from fedbr_flwr.catalog import INFO, ROTATIONS, Split, load_cifar, load_mnist, load_raw
+from fedbr_flwr.config import COMMON, ConfigError, validate
 from fedbr_flwr.dataset import (
-    INFO,
     cifar_angle_prior,
     client_angle,
     client_indices,
+    global_test_angles,
     image_angles,
-    load_cifar,
     load_client_data,
     load_global_test,
-    load_mnist,
-    load_raw,
     make_partition,
     normalise,
     normalised_black,
@@ -372,3 +371,36 @@ def test_rotate_and_normalise():
     for c in range(3):
         assert torch.allclose(n[0, c], torch.full((2, 2), (1 - info.mean[c]) / info.std[c]))
     assert torch.equal(to_float(np.array([[[[0, 255]]]], dtype=np.uint8)), torch.tensor([[[[0.0, 1.0]]]]))
+
+
+# ---------------------------------------------------------------- the catalogue
+
+
+def test_every_catalogue_entry_names_a_known_rotation_model_and_proxy():
+    models = COMMON["model"].choices
+    for name, info in INFO.items():
+        assert info.rotation in ROTATIONS, name
+        assert info.default_model in models and info.proxy in INFO, name
+        assert len(info.mean) == len(info.std) == info.in_channels, name
+
+
+def test_a_new_catalogue_entry_is_all_the_data_layer_needs(monkeypatch):
+    """One entry carries a dataset's loader and rotation: a dataset added that way loads its own images (not
+    another dataset's), and its clients' images and the balanced global test turn as its entry says."""
+    rng = np.random.default_rng(0)
+    train = Split(rng.integers(0, 256, (200, 1, 28, 28), dtype=np.uint8), np.arange(200) % 10)
+    test = Split(rng.integers(0, 256, (50, 1, 28, 28), dtype=np.uint8), np.arange(50) % 10)
+    monkeypatch.setitem(INFO, "digits", replace(INFO["mnist5k"], load=lambda _folder, _download: (train, test)))
+    load_raw.cache_clear()
+    assert load_raw("digits")[0] is train
+    cfg = {**validate({"rotate": True}), "dataset": "digits"}
+    assert image_angles(cfg, 3, 2).tolist() == [45.0, 45.0]
+    assert global_test_angles(cfg) == tuple(range(0, 150, 15))
+    monkeypatch.setitem(INFO, "digits", replace(INFO["digits"], rotation="none"))
+    assert image_angles(cfg, 3, 2).tolist() == [0.0, 0.0] and global_test_angles(cfg) == (0,)
+    load_raw.cache_clear()
+
+
+def test_an_unknown_dataset_stops_with_one_line_naming_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown dataset 'digits'. Valid: mnist5k, mnist, cifar10"):
+        load_raw("digits")

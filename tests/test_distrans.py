@@ -21,8 +21,9 @@ from clients.distrans import (
 )
 from fedbr_flwr import payload
 from fedbr_flwr.algorithm import UPDATE_USED, MemoryState
+from fedbr_flwr.catalog import INFO
 from fedbr_flwr.config import ConfigError, validate
-from fedbr_flwr.dataset import INFO, ClientData
+from fedbr_flwr.dataset import ClientData
 from fedbr_flwr.model import build_model
 from fedbr_flwr.partition import heterogeneity_from_counts
 from fedbr_flwr.run_io import RunRecorder

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torchvision.datasets as tvd
 
-from fedbr_flwr import cli, dataset
+from fedbr_flwr import catalog, cli, dataset
 from fedbr_flwr.config import ConfigError, validate
 
 from datafiles import (
@@ -33,10 +33,10 @@ from datafiles import (
 
 @pytest.fixture(autouse=True)
 def fresh_caches():
-    dataset.load_raw.cache_clear()
+    catalog.load_raw.cache_clear()
     dataset._cached_partition.cache_clear()
     yield
-    dataset.load_raw.cache_clear()
+    catalog.load_raw.cache_clear()
     dataset._cached_partition.cache_clear()
 
 
@@ -52,24 +52,24 @@ def one_line_error(exc_info) -> str:
 def test_data_dir_wins_and_is_made_absolute(monkeypatch, tmp_path):
     monkeypatch.setenv("FEDBR_DATA_DIR", str(tmp_path / "env"))
     monkeypatch.chdir(tmp_path)
-    assert dataset.data_folder("given") == tmp_path / "given"
-    assert dataset.data_folder(str(tmp_path / "abs")) == tmp_path / "abs"
+    assert catalog.data_folder("given") == tmp_path / "given"
+    assert catalog.data_folder(str(tmp_path / "abs")) == tmp_path / "abs"
 
 
 def test_env_var_is_the_default_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("FEDBR_DATA_DIR", str(tmp_path / "env"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert dataset.data_folder("") == tmp_path / "env"
+    assert catalog.data_folder("") == tmp_path / "env"
 
 
 def test_xdg_cache_then_home_cache_are_the_default_folder(monkeypatch, tmp_path):
     monkeypatch.delenv("FEDBR_DATA_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert dataset.data_folder("") == tmp_path / "xdg" / "fedbr-flwr" / "datasets"
+    assert catalog.data_folder("") == tmp_path / "xdg" / "fedbr-flwr" / "datasets"
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for xdg in ("", "relative/cache"):  # unset, or relative (which the XDG spec says to ignore)
         monkeypatch.setenv("XDG_CACHE_HOME", xdg)
-        assert dataset.data_folder("") == tmp_path / "home" / ".cache" / "fedbr-flwr" / "datasets"
+        assert catalog.data_folder("") == tmp_path / "home" / ".cache" / "fedbr-flwr" / "datasets"
 
 
 def test_file_datasets_load_from_the_default_folder_without_data_dir(monkeypatch, tmp_path):
@@ -80,7 +80,7 @@ def test_file_datasets_load_from_the_default_folder_without_data_dir(monkeypatch
     cfg = validate({"dataset": "mnist", "num-clients": 2, "download": "never"})  # no data-dir needed
     parts, _ = dataset.make_partition(cfg)
     assert sorted(np.concatenate(parts)) == list(range(20))
-    train, _ = dataset.load_raw("mnist", "", "never")
+    train, _ = catalog.load_raw("mnist", "", "never")
     np.testing.assert_array_equal(train.y, arrays["train-labels-idx1-ubyte"])
 
 
@@ -96,7 +96,7 @@ def test_download_never_on_an_empty_folder_says_where_and_how(monkeypatch, tmp_p
     empty = tmp_path / "empty"
     monkeypatch.setenv("FEDBR_DATA_DIR", str(empty))
     with pytest.raises(ConfigError) as err:
-        dataset.load_raw(name, "", "never")
+        catalog.load_raw(name, "", "never")
     msg = one_line_error(err)
     assert str(empty) in msg and missing in msg
     assert "FEDBR_DATA_DIR" in msg and "data-dir=" in msg and "download=never" in msg
@@ -157,7 +157,7 @@ def mnist_mirror(server, monkeypatch):
 def test_mnist_downloads_into_an_empty_folder(mnist_mirror, tmp_path, monkeypatch):
     _, arrays = mnist_mirror
     monkeypatch.setenv("FEDBR_DATA_DIR", str(tmp_path / "data"))
-    train, test = dataset.load_raw("mnist", "", "auto")
+    train, test = catalog.load_raw("mnist", "", "auto")
     np.testing.assert_array_equal(train.x[:, 0], arrays["train-images-idx3-ubyte"])
     np.testing.assert_array_equal(train.y, arrays["train-labels-idx1-ubyte"])
     np.testing.assert_array_equal(test.x[:, 0], arrays["t10k-images-idx3-ubyte"])
@@ -166,9 +166,9 @@ def test_mnist_downloads_into_an_empty_folder(mnist_mirror, tmp_path, monkeypatc
     raw = tmp_path / "data" / "MNIST" / "raw"
     assert all((raw / f"{stem}.gz").is_file() for stem in MNIST_STEMS)
     # then it reads the folder offline
-    dataset.load_raw.cache_clear()
+    catalog.load_raw.cache_clear()
     monkeypatch.setattr(tvd.MNIST, "mirrors", ["http://127.0.0.1:1/"])
-    np.testing.assert_array_equal(dataset.load_raw("mnist", "", "never")[0].y, train.y)
+    np.testing.assert_array_equal(catalog.load_raw("mnist", "", "never")[0].y, train.y)
 
 
 def test_mnist_download_fetches_only_what_is_missing(mnist_mirror, tmp_path):
@@ -177,7 +177,7 @@ def test_mnist_download_fetches_only_what_is_missing(mnist_mirror, tmp_path):
     raw.mkdir(parents=True)
     shutil.copy(served / "train-images-idx3-ubyte.gz", raw)
     (served / "train-images-idx3-ubyte.gz").unlink()  # the server lacks it: it must not be fetched again
-    train, _ = dataset.load_mnist(str(tmp_path), "auto")
+    train, _ = catalog.load_mnist(str(tmp_path), "auto")
     np.testing.assert_array_equal(train.x[:, 0], arrays["train-images-idx3-ubyte"])
 
 
@@ -186,7 +186,7 @@ def test_mnist_download_with_a_bad_md5_stops(mnist_mirror, tmp_path):
     path = served / "t10k-images-idx3-ubyte.gz"
     path.write_bytes(path.read_bytes()[:-10])  # the served file no longer matches torchvision's md5
     with pytest.raises(ConfigError) as err:
-        dataset.load_mnist(str(tmp_path / "data"), "auto")
+        catalog.load_mnist(str(tmp_path / "data"), "auto")
     msg = one_line_error(err)
     assert "download=auto failed" in msg and "t10k-images-idx3-ubyte.gz" in msg and str(tmp_path / "data") in msg
 
@@ -194,7 +194,7 @@ def test_mnist_download_with_a_bad_md5_stops(mnist_mirror, tmp_path):
 def test_mnist_download_offline_stops(monkeypatch, tmp_path):
     monkeypatch.setattr(tvd.MNIST, "mirrors", ["http://127.0.0.1:1/"])  # nothing listens there
     with pytest.raises(ConfigError) as err:
-        dataset.load_mnist(str(tmp_path / "data"), "auto")
+        catalog.load_mnist(str(tmp_path / "data"), "auto")
     msg = one_line_error(err)
     assert "download=auto failed" in msg and str(tmp_path / "data") in msg and "download=True" in msg
 
@@ -209,7 +209,7 @@ def test_cifar_downloads_into_an_empty_folder(server, monkeypatch, tmp_path, nam
     archive = cifar_tarball(source, name, served / cls.filename)
     monkeypatch.setattr(cls, "url", f"{url}/{cls.filename}")
     monkeypatch.setattr(cls, "tgz_md5", md5(archive))
-    train, test = dataset.load_cifar(name, str(tmp_path / "data"), "auto")
+    train, test = catalog.load_cifar(name, str(tmp_path / "data"), "auto")
     assert train.x.shape == (len(train_y), 3, 32, 32) and train.x.dtype == np.uint8 and train.y.dtype == np.int64
     np.testing.assert_array_equal(train.x.reshape(len(train_y), -1), train_rows)  # channel-major rows
     np.testing.assert_array_equal(train.y, train_y)
@@ -228,7 +228,7 @@ def test_cifar_download_with_a_bad_md5_stops(server, monkeypatch, tmp_path):
     monkeypatch.setattr(tvd.CIFAR10, "tgz_md5", md5(archive))
     archive.write_bytes(archive.read_bytes()[:-100])  # corrupted on the server
     with pytest.raises(ConfigError) as err:
-        dataset.load_cifar("cifar10", str(tmp_path / "data"), "auto")
+        catalog.load_cifar("cifar10", str(tmp_path / "data"), "auto")
     msg = one_line_error(err)
     assert "download=auto failed" in msg and str(tmp_path / "data") in msg
 
@@ -283,7 +283,7 @@ def test_corrupt_mnist_file_stops_naming_it(monkeypatch, tmp_path, case, md5_mat
     if md5_matches:
         trust_mnist(monkeypatch, raw)
     with pytest.raises(ConfigError) as err:
-        dataset.load_mnist(str(tmp_path), "never")
+        catalog.load_mnist(str(tmp_path), "never")
     msg = one_line_error(err)
     assert str(raw / culprit) in msg and "corrupt" in msg
 
@@ -293,7 +293,7 @@ def test_real_md5_tables_refuse_other_files(tmp_path):
     raw = tmp_path / "MNIST" / "raw"
     write_mnist(raw, mnist_arrays())
     with pytest.raises(ConfigError, match="train-images-idx3-ubyte.gz is corrupt or incomplete .md5"):
-        dataset.load_mnist(str(tmp_path), "never")
+        catalog.load_mnist(str(tmp_path), "never")
 
 
 def test_corrupt_mnist_through_the_cli_exits_2_with_one_line(capsys, monkeypatch, tmp_path):
@@ -330,7 +330,7 @@ def test_corrupt_cifar_file_stops_naming_it(monkeypatch, tmp_path, name, culprit
     if md5_matches:
         trust_cifar(monkeypatch, tmp_path, name)
     with pytest.raises(ConfigError) as err:
-        dataset.load_cifar(name, str(tmp_path), "never")
+        catalog.load_cifar(name, str(tmp_path), "never")
     msg = one_line_error(err)
     assert str(path) in msg and "corrupt" in msg
 
@@ -347,7 +347,7 @@ def test_cifar_labels_not_matching_images_stop(monkeypatch, tmp_path):
         pickle.dump(batch, f)
     trust_cifar(monkeypatch, tmp_path, "cifar10")
     with pytest.raises(ConfigError, match="labels for .* images"):
-        dataset.load_cifar("cifar10", str(tmp_path), "never")
+        catalog.load_cifar("cifar10", str(tmp_path), "never")
 
 
 def test_a_read_only_folder_of_gz_files_is_read_in_place(monkeypatch, tmp_path):
@@ -357,7 +357,7 @@ def test_a_read_only_folder_of_gz_files_is_read_in_place(monkeypatch, tmp_path):
     write_mnist(raw, arrays)
     trust_mnist(monkeypatch, raw)
     before = sorted(p.name for p in raw.iterdir())
-    train, test = dataset.load_mnist(str(tmp_path), "never")
+    train, test = catalog.load_mnist(str(tmp_path), "never")
     assert sorted(p.name for p in raw.iterdir()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["MNIST"]
     np.testing.assert_array_equal(train.x[:, 0], arrays["train-images-idx3-ubyte"])
@@ -392,7 +392,7 @@ def full_mnist_folder():
 
 
 def test_full_mnist_arrays_and_partitions_are_unchanged(full_mnist_folder, monkeypatch):
-    train, test = dataset.load_raw("mnist", full_mnist_folder, "never")
+    train, test = catalog.load_raw("mnist", full_mnist_folder, "never")
     arrays = {"train.x": train.x, "train.y": train.y, "test.x": test.x, "test.y": test.y}
     assert train.x.shape == (60000, 1, 28, 28) and test.x.shape == (10000, 1, 28, 28)
     assert {

@@ -98,7 +98,8 @@ def central_accuracies(name: str, lr: float, steps: int = 400, seed: int = 0) ->
     4,000 to train and the other 500 to test (seeded)."""
     import numpy as np
 
-    from fedbr_flwr.dataset import INFO, load_raw, normalise, rotate, to_float
+    from fedbr_flwr.catalog import INFO, load_raw
+    from fedbr_flwr.dataset import normalise, rotate, to_float
 
     torch.set_num_threads(1)
     train, _ = load_raw("mnist5k")

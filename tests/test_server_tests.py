@@ -11,16 +11,15 @@ import torch
 from flwr.common import Code, EvaluateRes, Status
 
 from fedbr_flwr import payload
+from fedbr_flwr.catalog import INFO, load_raw
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import (
-    INFO,
     ServerTests,
     client_indices,
     extra_local_test_indices,
     global_test_angles,
     load_extra_local_tests,
     load_global_test,
-    load_raw,
     load_server_tests,
     normalise,
     rotate,

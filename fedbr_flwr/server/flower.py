@@ -16,7 +16,8 @@ from flwr.server.strategy import Strategy
 
 from .. import payload
 from ..attack import attack_manifest, attackers_that_answered
-from ..dataset import FILE_DATASETS, ServerTests, data_folder, partition_sizes, save_partition
+from ..catalog import INFO, data_folder
+from ..dataset import ServerTests, partition_sizes, save_partition
 from ..errors import ConfigError
 from ..training import evaluate, load_module_arrays
 from . import routing
@@ -230,7 +231,7 @@ def discover(strategy: FlowerStrategy, client_manager: ClientManager) -> None:
     cfg["num-clients"] = recorder.cfg["num-clients"] = num
     server_hash = check_partition(cfg, federation, recorder)
     extra = {**strategy.after_discovery(), **attack_manifest(cfg)}
-    if cfg["dataset"] in FILE_DATASETS:  # where this machine read it (clients resolve their own)
+    if INFO[cfg["dataset"]].in_data_folder:  # where this machine read it (clients resolve their own)
         extra = {"data_folder": str(data_folder(cfg["data-dir"])), **extra}
     recorder.write_manifest(partition_hash=server_hash, num_partitions=num, **federation.partition_stats(), **extra)
     recorder.progress.emit("start", f"{num} clients found; writing run files to {recorder.out_dir}")
