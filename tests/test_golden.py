@@ -27,17 +27,19 @@ def same_machine_kind(recorded: dict) -> bool:
     return recorded == golden.environment()
 
 
-def close_json(got, want, path="", exact=True):
-    """Equal structure; equal non-floats; floats equal (exact) or within tolerance."""
+def close_json(got, want, path="", exact=True, added_ok=False):
+    """Equal structure; equal non-floats; floats equal (exact) or within tolerance. With ``added_ok``, a
+    record may hold keys the golden file lacks (a metric added since it was recorded), never fewer."""
     assert type(got) is type(want) or {type(got), type(want)} <= {int, float}, f"{path}: {got!r} vs {want!r}"
     if isinstance(want, dict):
-        assert sorted(got) == sorted(want), f"{path}: keys {sorted(got)} vs {sorted(want)}"
+        missing, added = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        assert not missing and (added_ok or not added), f"{path}: keys missing {missing}, added {added}"
         for k in want:
-            close_json(got[k], want[k], f"{path}/{k}", exact)
+            close_json(got[k], want[k], f"{path}/{k}", exact, added_ok)
     elif isinstance(want, list):
         assert len(got) == len(want), f"{path}: {len(got)} items vs {len(want)}"
         for i, (g, w) in enumerate(zip(got, want)):
-            close_json(g, w, f"{path}[{i}]", exact)
+            close_json(g, w, f"{path}[{i}]", exact, added_ok)
     elif isinstance(want, float) and not exact:
         tol = ACC_ABS if "acc" in path else 1e-6
         assert math.isclose(got, want, rel_tol=REL, abs_tol=tol), f"{path}: {got!r} vs {want!r}"
@@ -67,8 +69,9 @@ def test_a_run_gives_what_it_gave_before(path, tmp_path):
             close_arrays([got["files"][name][key]], [want["files"][name][key]], f"{name}/{key}", exact)
         assert sorted(got["files"][name]) == sorted(want["files"][name]), name
     close_json(got["manifest"], want["manifest"], "manifest", exact)
-    close_json(got["rounds"], want["rounds"], "rounds", exact)
-    close_json(got["metrics"], want["metrics"], "metrics", exact)
+    # a metric added later is a new key in these records: it leaves every recorded figure as it was
+    close_json(got["rounds"], want["rounds"], "rounds", exact, added_ok=True)
+    close_json(got["metrics"], want["metrics"], "metrics", exact, added_ok=True)
 
 
 def test_the_comparison_can_fail():
@@ -81,3 +84,9 @@ def test_the_comparison_can_fail():
     with pytest.raises(AssertionError):
         close_json({"train": {"loss": 1.01}}, {"train": {"loss": 1.0}}, exact=False)
     close_json({"mean_acc": 0.51}, {"mean_acc": 0.5}, exact=False)  # one sample's argmax may flip
+    # an added metric passes the metric lines, a dropped one does not, and the manifest takes neither
+    close_json({"mean_acc": 0.5, "median_acc": 0.4}, {"mean_acc": 0.5}, added_ok=True)
+    with pytest.raises(AssertionError, match="missing"):
+        close_json({"median_acc": 0.4}, {"mean_acc": 0.5, "median_acc": 0.4}, added_ok=True)
+    with pytest.raises(AssertionError, match="added"):
+        close_json({"seed": 0, "extra": 1}, {"seed": 0})
