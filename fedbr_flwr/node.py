@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import time
 from collections import OrderedDict
 from typing import Any, Mapping
@@ -303,6 +304,7 @@ class ClientCache:
     def __init__(self, runs_kept: int = 2):
         self.runs_kept = runs_kept
         self.clients: dict[tuple[int, int, str], FlowerClient | CohortClient] = {}  # oldest runs first
+        self._lock = threading.Lock()  # the in-process backend's threads build a run's clients at once
 
     def get(
         self, run_id: int, run_config: Mapping[str, Any], node: Mapping[str, Any], state: RecordDict
@@ -310,10 +312,13 @@ class ClientCache:
         """The client for this message, holding ``state`` (Flower's node state, a new copy per message)."""
         settings = json.dumps({"run": dict(run_config), "node": dict(node)}, sort_keys=True, default=str)
         key = (int(run_id), int(node.get("partition-id", -1)), settings)
-        client = self.clients.get(key)
+        with self._lock:
+            client = self.clients.get(key)
         if client is None:
-            client = self.clients[key] = build_client(run_config, node, state)
-            self._forget_old_runs()
+            built = build_client(run_config, node, state)  # outside the lock: clients build in parallel
+            with self._lock:
+                client = self.clients.setdefault(key, built)
+                self._forget_old_runs()
         client.use_state(state)
         return client
 

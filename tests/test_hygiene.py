@@ -131,6 +131,48 @@ def test_the_one_client_cache_drops_an_old_runs_clients_with_their_data_and_mode
     assert {run for run, _, _ in cache.clients} == {2}
 
 
+def test_two_threads_dropping_the_old_runs_clients_at_once_do_not_race(monkeypatch):
+    """The in-process backend builds a run's clients in threads, and each new client drops the old run's: a
+    second thread dropping them while the first is half-way must not make the first raise (a KeyError once
+    failed a sweep's run). The first pauses at its first removal until the second is done (or 1 s passed)."""
+    import threading
+
+    from fedbr_flwr import node
+
+    first_paused, second_done = threading.Event(), threading.Event()
+
+    class PausingDict(dict):
+        def __delitem__(self, key):
+            if threading.current_thread().name == "first" and not first_paused.is_set():
+                first_paused.set()
+                second_done.wait(timeout=1.0)
+            super().__delitem__(key)
+
+    cache = ClientCache(runs_kept=1)
+    cache.clients = PausingDict({(1, pid, "old"): object() for pid in range(3)})  # the run before's clients
+    monkeypatch.setattr(node, "build_client", lambda *args: type("Client", (), {"use_state": lambda s, _: None})())
+    errors = []
+
+    def get(pid):
+        try:
+            cache.get(2, {"lr": 0.1}, {"partition-id": pid}, RecordDict())
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            if pid == 1:
+                second_done.set()
+
+    first = threading.Thread(target=get, args=(0,), name="first")
+    first.start()
+    first_paused.wait(timeout=5)
+    second = threading.Thread(target=get, args=(1,), name="second")
+    second.start()
+    for t in (first, second):
+        t.join(timeout=10)
+    assert not errors, errors
+    assert sorted(run_pid[:2] for run_pid in cache.clients) == [(2, 0), (2, 1)]
+
+
 def test_a_run_reports_its_rounds_and_end_as_events_and_the_table_once(tmp_path):
     from fedbr_flwr.config import validate
     from fedbr_flwr.run_io import RunRecorder
