@@ -253,6 +253,7 @@ class RunHost:
         self.address = address
         self.proc: subprocess.Popen | None = None
         self.replies: queue.Queue[dict | None] = queue.Queue()
+        self.reader: threading.Thread | None = None
         self.home: Path | None = None
 
     def __enter__(self) -> "RunHost":
@@ -280,7 +281,6 @@ class RunHost:
         self.close()
         self.home = watchdog.temp_dir("fedbr-flwr-home-")  # Flower writes nothing outside it
         env = {**flower_env(self.home), **ray_environment(self.address)}
-        self.replies = queue.Queue()
         with open(self.home / "host.log", "w") as err:
             self.proc = watchdog.spawn(
                 [sys.executable, "-m", "fedbr_flwr.simulation", "--serve"],
@@ -293,15 +293,23 @@ class RunHost:
                 bufsize=1,
                 start_new_session=True,
             )
-        threading.Thread(target=self._read_replies, args=(self.proc, self.replies), daemon=True).start()
+        self.follow_replies()
+
+    def follow_replies(self) -> None:
+        """Read the process's replies into ``self.replies`` in a thread of their own, None at its end."""
+        self.replies = queue.Queue()
+        self.reader = threading.Thread(target=self._read_replies, args=(self.proc, self.replies), daemon=True)
+        self.reader.start()
 
     @staticmethod
     def _read_replies(proc: subprocess.Popen, replies: queue.Queue) -> None:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            with contextlib.suppress(json.JSONDecodeError):
-                replies.put(json.loads(line))
-        replies.put(None)  # the process has ended
+        try:
+            for line in proc.stdout:
+                with contextlib.suppress(json.JSONDecodeError):
+                    replies.put(json.loads(line))
+        finally:  # also when reading fails (bytes that are no text): whoever waits must learn the end
+            replies.put(None)  # the process has ended, or nothing more can be read from it
 
     def run(self, cfg: dict, num_supernodes: int, out_dir: Path, echo: str, watch: RoundWatch | None = None) -> dict:
         """``simulate_run`` in this host: the run's output in ``out_dir/flower.log``, its progress followed as

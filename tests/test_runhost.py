@@ -340,3 +340,24 @@ def fake_actor_pool(monkeypatch, alive: list[bool], new_starts: bool):
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(ray, "kill", lambda actor: pool.killed.append(actor))
     return pool, (*actors, new)
+
+
+def test_a_host_whose_replies_cannot_be_read_ends_the_wait_instead_of_hanging(tmp_path):
+    """A reply that is no text (a byte no UTF-8 has) once ended the reader thread without word, and the
+    sweep waited on the run forever: the wait ends, the run counted as not started, and the host is replaced."""
+    import subprocess
+
+    host = launcher.RunHost()
+    code = "import sys; sys.stdin.readline(); sys.stdout.buffer.write(b'\\xff\\xfe\\n'); sys.stdout.flush()"
+    host.proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+    )
+    host.follow_replies()
+    outcome = {}
+    waiting = threading.Thread(target=lambda: outcome.update(r=host._run_once({"run-id": 7}, tmp_path, "none")))
+    waiting.start()
+    waiting.join(timeout=20)
+    alive = waiting.is_alive()
+    host.close()
+    assert not alive, "the wait on a host whose replies cannot be read did not end"
+    assert outcome["r"] == (False, {})
