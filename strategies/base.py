@@ -24,6 +24,7 @@ from fedbr_flwr.dataset import ServerTests
 from fedbr_flwr.registry import client_class, components_of, server_component_class, settings_of
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.flower import FlowerStrategy
+from fedbr_flwr.server.robust import AggregationRound
 from fedbr_flwr.server.updates import ClientUpdate
 from fedbr_flwr.settings import NoSettings, Settings
 from fedbr_flwr.training import module_arrays
@@ -98,23 +99,9 @@ class FederatedStrategy(FlowerStrategy):
         """One weight per update, in order (GroupDRO's come from the clients' losses)."""
         return [u.num_examples if self.cfg["weighting"] == "samples" else 1.0 for u in updates]
 
-    def aggregate(self, updates: list[ClientUpdate], weights: list[float]) -> Named:
-        """The new global arrays from the accepted updates (in partition order)."""
-        return self.combine(updates, weights, self.global_names, relative_to=self.round_global)
-
-    def combine(
-        self,
-        updates: list[ClientUpdate],
-        weights: list[float],
-        names: list[str],
-        relative_to: Named | None = None,
-        clip: bool = True,
-    ) -> Named:
-        """The aggregate of the arrays called ``names`` over the round's updates under the configured rule
-        (``aggregation``; ``mean``: the weighted mean): every mean a strategy takes goes through here.
-        ``relative_to``: what they are updates of (None: changes, from zero); ``clip=False``: values that are no
-        update (``fedbr_flwr.server.robust.RoundPlan.combine``)."""
-        return self.plan.combine([u.arrays for u in updates], weights, names, relative_to, clip)
+    def aggregate(self, rnd: AggregationRound) -> Named:
+        """The new global arrays from the round's accepted updates (``rnd.combine``: every mean goes through it)."""
+        return rnd.combine(self.global_names, relative_to=rnd.sent)
 
     def after_aggregate(self, new_global: Named) -> None:
         for component in self.components:

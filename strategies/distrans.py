@@ -211,16 +211,17 @@ class DisTransStrategy(FederatedStrategy):
         )
         return {"distrans": {"dh": dh, "offset_agg": mode, "distrans_agg_setting": s.agg}}
 
-    def aggregate(self, updates, weights):
-        offsets = {u.pid: u.arrays[OFFSET] for u in updates}
+    def aggregate(self, rnd):
+        offsets = {u.pid: u.arrays[OFFSET] for u in rnd.updates}
         self.returned_offsets.update(offsets)
         # an offset is no update of anything the server sent: norm-bound does not clip it
-        robust = not self.plan.is_mean and self.aggregator is not None and self.aggregator.mode == "avg"
-        mean = None if not robust else self.combine(updates, weights, [OFFSET], clip=False)[OFFSET]
-        nxt, self.server_metrics = self.aggregator.update(offsets, {u.pid: w for u, w in zip(updates, weights)}, mean)
+        robust = not rnd.plan.is_mean and self.aggregator is not None and self.aggregator.mode == "avg"
+        mean = None if not robust else rnd.combine([OFFSET], clip=False)[OFFSET]
+        weights = {u.pid: w for u, w in zip(rnd.updates, rnd.weights)}
+        nxt, self.server_metrics = self.aggregator.update(offsets, weights, mean)
         self.next_offsets.update(nxt)
         self.save_offsets()
-        return super().aggregate(updates, weights)
+        return super().aggregate(rnd)
 
     def client_arrays(self, pid):
         return {OFFSET: self.next_offsets[pid].astype(np.float32)} if pid in self.next_offsets else {}

@@ -25,14 +25,14 @@ class FedDynStrategy(FederatedStrategy):
         alpha_k = self.settings.alpha / size_share(self.federation.sizes, pid)
         return {**super().fit_config(server_round, pid), ALPHA_K: alpha_k}
 
-    def aggregate(self, updates, weights):
+    def aggregate(self, rnd):
         alpha, m = self.settings.alpha, self.cfg["num-clients"]  # its settings, declared in clients/feddyn.py
-        mean = self.mean = super().aggregate(updates, weights)
+        mean = self.mean = super().aggregate(rnd)
         for name, h in self.h.items():
-            if self.plan.is_mean:
-                drift = sum(u.arrays[name] - self.round_global[name] for u in updates)
+            if rnd.plan.is_mean:
+                drift = sum(u.arrays[name] - rnd.sent[name] for u in rnd.updates)
             else:
-                drift = len(updates) * (mean[name] - self.round_global[name])
+                drift = len(rnd.updates) * (mean[name] - rnd.sent[name])
             self.h[name] = (h - alpha / m * drift).astype(h.dtype)
         return {name: (mean[name] - self.h[name] / alpha).astype(mean[name].dtype) for name in mean}
 

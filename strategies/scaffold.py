@@ -35,25 +35,25 @@ class ScaffoldStrategy(FederatedStrategy):
             **{f"{CONTROL}/{key}": c for key, c in self.control.items()},
         }
 
-    def aggregate(self, updates, weights):
-        if self.plan.is_mean:
+    def aggregate(self, rnd):
+        if rnd.plan.is_mean:
             self.control = {
                 key: update_server_control(
-                    c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in updates], self.cfg["num-clients"]
+                    c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in rnd.updates], self.cfg["num-clients"]
                 )
                 for key, c in self.control.items()
             }
         else:
             names = [f"{CONTROL_DELTA}/{key}" for key in self.control]
-            robust = self.combine(updates, [1.0] * len(updates), names)  # a sum over S by its math: unweighted
-            n, total = len(updates), self.cfg["num-clients"]
+            robust = rnd.combine(names, weights=[1.0] * len(rnd.updates))  # a sum over S by its math: unweighted
+            n, total = len(rnd.updates), self.cfg["num-clients"]
             self.control = {
                 key: update_server_control(c, [n * robust[f"{CONTROL_DELTA}/{key}"]], total)
                 for key, c in self.control.items()
             }
         norm = np.sqrt(sum(float((c**2).sum()) for c in self.control.values()))
         self.server_metrics = {"control-norm": float(norm)}
-        return super().aggregate(updates, weights)
+        return super().aggregate(rnd)
 
     def checkpoint_state(self):
         return {**super().checkpoint_state(), **{f"scaffold/control/{key}": c for key, c in self.control.items()}}

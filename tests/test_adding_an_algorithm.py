@@ -5,6 +5,7 @@ alone, and FedDyn's rule is checked by hand, run and resumed."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from fedbr_flwr.config import ConfigError, load_yaml, pyproject_table, validate
 from fedbr_flwr.dataset import ClientData
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.checkpointing import ResumedRun
+from fedbr_flwr.server.robust import AggregationRound, RoundPlan
 from fedbr_flwr.server.updates import ClientUpdate
 
 from fakes import in_process_federation, records_without_timing, run_rounds
@@ -51,32 +53,39 @@ def as_new_algorithm(text: str) -> str:
     return text.replace("feddyn", "mydyn").replace("FedDyn", "MyDyn")
 
 
-@pytest.fixture
-def mydyn(tmp_path):
-    """FedDyn's three files under another name, in a contributor's checkout (here: beside ours), found by
-    the registry; the registry is restored afterwards, also when the test fails."""
-    files = {as_new_algorithm(path): as_new_algorithm((ROOT / path).read_text()) for path in FEDDYN_FILES}
+@contextlib.contextmanager
+def contributed(folder: Path, files: dict[str, str]):
+    """``files`` (paths under clients/ and strategies/) in a contributor's folder, found by the registry; the
+    registry is restored afterwards, also when the test fails."""
     for path, text in files.items():
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(text)
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        (folder / path).write_text(text)
     registry.load_all()  # what is there before the new one
     tables = [registry.CLIENTS, registry.STRATEGIES, registry.VARIANTS, registry.COMPONENTS, registry.SERVER_COMPONENTS]
     saved = [dict(t) for t in tables]
-    clients.__path__.append(str(tmp_path / "clients"))
-    strategies.__path__.append(str(tmp_path / "strategies"))
+    clients.__path__.append(str(folder / "clients"))
+    strategies.__path__.append(str(folder / "strategies"))
     registry._loaded = False
     try:
         registry.load_all()
-        yield files, tmp_path
+        yield
     finally:
-        clients.__path__.remove(str(tmp_path / "clients"))
-        strategies.__path__.remove(str(tmp_path / "strategies"))
+        clients.__path__.remove(str(folder / "clients"))
+        strategies.__path__.remove(str(folder / "strategies"))
         for table, before in zip(tables, saved):
             table.clear()
             table.update(before)
-        for module in ("clients.mydyn", "strategies.mydyn"):
-            sys.modules.pop(module, None)
+        for path in files:
+            sys.modules.pop(path.removesuffix(".py").replace("/", "."), None)
         registry._loaded = True
+
+
+@pytest.fixture
+def mydyn(tmp_path):
+    """FedDyn's three files under another name, in a contributor's checkout (here: beside ours)."""
+    files = {as_new_algorithm(path): as_new_algorithm((ROOT / path).read_text()) for path in FEDDYN_FILES}
+    with contributed(tmp_path, files):
+        yield files, tmp_path
 
 
 def test_a_new_algorithm_is_three_files_and_the_registry_finds_everything_else(mydyn):
@@ -147,9 +156,8 @@ def test_feddyn_follows_its_rule_by_hand(tmp_path):
     modules = registry.client_class("feddyn").build_modules(cfg)
     strategy = registry.strategy_class("feddyn")(cfg, RunRecorder(cfg, tmp_path / "run"), modules, None)
     start = strategy.initial_arrays()
-    strategy.round_global = start
     updates = [ClientUpdate(pid, {k: a + pid + 1.0 for k, a in start.items()}, 10) for pid in range(2)]
-    new = strategy.aggregate(updates, [1.0, 1.0])
+    new = strategy.aggregate(AggregationRound(1, start, updates, [1.0, 1.0], RoundPlan()))
     for name, a in start.items():
         h = -alpha / 4 * (1.0 + 2.0)  # the drifts of the 2 clients that answered, over all m = 4 clients
         np.testing.assert_allclose(strategy.h[name], h, rtol=1e-6)
@@ -182,3 +190,44 @@ def test_feddyn_runs_and_resumes_like_an_uninterrupted_run(tmp_path):
     for file in ("metrics.jsonl", "rounds.jsonl"):
         stopped, straight = tmp_path / "stopped" / file, tmp_path / "straight" / file
         assert records_without_timing(stopped) == records_without_timing(straight)
+
+
+SERVER_ONLY = {
+    "strategies/myavgm.py": '''"""FedAvgM's server (Hsu et al. 2019): the sent model plus a momentum of the updates."""
+
+from fedbr_flwr.registry import register_strategy
+
+from .base import FederatedStrategy
+
+
+@register_strategy("myavgm")
+class MyAvgMStrategy(FederatedStrategy):
+    velocity = None
+
+    def aggregate(self, rnd):
+        mean = super().aggregate(rnd)
+        step = {name: mean[name] - rnd.sent[name] for name in mean}
+        if self.velocity is not None:
+            step = {name: 0.9 * self.velocity[name] + step[name] for name in step}
+        self.velocity = step
+        return {name: (rnd.sent[name] + step[name]).astype(mean[name].dtype) for name in mean}
+'''
+}
+
+
+def test_a_server_only_algorithm_is_one_strategy_file_on_fedavgs_client(tmp_path):
+    """The guide's claim: a strategy file alone; its clients run FedAvg's, and its rule is the only change."""
+    settings = {"num-clients": 2, "local-steps": 2, "batch-size": 8, "model": "cnn-small", "global-test": False}
+    with contributed(tmp_path / "contrib", SERVER_ONLY):
+        assert registry.client_class("myavgm") is registry.client_class("fedavg")
+        finals = {}
+        for name in ("fedavg", "myavgm"):
+            for rounds in (1, 2):
+                cfg = validate({**settings, "strategy": name, "num-rounds": rounds})
+                strategy, _, proxies = in_process_federation(cfg, tmp_path / f"{name}{rounds}")
+                finals[name, rounds] = payload.from_parameters(run_rounds(strategy, proxies, rounds))
+
+    def same(rounds):  # sent + (mean - sent) rounds differently from the mean in float32: 1e-6 apart
+        return all(np.allclose(a, finals["myavgm", rounds][k], atol=1e-6) for k, a in finals["fedavg", rounds].items())
+
+    assert same(1) and not same(2)  # no momentum yet in round 1; round 2 adds 0.9 of round 1's step

@@ -187,7 +187,6 @@ def strategy_with_updates(tmp_path, strategy, rule, num_clients=4, count=3, **ex
     cfg = validate(settings | extra)
     s = build_strategy({**cfg, "output-dir": str(tmp_path)})
     g = s.initial_arrays()
-    s.round_global = g
     rng = np.random.default_rng(0)
     returned = {n: np.zeros(shape, np.float32) for n, shape in s.returned_shapes().items()}
 
@@ -202,8 +201,14 @@ def strategy_with_updates(tmp_path, strategy, rule, num_clients=4, count=3, **ex
         )
         for pid in range(count)
     ]
-    s.plan = s.robust_rule.plan([u.arrays for u in ups], g)
     return s, g, ups
+
+
+def round_of(s, g, ups):
+    """The round ``s.aggregate`` gets: ``ups`` around ``g``, equal weights, the rule's plan for them."""
+    from fedbr_flwr.server.robust import AggregationRound
+
+    return AggregationRound(1, g, ups, [1.0] * len(ups), s.robust_rule.plan([u.arrays for u in ups], g))
 
 
 def median_of(ups, name):
@@ -212,7 +217,7 @@ def median_of(ups, name):
 
 def test_scaffold_moves_its_control_by_the_rules_aggregate(tmp_path):
     s, g, ups = strategy_with_updates(tmp_path, "scaffold", "median")
-    new = s.aggregate(ups, [1.0] * 3)
+    new = s.aggregate(round_of(s, g, ups))
     key = next(iter(s.control))
     want = 3 / 4 * median_of(ups, f"control-delta/{key}")  # c = 0 + |S| / N * median of the changes
     np.testing.assert_allclose(s.control[key], want, rtol=1e-5, atol=1e-6)
@@ -222,7 +227,7 @@ def test_scaffold_moves_its_control_by_the_rules_aggregate(tmp_path):
 def test_feddyn_takes_the_drift_from_the_rules_aggregate(tmp_path):
     s, g, ups = strategy_with_updates(tmp_path, "feddyn", "median")
     name = next(n for n in g if g[n].dtype.kind == "f")
-    new = s.aggregate(ups, [1.0] * 3)
+    new = s.aggregate(round_of(s, g, ups))
     alpha = s.settings.alpha
     med = median_of(ups, name)
     h = -alpha / 4 * 3 * (med - g[name])
@@ -236,10 +241,10 @@ def test_distrans_avg_sends_the_rules_aggregate_offset(tmp_path):
     s, g, ups = strategy_with_updates(tmp_path, "distrans", "krum", 5, 5, **{"distrans-agg": "avg"})
     ups[3].arrays = {n: a.copy() for n, a in ups[1].arrays.items()}
     ups[4].arrays = {n: a + 100 if a.dtype.kind == "f" else a for n, a in ups[2].arrays.items()}
-    s.plan = s.robust_rule.plan([u.arrays for u in ups], g)
     s.aggregator = OffsetAggregator("avg", np.full((5, 10), 0.2))
-    s.aggregate(ups, [1.0] * 5)
-    assert s.plan.selected in ((1,), (3,))  # the two identical updates score lowest
+    rnd = round_of(s, g, ups)
+    s.aggregate(rnd)
+    assert rnd.plan.selected in ((1,), (3,))  # the two identical updates score lowest
     np.testing.assert_array_equal(s.next_offsets[0], ups[1].arrays["offset"])
 
 

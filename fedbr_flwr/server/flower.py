@@ -24,7 +24,7 @@ from . import routing
 from .checkpointing import Checkpointer
 from .federation import Federation
 from .recording import eval_record, round_record, server_test_fields
-from .robust import RobustRule, RoundPlan, minimum_updates
+from .robust import AggregationRound, RobustRule, RoundPlan, minimum_updates
 from .updates import ClientUpdate, byte_budget, count_problem, known_size, screen_evaluations, update_problem
 
 
@@ -43,7 +43,7 @@ class FlowerStrategy(Strategy):
     fit_config: Callable[[int, int], dict[str, Any]]
     after_answers: Callable[[dict[int, dict]], None]
     aggregation_weights: Callable[[list[ClientUpdate]], list[float]]
-    aggregate: Callable[[list[ClientUpdate], list[float]], payload.Named]
+    aggregate: Callable[[AggregationRound], payload.Named]
     after_aggregate: Callable[[payload.Named], None]
     after_discovery: Callable[[], dict[str, Any]]
     global_test_module: Callable[[], torch.nn.Module]
@@ -57,13 +57,12 @@ class FlowerStrategy(Strategy):
         self.federation = Federation(cfg)
         self.checkpointer = Checkpointer(cfg, recorder, self.federation, clients_have_state)
         self.latest: payload.Named | None = None  # the global arrays after the last finished round
-        self.round_global: payload.Named | None = None  # the global arrays sent this round
+        self.sent: payload.Named | None = None  # the global arrays sent this round
         self.update_spec: dict[str, tuple[int, ...]] | None = None  # names and shapes each update must hold
         self.update_dtypes: dict[str, np.dtype] | None = None  # and the dtype of each
         self.sampled: list[int] = []  # partition ids sent fit instructions this round
         self.server_metrics: dict[str, float] = {}  # what aggregate() measured this round (recorded with it)
         self.robust_rule = RobustRule.from_config(cfg)
-        self.plan = RoundPlan()  # this round's aggregation (aggregate_fit sets it from the accepted updates)
         self._round: dict[str, Any] = {"start": time.perf_counter(), "bytes_down": 0}  # the round's start and bytes
         self._last_train: dict[str, float] = {}
         self._server_results: dict[int, dict[str, Any]] = {}  # round -> the server-side tests' fields
@@ -76,7 +75,7 @@ class FlowerStrategy(Strategy):
         if not self.federation.discovered:
             discover(self, client_manager)
         self.checkpointer.restore_after_discovery(self.restore_state)
-        sent = self.round_global = payload.from_parameters(parameters)
+        sent = self.sent = payload.from_parameters(parameters)
         self._round = {"start": time.perf_counter(), "bytes_down": 0}
         if self.update_spec is None:
             self.update_spec, self.update_dtypes = expected_updates(sent, self.returned_shapes())
@@ -103,16 +102,18 @@ class FlowerStrategy(Strategy):
         accepted, rejected = self._screen(server_round, answers)
         missing = sorted(set(self.sampled) - {a.pid for a in answers})
         self.server_metrics = {}
-        self.plan = RoundPlan(self.robust_rule)
+        plan = RoundPlan(self.robust_rule)
         problem = too_few_updates(self.cfg, self.robust_rule, len(accepted))
         skipped = problem is not None
         if problem is not None:
             self.recorder.progress.emit("error", f"round {server_round}: {problem}", round=server_round)
-            self.latest = self.round_global if self.round_global is not None else self.latest
+            self.latest = self.sent if self.sent is not None else self.latest
         else:
-            if not self.plan.is_mean and self.round_global is not None:
-                self.plan = self.robust_rule.plan([u.arrays for u in accepted], self.round_global)
-            self.latest = self.aggregate(accepted, self.aggregation_weights(accepted))
+            sent = self.sent if self.sent is not None else self.latest or self.initial_arrays()  # no configure_fit
+            if not plan.is_mean:
+                plan = self.robust_rule.plan([u.arrays for u in accepted], sent)
+            weights = self.aggregation_weights(accepted)
+            self.latest = self.aggregate(AggregationRound(server_round, sent, accepted, weights, plan))
             self.after_aggregate(self.latest)
             self.checkpointer.updates_used(server_round, [u.pid for u in accepted])
         record = round_record(
@@ -129,7 +130,7 @@ class FlowerStrategy(Strategy):
             self.server_metrics,
             routing.placement(answers),
         )
-        record.update(self.plan.round_entry([u.pid for u in accepted], skipped))
+        record.update(plan.round_entry([u.pid for u in accepted], skipped))
         record.update(attackers_that_answered(self.cfg, {a.pid for a in answers}))
         self._last_train = record["train"]
         self.recorder.log_round(record)

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .updates import Named, named_mean, weighted_mean
+from .updates import ClientUpdate, Named, named_mean, weighted_mean
 
 RULES = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "norm-bound")
 WEIGHTED_RULES = ("mean", "multi-krum", "norm-bound")  # the rules with a weighted form
@@ -200,3 +200,25 @@ class RoundPlan:
             out["bound"] = self.bound
             out["clipped"] = [pid for pid, s in zip(pids, self.scales) if s < 1.0]
         return out
+
+
+@dataclass(frozen=True)
+class AggregationRound:
+    """One round as a strategy's ``aggregate`` sees it: its number, the global arrays sent in it, the accepted
+    updates (in partition order), their weights, and the rule's plan for them."""
+
+    number: int
+    sent: Named
+    updates: list[ClientUpdate]
+    weights: list[float]
+    plan: RoundPlan
+
+    def combine(
+        self, names: list[str], relative_to: Named | None = None, clip: bool = True, weights: list[float] | None = None
+    ) -> Named:
+        """The aggregate of the arrays called ``names`` over the round's updates under the configured rule
+        (``aggregation``; ``mean``: the weighted mean): every mean a strategy takes goes through here.
+        ``relative_to``: what they are updates of (None: changes, from zero); ``clip=False``: values that are no
+        update (``RoundPlan.combine``); ``weights``: others than the round's."""
+        arrays = [u.arrays for u in self.updates]
+        return self.plan.combine(arrays, self.weights if weights is None else weights, names, relative_to, clip)
