@@ -308,51 +308,32 @@ class DatasetInfo:
     augment: bool = False  # random crop (pad 4) and horizontal flip on every training batch
 
 
-MNIST_NORM = ((0.1307,), (0.3081,))
 INFO = {
     "mnist5k": DatasetInfo(
-        10, 1, 28, *MNIST_NORM, 4500, "client", "cnn", "mnist5k", lambda _f, _d: load_mnist5k(), in_data_folder=False
+        num_classes=10, in_channels=1, image_size=28, mean=(0.1307,), std=(0.3081,), train_size=4500,
+        rotation="client", default_model="cnn", proxy="mnist5k",
+        load=lambda _folder, _download: load_mnist5k(), in_data_folder=False,
     ),
-    "mnist": DatasetInfo(10, 1, 28, *MNIST_NORM, 60000, "client", "cnn", "mnist5k", load_mnist),
+    "mnist": DatasetInfo(
+        num_classes=10, in_channels=1, image_size=28, mean=(0.1307,), std=(0.3081,), train_size=60000,
+        rotation="client", default_model="cnn", proxy="mnist5k", load=load_mnist,
+    ),
     "cifar10": DatasetInfo(
-        10,
-        3,
-        32,
-        (0.4914, 0.4822, 0.4465),
-        (0.2470, 0.2435, 0.2616),
-        50000,
-        "image",
-        "vgg11",
-        "cifar100",
-        lambda folder, download: load_cifar("cifar10", folder, download),
+        num_classes=10, in_channels=3, image_size=32, mean=(0.4914, 0.4822, 0.4465),
+        std=(0.2470, 0.2435, 0.2616), train_size=50000, rotation="image", default_model="vgg11", proxy="cifar100",
+        load=lambda folder, download: load_cifar("cifar10", folder, download),
     ),
     "cifar100": DatasetInfo(
-        100,
-        3,
-        32,
-        (0.5071, 0.4865, 0.4409),
-        (0.2673, 0.2564, 0.2762),
-        50000,
-        "none",
-        "cct",
-        "cifar10",
-        lambda folder, download: load_cifar("cifar100", folder, download),
-        augment=True,
+        num_classes=100, in_channels=3, image_size=32, mean=(0.5071, 0.4865, 0.4409),
+        std=(0.2673, 0.2564, 0.2762), train_size=50000, rotation="none", default_model="cct", proxy="cifar10",
+        load=lambda folder, download: load_cifar("cifar100", folder, download), augment=True,
     ),
     "synthetic": DatasetInfo(  # uniform bytes: shapes for speed measurements, nothing to learn
-        10,
-        3,
-        32,
-        (0.5, 0.5, 0.5),
-        (0.2887, 0.2887, 0.2887),
-        SYNTHETIC_SIZES[0],
-        "none",
-        "vgg11",
-        "synthetic",
-        lambda _f, _d: load_synthetic(),
-        in_data_folder=False,
+        num_classes=10, in_channels=3, image_size=32, mean=(0.5, 0.5, 0.5), std=(0.2887, 0.2887, 0.2887),
+        train_size=SYNTHETIC_SIZES[0], rotation="none", default_model="vgg11", proxy="synthetic",
+        load=lambda _folder, _download: load_synthetic(), in_data_folder=False,
     ),
-}
+}  # fmt: skip
 ROTATIONS = ("client", "image", "none")
 
 
