@@ -460,3 +460,24 @@ def test_a_tampering_supernode_of_a_real_deployment_is_refused_and_the_run_compl
         assert [r["partition"] for r in record["eval_rejected"]] == [1] and record["clients_evaluated"] == 2
         assert "reports accuracy 5.0, outside [0, 1]" in record["eval_rejected"][0]["reason"]
         assert 0 <= record["mean_acc"] <= 1
+
+
+@pytest.mark.e2e
+def test_one_attacking_supernode_under_the_median_gives_the_simulations_accuracy(tmp_path):
+    """Five SuperNodes on 127.0.0.1, the third sending its update x -10 (attack=sign-flip), aggregation=median:
+    the deployment records the attacker, ends where the same run in one process ends, and near the honest run
+    (test_robust.py shows the mean collapsing under the same attack)."""
+    from test_robust import FED, federated
+
+    attacked = {"attack": "sign-flip", "attack-ids": "2", "aggregation": "median"}
+    honest, _, _ = federated(tmp_path / "honest")
+    simulated, _, _ = federated(tmp_path / "simulated", **attacked)
+    out = tmp_path / "run"
+    cfg = prepare(validate({**FED, **attacked, "output-dir": str(out)}), overwrite=False)
+    with deploy.local_deployment(out, FED["num-clients"]) as dep:
+        submit_run(cfg, dep.env, deploy.CONNECTION, out, echo="none")
+    rounds, evals = read_jsonl(out / "rounds.jsonl"), read_jsonl(out / "metrics.jsonl")
+    assert all(r["attackers"] == [2] and r["aggregation"] == {"rule": "median"} for r in rounds)
+    assert len(rounds) == FED["num-rounds"] and all(r["clients"] == FED["num-clients"] for r in rounds)
+    deployed = evals[-1]["global_acc"]
+    assert deployed == pytest.approx(simulated, abs=0.02) and deployed > honest - 0.07, (deployed, simulated, honest)
