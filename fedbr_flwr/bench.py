@@ -48,7 +48,7 @@ from .registry import client_class
 from .server.recording import node_key
 from .server.updates import named_mean
 from .server_app import build_strategy
-from .training import autocast, peak_memory_mb, pick_device
+from .training import autocast, peak_memory_mb, use_device
 
 
 def bare_loop_round_seconds(cfg: dict, rounds: int) -> tuple[list[float], float]:
@@ -57,7 +57,7 @@ def bare_loop_round_seconds(cfg: dict, rounds: int) -> tuple[list[float], float]
     and takes back is averaged and sent back with the model (DisTrans: the offsets, as
     ``distrans-agg=avg`` does). Returns the timed rounds' seconds (after one untimed round) and this
     process's peak memory in MB (GPU on CUDA, else RSS)."""
-    device = pick_device(cfg["device"])
+    device = use_device(cfg)
     times, _, _ = bare_loop(cfg, rounds + 1, device)
     peak = peak_memory_mb(device)
     return times[1:], peak.get("peak-gpu-mb", peak["peak-rss-mb"])
@@ -130,7 +130,7 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     from clients.fedavg import SupervisedStep
     from clients.fedbr import FedBRClient, FedBRStep
 
-    device = pick_device(cfg["device"])
+    device = use_device(cfg)
     info = INFO[cfg["dataset"]]
     fedbr_cfg = {**cfg, "strategy": "fedbr"}
     torch.manual_seed(cfg["seed"])
@@ -295,7 +295,7 @@ def fit_flops(cfg: dict) -> float:
     """FLOPs of one client's fit (all its local steps, forward and backward), counted by torch."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    device = pick_device(cfg["device"])
+    device = use_device(cfg)
     client = client_class(cfg["strategy"])(cfg, load_client_data(cfg, 0, device), device)
     with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
         global_arrays = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
@@ -313,7 +313,7 @@ def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
     medians."""
     from .node import CohortClient
 
-    device = pick_device(cfg["device"])
+    device = use_device(cfg)
     members, packed = load_cohort_data(cfg, list(range(cfg["num-clients"])), device)
     cohort = CohortClient(client_class(cfg["strategy"])(cfg, members[0], device), members, packed)
 

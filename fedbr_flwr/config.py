@@ -87,6 +87,16 @@ COMMON: dict[str, Key] = {
     "compile": Key(
         False, "torch.compile the backbone's feature extractor on the clients (the first round pays the compilation)"
     ),
+    "tf32": Key(
+        True,
+        "on CUDA, fp32 matrix products and convolutions on TF32 tensor cores (what the authors' PyTorch 1.7 "
+        "did on Ampere by default); false: strict fp32. No effect on a CPU",
+    ),
+    "cudnn-autotune": Key(
+        True,
+        "on CUDA, cuDNN times its convolution algorithms once per shape and keeps the fastest "
+        "(torch.backends.cudnn.benchmark). No effect on a CPU",
+    ),
     # server
     "fraction-fit": Key(1.0, "share of clients sampled per round", check=FRACTION),
     "weighting": Key("uniform", "averaging weights", choices=("uniform", "samples")),

@@ -246,7 +246,7 @@ def build_client(
     from .dataset import load_client_data, load_cohort_data
     from .errors import ConfigError
     from .registry import client_class, components_of
-    from .training import pick_device
+    from .training import use_device
 
     cfg = from_run_config(run_config)
     if "partition-id" not in node:
@@ -266,7 +266,7 @@ def build_client(
                 "num-supernodes = cohorts, at most num-clients (fedbr-run does this)"
             )
         torch.set_num_threads(cfg["client-cpus"])
-        device = pick_device(cfg["device"])
+        device = use_device(cfg)
         members, packed = load_cohort_data(cfg, cohort_members(cfg, pid, num_partitions), device)
         first = next(iter(members.values()))
         algorithm = client_class(cfg["strategy"])
@@ -290,7 +290,7 @@ def build_client(
     if node.get("data-dir"):  # this machine's copy of the dataset
         cfg["data-dir"] = str(node["data-dir"])
     torch.set_num_threads(cfg["client-cpus"])
-    device = pick_device(cfg["device"])
+    device = use_device(cfg)
     data = load_client_data(cfg, pid, device)
     return FlowerClient(client_class(cfg["strategy"])(cfg, data, device, RecordState(state)))
 

@@ -19,7 +19,7 @@ from .errors import ConfigError
 from .registry import client_class, strategy_class
 from .run_io import RunRecorder, resolve_output_dir
 from .server.checkpointing import ResumedRun
-from .training import pick_device
+from .training import use_device
 
 # The simulation's in-memory grid checks for the clients' replies every 0.1 s (Flower's default), which
 # adds up to 0.1 s to every round; its checks are cheap in-memory lookups.
@@ -72,7 +72,7 @@ def build_strategy(cfg: dict):
         checkpoint = load_checkpoint(out_dir)
         check_resumable(checkpoint[1]["config"], cfg, int(checkpoint[1]["round"]))
     torch.manual_seed(cfg["seed"])  # the initial model: what every client is sent in round 1
-    device = pick_device(cfg["device"])
+    device = use_device(cfg)
     modules = {name: m.to(device) for name, m in client_class(cfg["strategy"]).build_modules(cfg).items()}
     server_tests = load_server_tests(cfg)
     recorder = (

@@ -246,7 +246,7 @@ def milestone_main(cfg: dict, label: str, tag: str, train: Callable) -> int:
     on_round)`` runs the rounds and returns the mean local-test accuracy."""
     import torch
 
-    from .training import pick_device
+    from .training import use_device
 
     out = Path(cfg["output-dir"])
     out.mkdir(parents=True, exist_ok=True)
@@ -262,7 +262,7 @@ def milestone_main(cfg: dict, label: str, tag: str, train: Callable) -> int:
     def on_start() -> None:
         print(f"[{tag}] {cfg['num-clients']} clients built", flush=True)
 
-    accuracy = train(cfg, pick_device(cfg["device"]), on_start, on_round)
+    accuracy = train(cfg, use_device(cfg), on_start, on_round)
     print(f"[{tag}] evaluated : mean local-test acc {accuracy:.2%}", flush=True)
     (out / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return 0

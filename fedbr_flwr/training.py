@@ -294,6 +294,20 @@ def peak_memory_mb(device: torch.device | str) -> dict[str, float]:
     return peak
 
 
+def use_device(cfg: dict) -> torch.device:
+    """The config's device, with its CUDA kernel switches (``tf32``, ``cudnn-autotune``) set for this process."""
+    device = pick_device(cfg["device"])
+    if device.type == "cuda":
+        set_cuda_kernels(cfg["tf32"], cfg["cudnn-autotune"])
+    return device
+
+
+def set_cuda_kernels(tf32: bool, autotune: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = autotune
+
+
 def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device=cuda requested but torch sees no CUDA device")
