@@ -4,13 +4,13 @@
 # and full MNIST (MNIST/raw/) under DATA_DIR:
 #   bash experiments/gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]
 # ROUNDS: of the end-to-end runs (default 100; the paper runs 1000). PARTS: which of the numbered parts
-# below to run (default "1 2 3 4 5"), e.g. "2 3" to split the work over several sessions or calls.
+# below to run (default "1 2 3 4 5 6"), e.g. "2 3" to split the work over several sessions or calls.
 # A part that fails is recorded in OUT/failures.txt and the others still run.
 set -uo pipefail
 data=${1:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]}
 out=${2:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]}
 rounds=${3:-100}
-parts=" ${4:-1 2 3 4 5} "
+parts=" ${4:-1 2 3 4 5 6} "
 mkdir -p "$out"
 paper=(dataset=mnist "data-dir=$data" num-clients=10 local-steps=50 batch-size=64)
 
@@ -61,4 +61,13 @@ fi
 # 5. the bare loop against both Flower engines, with the achieved TFLOP/s beside the card's peak
 if [[ $parts == *" 5 "* ]]; then
   measure suite fedbr-bench --suite --shapes rotmnist-cnn "${paper[@]}" --rounds 5 --json "$out/suite.json"
+fi
+
+# 6. the speed levers (tf32, cudnn-autotune, bf16) against strict fp32, one cohort in process: s/round and how far
+#    each moves the first round's updates
+if [[ $parts == *" 6 "* ]]; then
+  for strategy in fedavg fedbr; do
+    measure "levers-$strategy" fedbr-bench --levers "${paper[@]}" "strategy=$strategy" --rounds 3 \
+      --json "$out/levers-$strategy.json"
+  done
 fi

@@ -11,6 +11,7 @@ both engines (``engine=clients``: a Flower node per client; ``engine=cohort``: a
     fedbr-bench --step batch-size=64                # one FedBR / DisTrans local step / one FedAvg step
     fedbr-bench --step dataset=cifar10 model=vgg11  # synthetic inputs of the dataset's shape
     fedbr-bench --cohort-step experiments/fedavg_rotmnist5k.yaml model=cnn-small   # a cohort: loop vs vmap
+    fedbr-bench --levers dataset=mnist num-clients=10 local-steps=50 batch-size=64  # GPU levers vs strict fp32
 
 Round 1 is a warm-up on both sides (Flower: Ray and actor start, data loading, compilation) and is
 not timed. Evaluation and checkpoints are off on both sides except Flower's final evaluation, which
@@ -31,8 +32,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
+import numpy as np
 import torch
 
 from .broadcast import SharedData
@@ -306,11 +308,9 @@ def fit_flops(cfg: dict) -> float:
     return float(counter.get_total_flops())
 
 
-def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
-    """One cohort holding all the clients, in this process (no Flower): seconds per round of fitting every
-    client with ``cohort-step=loop`` (one after another), with ``vmap`` (all at once) and, on CUDA, with
-    ``graph`` (vmap, the step replayed as a CUDA graph), timed in alternation after a warm-up round of each;
-    medians."""
+def bench_cohort(cfg: dict) -> tuple[Any, list[int], Callable[[int], dict], dict]:
+    """One cohort holding every client of ``cfg`` in this process (no Flower): the cohort, its members' ids,
+    the fit config of a round, and the server's initial arrays."""
     from .node import CohortClient
 
     device = use_device(cfg)
@@ -327,6 +327,97 @@ def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
     config_of = bare_fit_config(cfg, {pid: Member(pid) for pid in members})
     with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
         arrays = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
+    return cohort, list(members), config_of, arrays
+
+
+# The GPU speed levers, each against strict fp32 (run twice: the second gives the noise floor of the update)
+LEVERS: dict[str, dict[str, Any]] = {
+    "strict fp32": {"tf32": False, "cudnn-autotune": False},
+    "strict fp32, again": {"tf32": False, "cudnn-autotune": False},
+    "tf32": {"tf32": True, "cudnn-autotune": False},
+    "cudnn autotune": {"tf32": False, "cudnn-autotune": True},
+    "tf32 + autotune (the defaults)": {"tf32": True, "cudnn-autotune": True},
+    "bf16 + autotune": {"tf32": True, "cudnn-autotune": True, "precision": "bf16"},
+}
+
+
+def lever_rows(cfg: dict, rounds: int) -> list[dict]:
+    """Each of ``LEVERS`` on one cohort of every client (the cohort's own step: graph on a GPU, else vmap): the
+    median seconds of ``rounds`` rounds after a warm-up one, and how far its first round's updates land from
+    strict fp32's (the norm of the difference over the norm of fp32's update, all clients' arrays together)."""
+    reference: list[np.ndarray] = []
+    rows = []
+    for name, lever in LEVERS.items():
+        run_cfg = {**cfg, **lever}
+        cohort, members, config_of, arrays = bench_cohort(run_cfg)
+        device = use_device(run_cfg)
+        graph = device.type == "cuda"
+        times: list[float] = []
+        first: list[np.ndarray] = []
+        for server_round in range(1, rounds + 2):
+            parts = [(pid, arrays, config_of(server_round)) for pid in members]
+            synchronize(device)
+            start = time.perf_counter()
+            results = cohort.fit_together(parts, graph=graph)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+            first = first or updates_of(results, arrays)
+        reference = reference or first
+        rows.append(
+            {
+                "lever": name,
+                **lever,
+                "s_per_round": statistics.median(times[1:]),
+                "update_distance": relative_distance(first, reference),
+            }
+        )
+        print(f"| {name} | {rows[-1]['s_per_round']:.3f} | {rows[-1]['update_distance']:.2e} |", flush=True)
+    return rows
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def updates_of(results: list, global_arrays: dict) -> list[np.ndarray]:
+    """Every client's float update (its arrays minus the global ones), in the order of the results."""
+    return [
+        np.asarray(arrays[name], dtype=np.float64) - np.asarray(global_arrays[name], dtype=np.float64)
+        for _, arrays, _, _ in results
+        for name in sorted(arrays)
+        if name in global_arrays and np.asarray(arrays[name]).dtype.kind == "f"
+    ]
+
+
+def relative_distance(updates: list[np.ndarray], reference: list[np.ndarray]) -> float:
+    difference = sum(float(np.sum((u - r) ** 2)) for u, r in zip(updates, reference, strict=True))
+    size = sum(float(np.sum(r**2)) for r in reference)
+    return (difference / size) ** 0.5 if size else 0.0
+
+
+def levers_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) -> int:
+    device = _device_name(cfg, threads)
+    print(
+        f"fedbr-bench --levers: {cfg['strategy']}, {resolved_model(cfg)} on {cfg['dataset']}, one cohort of "
+        f"{cfg['num-clients']} clients x {cfg['local-steps']} steps x batch {cfg['batch-size']}, {device}, "
+        f"{rounds} timed rounds\n"
+    )
+    print("| lever | s/round (median) | update's distance from strict fp32 |\n|---|---|---|", flush=True)
+    rows = lever_rows(cfg, rounds)
+    if json_path:
+        payload = {"device": device, "strategy": cfg["strategy"], "model": resolved_model(cfg), "rows": rows}
+        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
+    """One cohort holding all the clients, in this process (no Flower): seconds per round of fitting every
+    client with ``cohort-step=loop`` (one after another), with ``vmap`` (all at once) and, on CUDA, with
+    ``graph`` (vmap, the step replayed as a CUDA graph), timed in alternation after a warm-up round of each;
+    medians."""
+    cohort, members, config_of, arrays = bench_cohort(cfg)
+    device = use_device(cfg)
 
     def loop(parts):
         for pid, own_arrays, config in parts:
@@ -595,6 +686,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="one cohort holding all clients, in process: cohort-step=loop against vmap (and graph on CUDA), s/round",
     )
     parser.add_argument(
+        "--levers",
+        action="store_true",
+        help="one cohort holding all clients, in process: the GPU speed levers (tf32, cudnn-autotune, bf16) against "
+        "strict fp32, s/round and how far each moves the update",
+    )
+    parser.add_argument(
         "--scale",
         action="store_true",
         help="engine=cohort with 100 clients at fraction-fit 0.1 and 1000 at 0.01: s/round and peak memory",
@@ -655,6 +752,8 @@ def run_mode(args: argparse.Namespace, threads: int) -> int:
         return step_main(cfg, args.steps, threads, args.json)
     if args.cohort_step:
         return cohort_step_main(cfg, args.rounds, threads, args.json)
+    if args.levers:
+        return levers_main(cfg, args.rounds, threads, args.json)
     return compare_main(cfg, args.rounds, threads, args.json)
 
 
