@@ -137,7 +137,8 @@ def code_hash() -> str:
 
 
 def git_commit(path: Path | None = None) -> str:
-    """HEAD of the git checkout at ``path`` (+ '-dirty' with local changes), or '' outside one."""
+    """HEAD of the git checkout at ``path`` (+ '-dirty' with local changes); outside one, $FEDBR_COMMIT (a copy of
+    the tree without its .git, as on a lent GPU machine, says so), else ''."""
     cwd = path or Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(
@@ -152,7 +153,7 @@ def git_commit(path: Path | None = None) -> str:
         ).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return ""
+        return os.environ.get("FEDBR_COMMIT", "")
 
 
 def keep_rounds_up_to(path: Path, last_round: int) -> None:
