@@ -137,8 +137,10 @@ def code_hash() -> str:
 
 
 def git_commit(path: Path | None = None) -> str:
-    """HEAD of the git checkout at ``path`` (+ '-dirty' with local changes); outside one, $FEDBR_COMMIT (a copy of
-    the tree without its .git, as on a lent GPU machine, says so), else ''."""
+    """$FEDBR_COMMIT where it is set (a copy of the tree whose .git is not its own, as on a lent GPU machine, says
+    which commit it is), else HEAD of the git checkout at ``path`` (+ '-dirty' with local changes), or ''."""
+    if os.environ.get("FEDBR_COMMIT"):
+        return os.environ["FEDBR_COMMIT"]
     cwd = path or Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(
@@ -153,7 +155,7 @@ def git_commit(path: Path | None = None) -> str:
         ).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("FEDBR_COMMIT", "")
+        return ""
 
 
 def keep_rounds_up_to(path: Path, last_round: int) -> None:

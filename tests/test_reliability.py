@@ -394,3 +394,15 @@ def test_no_complete_evaluation_is_said_and_gives_no_figures():
     assert s["complete_evaluations"] == 0 and s["partial_evaluations"] == [2]
     assert s["best_mean_acc"] is None and s["mean_acc_best5"] is None and s["final_mean_acc"] is None
     assert "no complete evaluation" in summary_table(s)
+
+
+def test_the_manifest_commit_is_fedbr_commit_where_it_is_set(monkeypatch, tmp_path):
+    """A copy of the tree on another machine may carry a .git that is not its own: FEDBR_COMMIT names the commit;
+    unset, the commit is the checkout's HEAD (a 40-digit hash), and outside any checkout it is empty."""
+    from fedbr_flwr.run_io import git_commit
+
+    monkeypatch.delenv("FEDBR_COMMIT", raising=False)
+    assert len(git_commit().removesuffix("-dirty")) == 40
+    assert git_commit(tmp_path) == ""
+    monkeypatch.setenv("FEDBR_COMMIT", "d98afd8")
+    assert git_commit() == git_commit(tmp_path) == "d98afd8"
