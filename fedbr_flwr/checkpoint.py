@@ -35,6 +35,14 @@ def save_checkpoint(out_dir: Path, arrays: Mapping[str, np.ndarray], header: Map
     return codec.write(path, {HEADER_KEY: _json_bytes({**header, "format": FORMAT_VERSION}), **arrays}, durable=True)
 
 
+def checkpoint_round(out_dir: Path) -> int | None:
+    """The round of the run folder's checkpoint; None where it has none that can be read."""
+    try:
+        return int(load_checkpoint(out_dir)[1]["round"])
+    except ConfigError:
+        return None
+
+
 def load_checkpoint(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """(arrays, header) of the run folder's checkpoint; ConfigError when there is none or it is unreadable."""
     path = Path(out_dir) / CHECKPOINT_NAME

@@ -25,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
+from .checkpoint import checkpoint_round
 from .config import ConfigError, check_sampling, defaults, load_yaml, parse_override, pyproject_table, schema, validate
 from .launcher import PROJECT_DIR, RunFailed, RunHost, run_flower
 from .raycluster import Cluster, requested_address
@@ -460,16 +461,6 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         )
         return 1
     return print_result(out, "fedbr-run", "(metrics.jsonl, rounds.jsonl, manifest.json, summary.json, convergence.png)")
-
-
-def checkpoint_round(out: Path) -> int | None:
-    """The round of the run folder's checkpoint; None when it has none that can be read."""
-    from .checkpoint import load_checkpoint
-
-    try:
-        return int(load_checkpoint(out)[1]["round"])
-    except ConfigError:
-        return None
 
 
 def again(args: argparse.Namespace, out: Path, stop: TimeLimitReached) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from .checkpoint import checkpoint_round
 from .errors import ConfigError
 from .metrics import format_accuracy_axes, read_jsonl, run_problem
 
@@ -151,7 +152,7 @@ def compare(
                 continue
             mean, std, n = _stats([s.get(key) for s in summaries.values()])
             row[column], row[f"{column}_std"], row[f"{column}_n"] = mean, std, n
-        row["mean_acc_best5_per_seed"] = " / ".join(per_seed_cell(summaries.get(s), s in failed) for s in seeds)
+        row["mean_acc_best5_per_seed"] = " / ".join(per_seed_cell(summaries.get(s), failed.get(s, "")) for s in seeds)
         rows.append(row)
     shown = [c for c in columns if _shown(rows, c[0])]
     header = ["run", *factors, "seeds"] + [
@@ -175,9 +176,9 @@ def compare(
     return "\n".join(lines) + "\n", rows
 
 
-def per_seed_cell(summary: dict[str, Any] | None, failed: bool) -> str:
+def per_seed_cell(summary: dict[str, Any] | None, why: str) -> str:
     if summary is None:
-        return "failed" if failed else "-"
+        return why.split(" ")[0] if why else "-"  # failed, paused
     return "-" if summary.get("mean_acc_best5") is None else f"{100 * summary['mean_acc_best5']:.2f}"
 
 
@@ -359,6 +360,8 @@ def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
     summary = json.loads((folder / "summary.json").read_text())
     cfg = json.loads((folder / "manifest.json").read_text()).get("config", {})
     if summary.get("last_round") != cfg.get("num-rounds"):
+        if rounds and checkpoint_round(folder) == max(rounds):  # a time limit (or Ctrl-C) paused it
+            return None, f"paused after round {max(rounds)} of {cfg.get('num-rounds')} (resumes from its checkpoint)"
         return None, stopped
     if run_problem(summary):
         return None, "failed: no round trained"

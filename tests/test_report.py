@@ -4,6 +4,7 @@ on hand-made run folders: no processes."""
 import csv
 import json
 
+import numpy as np
 import pytest
 
 from fedbr_flwr import report, sweep
@@ -96,6 +97,24 @@ def test_a_run_that_did_not_finish_is_shown_as_failed_and_never_averaged(tmp_pat
     assert b["seeds"] == "2" and lines[3].endswith("| 26.00 / 30.00 | - |")
     rows = list(csv.DictReader(open(out / "comparison.csv")))
     assert rows[0]["seeds"] == "1" and rows[0]["not_finished"] == "seed 1 failed after round 3"
+
+
+def test_a_run_paused_at_its_checkpoint_is_shown_as_paused_not_failed(tmp_path):
+    """A time limit stopped seed 1 after round 3 of 10, with its checkpoint at round 3: the table says it paused
+    and resumes, and still leaves it out of the means. A checkpoint behind the last round means it died."""
+    from fedbr_flwr.checkpoint import save_checkpoint
+
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.2, 0.6, 0.7, 0.72, 0.74])
+    paused = out / "A" / "seed1"
+    fake_run(paused, [0.9], cfg={"num-rounds": 10})
+    (paused / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in (1, 2, 3)))
+    save_checkpoint(paused, {"w": np.zeros(2, dtype=np.float32)}, {"round": 3})
+    lines = report.write_comparison(out, ["A"], [0, 1], "t").splitlines()
+    assert lines[2].endswith("| 59.20 / paused | seed 1 paused after round 3 of 10 (resumes from its checkpoint) |")
+    save_checkpoint(paused, {"w": np.zeros(2, dtype=np.float32)}, {"round": 2})
+    lines = report.write_comparison(out, ["A"], [0, 1], "t").splitlines()
+    assert lines[2].endswith("| 59.20 / failed | seed 1 failed after round 3 |")
 
 
 def test_pooled_accuracy_is_shown_only_where_it_differs_from_the_mean(tmp_path):
