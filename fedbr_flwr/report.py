@@ -542,6 +542,22 @@ def _manifests(out: Path, names: Sequence[str | Setting], seeds: list[int]) -> l
     return found
 
 
+def paused_runs(out: Path, names: Sequence[str | Setting], seeds: list[int]) -> list[str]:
+    """Each run a time limit paused, as "<run> seed <seed> at round <r> of <n> (<minutes> min)"."""
+    found = []
+    for setting in as_settings(names):
+        for seed in seeds:
+            folder = setting.folder(out, seed)
+            summary, why = seed_result(folder)
+            if summary is None and why.startswith("paused"):
+                done = json.loads((folder / "summary.json").read_text())
+                num_rounds = json.loads((folder / "manifest.json").read_text())["config"]["num-rounds"]
+                minutes = (done.get("wall_time_s") or 0.0) / 60
+                where = f"at round {checkpoint_round(folder)} of {num_rounds}"
+                found.append(f"{setting.label} seed {seed} {where} ({minutes:.1f} min)")
+    return found
+
+
 def describe_machine(host: dict[str, Any]) -> str:
     cpu = host.get("cpu") or host.get("platform") or "unknown CPU"
     gpu = host.get("gpu")
@@ -626,6 +642,7 @@ def report_section(
         f"{' to '.join(dict.fromkeys([days[0], days[-1]])) if days else '-'}; wall time {sum(walls) / 60:.1f} min "
         "(the runs' own clocks, from the server's start to the last evaluation; Flower's start-up is not counted)",
         f"- settings of every run: `{shared_settings([m['config'] for m in manifests if 'config' in m])}`",
+        *paused_line(paused_runs(out, names, seeds)),
         '- mean ± standard deviation over seeds; "move in last fifth": max - min of the mean curve over the '
         "last fifth of the rounds (under 2 points: levelled off)",
         "",
@@ -637,6 +654,15 @@ def report_section(
         heatmap = f"![{title}: {rule.method} − {rule.baseline}]({decisions_plot(plot)})"
         lines += ["", f"### {rule.method} against {rule.baseline}", "", decisions, heatmap]
     return "\n".join(lines) + "\n"
+
+
+def paused_line(paused: list[str]) -> list[str]:
+    if not paused:
+        return []
+    return [
+        f"- **in progress**: paused by a time limit, {'; '.join(paused)}: left out of the table until they "
+        "finish; their curves so far are in the plot"
+    ]
 
 
 def decisions_plot(plot: str) -> str:

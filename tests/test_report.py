@@ -112,6 +112,8 @@ def test_a_run_paused_at_its_checkpoint_is_shown_as_paused_not_failed(tmp_path):
     save_checkpoint(paused, {"w": np.zeros(2, dtype=np.float32)}, {"round": 3})
     lines = report.write_comparison(out, ["A"], [0, 1], "t").splitlines()
     assert lines[2].endswith("| 59.20 / paused | seed 1 paused after round 3 of 10 (resumes from its checkpoint) |")
+    section = report.report_section("k", "t", "cmd", out, ["A"], [0, 1], "results/k.png")
+    assert "- **in progress**: paused by a time limit, A seed 1 at round 3 of 10 (" in section
     save_checkpoint(paused, {"w": np.zeros(2, dtype=np.float32)}, {"round": 2})
     lines = report.write_comparison(out, ["A"], [0, 1], "t").splitlines()
     assert lines[2].endswith("| 59.20 / failed | seed 1 failed after round 3 |")
