@@ -62,6 +62,9 @@ from .timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_dura
 
 # may differ between machines or sessions (a time-limited session checkpoints every round) with the same results
 VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address", "checkpoint-every", "tracking")
+# where the data sits and how the clients are placed, which a resumed run may change too: a campaign continued on
+# another machine, or on a faster engine, keeps the runs it finished
+PLACEMENT_KEYS = ("data-dir", "download", "engine", "cohorts", "cohort-step", "backend", "client-cpus")
 
 
 def sweep_title(path: str) -> str | None:
@@ -265,7 +268,8 @@ def finished_with_same_config(cfg: dict[str, Any]) -> bool:
     defaults = {k: spec.default for k, spec in schema().items()}
     # a key the run's version did not have yet: that run behaved as the key's default does (new keys keep the
     # old behaviour by default), so a sweep continued after an upgrade keeps its finished runs
-    differs = sorted(k for k in cfg if k not in VOLATILE_KEYS and (old[k] if k in old else defaults.get(k)) != cfg[k])
+    free = VOLATILE_KEYS + PLACEMENT_KEYS
+    differs = sorted(k for k in cfg if k not in free and (old[k] if k in old else defaults.get(k)) != cfg[k])
     if differs:
         raise ConfigError(
             f"{out} holds a finished run with different settings ({', '.join(differs)}); "

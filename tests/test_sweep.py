@@ -101,6 +101,17 @@ def test_finished_runs_are_kept_and_a_different_one_is_refused(tmp_path):
         sweep.finished_with_same_config(cfg)
 
 
+def test_a_finished_run_is_kept_where_only_the_data_folder_or_the_engine_changed(tmp_path):
+    """A campaign continued on another machine (its data elsewhere) or on another engine keeps its finished runs,
+    as a resumed run may change these keys; the learning rate still makes it another run."""
+    (name, seed, cfg), *_ = sweep.plan(write(tmp_path), [], tmp_path / "out", None)
+    fake_run(tmp_path / "out" / "FedAvg" / "seed0", cfg, [0.1], last_round=cfg["num-rounds"])
+    moved = {**cfg, "data-dir": "/elsewhere", "engine": "cohort", "cohort-step": "loop", "backend": "ray"}
+    assert moved["engine"] != cfg["engine"] and sweep.finished_with_same_config(moved)
+    with pytest.raises(ConfigError, match="different settings \\(lr\\)"):
+        sweep.finished_with_same_config({**moved, "lr": 0.5})
+
+
 def test_a_run_finished_before_a_key_existed_is_kept_where_the_key_is_at_its_default(tmp_path):
     """A sweep continued after an upgrade that added keys keeps its finished runs: they ran as the new keys'
     defaults do. A new key set to another value is a different run."""
