@@ -3,7 +3,9 @@ instead of Ray's processes (``fedbr_flwr.simulation.choose_backend_per_run`` han
 
 from __future__ import annotations
 
+import ast
 import copy
+import functools
 import os
 import threading
 from typing import Callable
@@ -20,6 +22,29 @@ IN_PROCESS = "in_process"  # the backend config's key that asks for it (Flower's
 
 _running: set[int] = set()  # the threads now inside a ClientApp call of this backend
 _running_lock = threading.Lock()
+
+
+_ast_lock = threading.RLock()  # re-entrant: a finalizer the GC runs inside a parse may parse too
+
+
+def serialize_ast_parsing() -> None:
+    """Make this process's ``ast.parse`` calls take turns. CPython 3.11 keeps the AST converter's recursion depth
+    per interpreter, not per thread, so two threads parsing at once can fail one of them with "SystemError: AST
+    constructor recursion depth mismatch". numpy parses every array header it reads that way, and Flower decodes
+    each message's arrays with numpy, so with clients in threads a cohort's fit failed and its clients dropped
+    out of a round (it moved a results table). The wrapper is installed once; an uncontended lock costs well
+    under a microsecond, against milliseconds of decoding."""
+    if getattr(ast.parse, "serialized_by_fedbr", False):
+        return
+    parse = ast.parse
+
+    @functools.wraps(parse)
+    def serialized_parse(*args, **kwargs):
+        with _ast_lock:
+            return parse(*args, **kwargs)
+
+    serialized_parse.serialized_by_fedbr = True  # type: ignore[attr-defined]
+    ast.parse = serialized_parse  # type: ignore[assignment]
 
 
 def clients_running() -> int:
@@ -48,6 +73,7 @@ class InProcessBackend(Backend):
 
     def __init__(self, backend_config: BackendConfig) -> None:
         super().__init__(backend_config)
+        serialize_ast_parsing()
         self.workers = worker_threads(backend_config)
         self.app_fn: Callable[[], ClientApp] | None = None
 
