@@ -330,28 +330,40 @@ def bench_cohort(cfg: dict) -> tuple[Any, list[int], Callable[[int], dict], dict
     return cohort, list(members), config_of, arrays
 
 
-# The GPU speed levers, each against strict fp32 (run twice: the second gives the noise floor of the update)
+# The GPU speed levers, each against strict fp32. Besides config keys, a lever may set "step" (the cohort's step
+# on a GPU: graph, or vmap) and "deterministic" (torch's deterministic algorithms), and an "again" row is measured
+# against the row before it: how far two runs of the same thing land apart.
+STRICT = {"tf32": False, "cudnn-autotune": False}
 LEVERS: dict[str, dict[str, Any]] = {
-    "strict fp32": {"tf32": False, "cudnn-autotune": False},
-    "strict fp32, again": {"tf32": False, "cudnn-autotune": False},
+    "strict fp32": STRICT,
+    "strict fp32, again": STRICT,
     "tf32": {"tf32": True, "cudnn-autotune": False},
     "cudnn autotune": {"tf32": False, "cudnn-autotune": True},
     "tf32 + autotune (the defaults)": {"tf32": True, "cudnn-autotune": True},
     "bf16 + autotune": {"tf32": True, "cudnn-autotune": True, "precision": "bf16"},
+    "strict fp32, vmap step": {**STRICT, "step": "vmap"},
+    "strict fp32, vmap step, again": {**STRICT, "step": "vmap"},
+    "strict fp32, deterministic algorithms": {**STRICT, "deterministic": True},
+    "strict fp32, deterministic algorithms, again": {**STRICT, "deterministic": True},
 }
 
 
 def lever_rows(cfg: dict, rounds: int) -> list[dict]:
     """Each of ``LEVERS`` on one cohort of every client (the cohort's own step: graph on a GPU, else vmap): the
     median seconds of ``rounds`` rounds after a warm-up one, and how far its first round's updates land from
-    strict fp32's (the norm of the difference over the norm of fp32's update, all clients' arrays together)."""
+    strict fp32's, or for an "again" row from the row before's (the norm of the difference over the norm of the
+    reference update, all clients' arrays together)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS asks for
     reference: list[np.ndarray] = []
+    previous: list[np.ndarray] = []
     rows = []
     for name, lever in LEVERS.items():
-        run_cfg = {**cfg, **lever}
+        settings = {k: v for k, v in lever.items() if k not in ("step", "deterministic")}
+        run_cfg = {**cfg, **settings}
+        torch.use_deterministic_algorithms(lever.get("deterministic", False), warn_only=True)
         cohort, members, config_of, arrays = bench_cohort(run_cfg)
         device = use_device(run_cfg)
-        graph = device.type == "cuda"
+        graph = device.type == "cuda" and lever.get("step", "graph") == "graph"
         times: list[float] = []
         first: list[np.ndarray] = []
         for server_round in range(1, rounds + 2):
@@ -363,15 +375,18 @@ def lever_rows(cfg: dict, rounds: int) -> list[dict]:
             times.append(time.perf_counter() - start)
             first = first or updates_of(results, arrays)
         reference = reference or first
+        against = previous if name.endswith(", again") else reference
         rows.append(
             {
                 "lever": name,
                 **lever,
                 "s_per_round": statistics.median(times[1:]),
-                "update_distance": relative_distance(first, reference),
+                "update_distance": relative_distance(first, against),
             }
         )
+        previous = first
         print(f"| {name} | {rows[-1]['s_per_round']:.3f} | {rows[-1]['update_distance']:.2e} |", flush=True)
+    torch.use_deterministic_algorithms(False)
     return rows
 
 
@@ -403,7 +418,11 @@ def levers_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) ->
         f"{cfg['num-clients']} clients x {cfg['local-steps']} steps x batch {cfg['batch-size']}, {device}, "
         f"{rounds} timed rounds\n"
     )
-    print("| lever | s/round (median) | update's distance from strict fp32 |\n|---|---|---|", flush=True)
+    print(
+        "| lever | s/round (median) | update's distance from strict fp32 (an again row: from the row before) |\n"
+        "|---|---|---|",
+        flush=True,
+    )
     rows = lever_rows(cfg, rounds)
     if json_path:
         payload = {"device": device, "strategy": cfg["strategy"], "model": resolved_model(cfg), "rows": rows}
