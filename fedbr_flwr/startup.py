@@ -64,6 +64,48 @@ def timed_lines(command: list[str]) -> tuple[list[tuple[float, str]], float, int
     return lines, time.perf_counter() - start, code
 
 
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every process of this machine has used since boot (/proc/stat; None where there is none)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    ticks = [int(f) for f in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process's finished children (and theirs, where they waited for them)."""
+    times = os.times()
+    return times.children_user + times.children_system
+
+
+def others_share(busy: float, ours: float, wall: float, cores: int) -> float:
+    """The share of the machine's cores that other processes used over ``wall`` seconds in which the machine was
+    busy for ``busy`` CPU seconds, ``ours`` of them the measured process's."""
+    return max(0.0, busy - ours) / (wall * cores) if wall > 0 else 0.0
+
+
+QUIET_SHARE = 0.10  # above this, other processes' use of the cores makes every ratio close toward 1
+
+
+def quiet_line(shares: list[float], bare_round: float | None) -> str:
+    """What the table's figures were measured on: the bare loop's own seconds a round, and how busy the machine
+    was with other processes, with a warning when any run shared it."""
+    bare = f"bare loop {bare_round:.3f} s a round; " if bare_round is not None else ""
+    if not shares:
+        return f"\n{bare}how busy the machine was is not known here (no /proc/stat)"
+    worst = max(shares)
+    line = f"\n{bare}other processes used at most {worst:.0%} of the cores during a run"
+    if worst > QUIET_SHARE:
+        line += (
+            f"\nwarning: the machine was not quiet (over {QUIET_SHARE:.0%} of its cores busy with other processes "
+            "during a run): every ratio closes toward 1; measure again on a quiet machine"
+        )
+    return line
+
+
 def failed(label: str, code: int, lines: list[tuple[float, str]]) -> int:
     """Say that a timed process failed, with the last lines it printed; the exit code for fedbr-bench."""
     tail = "\n".join(text for _, text in lines[-20:])
@@ -124,13 +166,19 @@ def variant_command(variant: str, items: Sequence[str], out: Path) -> list[str]:
 
 def startup_main(items: Sequence[str], repeats: int, variants: Sequence[str], json_path: Path | None) -> int:
     rows: dict[str, list[dict[str, float]]] = {variant: [] for variant in variants}
+    shares: list[float] = []
     for i in range(repeats):
         for variant in variants:
             with tempfile.TemporaryDirectory(prefix="fedbr-startup-") as tmp:
                 out = Path(tmp) / "run"
+                busy, ours = busy_cpu_seconds(), children_cpu_seconds()
                 lines, total, code = timed_lines(variant_command(variant, items, out))
                 if code != 0:
                     return failed(f"{variant} run {i + 1}", code, lines)
+                busy_after = busy_cpu_seconds()
+                if busy is not None and busy_after is not None:
+                    cores = os.cpu_count() or 1
+                    shares.append(others_share(busy_after - busy, children_cpu_seconds() - ours, total, cores))
                 row = {**phases(lines, total), "whole process": total, "per round, steady": steady_round_seconds(out)}
                 rows[variant].append(row)
                 print(f"  {variant} run {i + 1}/{repeats}: {total:.1f} s", flush=True)
@@ -149,8 +197,10 @@ def startup_main(items: Sequence[str], repeats: int, variants: Sequence[str], js
             + " |"
         )
     print(ratios_line(medians, variants))
+    print(quiet_line(shares, medians.get("bare loop", {}).get("per round, steady")))
     if json_path:
-        json_path.write_text(json.dumps({"workload": [*WORKLOAD, *items], "medians": medians, "runs": rows}, indent=2))
+        payload = {"workload": [*WORKLOAD, *items], "medians": medians, "runs": rows, "others_share": shares}
+        json_path.write_text(json.dumps(payload, indent=2))
     return 0
 
 

@@ -211,3 +211,25 @@ def test_a_sweeps_fixed_seconds_are_read_per_run():
         {"start-up": 7.5, "shut-down": 2.0, "fixed": 9.5},  # the rounds start once the clients are found
         {"start-up": 0.5, "shut-down": 0.25, "fixed": 0.75},
     ]
+
+
+def test_the_startup_benchmark_says_how_busy_the_machine_was():
+    """Other processes' share of the cores during a run: the machine's busy CPU seconds less the measured
+    process tree's, over the run's seconds times the cores. Over 10%, the table warns that its ratios close up."""
+    import subprocess
+    import sys
+
+    from fedbr_flwr import startup
+
+    assert startup.others_share(busy=5.0, ours=3.0, wall=10.0, cores=2) == pytest.approx(0.1)
+    assert startup.others_share(busy=2.0, ours=3.0, wall=10.0, cores=2) == 0.0  # clock ticks round: never below 0
+    quiet = startup.quiet_line([0.01, 0.04], 0.28)
+    assert "bare loop 0.280 s a round" in quiet and "at most 4% of the cores" in quiet and "warning" not in quiet
+    assert "warning: the machine was not quiet" in startup.quiet_line([0.01, 0.3], 0.28)
+    busy, ours = startup.busy_cpu_seconds(), startup.children_cpu_seconds()
+    if busy is None:
+        pytest.skip("no /proc/stat here")
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    child = startup.children_cpu_seconds() - ours
+    assert child >= 0.45 and startup.busy_cpu_seconds() - busy >= child - 0.05  # the machine counted the child too
