@@ -109,13 +109,26 @@ def stop_all(pids: dict[int, int]) -> None:
             pass
 
 
+def as_at_a_terminal() -> None:
+    """In the child, before it runs: Ctrl-C's signal as a terminal's foreground job has it, handled by default and
+    not blocked. An ignored or blocked SIGINT is inherited, and the whole e2e suite once ran the Ctrl-C tests with
+    one (they passed alone and in every subset), so this tests fedbr-run, not what the tests before left behind."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @contextmanager
 def command_at_first_round(command: list[str]):
     """Start ``command`` in a session of its own and read its output up to its first round line; yields
     (the process, the lines it printed, its processes: pid -> start time). Whatever is left of them is
     killed on exit, also when the test fails."""
     proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=as_at_a_terminal,
     )
     snapshot: dict[int, int] = {}
     try:
