@@ -178,7 +178,7 @@ def compare(
 
 def per_seed_cell(summary: dict[str, Any] | None, why: str) -> str:
     if summary is None:
-        return why.split(" ")[0] if why else "-"  # failed, paused
+        return why.split(" ")[0].rstrip(":") if why else "-"  # failed, paused
     return "-" if summary.get("mean_acc_best5") is None else f"{100 * summary['mean_acc_best5']:.2f}"
 
 
