@@ -231,15 +231,23 @@ def write_comparison(
     return table
 
 
+MOST_CURVES = 12  # a grid with more settings is drawn as one heatmap per run: its curves could not be told apart
+
+
 def plot_comparison(out: Path, names: Sequence[str | Setting], seeds: list[int], path: Path, title: str) -> None:
     """Two panels, one curve per run, each the mean over seeds per evaluated round: mean client accuracy
-    (left, solid, band = min..max over seeds) and worst client accuracy (right, dashed, same colour)."""
+    (left, solid, band = min..max over seeds) and worst client accuracy (right, dashed, same colour). A grid of
+    more than ``MOST_CURVES`` settings: ``plot_grid_levels`` instead."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
+    settings = as_settings(names)
+    if len(settings) > MOST_CURVES and factors_of(settings):
+        plot_grid_levels(out, settings, seeds, path, title)
+        return
     fig, (ax_mean, ax_worst) = plt.subplots(1, 2, figsize=(11.0, 4.6), sharey=True)
     colours = plt.get_cmap("tab20" if len(names) > 10 else "tab10").colors  # type: ignore[attr-defined]
     for i, setting in enumerate(as_settings(names)):
@@ -268,6 +276,51 @@ def plot_comparison(out: Path, names: Sequence[str | Setting], seeds: list[int],
     fig.suptitle(title)
     rows_of_legend = -(-len(labels) // 5)
     fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def grid_axes(settings: list[Setting]) -> tuple[list[str], list[Any], list[tuple]]:
+    """A grid drawn as a table: its factors, the last factor's values (columns) and every combination of the
+    others (rows)."""
+    factors = factors_of(settings)
+    columns = list(dict.fromkeys(dict(s.cell).get(factors[-1]) for s in settings))
+    rows = list(dict.fromkeys(tuple((k, v) for k, v in s.cell if k != factors[-1]) for s in settings)) or [()]
+    return factors, columns, rows
+
+
+def plot_grid_levels(out: Path, settings: list[Setting], seeds: list[int], path: Path, title: str) -> None:
+    """One heatmap per run of the mean over seeds of its mean client accuracy (best 5) in every cell: columns
+    the grid's last factor, rows the combinations of the others; "?" where a seed has not finished."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    factors, columns, rows = grid_axes(settings)
+    runs = list(dict.fromkeys(s.run for s in settings))
+    fig, axes = plt.subplots(
+        1, len(runs), figsize=(2.5 + 1.3 * len(columns) * len(runs), 1.4 + 0.45 * len(rows)), squeeze=False
+    )
+    for ax, run in zip(axes[0], runs):
+        grid = np.full((len(rows), len(columns)), np.nan)
+        for setting in (s for s in settings if s.run == run):
+            values = seed_values(out, setting, seeds, "mean_acc_best5")
+            i = rows.index(tuple((k, v) for k, v in setting.cell if k != factors[-1]))
+            j = columns.index(dict(setting.cell).get(factors[-1]))
+            if values is None:
+                ax.text(j, i, "?", ha="center", va="center", fontsize="small", color="grey")
+                continue
+            grid[i, j] = 100 * statistics.mean(values)
+            ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", fontsize="small", bbox=BOX)
+        ax.imshow(grid, cmap="viridis", vmin=0, vmax=100, aspect="auto")
+        ax.set_title(f"{run}: mean acc, best 5 (%)", fontsize="medium")
+        ax.set_xticks(range(len(columns)), [format_value(c) for c in columns], rotation=30, ha="right")
+        ax.set_xlabel(factors[-1])
+        ax.set_yticks(range(len(rows)), [cell_name(r) or "-" for r in rows] if ax is axes[0][0] else [])
+    fig.suptitle(title)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

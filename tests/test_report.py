@@ -331,3 +331,30 @@ def test_a_grid_sweeps_report_has_the_factors_as_columns_and_the_rules_decisions
     assert (tmp_path / "results" / "s-decisions.png").exists()
     assert "| 0.01 | +10.00 ahead | -2.0 ahead |" in (out / "comparison.md").read_text()
     assert (out / "decisions.png").exists()
+
+
+def test_a_grid_of_more_than_twelve_settings_is_drawn_as_heatmaps(tmp_path):
+    """48 curves cannot be told apart: a grid past 12 settings gets one heatmap per run of each cell's mean
+    accuracy (its cells filled from the runs, "?" where a seed is missing); a short list keeps its curves."""
+    out = tmp_path / "out"
+    grid = [
+        report.Setting(run, (("aggregation", rule), ("lr", lr)))
+        for run in ("A", "B")
+        for rule in "xyz"
+        for lr in (1, 2, 3)
+    ]
+    for setting in grid[:-1]:
+        fake_run(setting.folder(out, 0), [0.5, 0.6])
+    report.plot_comparison(out, grid, [0], tmp_path / "grid.png", "t")
+    assert (tmp_path / "grid.png").stat().st_size > 0
+    assert report.grid_axes(grid)[1:] == ([1, 2, 3], [(("aggregation", r),) for r in "xyz"])
+    drawn = []
+    import matplotlib.axes
+
+    original = matplotlib.axes.Axes.text
+    try:
+        matplotlib.axes.Axes.text = lambda self, x, y, s, **kw: drawn.append(s) or original(self, x, y, s, **kw)
+        report.plot_comparison(out, grid, [0], tmp_path / "grid.png", "t")
+    finally:
+        matplotlib.axes.Axes.text = original
+    assert drawn.count("?") == 1 and drawn.count("55.0") == 17  # best 5 of two evaluations: their mean
