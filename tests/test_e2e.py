@@ -200,46 +200,32 @@ def test_distrans_run_completes_at_two_dh_levels(tmp_path, classes_each, dh, mod
 # processes (the fedbr-with runs of test_fedbr_run_completes_and_records_its_terms: mixup, and fedcm, whose
 # server part sends its Delta through the same round_arrays hook as scaffold's c); what each computes is
 # pinned by the golden runs (test_golden.py), which build the clients on the simulation's own path.
-@pytest.mark.parametrize(
-    "strategy, extra",
-    [
-        ("scaffold", []),
-        ("moon", []),
-        ("fedmix", []),
-        ("vhl", ["vhl-size=40"]),
-        ("groupdro", []),
-        ("dann", []),
-    ],
-)
-def test_every_baseline_completes_a_flower_run(tmp_path, strategy, extra, on_shared_host):
+BASELINES = {"scaffold": {}, "moon": {}, "fedmix": {}, "vhl": {"vhl-size": 40}, "groupdro": {}, "dann": {}}
+
+
+def test_every_baseline_completes_a_flower_run(tmp_path, on_shared_host):
+    """One sweep of the six, in one simulation process (a process each took 31 s, most of it start-up)."""
+    from fedbr_flwr import sweep
+
     before = flower_processes()
-    out = tmp_path / "run"
-    code = cli.main(
-        [
-            f"strategy={strategy}",
-            "num-clients=2",
-            "num-rounds=2",
-            "local-steps=2",
-            "batch-size=8",
-            "eval-every=1",
-            f"output-dir={out}",
-            "--quiet",
-            *extra,
-        ]
-    )
-    assert code == 0
-    rounds = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rounds] == [1, 2]
-    assert all(r["clients"] == 2 and r["failures"] == 0 and np.isfinite(r["train"]["loss"]) for r in rounds)
-    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in metrics] == [1, 2] and all(0 <= r["global_acc"] <= 1 for r in metrics)
-    if strategy == "scaffold":  # the server's control variate moved, from the clients' returned changes
-        assert rounds[-1]["server"]["control-norm"] > 0
-    if strategy == "groupdro":
-        assert sum(v for k, v in rounds[-1]["server"].items() if k.startswith("p-")) == pytest.approx(1.0)
-    if strategy in ("fedmix", "vhl"):
-        assert (out / f"{strategy}_data.npz").exists()
-    assert json.loads((out / "manifest.json").read_text())["config"]["strategy"] == strategy
+    runs = "".join(f"    {name}: {json.dumps({'strategy': name, **extra})}\n" for name, extra in BASELINES.items())
+    settings = "num-clients: 2\nnum-rounds: 2\nlocal-steps: 2\nbatch-size: 8\neval-every: 1\n"
+    (tmp_path / "baselines.yaml").write_text(f"{settings}sweep:\n  seeds: [0]\n  runs:\n{runs}")
+    assert sweep.main([str(tmp_path / "baselines.yaml"), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    for strategy in BASELINES:
+        out = tmp_path / "out" / strategy / "seed0"
+        rounds = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in rounds] == [1, 2], strategy
+        assert all(r["clients"] == 2 and r["failures"] == 0 and np.isfinite(r["train"]["loss"]) for r in rounds)
+        metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in metrics] == [1, 2] and all(0 <= r["global_acc"] <= 1 for r in metrics)
+        if strategy == "scaffold":  # the server's control variate moved, from the clients' returned changes
+            assert rounds[-1]["server"]["control-norm"] > 0
+        if strategy == "groupdro":
+            assert sum(v for k, v in rounds[-1]["server"].items() if k.startswith("p-")) == pytest.approx(1.0)
+        if strategy in ("fedmix", "vhl"):
+            assert (out / f"{strategy}_data.npz").exists()
+        assert json.loads((out / "manifest.json").read_text())["config"]["strategy"] == strategy
     assert flower_processes() <= before
 
 
