@@ -53,6 +53,11 @@ from .server_app import build_strategy
 from .training import autocast, peak_memory_mb, use_device
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def bare_loop_round_seconds(cfg: dict, rounds: int) -> tuple[list[float], float]:
     """The reference: every client's ``fit`` (the same local-step code Flower calls) one after
     another in this process, then the same averaging; no messages, no processes. What a client returns
@@ -88,8 +93,7 @@ def bare_loop(
             sizes.append(n if cfg["weighting"] == "samples" else 1.0)
         names = [n for n in updates[0] if n in global_arrays or n.startswith(client_cls.accepts)]
         global_arrays = named_mean(updates, sizes, names)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         times.append(time.perf_counter() - start)
         if on_round:
             on_round(server_round, times[-1])
@@ -156,14 +160,12 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     distrans_model.train()
 
     def timed(algorithm, n):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         start = time.perf_counter()
         with autocast(device, cfg["precision"]):
             for _ in range(n):
                 algorithm.update(x, y)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         return (time.perf_counter() - start) / n
 
     for algorithm in algorithms.values():
@@ -308,12 +310,11 @@ def fit_flops(cfg: dict) -> float:
     return float(counter.get_total_flops())
 
 
-def bench_cohort(cfg: dict) -> tuple[Any, list[int], Callable[[int], dict], dict]:
-    """One cohort holding every client of ``cfg`` in this process (no Flower): the cohort, its members' ids,
-    the fit config of a round, and the server's initial arrays."""
+def bench_cohort(cfg: dict, device: torch.device) -> tuple[Any, list[int], Callable[[int], dict], dict]:
+    """One cohort holding every client of ``cfg`` on ``device`` in this process (no Flower): the cohort, its
+    members' ids, the fit config of a round, and the server's initial arrays."""
     from .node import CohortClient
 
-    device = use_device(cfg)
     members, packed = load_cohort_data(cfg, list(range(cfg["num-clients"])), device)
     cohort = CohortClient(client_class(cfg["strategy"])(cfg, members[0], device), members, packed)
 
@@ -361,8 +362,8 @@ def lever_rows(cfg: dict, rounds: int) -> list[dict]:
         settings = {k: v for k, v in lever.items() if k not in ("step", "deterministic")}
         run_cfg = {**cfg, **settings}
         torch.use_deterministic_algorithms(lever.get("deterministic", False), warn_only=True)
-        cohort, members, config_of, arrays = bench_cohort(run_cfg)
         device = use_device(run_cfg)
+        cohort, members, config_of, arrays = bench_cohort(run_cfg, device)
         graph = device.type == "cuda" and lever.get("step", "graph") == "graph"
         times: list[float] = []
         first: list[np.ndarray] = []
@@ -388,11 +389,6 @@ def lever_rows(cfg: dict, rounds: int) -> list[dict]:
         print(f"| {name} | {rows[-1]['s_per_round']:.3f} | {rows[-1]['update_distance']:.2e} |", flush=True)
     torch.use_deterministic_algorithms(False)
     return rows
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def updates_of(results: list, global_arrays: dict) -> list[np.ndarray]:
@@ -435,8 +431,8 @@ def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
     client with ``cohort-step=loop`` (one after another), with ``vmap`` (all at once) and, on CUDA, with
     ``graph`` (vmap, the step replayed as a CUDA graph), timed in alternation after a warm-up round of each;
     medians."""
-    cohort, members, config_of, arrays = bench_cohort(cfg)
     device = use_device(cfg)
+    cohort, members, config_of, arrays = bench_cohort(cfg, device)
 
     def loop(parts):
         for pid, own_arrays, config in parts:
@@ -449,12 +445,10 @@ def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
     for server_round in range(1, rounds + 2):
         parts = [(pid, arrays, config_of(server_round)) for pid in members]
         for name, fit in ways.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(device)
             start = time.perf_counter()
             fit(parts)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(device)
             if server_round > 1:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}

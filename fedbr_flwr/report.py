@@ -282,8 +282,10 @@ def plot_comparison(out: Path, names: Sequence[str | Setting], seeds: list[int],
 
 def grid_axes(settings: list[Setting]) -> tuple[list[str], list[Any], list[tuple]]:
     """A grid drawn as a table: its factors, the last factor's values (columns) and every combination of the
-    others (rows)."""
+    others (rows); outside a grid, one cell."""
     factors = factors_of(settings)
+    if not factors:
+        return factors, [None], [()]
     columns = list(dict.fromkeys(dict(s.cell).get(factors[-1]) for s in settings))
     rows = list(dict.fromkeys(tuple((k, v) for k, v in s.cell if k != factors[-1]) for s in settings)) or [()]
     return factors, columns, rows
@@ -516,10 +518,7 @@ def plot_decisions(decisions: list[Decision], rule: Rule, path: Path, title: str
     import matplotlib.pyplot as plt
     import numpy as np
 
-    factors = factors_of([d.setting for d in decisions])
-    columns = list(dict.fromkeys(dict(d.setting.cell).get(factors[-1]) for d in decisions)) if factors else [None]
-    rows = list(dict.fromkeys(tuple((k, v) for k, v in d.setting.cell if k != factors[-1]) for d in decisions))
-    rows = rows or [()]
+    factors, columns, rows = grid_axes([d.setting for d in decisions])
     fig, axes = plt.subplots(
         1,
         len(rule.metrics),
