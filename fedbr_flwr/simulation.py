@@ -162,23 +162,54 @@ def simulate(run_config: dict[str, Any], run_id: int, supernodes: int, cpus: flo
 def replace_dead_actors() -> None:
     """Flower's Ray backend puts an actor back into its pool after the message it ran failed, also when the
     actor's process died (a client's segfault or ``os._exit``): every later message it draws goes to the dead
-    actor and fails, an honest client's too. Here a message that failed with a dead actor has every dead actor
-    of the pool replaced by a new one, so that only the crashed client's message is lost. Patched over Flower's
+    actor and fails, an honest client's too. Here each pool a backend builds hands back only live actors
+    (``hand_back_live_actors``), so that only the crashed client's message is lost. Patched over Flower's
     class, which its simulation looks up per run (as ``keep_actors_between_runs``, which builds on it)."""
     from flwr.server.superlink.fleet.vce.backend import raybackend
 
     class DeadActorsReplaced(raybackend.RayBackend):
-        def process_message(self, message, context):  # type: ignore[no-untyped-def]
-            import ray
-
-            try:
-                return super().process_message(message, context)
-            except ray.exceptions.RayActorError:
-                if self.pool is not None:
-                    renew_dead_actors(self.pool)
-                raise
+        def build(self, app_fn) -> None:  # type: ignore[no-untyped-def]
+            super().build(app_fn)
+            if self.pool is not None:
+                hand_back_live_actors(self.pool)
 
     raybackend.RayBackend = DeadActorsReplaced  # type: ignore[misc]
+
+
+def hand_back_live_actors(pool: Any) -> None:
+    """Make a Flower actor pool replace the dead actors (``renew_dead_actors``) when a message failed because its
+    actor died, before any other message can draw one. Flower's backend hands the failed message's actor back
+    and only then raises, and the engine's other threads draw from the top of the pool, where it lies: with fast
+    rounds an honest client's message drew the dead actor in between, and two threads renewing at once lost
+    track of the pool. Drawing, handing back and renewing now take turns on one lock."""
+    import ray
+
+    if getattr(pool, "hands_back_live_actors", False):
+        return
+    turns = threading.Lock()
+    failed = threading.local()  # the future whose actor died, in the thread that fetched it
+    submit, fetch, hand_back = pool.submit, pool.fetch_result_and_return_actor_to_pool, pool.add_actor_back_to_pool
+
+    def draw(actor_fn: Any, job: Any) -> Any:
+        with turns:
+            return submit(actor_fn, job)
+
+    def fetch_noting_death(future: Any) -> Any:
+        try:
+            return fetch(future)
+        except ray.exceptions.RayActorError:
+            failed.future = future
+            raise
+
+    def hand_back_renewed(future: Any) -> None:
+        with turns:
+            hand_back(future)
+            if getattr(failed, "future", None) is future:
+                failed.future = None
+                renew_dead_actors(pool)
+
+    pool.submit, pool.fetch_result_and_return_actor_to_pool = draw, fetch_noting_death
+    pool.add_actor_back_to_pool, pool.hands_back_live_actors = hand_back_renewed, True
 
 
 def renew_dead_actors(pool: Any, timeout_s: float = 10.0, start_s: float = 60.0) -> int:

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -317,6 +318,49 @@ def test_a_dead_actor_whose_replacement_cannot_start_gives_its_place_to_a_live_o
     alone, (only, _) = fake_actor_pool(monkeypatch, [False], new_starts=False)
     simulation.renew_dead_actors(alone)
     assert alone.pool == [only]  # no live actor to stand in: its messages fail at once instead of waiting
+
+
+def test_a_message_whose_actor_died_has_it_replaced_before_another_message_draws_from_the_pool(monkeypatch):
+    """As Flower's backend does: a message draws the top actor, its result raises (the actor died), the actor is
+    handed back, the error raised. Another thread drawing meanwhile (here: while the pool is being renewed) gets a
+    live actor, never the dead one, which once failed an honest client's message too."""
+    import ray
+
+    pool, (alive, dead, new) = fake_actor_pool(monkeypatch, [True, False], new_starts=True)
+    pool.futures = {}
+
+    def submit(actor_fn, job):
+        actor = pool.pool.pop()  # Flower's pool draws the top one
+        pool.futures[job] = actor
+        return job
+
+    def fetch(future):
+        if not pool.futures[future].up:
+            raise ray.exceptions.RayActorError()
+        pool.add_actor_back_to_pool(future)
+        return future
+
+    pool.submit, pool.fetch_result_and_return_actor_to_pool = submit, fetch
+    pool.add_actor_back_to_pool = lambda future: pool.pool.append(pool.futures.pop(future))
+    simulation.hand_back_live_actors(pool)
+    renewing, drawn = threading.Event(), {}
+    checked = ray.get
+
+    def slow_get(ref, timeout):  # the dead actor's check is slow: a second message draws meanwhile
+        if ref is dead:
+            renewing.set()
+            time.sleep(0.3)
+        return checked(ref, timeout)
+
+    monkeypatch.setattr(ray, "get", slow_get)
+    future = pool.submit(None, "crashing client")
+    with pytest.raises(ray.exceptions.RayActorError):
+        pool.fetch_result_and_return_actor_to_pool(future)
+    second = threading.Thread(target=lambda: renewing.wait(5) and drawn.update(actor=pool.submit(None, "honest")))
+    second.start()
+    pool.add_actor_back_to_pool(future)  # Flower's except path, which then raises the error
+    second.join(5)
+    assert pool.futures["honest"] is new and pool.pool == [alive]
 
 
 def fake_actor_pool(monkeypatch, alive: list[bool], new_starts: bool):
