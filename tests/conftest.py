@@ -33,3 +33,47 @@ def no_early_simulation_process(request, monkeypatch):
         from fedbr_flwr import cli
 
         monkeypatch.setattr(cli, "early_host", lambda args: None)
+
+
+_SERVER_TEST_RESULTS: dict[str, dict] = {}
+
+
+def _digest(tensors) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(str((tuple(t.shape), t.dtype)).encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(autouse=True)
+def server_tests_evaluated_once_per_model(request, monkeypatch):
+    """The server's tests (``global-test``: the test split once per angle, through the paper's CNN) take most of
+    the seconds of the runs that have them, and several tests evaluate the very same model: a golden case and
+    the same case on the cohort engine, a run and its resumed copy. The figures are a pure function of the
+    module's state and the test tensors, so within one session each such pair is evaluated once; any bit of a
+    weight that differs is a new key and a new evaluation."""
+    if request.node.get_closest_marker("e2e") is not None:
+        return
+    from fedbr_flwr.server import flower
+
+    run = flower.run_server_tests
+
+    def once(tests, module):
+        data = [t for x, y in [*tests.global_copies.values(), *tests.extra_local] for t in (x, y)]
+        key = "/".join(
+            (
+                type(module).__qualname__,
+                str(sorted(tests.global_copies)),
+                str(len(tests.extra_local)),
+                _digest(module.state_dict().values()),
+                _digest(data),
+            )
+        )
+        if key not in _SERVER_TEST_RESULTS:
+            _SERVER_TEST_RESULTS[key] = run(tests, module)
+        return dict(_SERVER_TEST_RESULTS[key])
+
+    monkeypatch.setattr(flower, "run_server_tests", once)

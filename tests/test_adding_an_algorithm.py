@@ -175,6 +175,7 @@ def test_feddyn_runs_and_resumes_like_an_uninterrupted_run(tmp_path):
             "eval-every": 2,
             "checkpoint-every": 2,
             "global-test": False,
+            "model": "cnn-small",
         }
     )
     straight, _, proxies = in_process_federation(cfg, tmp_path / "straight")

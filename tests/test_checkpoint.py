@@ -28,6 +28,7 @@ def run_cfg(name, **extra):
             "eval-every": 2,
             "checkpoint-every": 2,
             "global-test": False,
+            "model": "cnn-small",  # what a checkpoint carries does not depend on the backbone's size
             **extra,
         }
     )

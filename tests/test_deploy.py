@@ -33,6 +33,7 @@ def small_run(out, **overrides):
             "num-rounds": 2,
             "local-steps": 3,
             "eval-every": 2,
+            "model": "cnn-small",
             "output-dir": str(out),
             **overrides,
         }
@@ -126,6 +127,7 @@ def test_a_killed_run_resumed_from_its_checkpoint_ends_like_an_uninterrupted_one
         "local-steps=4",
         "num-clients=3",
         "global-test=false",
+        "model=cnn-small",
         "--quiet",
     ]
     run = [sys.executable, "-m", "fedbr_flwr.cli", *settings]
@@ -464,20 +466,21 @@ def test_a_tampering_supernode_of_a_real_deployment_is_refused_and_the_run_compl
 
 @pytest.mark.e2e
 def test_one_attacking_supernode_under_the_median_gives_the_simulations_accuracy(tmp_path):
-    """Five SuperNodes on 127.0.0.1, the third sending its update x -10 (attack=sign-flip), aggregation=median:
+    """Three SuperNodes on 127.0.0.1, the third sending its update x -10 (attack=sign-flip), aggregation=median:
     the deployment records the attacker, ends where the same run in one process ends, and near the honest run
     (test_robust.py shows the mean collapsing under the same attack)."""
     from test_robust import FED, federated
 
+    fed = {**FED, "num-clients": 3}  # each SuperNode is a process of its own: the fewest a median outvotes one in
     attacked = {"attack": "sign-flip", "attack-ids": "2", "aggregation": "median"}
-    honest, _, _ = federated(tmp_path / "honest")
-    simulated, _, _ = federated(tmp_path / "simulated", **attacked)
+    honest, _, _ = federated(tmp_path / "honest", num_clients=3)
+    simulated, _, _ = federated(tmp_path / "simulated", num_clients=3, **attacked)
     out = tmp_path / "run"
-    cfg = prepare(validate({**FED, **attacked, "output-dir": str(out)}), overwrite=False)
-    with deploy.local_deployment(out, FED["num-clients"]) as dep:
+    cfg = prepare(validate({**fed, **attacked, "output-dir": str(out)}), overwrite=False)
+    with deploy.local_deployment(out, fed["num-clients"]) as dep:
         submit_run(cfg, dep.env, deploy.CONNECTION, out, echo="none")
     rounds, evals = read_jsonl(out / "rounds.jsonl"), read_jsonl(out / "metrics.jsonl")
     assert all(r["attackers"] == [2] and r["aggregation"] == {"rule": "median"} for r in rounds)
-    assert len(rounds) == FED["num-rounds"] and all(r["clients"] == FED["num-clients"] for r in rounds)
+    assert len(rounds) == fed["num-rounds"] and all(r["clients"] == fed["num-clients"] for r in rounds)
     deployed = evals[-1]["global_acc"]
     assert deployed == pytest.approx(simulated, abs=0.02) and deployed > honest - 0.07, (deployed, simulated, honest)

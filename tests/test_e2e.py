@@ -50,7 +50,12 @@ def on_shared_host(shared_host, tmp_path_factory, monkeypatch):
     monkeypatch.setattr(cli, "early_host", lambda args: Borrowed(shared_host))
     if shared_host.proc is None or shared_host.proc.poll() is not None:
         warm = tmp_path_factory.mktemp("warm-up")
-        assert cli.main(["num-clients=2", "num-rounds=1", "local-steps=1", f"output-dir={warm}", "--quiet"]) == 0
+        assert (
+            cli.main(
+                ["num-clients=2", "num-rounds=1", "local-steps=1", "model=cnn-small", f"output-dir={warm}", "--quiet"]
+            )
+            == 0
+        )
 
 
 @pytest.mark.parametrize("launch", [[], ["--superlink"]], ids=["simulation-process", "flwr-run-on-a-superlink"])
@@ -66,6 +71,7 @@ def test_two_rounds_two_clients_write_the_run_files(tmp_path, capsys, launch):
             "local-steps=2",
             "batch-size=16",
             "eval-every=1",
+            "model=cnn-small",
             f"output-dir={out}",
             "--quiet",
             *launch,
@@ -125,6 +131,7 @@ def test_fedbr_run_completes_and_records_its_terms(tmp_path, extra, on_shared_ho
             "local-steps=2",
             "batch-size=8",
             "eval-every=1",
+            "model=cnn-small",
             f"output-dir={out}",
             "--quiet",
             *extra,
@@ -209,7 +216,7 @@ def test_every_baseline_completes_a_flower_run(tmp_path, on_shared_host):
 
     before = flower_processes()
     runs = "".join(f"    {name}: {json.dumps({'strategy': name, **extra})}\n" for name, extra in BASELINES.items())
-    settings = "num-clients: 2\nnum-rounds: 2\nlocal-steps: 2\nbatch-size: 8\neval-every: 1\n"
+    settings = "num-clients: 2\nnum-rounds: 2\nlocal-steps: 2\nbatch-size: 8\neval-every: 1\nmodel: cnn-small\n"
     (tmp_path / "baselines.yaml").write_text(f"{settings}sweep:\n  seeds: [0]\n  runs:\n{runs}")
     assert sweep.main([str(tmp_path / "baselines.yaml"), "--out", str(tmp_path / "out"), "--quiet"]) == 0
     for strategy in BASELINES:
@@ -331,6 +338,7 @@ def test_on_ray_a_crashed_client_process_loses_only_its_own_message(tmp_path, cr
     dead actor is replaced now, and every later round has both clients."""
     out = tmp_path / "run"
     settings = {"num-clients": 2, "num-rounds": 3, "local-steps": 1, "batch-size": 8, "eval-every": 1}
+    settings["model"] = "cnn-small"
     code = cli.main(
         [f"{k}={v}" for k, v in settings.items()]
         + ["strategy=crashing-client-0", "backend=ray", "global-test=false", f"output-dir={out}"]
@@ -390,6 +398,7 @@ def test_a_killed_cohort_run_resumes_rejects_a_nan_member_and_equals_the_client_
     out = tmp_path / "run"
     settings = [
         "strategy=diverging-client-1",
+        "model=cnn-small",
         "num-clients=3",
         "num-rounds=4",
         "local-steps=2",
@@ -464,6 +473,7 @@ def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_fol
         "num-rounds=200",
         "local-steps=2",
         "batch-size=8",
+        "model=cnn-small",
         f"backend={backend}",
         "device=cpu",  # in-process runs on CPUs (a GPU machine would give the clients GPU shares)
         f"output-dir={out}",
@@ -495,7 +505,7 @@ def test_ctrl_c_stops_fedbr_run_with_exit_130_and_leaves_no_process(tmp_path, ba
 
     out = tmp_path / "run"
     command = [sys.executable, "-m", "fedbr_flwr.cli", "num-clients=2", "num-rounds=200", "local-steps=2"]
-    command += [f"backend={backend}", "device=cpu"]
+    command += [f"backend={backend}", "device=cpu", "model=cnn-small"]
     with procs.command_at_first_round([*command, f"output-dir={out}"]) as (proc, _, snapshot):
         ports = procs.listening(snapshot)
         os.killpg(proc.pid, signal.SIGINT)
@@ -517,7 +527,7 @@ def test_the_clients_in_the_simulation_process_give_the_ray_backends_numbers_bit
     from fakes import records_without_timing
 
     settings = ["strategy=fedbr", "num-clients=4", "num-rounds=2", "local-steps=2", "batch-size=8", "eval-every=1"]
-    settings += ["engine=cohort", "cohorts=2", "client-cpus=1", "device=cpu", "--quiet"]
+    settings += ["engine=cohort", "cohorts=2", "client-cpus=1", "device=cpu", "model=cnn-small", "--quiet"]
     for backend in ("in-process", "ray"):
         assert cli.main([*settings, f"backend={backend}", f"output-dir={tmp_path / backend}"]) == 0
     for name in ("rounds.jsonl", "metrics.jsonl"):

@@ -222,6 +222,7 @@ def test_an_unexpected_server_error_checkpoints_the_last_finished_round_and_resu
     from fakes import FixedClientManager, InProcessProxy, flower_client, records_without_timing, run_rounds
 
     settings = {"num-clients": 2, "local-steps": 2, "batch-size": 8, "global-test": False, "checkpoint-every": 0}
+    settings["model"] = "cnn-small"
     cfg = validate({**settings, "output-dir": str(tmp_path / "failed")})
 
     def clients():

@@ -93,6 +93,7 @@ def test_the_clients_mean_is_reported_and_the_served_model_recorded_beside_it(tm
             "local-steps": 2,
             "batch-size": 8,
             "test-fraction": 0.05,
+            "model": "cnn-small",  # the global test runs six times: the small CNN keeps that cheap
             "global-test": True,
             "eval-every": 1,
             "device": "cpu",

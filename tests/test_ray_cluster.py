@@ -189,6 +189,7 @@ RUN = [
     "batch-size=8",
     "eval-every=1",
     "global-test=false",
+    "model=cnn-small",
     "engine=cohort",
     "--quiet",
 ]

@@ -267,12 +267,13 @@ FED = {
 }
 
 
-def federated(tmp_path, **overrides):
-    """A 6-round in-process FedAvg federation of 5 clients: its last evaluation and its rounds.jsonl lines."""
+def federated(tmp_path, num_clients=FED["num-clients"], **overrides):
+    """A 6-round in-process FedAvg federation (5 clients unless told): its last evaluation and its rounds.jsonl
+    lines."""
     from fakes import in_process_federation, run_rounds
 
     torch.set_num_threads(1)
-    cfg = validate({**FED, **overrides})
+    cfg = validate({**FED, "num-clients": num_clients, **overrides})
     strategy, _, proxies = in_process_federation(cfg, tmp_path)
     run_rounds(strategy, proxies, cfg["num-rounds"])
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -15,6 +15,7 @@ num-clients: 2
 num-rounds: 1
 local-steps: 1
 batch-size: 8
+model: cnn-small
 sweep:
   seeds: [0, 1]
   runs:

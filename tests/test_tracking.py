@@ -28,6 +28,7 @@ def run_cfg(**extra):
             "eval-every": 1,
             "checkpoint-every": 2,
             "global-test": False,
+            "model": "cnn-small",
             **extra,
         }
     )
