@@ -21,10 +21,6 @@ from .run_io import RunRecorder, resolve_output_dir
 from .server.checkpointing import ResumedRun
 from .training import use_device
 
-# The simulation's in-memory grid checks for the clients' replies every 0.1 s (Flower's default), which
-# adds up to 0.1 s to every round; its checks are cheap in-memory lookups.
-SIMULATION_PULL_INTERVAL_S = 0.02
-
 # keys a resumed run may change (the run folder and dataset may have moved; resources differ); any other
 # must equal the checkpoint's
 RESUMABLE_KEYS = (
@@ -116,10 +112,11 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """``server_fn``'s strategy in Flower's compatibility loop, on a grid that polls more often in
-    simulation (a deployment's grid has no such setting and is left as it is)."""
-    if hasattr(grid, "pull_interval"):
-        grid.pull_interval = SIMULATION_PULL_INTERVAL_S
+    """``server_fn``'s strategy in Flower's compatibility loop, on a grid that, in simulation, takes each reply
+    as soon as it is stored (a deployment's grid is left as it is)."""
+    from .simulation import receive_replies_promptly
+
+    receive_replies_promptly(grid)
     # the writer's lock on the run folder, for the whole run: no second run writes there meanwhile
     with runlock.hold(resolve_output_dir(from_run_config(context.run_config)), role="writer"):
         components = server_fn(context)
