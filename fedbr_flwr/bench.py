@@ -719,6 +719,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(fedbr_flwr/startup.py)",
     )
     parser.add_argument(
+        "--round-profile",
+        action="store_true",
+        help="one default fedbr-run of that workload under py-spy (every thread, idle ones too): the simulation "
+        "process's thread-seconds by part of a round (clients' training, messages, server, waits)",
+    )
+    parser.add_argument(
         "--sweep-startup",
         type=int,
         metavar="N",
@@ -755,6 +761,11 @@ def run_mode(args: argparse.Namespace, threads: int) -> int:
 
         build_config(args.items)
         return sweep_main(args.items, args.sweep_startup, args.json)
+    if args.round_profile:
+        from .startup import round_profile_main
+
+        build_config(args.items)
+        return round_profile_main(args.items, args.json)
     if args.startup:
         from .startup import default_variants, startup_main
 

@@ -97,7 +97,9 @@ def quiet_line(shares: list[float], bare_round: float | None) -> str:
     if not shares:
         return f"\n{bare}how busy the machine was is not known here (no /proc/stat)"
     worst = max(shares)
-    line = f"\n{bare}other processes used at most {worst:.0%} of the cores during a run"
+    line = (
+        f"\n{bare}other processes used at most {worst:.0%} of the cores during a run (runs on Ray or a SuperLink aside)"
+    )
     if worst > QUIET_SHARE:
         line += (
             f"\nwarning: the machine was not quiet (over {QUIET_SHARE:.0%} of its cores busy with other processes "
@@ -128,7 +130,7 @@ def steady_round_seconds(out_dir: Path) -> float:
     """The median seconds of the rounds after the first (rounds.jsonl)."""
     from .metrics import read_jsonl
 
-    return statistics.median(r["seconds"] for r in read_jsonl(out_dir / "rounds.jsonl") if r["round"] > 1)
+    return steady_seconds(read_jsonl(out_dir / "rounds.jsonl"))
 
 
 PFL = "pfl-research"  # the workload in pfl-research (fedbr_flwr/startup_pfl.py), where pfl is installed
@@ -155,6 +157,9 @@ VARIANTS = {  # label: (how the process starts, its own items)
     "bare loop": ("bare", []),
     PFL: ("pfl", []),
 }
+# variants whose runs start processes the command does not wait for (Ray's, the SuperLink's): their CPU time would
+# count as other processes', so how quiet the machine was is read from the other variants' runs
+DETACHED = ("engine=cohort, backend=ray", "engine=clients, --superlink")
 MODULES = {"fedbr-run": "fedbr_flwr.cli", "bare": "fedbr_flwr.startup", "pfl": "fedbr_flwr.startup_pfl"}
 
 
@@ -176,7 +181,7 @@ def startup_main(items: Sequence[str], repeats: int, variants: Sequence[str], js
                 if code != 0:
                     return failed(f"{variant} run {i + 1}", code, lines)
                 busy_after = busy_cpu_seconds()
-                if busy is not None and busy_after is not None:
+                if busy is not None and busy_after is not None and variant not in DETACHED:
                     cores = os.cpu_count() or 1
                     shares.append(others_share(busy_after - busy, children_cpu_seconds() - ours, total, cores))
                 row = {**phases(lines, total), "whole process": total, "per round, steady": steady_round_seconds(out)}
@@ -333,3 +338,98 @@ def bare_main(argv: Sequence[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(bare_main(sys.argv[1:]))
+
+
+# ``fedbr-bench --round-profile``: a default run of the workload sampled by py-spy (every thread, idle ones too),
+# its simulation process's samples sorted into the parts of a round. Each part: (name, the frames that mark it);
+# the first part whose mark a sample's stack holds takes it.
+PROFILE_RATE = 100  # samples a second, per thread
+ROUND_PARTS = (
+    ("clients: local training", ("run_local_steps (",)),
+    ("clients: evaluation", ("ClientAlgorithm.evaluate (", "evaluate_members (")),
+    ("clients: the message's arrays, state and context (decode, encode, copies)", ("process_message (fedbr_flwr",)),
+    ("clients: waiting for a message (idle)", ("worker (flwr/server/superlink/fleet/vce/vce_api.py",)),
+    ("server: configure_fit (sampling, the round's messages)", ("configure_fit (fedbr_flwr",)),
+    ("server: aggregate_fit (update checks, aggregation, the round's record)", ("aggregate_fit (fedbr_flwr",)),
+    ("server: evaluate, configure/aggregate_evaluate, checkpoints", ("evaluate (fedbr_flwr/server",)),
+    ("server: waiting for the replies (idle)", ("send_and_receive (",)),
+    ("engine: handing messages over (mostly idle)", ("add_messages_to_queue (", "put_message_into_state (")),
+)
+OTHER_PART = "other threads (imports, run host, Flower's bookkeeping; mostly idle)"
+
+
+def profile_parts(raw_lines: Sequence[str], process_mark: str = "fedbr_flwr.simulation") -> dict[str, int]:
+    """Samples per part of ``ROUND_PARTS`` (else ``OTHER_PART``) in py-spy's raw output (``--threads``: one line
+    per distinct stack, ``frame;frame;... count``), counting only stacks of the process whose command line holds
+    ``process_mark``."""
+    parts: dict[str, int] = {}
+    for line in raw_lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if not stack or not count.isdigit() or process_mark not in stack.split(";thread (", 1)[0]:
+            continue
+        part = next((name for name, marks in ROUND_PARTS if any(m in stack for m in marks)), OTHER_PART)
+        parts[part] = parts.get(part, 0) + int(count)
+    return parts
+
+
+def profile_table(parts: dict[str, int], rounds: int, rate: int = PROFILE_RATE) -> str:
+    """The parts as a markdown table: thread-seconds in all and milliseconds per round."""
+    rows = [name for name, _ in ROUND_PARTS] + [OTHER_PART]
+    lines = ["| part | thread-seconds | ms per round |", "|---|---|---|"]
+    for name in rows:
+        seconds = parts.get(name, 0) / rate
+        lines.append(f"| {name} | {seconds:.2f} | {1000 * seconds / max(rounds, 1):.1f} |")
+    return "\n".join(lines)
+
+
+def round_profile_main(items: Sequence[str], json_path: Path | None) -> int:
+    """A default ``fedbr-run`` of the workload under ``py-spy record`` (its child processes, every thread, idle
+    ones too): where the simulation process's thread-seconds go, in all and per round."""
+    import shutil
+
+    spy = shutil.which("py-spy")
+    if spy is None:
+        print("fedbr-bench: error: --round-profile needs py-spy on the PATH: pip install py-spy", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="fedbr-profile-") as tmp:
+        out, raw = Path(tmp) / "run", Path(tmp) / "profile.txt"
+        run = [sys.executable, "-m", MODULES["fedbr-run"], *WORKLOAD, *items, f"output-dir={out}", "--quiet"]
+        record = [
+            spy,
+            "record",
+            "--nonblocking",
+            "--subprocesses",
+            "--idle",
+            "--threads",
+            "-r",
+            str(PROFILE_RATE),
+            "-f",
+            "raw",
+        ]
+        start = time.perf_counter()
+        done = subprocess.run([*record, "-o", str(raw), "--", *run], capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if done.returncode != 0 or not raw.exists():
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
+            print(f"fedbr-bench: error: the profiled run exited {done.returncode}:\n{tail}", file=sys.stderr)
+            return 1
+        from .metrics import read_jsonl
+
+        records = read_jsonl(out / "rounds.jsonl")
+        parts = profile_parts(raw.read_text().splitlines())
+    rounds = len(records)
+    print(f"py-spy, {PROFILE_RATE} samples a second per thread; the simulation process of one default run")
+    print(
+        f"({rounds} rounds, {sum(r['seconds'] for r in records):.2f} s of rounds, steady "
+        f"{steady_seconds(records):.3f} s a round; whole command {wall:.1f} s under the profiler):\n"
+    )
+    print(profile_table(parts, rounds))
+    if json_path:
+        json_path.write_text(json.dumps({"workload": [*WORKLOAD, *items], "rounds": rounds, "samples": parts}))
+    return 0
+
+
+def steady_seconds(records: list[dict]) -> float:
+    """The median seconds of the rounds after the first."""
+    later = [r["seconds"] for r in records if r["round"] > 1] or [r["seconds"] for r in records]
+    return statistics.median(later)

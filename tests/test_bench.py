@@ -98,7 +98,18 @@ def test_cohort_step_benchmark_without_its_dataset_stops_with_a_message(capsys, 
 
 
 @pytest.mark.parametrize(
-    "mode", ["--suite", "--scale", "--step", "--cohort-step", "--levers", "--startup=1", "--sweep-startup=1", None]
+    "mode",
+    [
+        "--suite",
+        "--scale",
+        "--step",
+        "--cohort-step",
+        "--levers",
+        "--startup=1",
+        "--sweep-startup=1",
+        "--round-profile",
+        None,
+    ],
 )
 def test_every_mode_refuses_an_unknown_key_with_a_message(mode, capsys):
     assert bench.main([*([mode] if mode else []), "no-such-key=1"]) == 2
@@ -233,3 +244,57 @@ def test_the_startup_benchmark_says_how_busy_the_machine_was():
     subprocess.run([sys.executable, "-c", burn], check=True)
     child = startup.children_cpu_seconds() - ours
     assert child >= 0.45 and startup.busy_cpu_seconds() - busy >= child - 0.05  # the machine counted the child too
+
+
+def test_the_round_profile_sorts_each_sample_of_the_simulation_process_into_its_part():
+    from fedbr_flwr import startup
+
+    sim = 'process 1:"fedbr-run";process 2:"python -m fedbr_flwr.simulation --serve";thread (3): T'
+    lines = [
+        f"{sim};worker (flwr/server/superlink/fleet/vce/vce_api.py:132);process_message (fedbr_flwr/inprocess.py:99);"
+        "ClientAlgorithm.fit (fedbr_flwr/algorithm.py:1);run_local_steps (fedbr_flwr/algorithm.py:2) 30",
+        f"{sim};worker (flwr/server/superlink/fleet/vce/vce_api.py:132);process_message (fedbr_flwr/inprocess.py:99);"
+        "deepcopy (copy.py:1) 4",
+        f"{sim};worker (flwr/server/superlink/fleet/vce/vce_api.py:122);get (queue.py:180) 6",
+        f"{sim};fit_round (flwr/server/server.py:1);aggregate_fit (fedbr_flwr/server/flower.py:96) 2",
+        f"{sim};fit_clients (flwr/x.py:1);send_and_receive (fedbr_flwr/simulation.py:240) 50",
+        f"{sim};_update_client_manager (flwr/x.py:1);wait (threading.py:1) 7",
+        'process 1:"fedbr-run";thread (9): MainThread;main (fedbr_flwr/cli.py:1) 99',  # the command: not counted
+        "a line py-spy would not write",
+    ]
+    parts = startup.profile_parts(lines)
+    assert parts == {
+        "clients: local training": 30,
+        "clients: the message's arrays, state and context (decode, encode, copies)": 4,
+        "clients: waiting for a message (idle)": 6,
+        "server: aggregate_fit (update checks, aggregation, the round's record)": 2,
+        "server: waiting for the replies (idle)": 50,
+        startup.OTHER_PART: 7,
+    }
+    table = startup.profile_table(parts, rounds=2, rate=10)
+    assert "| clients: local training | 3.00 | 1500.0 |" in table and "| clients: evaluation | 0.00 | 0.0 |" in table
+
+
+def test_the_round_profile_without_py_spy_stops_with_one_line(monkeypatch, capsys):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert bench.main(["--round-profile"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs py-spy" in err
+
+
+@pytest.mark.parametrize("variant, warned", [("engine=cohort, backend=ray", False), ("engine=cohort", True)])
+def test_the_cpu_of_ray_or_a_superlink_is_not_taken_for_a_busy_machine(monkeypatch, capsys, variant, warned):
+    """Ray's and the SuperLink's processes are not the command's waited-for children, so their CPU time looks like
+    other processes'; the quiet line reads only the other variants' runs."""
+    from fedbr_flwr import startup
+
+    clock = iter([0.0, 8.0])  # the machine was busy 8 CPU-s during a 4 s run on 2 cores, none of it a child's
+    monkeypatch.setattr(startup, "busy_cpu_seconds", lambda: next(clock))
+    monkeypatch.setattr(startup, "children_cpu_seconds", lambda: 0.0)
+    monkeypatch.setattr(startup, "timed_lines", lambda command: ([], 4.0, 0))
+    monkeypatch.setattr(startup, "steady_round_seconds", lambda out: 0.4)
+    monkeypatch.setattr(startup.os, "cpu_count", lambda: 2)
+    assert startup.startup_main([], 1, [variant], None) == 0
+    assert ("warning: the machine was not quiet" in capsys.readouterr().out) == warned
