@@ -1,5 +1,5 @@
 """``backend = in-process``: Flower's simulation engine with the clients in the simulation process's own threads
-instead of Ray's processes (``fedbr_flwr.simulation.choose_backend_per_run`` hands it to Flower per run)."""
+instead of Ray's processes (``fedbr_flwr.flower_adapter.choose_backend_per_run`` hands it to Flower per run)."""
 
 from __future__ import annotations
 

@@ -243,7 +243,7 @@ def simulate_run(
 class RunHost:
     """One simulation process that runs one run after another (``python -m fedbr_flwr.simulation --serve``), on
     one Ray runtime (private, or the cluster at ``address``): a later run finds torch imported, Ray up and the
-    client processes of the run before (``fedbr_flwr.simulation.keep_actors_between_runs``), so it does not pay
+    client processes of the run before (``fedbr_flwr.flower_adapter.keep_actors_between_runs``), so it does not pay
     the process, Ray and import start-up again (docs/benchmarks.md).
     A run that fails ends the process, and so does one that leaves a client call running (a client its round
     timed out on: a thread cannot be stopped); the next run starts a new one, and says why.

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -16,6 +15,7 @@ from .checkpoint import load_checkpoint
 from .config import from_run_config
 from .dataset import load_server_tests
 from .errors import ConfigError
+from .flower_adapter import chooses_backend_per_run, receive_replies_promptly
 from .registry import client_class, strategy_class
 from .run_io import RunRecorder, resolve_output_dir
 from .server.checkpointing import ResumedRun
@@ -86,10 +86,9 @@ def build_strategy(cfg: dict):
 
 def check_backend(cfg: dict) -> None:
     """``backend = in-process`` asks for fedbr-run's simulation process, which runs the clients in its own
-    threads (``fedbr_flwr.simulation.choose_backend_per_run``); Flower's own (under ``flwr run``) would run them on
+    threads (``fedbr_flwr.flower_adapter.choose_backend_per_run``); Flower's own (under ``flwr run``) would run them on
     Ray, and a deployment's clients are its SuperNodes: say so instead of ignoring the key."""
-    backends = sys.modules.get("flwr.server.superlink.fleet.vce.backend.raybackend")
-    if cfg["backend"] == "in-process" and not getattr(getattr(backends, "RayBackend", None), "chooses_per_run", False):
+    if cfg["backend"] == "in-process" and not chooses_backend_per_run():
         raise ConfigError(
             "backend = in-process runs the clients in fedbr-run's own simulation process; this run is Flower's "
             "(flwr run) or a deployment: use backend = auto or ray"
@@ -114,8 +113,6 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """``server_fn``'s strategy in Flower's compatibility loop, on a grid that, in simulation, takes each reply
     as soon as it is stored (a deployment's grid is left as it is)."""
-    from .simulation import receive_replies_promptly
-
     receive_replies_promptly(grid)
     # the writer's lock on the run folder, for the whole run: no second run writes there meanwhile
     with runlock.hold(resolve_output_dir(from_run_config(context.run_config)), role="writer"):

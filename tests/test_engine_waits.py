@@ -1,5 +1,5 @@
 """Flower's simulation looks for messages by polling (the engine every 0.1 s for the clients' instructions, the
-in-memory grid every ``pull_interval`` for their replies); ``fedbr_flwr.simulation`` makes both wake as soon as
+in-memory grid every ``pull_interval`` for their replies); ``fedbr_flwr.flower_adapter`` makes both wake as soon as
 a message is stored. Each wait here would take the whole (long) poll interval if the wake-up did not work."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fedbr_flwr import simulation
+from fedbr_flwr import flower_adapter
 
 LONG = 60.0  # a poll interval no test could sit out: a wait that returns did so because it was woken
 
@@ -41,8 +41,8 @@ def message(id_, dst=0, reply_to=""):
 
 def test_a_stored_message_wakes_the_waiter_at_once_and_a_later_count_is_no_wake_up():
     state = FakeState()
-    signal = simulation.StoreSignal.on(state, "store_message_res")
-    assert simulation.StoreSignal.on(state, "store_message_res") is signal  # installed once per state
+    signal = flower_adapter.StoreSignal.on(state, "store_message_res")
+    assert flower_adapter.StoreSignal.on(state, "store_message_res") is signal  # installed once per state
     seen = signal.seen()
     woke = threading.Event()
     waiter = threading.Thread(target=lambda: (signal.wait_after(seen, LONG), woke.set()))
@@ -56,9 +56,9 @@ def test_a_stored_message_wakes_the_waiter_at_once_and_a_later_count_is_no_wake_
 def test_the_engine_takes_a_message_as_soon_as_the_server_stores_it(monkeypatch):
     from flwr.server.superlink.fleet.vce import vce_api
 
-    monkeypatch.setattr(simulation, "FLOWER_POLL_S", LONG)
+    monkeypatch.setattr(flower_adapter, "FLOWER_POLL_S", LONG)
     monkeypatch.setattr(vce_api, "add_messages_to_queue", vce_api.add_messages_to_queue)  # undone after the test
-    simulation.dispatch_messages_promptly()
+    flower_adapter.dispatch_messages_promptly()
     assert vce_api.add_messages_to_queue.prompt  # ours, whose poll interval is now a minute
     state, taken, stop = FakeState(), queue.Queue(), threading.Event()
     extractor = threading.Thread(target=vce_api.add_messages_to_queue, args=(state, taken, {0: 0, 1: 1}, stop))
@@ -88,10 +88,10 @@ class FakeGrid:
 
 
 def test_the_grid_returns_the_replies_as_soon_as_the_last_is_stored_and_keeps_its_timeout(monkeypatch):
-    monkeypatch.setattr(simulation, "FLOWER_POLL_S", LONG)
+    monkeypatch.setattr(flower_adapter, "FLOWER_POLL_S", LONG)
     state = FakeState()
     grid = FakeGrid(state)
-    simulation.receive_replies_promptly(grid)
+    flower_adapter.receive_replies_promptly(grid)
     got = {}
     asking = threading.Thread(target=lambda: got.update(r=grid.send_and_receive([message("a"), message("b")])))
     asking.start()
@@ -104,7 +104,7 @@ def test_the_grid_returns_the_replies_as_soon_as_the_last_is_stored_and_keeps_it
 
 def test_a_grid_without_a_link_state_is_left_as_it_is():
     grid = SimpleNamespace(send_and_receive="Flower's own")
-    simulation.receive_replies_promptly(grid)
+    flower_adapter.receive_replies_promptly(grid)
     assert grid.send_and_receive == "Flower's own"
 
 
@@ -112,9 +112,9 @@ def test_a_grid_without_a_link_state_is_left_as_it_is():
 def test_the_engines_extractor_still_ends_on_its_stop_event(monkeypatch, stop_first):
     from flwr.server.superlink.fleet.vce import vce_api
 
-    monkeypatch.setattr(simulation, "FLOWER_POLL_S", 0.05)
+    monkeypatch.setattr(flower_adapter, "FLOWER_POLL_S", 0.05)
     monkeypatch.setattr(vce_api, "add_messages_to_queue", vce_api.add_messages_to_queue)
-    simulation.dispatch_messages_promptly()
+    flower_adapter.dispatch_messages_promptly()
     stop = threading.Event()
     if stop_first:
         stop.set()

@@ -1,5 +1,5 @@
 """``backend``: where a simulation's clients run. ``in-process`` runs them in threads of the simulation process
-(``fedbr_flwr.inprocess.InProcessBackend``, handed to Flower's engine by ``simulation.choose_backend_per_run``);
+(``fedbr_flwr.inprocess.InProcessBackend``, handed to Flower's engine by ``flower_adapter.choose_backend_per_run``);
 ``auto`` picks it where it can run. The runs themselves, against the Ray backend, are in test_e2e.py."""
 
 import io
@@ -11,7 +11,7 @@ import pytest
 from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.clientapp.client_app import ClientAppException
 
-from fedbr_flwr import cli, server_app, simulation
+from fedbr_flwr import cli, flower_adapter, server_app, simulation
 from fedbr_flwr.errors import ConfigError
 from fedbr_flwr.inprocess import IN_PROCESS, InProcessBackend, worker_threads
 
@@ -121,8 +121,8 @@ def test_flowers_engine_gets_the_in_process_backend_only_where_the_run_asks_for_
 
     monkeypatch.setattr(raybackend, "RayBackend", raybackend.RayBackend)  # restored after the test
     ray_backend = raybackend.RayBackend
-    simulation.choose_backend_per_run()
-    simulation.choose_backend_per_run()  # once is enough
+    flower_adapter.choose_backend_per_run()
+    flower_adapter.choose_backend_per_run()  # once is enough
     chosen = raybackend.RayBackend
     assert chosen.__mro__[1] is ray_backend
     backend = chosen({"client_resources": {"num_cpus": 1}, IN_PROCESS: {"on": True}})

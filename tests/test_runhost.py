@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from procs import flower_processes
 
-from fedbr_flwr import cli, launcher, simulation
+from fedbr_flwr import cli, flower_adapter, launcher, simulation
 
 EARLY_HOST = cli.early_host  # conftest.py replaces it in fast tests; these tests run it
 
@@ -161,8 +161,8 @@ def test_the_kept_backend_reuses_the_actors_of_the_run_before_only_when_they_fit
     monkeypatch.setattr(raybackend, "RayBackend", raybackend.RayBackend)  # restored after the test
     monkeypatch.setattr(raybackend.RayBackend, "build", build)
     answering = {"yes": True}
-    monkeypatch.setattr(simulation, "all_idle_and_alive", lambda pool: answering["yes"])
-    simulation.keep_actors_between_runs()
+    monkeypatch.setattr(flower_adapter, "all_idle_and_alive", lambda pool: answering["yes"])
+    flower_adapter.keep_actors_between_runs()
     kept_backend = raybackend.RayBackend
 
     def backend(resources):
@@ -192,16 +192,16 @@ def test_an_actor_pool_with_an_actor_out_or_dead_is_not_reused(monkeypatch):
     pool = FakePool({"num_cpus": 1})
     pool.pool = [type("A", (), {"__ray_ready__": type("M", (), {"remote": staticmethod(lambda: "ref")})()})()] * 2
     monkeypatch.setattr(ray, "get", lambda refs, timeout: refs)
-    assert simulation.all_idle_and_alive(pool)
+    assert flower_adapter.all_idle_and_alive(pool)
     pool.num_actors = 3  # one is still out (its future not fetched)
-    assert not simulation.all_idle_and_alive(pool)
+    assert not flower_adapter.all_idle_and_alive(pool)
     pool.num_actors = 2
 
     def dead(refs, timeout):
         raise ray.exceptions.RayActorError()
 
     monkeypatch.setattr(ray, "get", dead)
-    assert not simulation.all_idle_and_alive(pool)
+    assert not flower_adapter.all_idle_and_alive(pool)
 
 
 def test_serve_answers_from_several_threads_one_whole_line_at_a_time():
@@ -304,7 +304,7 @@ def test_a_private_runtimes_workers_get_the_module_path_from_the_environment_and
 
 def test_a_dead_actor_in_the_pool_is_replaced_by_a_new_one_and_the_others_kept(monkeypatch):
     pool, (alive, dead, new) = fake_actor_pool(monkeypatch, [True, False], new_starts=True)
-    assert simulation.renew_dead_actors(pool) == 1
+    assert flower_adapter.renew_dead_actors(pool) == 1
     assert pool.pool == [alive, new]
 
 
@@ -313,10 +313,10 @@ def test_a_dead_actor_whose_replacement_cannot_start_gives_its_place_to_a_live_o
     sent to it would wait for ever. A live actor takes its place too (the pool keeps its size, which is how many
     messages Flower's engine runs at once), so the other actors serve its clients."""
     pool, (alive, dead, new) = fake_actor_pool(monkeypatch, [True, False], new_starts=False)
-    assert simulation.renew_dead_actors(pool) == 1
+    assert flower_adapter.renew_dead_actors(pool) == 1
     assert pool.pool == [alive, alive] and pool.killed == [new]
     alone, (only, _) = fake_actor_pool(monkeypatch, [False], new_starts=False)
-    simulation.renew_dead_actors(alone)
+    flower_adapter.renew_dead_actors(alone)
     assert alone.pool == [only]  # no live actor to stand in: its messages fail at once instead of waiting
 
 
@@ -342,7 +342,7 @@ def test_a_message_whose_actor_died_has_it_replaced_before_another_message_draws
 
     pool.submit, pool.fetch_result_and_return_actor_to_pool = submit, fetch
     pool.add_actor_back_to_pool = lambda future: pool.pool.append(pool.futures.pop(future))
-    simulation.hand_back_live_actors(pool)
+    flower_adapter.hand_back_live_actors(pool)
     renewing, drawn = threading.Event(), {}
     checked = ray.get
 

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .flower_adapter import ENGINE_FRAMES
+
 # The workload: 10 clients, all every round, 20 rounds of 10 SGD steps of 32 at lr 0.02, the small
 # CNN, the embedded data, one evaluation at the end.
 WORKLOAD = [
@@ -348,12 +350,12 @@ ROUND_PARTS = (
     ("clients: local training", ("run_local_steps (",)),
     ("clients: evaluation", ("ClientAlgorithm.evaluate (", "evaluate_members (")),
     ("clients: the message's arrays, state and context (decode, encode, copies)", ("process_message (fedbr_flwr",)),
-    ("clients: waiting for a message (idle)", ("worker (flwr/server/superlink/fleet/vce/vce_api.py",)),
+    ("clients: waiting for a message (idle)", (ENGINE_FRAMES["worker"],)),
     ("server: configure_fit (sampling, the round's messages)", ("configure_fit (fedbr_flwr",)),
     ("server: aggregate_fit (update checks, aggregation, the round's record)", ("aggregate_fit (fedbr_flwr",)),
     ("server: evaluate, configure/aggregate_evaluate, checkpoints", ("evaluate (fedbr_flwr/server",)),
-    ("server: waiting for the replies (idle)", ("send_and_receive (",)),
-    ("engine: handing messages over (mostly idle)", ("add_messages_to_queue (", "put_message_into_state (")),
+    ("server: waiting for the replies (idle)", (ENGINE_FRAMES["replies"],)),
+    ("engine: handing messages over (mostly idle)", ENGINE_FRAMES["hand-over"]),
 )
 OTHER_PART = "other threads (imports, run host, Flower's bookkeeping; mostly idle)"
 
