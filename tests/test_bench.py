@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from fedbr_flwr import bench
+from fedbr_flwr.bench import command as bench
 from fedbr_flwr.cli import config_from_settings
 
 
@@ -155,7 +155,7 @@ def test_the_scale_benchmark_reports_each_nodes_peak_memory(monkeypatch, capsys)
 
 
 def test_the_startup_profile_splits_a_run_at_its_milestones():
-    from fedbr_flwr.startup import SHUTDOWN, phases
+    from fedbr_flwr.bench.startup import SHUTDOWN, phases
 
     lines = [
         (2.0, "fedbr-run: fedavg on mnist5k, 10 clients, 20 rounds -> /x"),
@@ -174,7 +174,7 @@ def test_the_startup_profile_splits_a_run_at_its_milestones():
 
 def test_the_startup_profile_reads_the_simulation_process_and_the_bare_loop_alike():
     """Without a SuperLink its phase is absent (not zero); the bare loop's lines end the same phases."""
-    from fedbr_flwr.startup import SHUTDOWN, phases, ratios_line
+    from fedbr_flwr.bench.startup import SHUTDOWN, phases, ratios_line
 
     simulation = [
         (2.0, "fedbr-run: fedavg on mnist5k, 10 clients, 20 rounds -> /x"),
@@ -204,7 +204,7 @@ def test_the_startup_profile_reads_the_simulation_process_and_the_bare_loop_alik
 
 
 def test_a_sweeps_fixed_seconds_are_read_per_run():
-    from fedbr_flwr.startup import sweep_fixed_seconds
+    from fedbr_flwr.bench.startup import sweep_fixed_seconds
 
     lines = [
         (1.0, "fedbr-sweep: [1/2] workload seed 0: fedavg -> /x/seed0"),
@@ -230,7 +230,7 @@ def test_the_startup_benchmark_says_how_busy_the_machine_was():
     import subprocess
     import sys
 
-    from fedbr_flwr import startup
+    from fedbr_flwr.bench import startup
 
     assert startup.others_share(busy=5.0, ours=3.0, wall=10.0, cores=2) == pytest.approx(0.1)
     assert startup.others_share(busy=2.0, ours=3.0, wall=10.0, cores=2) == 0.0  # clock ticks round: never below 0
@@ -247,7 +247,7 @@ def test_the_startup_benchmark_says_how_busy_the_machine_was():
 
 
 def test_the_round_profile_sorts_each_sample_of_the_simulation_process_into_its_part():
-    from fedbr_flwr import startup
+    from fedbr_flwr.bench import startup
 
     sim = 'process 1:"fedbr-run";process 2:"python -m fedbr_flwr.simulation --serve";thread (3): T'
     lines = [
@@ -288,7 +288,7 @@ def test_the_round_profile_without_py_spy_stops_with_one_line(monkeypatch, capsy
 def test_the_cpu_of_ray_or_a_superlink_is_not_taken_for_a_busy_machine(monkeypatch, capsys, variant, warned):
     """Ray's and the SuperLink's processes are not the command's waited-for children, so their CPU time looks like
     other processes'; the quiet line reads only the other variants' runs."""
-    from fedbr_flwr import startup
+    from fedbr_flwr.bench import startup
 
     clock = iter([0.0, 8.0])  # the machine was busy 8 CPU-s during a 4 s run on 2 cores, none of it a child's
     monkeypatch.setattr(startup, "busy_cpu_seconds", lambda: next(clock))

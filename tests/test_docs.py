@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fedbr_flwr import bench, cli, deploy, sweep
+from fedbr_flwr import cli, deploy, sweep
+from fedbr_flwr.bench import command as bench
 from fedbr_flwr.config import ConfigError, configuration_reference
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ import pytest
 import torch
 from flwr.common import RecordDict, ndarrays_to_parameters
 
-from fedbr_flwr import bench, payload
+from fedbr_flwr import payload
+from fedbr_flwr.bench import command as bench
 from fedbr_flwr.catalog import SYNTHETIC_SIZES, load_raw
 from fedbr_flwr.cli import config_from_settings
 from fedbr_flwr.config import ConfigError

@@ -9,8 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from fedbr_flwr import bench, startup
-from fedbr_flwr.startup import PFL_SKIPPED, SHUTDOWN, VARIANTS, WORKLOAD, default_variants, phases, variant_command
+from fedbr_flwr.bench import command as bench
+from fedbr_flwr.bench import startup
+from fedbr_flwr.bench.startup import (
+    PFL_SKIPPED,
+    SHUTDOWN,
+    VARIANTS,
+    WORKLOAD,
+    default_variants,
+    phases,
+    variant_command,
+)
 
 FLOWER_AND_BARE = [
     "engine=cohort",
@@ -88,8 +97,8 @@ def test_fedbr_bench_startup_runs_the_default_variants(monkeypatch, capsys, inst
 def test_the_pfl_research_variant_runs_its_own_module():
     out = Path("/tmp/x/run")
     command = variant_command("pfl-research", ["lr=0.1"], out)
-    assert command == [sys.executable, "-m", "fedbr_flwr.startup_pfl", *WORKLOAD, "lr=0.1", f"output-dir={out}"]
-    assert variant_command("bare loop", [], out)[:3] == [sys.executable, "-m", "fedbr_flwr.startup"]
+    assert command == [sys.executable, "-m", "fedbr_flwr.bench.startup_pfl", *WORKLOAD, "lr=0.1", f"output-dir={out}"]
+    assert variant_command("bare loop", [], out)[:3] == [sys.executable, "-m", "fedbr_flwr.bench.startup"]
     assert variant_command("engine=cohort", [], out)[-1] == "--verbose"
 
 
@@ -100,9 +109,9 @@ def test_pfl_trains_what_the_bare_loop_trains(weighting):
     pytest.importorskip("pfl")
     import torch
 
-    from fedbr_flwr.bench import bare_loop
+    from fedbr_flwr.bench.bare import bare_loop
+    from fedbr_flwr.bench.startup_pfl import mean_local_accuracy, pfl_loop
     from fedbr_flwr.cli import build_config
-    from fedbr_flwr.startup_pfl import mean_local_accuracy, pfl_loop
 
     # unequal partitions, so that weighting=samples differs from uniform
     cfg = build_config([*WORKLOAD, "num-clients=4", "num-rounds=2", "partition=dirichlet", f"weighting={weighting}"])
@@ -125,7 +134,7 @@ def test_pfl_evaluates_no_user_before_the_end():
     from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
     from pfl.hyperparam import NNTrainHyperParams
 
-    from fedbr_flwr.startup_pfl import FedAvgNoLocalEvaluation
+    from fedbr_flwr.bench.startup_pfl import FedAvgNoLocalEvaluation
 
     params = NNAlgorithmParams(
         central_num_iterations=20, evaluation_frequency=20, train_cohort_size=10, val_cohort_size=None

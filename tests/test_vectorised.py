@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedbr_flwr import bench, cohort, payload
+from fedbr_flwr import cohort, payload
+from fedbr_flwr.bench import command as bench
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.registry import algorithm_names, client_class
 

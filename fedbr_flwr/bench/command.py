@@ -37,95 +37,19 @@ from typing import Any, Callable, Sequence, cast
 import numpy as np
 import torch
 
-from .broadcast import SharedData
-from .catalog import INFO
-from .cli import build_config, size_for_runtime, size_resources, supernodes
-from .config import ConfigError, resolved_model
-from .dataset import load_client_data, load_cohort_data
-from .launcher import RunFailed, run_flower
-from .metrics import read_jsonl
-from .model import SplitModel
-from .raycluster import requested_address
-from .registry import client_class
-from .server.recording import node_key
-from .server.updates import named_mean
-from .server_app import build_strategy
-from .training import autocast, peak_memory_mb, use_device
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def bare_loop_round_seconds(cfg: dict, rounds: int) -> tuple[list[float], float]:
-    """The reference: every client's ``fit`` (the same local-step code Flower calls) one after
-    another in this process, then the same averaging; no messages, no processes. What a client returns
-    and takes back is averaged and sent back with the model (DisTrans: the offsets, as
-    ``distrans-agg=avg`` does). Returns the timed rounds' seconds (after one untimed round) and this
-    process's peak memory in MB (GPU on CUDA, else RSS)."""
-    device = use_device(cfg)
-    times, _, _ = bare_loop(cfg, rounds + 1, device)
-    peak = peak_memory_mb(device)
-    return times[1:], peak.get("peak-gpu-mb", peak["peak-rss-mb"])
-
-
-def bare_loop(
-    cfg: dict, rounds: int, device: torch.device, on_start=None, on_round=None
-) -> tuple[list[float], list, dict]:
-    """``rounds`` rounds of the bare loop (see ``bare_loop_round_seconds``); ``on_start()`` once the clients are
-    built, ``on_round(round, seconds)`` after each. Returns each round's seconds, the clients and the last
-    global arrays."""
-    with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:  # the server's seeded initial weights
-        global_arrays = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
-    client_cls = client_class(cfg["strategy"])
-    clients = [client_cls(cfg, load_client_data(cfg, pid, device), device) for pid in range(cfg["num-clients"])]
-    fit_config = bare_fit_config(cfg, clients)
-    if on_start:
-        on_start()
-    times = []
-    for server_round in range(1, rounds + 1):
-        start = time.perf_counter()
-        updates, sizes = [], []
-        for client in clients:
-            arrays, n, _ = client.fit(global_arrays, fit_config(server_round))
-            updates.append(arrays)
-            sizes.append(n if cfg["weighting"] == "samples" else 1.0)
-        names = [n for n in updates[0] if n in global_arrays or n.startswith(client_cls.accepts)]
-        global_arrays = named_mean(updates, sizes, names)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-        if on_round:
-            on_round(server_round, times[-1])
-    return times, clients, global_arrays
-
-
-def bare_fit_config(cfg: dict, clients: list | dict):
-    """Fit config per round; for FedBR the pseudo-data is built once, as the strategy does at round 1.
-    ``clients``: the clients' ``ClientAlgorithm`` objects by partition id (a list: ids 0, 1, ...)."""
-    if cfg["strategy"] != "fedbr":
-        return lambda server_round: {"server-round": server_round}
-    from pseudodata import build
-    from pseudodata.mixture import load_proxy
-
-    by_pid = dict(enumerate(clients)) if isinstance(clients, list) else clients
-    proxy = load_proxy(cfg) if cfg["pseudo-data"] == "mixture" else None
-
-    def collect(counts, version):
-        return [
-            by_pid[pid].answer({"request": "rsm-means", "count": n, "pseudo-m": cfg["pseudo-m"], "version": version})[
-                "means"
-            ]
-            for pid, n in counts.items()
-        ]
-
-    shared = SharedData("pseudo")
-    shared.publish(*build(cfg, 1, sorted(by_pid), collect, proxy), 1)
-    return lambda server_round: {
-        "server-round": server_round,
-        "pseudo-version": 1,
-        **({"pseudo-payload": shared.payload} if server_round == 1 else {}),
-    }
+from ..catalog import INFO
+from ..cli import build_config, size_for_runtime, size_resources, supernodes
+from ..config import ConfigError, resolved_model
+from ..dataset import load_client_data, load_cohort_data
+from ..launcher import RunFailed, run_flower
+from ..metrics import read_jsonl
+from ..model import SplitModel
+from ..raycluster import requested_address
+from ..registry import client_class
+from ..server.recording import node_key
+from ..server_app import build_strategy
+from ..training import autocast, use_device
+from .bare import bare_fit_config, bare_loop_round_seconds, synchronize
 
 
 def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
@@ -313,7 +237,7 @@ def fit_flops(cfg: dict) -> float:
 def bench_cohort(cfg: dict, device: torch.device) -> tuple[Any, list[int], Callable[[int], dict], dict]:
     """One cohort holding every client of ``cfg`` on ``device`` in this process (no Flower): the cohort, its
     members' ids, the fit config of a round, and the server's initial arrays."""
-    from .node import CohortClient
+    from ..node import CohortClient
 
     members, packed = load_cohort_data(cfg, list(range(cfg["num-clients"])), device)
     cohort = CohortClient(client_class(cfg["strategy"])(cfg, members[0], device), members, packed)
@@ -716,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="N whole processes per variant (fedbr-run per engine, with --superlink, the bare loop, pfl-research "
         "where it is installed), interleaved, "
         "on a fixed workload (the items apply on top): seconds per phase, from the command's start to its end "
-        "(fedbr_flwr/startup.py)",
+        "(fedbr_flwr/bench/startup.py)",
     )
     parser.add_argument(
         "--round-profile",

@@ -2,7 +2,7 @@
 
 Each repetition runs every variant as a new process: ``fedbr-run ITEMS --verbose`` with each engine, through
 Flower's simulation entry point (the default: the clients in its process; and on Ray) and through ``flwr run`` on a
-SuperLink (``--superlink``, on Ray), and the bare PyTorch loop (``python -m fedbr_flwr.startup ITEMS``: the same
+SuperLink (``--superlink``, on Ray), and the bare PyTorch loop (``python -m fedbr_flwr.bench.startup ITEMS``: the same
 clients, local steps and averaging in one process, no Flower, no Ray). It stamps every line a process prints with
 the time it arrived and reads the milestones from those lines (Flower's and the ServerApp's own log, the same lines
 from the bare loop); the variants are interleaved. Per phase it reports the median over repetitions."""
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .flower_adapter import ENGINE_FRAMES
+from ..flower_adapter import ENGINE_FRAMES
 
 # The issue's workload: 10 clients, all every round, 20 rounds of 10 SGD steps of 32 at lr 0.02, the small
 # CNN, the embedded data, one evaluation at the end.
@@ -130,12 +130,12 @@ def phases(lines: list[tuple[float, str]], total: float) -> dict[str, float]:
 
 def steady_round_seconds(out_dir: Path) -> float:
     """The median seconds of the rounds after the first (rounds.jsonl)."""
-    from .metrics import read_jsonl
+    from ..metrics import read_jsonl
 
     return steady_seconds(read_jsonl(out_dir / "rounds.jsonl"))
 
 
-PFL = "pfl-research"  # the workload in pfl-research (fedbr_flwr/startup_pfl.py), where pfl is installed
+PFL = "pfl-research"  # the workload in pfl-research (fedbr_flwr/bench/startup_pfl.py), where pfl is installed
 PFL_SKIPPED = (
     "fedbr-bench: the pfl-research column is skipped: pfl is not installed "
     "(pip install -e '.[pfl]', or pip install 'pfl[pytorch]==0.6.0')"
@@ -162,7 +162,7 @@ VARIANTS = {  # label: (how the process starts, its own items)
 # variants whose runs start processes the command does not wait for (Ray's, the SuperLink's): their CPU time would
 # count as other processes', so how quiet the machine was is read from the other variants' runs
 DETACHED = ("engine=cohort, backend=ray", "engine=clients, --superlink")
-MODULES = {"fedbr-run": "fedbr_flwr.cli", "bare": "fedbr_flwr.startup", "pfl": "fedbr_flwr.startup_pfl"}
+MODULES = {"fedbr-run": "fedbr_flwr.cli", "bare": "fedbr_flwr.bench.startup", "pfl": "fedbr_flwr.bench.startup_pfl"}
 
 
 def variant_command(variant: str, items: Sequence[str], out: Path) -> list[str]:
@@ -303,7 +303,7 @@ def milestone_main(cfg: dict, label: str, tag: str, train: Callable) -> int:
     on_round)`` runs the rounds and returns the mean local-test accuracy."""
     import torch
 
-    from .training import use_device
+    from ..training import use_device
 
     out = Path(cfg["output-dir"])
     out.mkdir(parents=True, exist_ok=True)
@@ -327,10 +327,10 @@ def milestone_main(cfg: dict, label: str, tag: str, train: Callable) -> int:
 
 def bare_main(argv: Sequence[str]) -> int:
     """The bare loop as a process of its own (``milestone_main``)."""
-    from .cli import build_config
+    from ..cli import build_config
 
     def train(cfg, device, on_start, on_round) -> float:
-        from .bench import bare_loop
+        from .bare import bare_loop
 
         _, clients, arrays = bare_loop(cfg, cfg["num-rounds"], device, on_start, on_round)
         return statistics.mean(client.evaluate(arrays, {})[2]["accuracy"] for client in clients)
@@ -415,7 +415,7 @@ def round_profile_main(items: Sequence[str], json_path: Path | None) -> int:
             tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
             print(f"fedbr-bench: error: the profiled run exited {done.returncode}:\n{tail}", file=sys.stderr)
             return 1
-        from .metrics import read_jsonl
+        from ..metrics import read_jsonl
 
         records = read_jsonl(out / "rounds.jsonl")
         parts = profile_parts(raw.read_text().splitlines())

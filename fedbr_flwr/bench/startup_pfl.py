@@ -1,8 +1,8 @@
-"""``python -m fedbr_flwr.startup_pfl ITEMS``: the ``fedbr-bench --startup`` workload in pfl-research 0.6.0
+"""``python -m fedbr_flwr.bench.startup_pfl ITEMS``: the ``fedbr-bench --startup`` workload in pfl-research 0.6.0
 (Apple's ``pfl``, https://github.com/apple/pfl-research), one process, simulated FL on its PyTorch backend: its
 ``FederatedAveraging`` with a central SGD of lr 1.0 (the new global model is the average of the local models),
 the clients weighted as the bare loop weighs them (``weighting``: uniform, or by training samples), this
-project's model (its model factory and the server's seeded initial weights, as ``bench.bare_loop`` builds
+project's model (its model factory and the server's seeded initial weights, as ``bare.bare_loop`` builds
 them) and this project's partition of the dataset, no evaluation until the end, then the mean local-test
 accuracy. It prints the milestones ``startup.phases`` reads (``pfl-research: ...``, ``[pfl] ...``) and writes
 the rounds' seconds to ``output-dir/rounds.jsonl`` (what ``startup.steady_round_seconds`` reads), as the bare
@@ -38,16 +38,16 @@ try:
     from pfl.model.pytorch import PyTorchModel
 except ModuleNotFoundError as exc:  # run as a script only: say what to install instead of a traceback
     raise SystemExit(
-        f"fedbr_flwr.startup_pfl: {exc}; install pfl-research: pip install -e '.[pfl]' (or 'pfl[pytorch]==0.6.0')"
+        f"fedbr_flwr.bench.startup_pfl: {exc}; install pfl-research: pip install -e '.[pfl]' (or 'pfl[pytorch]==0.6.0')"
     ) from None
 
-from . import seeds
-from .cli import build_config
-from .dataset import ClientData, load_client_data
-from .registry import client_class
-from .server_app import build_strategy
+from .. import seeds
+from ..cli import build_config
+from ..dataset import ClientData, load_client_data
+from ..registry import client_class
+from ..server_app import build_strategy
+from ..training import BatchSampler, load_module_arrays
 from .startup import milestone_main
-from .training import BatchSampler, load_module_arrays
 
 
 class PflModule(nn.Module):
@@ -205,7 +205,7 @@ def pfl_main(argv: Sequence[str]) -> int:
     """The pfl-research variant as a process of its own (``startup.milestone_main``, as the bare loop)."""
     cfg = build_config(argv)
     if cfg["strategy"] != "fedavg":
-        print(f"fedbr_flwr.startup_pfl: runs strategy=fedavg only, not {cfg['strategy']}", file=sys.stderr)
+        print(f"fedbr_flwr.bench.startup_pfl: runs strategy=fedavg only, not {cfg['strategy']}", file=sys.stderr)
         return 2
 
     def train(cfg, device, on_start, on_round) -> float:
