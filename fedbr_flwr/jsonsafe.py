@@ -1,12 +1,15 @@
 """Strict JSON for every file a run writes (metrics.jsonl, rounds.jsonl, progress.jsonl, summary.json,
 manifest.json): NaN and +-Infinity, which Python's ``json`` would write as bare ``NaN``/``Infinity``
 tokens that strict readers (``jq``, JavaScript, pandas with a strict parser) reject, are written as
-``null``. Readers treat ``null`` as a missing value."""
+``null``. Readers treat ``null`` as a missing value. And one way to replace a whole file so that no reader
+sees half of it."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,3 +29,14 @@ def finite_or_none(obj: Any) -> Any:
 def dumps(obj: Any, **kwargs: Any) -> str:
     """``json.dumps`` that writes ``null`` for NaN and +-Infinity (and never a bare NaN token)."""
     return json.dumps(finite_or_none(obj), allow_nan=False, **kwargs)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Readers (and a crash) see the old file or the new one, never half of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: the old file stays whole, and no half-written one is left
+        tmp.unlink(missing_ok=True)
+        raise

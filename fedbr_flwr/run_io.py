@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from . import jsonsafe
 from .errors import ConfigError, quoted
+from .jsonsafe import write_text_atomically
 from .metrics import is_partial, plot_history, read_jsonl, run_problem, summarize, summary_table
 from .progress import SUMMARY_EVENT, Progress
 from .tracking import Tracking
@@ -173,17 +174,6 @@ def keep_rounds_up_to(path: Path, last_round: int) -> None:
         if int(record.get("round", 0)) <= last_round:
             kept.append(line + "\n")
     write_text_atomically(path, "".join(kept))
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Readers (and a crash) see the old file or the new one, never half of it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, say: the old file stays whole, and no half-written one is left
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class RunRecorder:

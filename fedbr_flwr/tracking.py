@@ -88,7 +88,7 @@ def read_state(out_dir: Path) -> dict[str, Any]:
 
 
 def write_state(out_dir: Path, state: Mapping[str, Any]) -> None:
-    from .run_io import write_text_atomically  # run_io imports this module
+    from .jsonsafe import write_text_atomically
 
     write_text_atomically(Path(out_dir) / TRACKING_FILE, json.dumps(state, indent=2) + "\n")
 

@@ -150,7 +150,7 @@ def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_file(tmp_
     import errno
     import os
 
-    from fedbr_flwr.run_io import write_text_atomically
+    from fedbr_flwr.jsonsafe import write_text_atomically
 
     save_checkpoint(tmp_path, {"global/w": np.ones(3, np.float32)}, {"round": 1, "config": {}})
     (tmp_path / "summary.json").write_text("{}")
