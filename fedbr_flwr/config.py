@@ -44,11 +44,13 @@ COMMON: dict[str, Key] = {
         "",
         "folder holding torchvision's MNIST/ or CIFAR files (not read for mnist5k); empty: "
         "$FEDBR_DATA_DIR, else ${XDG_CACHE_HOME:-~/.cache}/fedbr-flwr/datasets",
+        placement=True,
     ),
     "download": Key(
         "auto",
         "a missing MNIST/CIFAR dataset: download it into the data folder (auto), or stop with a message (never)",
         choices=("auto", "never"),
+        placement=True,
     ),
     "num-clients": Key(
         0,
@@ -149,11 +151,13 @@ COMMON: dict[str, Key] = {
         "simulation engine: one Flower node per client (clients), or per cohort of clients "
         "that one process trains (cohort; simulation only)",
         choices=("clients", "cohort"),
+        placement=True,
     ),
     "cohorts": Key(
         0,
         "engine=cohort: the number of cohorts (Flower nodes); 0 = one per GPU, or on a CPU one per client-cpus cores",
         check=NON_NEGATIVE,
+        placement=True,
     ),
     "cohort-step": Key(
         "auto",
@@ -162,9 +166,10 @@ COMMON: dict[str, Key] = {
         "once as a CUDA graph and replayed; GPU only), auto (on a GPU graph where the "
         "algorithm's graph step is checked on a GPU, else vmap where it has a vectorised step; else loop)",
         choices=("auto", "loop", "vmap", "graph"),
+        placement=True,
     ),
     # simulation resources (used by the CLI; recorded in the manifest)
-    "client-cpus": Key(1, "CPU cores per simulated client (also its torch threads)", check=POSITIVE),
+    "client-cpus": Key(1, "CPU cores per simulated client (also its torch threads)", check=POSITIVE, placement=True),
     "client-gpus": Key(
         0.0, "GPU share per simulated client; the CLI picks one when CUDA is present", check=UNIT_INTERVAL
     ),
@@ -175,6 +180,7 @@ COMMON: dict[str, Key] = {
         "processes of their own, GPU shares, clusters; what `flwr run` always uses), auto (in-process on a CPU "
         "without a Ray cluster, else ray)",
         choices=("auto", "in-process", "ray"),
+        placement=True,
     ),
     "ray-address": Key(
         "",
@@ -223,6 +229,10 @@ COMMON: dict[str, Key] = {
         names=True,
     ),
 }
+
+# where a run's data and clients are, not what it computes (``Key.placement``): a resumed run, or a sweep's
+# finished run, may differ in them
+PLACEMENT_KEYS = tuple(name for name, key in COMMON.items() if key.placement)
 
 # keys of earlier versions: what replaced them
 REPLACED = {

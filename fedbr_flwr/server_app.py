@@ -12,7 +12,7 @@ from flwr.server.compat import start_grid
 
 from . import runlock
 from .checkpoint import load_checkpoint
-from .config import from_run_config
+from .config import PLACEMENT_KEYS, from_run_config
 from .dataset import load_server_tests
 from .errors import ConfigError
 from .flower_adapter import chooses_backend_per_run, receive_replies_promptly
@@ -30,15 +30,9 @@ RESUMABLE_KEYS = (
     "min-fit-clients",
     "eval-every",
     "output-dir",
-    "data-dir",
-    "download",
-    "client-cpus",
+    *PLACEMENT_KEYS,  # where the data and the clients are (data-dir, engine, backend, ...)
     "client-gpus",
-    "engine",
-    "cohorts",
-    "cohort-step",
     "ray-address",
-    "backend",
     "resume",
     "git-commit",
     "tracking",

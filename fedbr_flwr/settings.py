@@ -38,6 +38,8 @@ class Key:
     check: Check | None = None
     owner: str | None = None  # the algorithm or component it belongs to; None: a common key
     names: bool = False  # a list of names, "a,b"; "none" is the empty list
+    placement: bool = False  # where the run's data or clients are, not what it computes: a resumed run, or a
+    # sweep's finished run, may change it
 
 
 def names_list(value: str) -> tuple[str, ...]:

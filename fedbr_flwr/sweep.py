@@ -54,7 +54,7 @@ from typing import Any, Iterator, Sequence
 
 from . import runlock, tracking
 from .cli import config_from_settings, finished_run_problem, prepare, size_for_runtime, supernodes
-from .config import ConfigError, load_yaml, normalise_key, parse_override, schema, unknown_key
+from .config import PLACEMENT_KEYS, ConfigError, load_yaml, normalise_key, parse_override, schema, unknown_key
 from .launcher import RunFailed, RunHost, run_flower
 from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 from .run_io import check_path_length
@@ -62,9 +62,6 @@ from .timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_dura
 
 # may differ between machines or sessions (a time-limited session checkpoints every round) with the same results
 VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address", "checkpoint-every", "tracking")
-# where the data sits and how the clients are placed, which a resumed run may change too: a campaign continued on
-# another machine, or on a faster engine, keeps the runs it finished
-PLACEMENT_KEYS = ("data-dir", "download", "engine", "cohorts", "cohort-step", "backend", "client-cpus")
 
 
 def sweep_title(path: str) -> str | None:
