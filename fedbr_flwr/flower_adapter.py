@@ -75,7 +75,7 @@ def choose_backend_per_run() -> None:
 
     from .inprocess import IN_PROCESS, InProcessBackend
 
-    if getattr(raybackend.RayBackend, "chooses_per_run", False):
+    if chooses_backend_per_run():
         return
 
     class PerRun(raybackend.RayBackend):  # type: ignore[misc,valid-type]

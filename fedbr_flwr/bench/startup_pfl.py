@@ -47,6 +47,7 @@ from ..dataset import ClientData, load_client_data
 from ..registry import client_class
 from ..server_app import build_strategy
 from ..training import BatchSampler, load_module_arrays
+from .bare import synchronize
 from .startup import milestone_main
 
 
@@ -137,8 +138,7 @@ class RoundTimer(TrainingProcessCallback):
         return Metrics()
 
     def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(self.device)
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         if self.on_round:
