@@ -610,6 +610,12 @@ def paused_runs(out: Path, names: Sequence[str | Setting], seeds: list[int]) -> 
     return found
 
 
+def run_pieces(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's start and each resumed piece (with its own commit and, since pieces record it, machine):
+    a run continued elsewhere ran on every one of them."""
+    return [manifest, *manifest.get("resumed", [])]
+
+
 def describe_machine(host: dict[str, Any]) -> str:
     cpu = host.get("cpu") or host.get("platform") or "unknown CPU"
     gpu = host.get("gpu")
@@ -671,14 +677,15 @@ def report_section(
     with a ``rule``, its decisions and their heatmap (``decisions_plot(plot)``)."""
     manifests = _manifests(out, names, seeds)
     table, rows = compare(out, names, seeds, headline)
+    pieces = [piece for m in manifests for piece in run_pieces(m)]
     commits = sorted(
         {
             str(m.get("git_commit", "unknown"))[:7]
             + ("-dirty" if str(m.get("git_commit", "")).endswith("-dirty") else "")
-            for m in manifests
+            for m in pieces
         }
     )
-    machines = sorted({describe_machine(m.get("host", {})) for m in manifests})
+    machines = sorted({describe_machine(m["host"]) for m in pieces if "host" in m})
     days = sorted({str(m.get("started_utc", ""))[:10] for m in manifests if m.get("started_utc")})
     walls = [r["wall_time_s"] * r["wall_time_s_n"] for r in rows if r["wall_time_s"] is not None]
     runs = sum(r["seeds"] for r in rows)

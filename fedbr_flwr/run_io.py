@@ -214,6 +214,7 @@ class RunRecorder:
                     "git_commit": self.cfg.get("git-commit") or git_commit() or "unknown",
                     "code_hash": code_hash(),
                     "packages": package_versions(),
+                    "host": host_facts(),
                     "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 }
             )

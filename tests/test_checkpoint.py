@@ -73,6 +73,7 @@ def test_resumed_run_ends_exactly_like_an_uninterrupted_one(tmp_path, name, extr
         assert records_without_timing(stopped) == records_without_timing(straight)
     manifest = json.loads((tmp_path / "stopped" / "manifest.json").read_text())
     assert [r["after_round"] for r in manifest["resumed"]] == [2]
+    assert manifest["resumed"][0]["host"].keys() == manifest["host"].keys()  # the piece names its machine
 
 
 def test_client_state_is_collected_at_checkpoints_and_handed_back_once(tmp_path):

@@ -119,6 +119,22 @@ def test_a_run_paused_at_its_checkpoint_is_shown_as_paused_not_failed(tmp_path):
     assert lines[2].endswith("| 59.20 / failed | seed 1 failed after round 3 |")
 
 
+def test_a_run_continued_on_another_machine_names_every_piece_s_commit_and_machine(tmp_path):
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.5, 0.6])
+    manifest_path = out / "A" / "seed0" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    h100 = {**HOST, "cpu": "Big CPU", "cpus": 16, "gpu": "NVIDIA H100"}
+    manifest["resumed"] = [
+        {"after_round": 1, "git_commit": "abc1234def"},  # recorded before pieces named their machine
+        {"after_round": 2, "git_commit": "fed9876abc", "host": h100},
+    ]
+    manifest_path.write_text(json.dumps(manifest))
+    section = report.report_section("k", "t", "cmd", out, ["A"], [0], "results/k.png")
+    machines = "16-core Big CPU, GPU NVIDIA H100; 2-core Test CPU 9000, no GPU"
+    assert f"- commit: abc1234, fed9876; machine: {machines}\n" in section
+
+
 def test_pooled_accuracy_is_shown_only_where_it_differs_from_the_mean(tmp_path):
     out = tmp_path / "out"
     fake_run(out / "A" / "seed0", [0.5, 0.6], pooled=0.55)
