@@ -20,12 +20,29 @@ from .attack import ATTACKS, check_attack
 from .catalog import INFO
 from .errors import ConfigError, quoted
 from .server.robust import RULES, WEIGHTED_RULES, minimum_updates
-from .settings import BELOW_ONE, FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, UNIT_INTERVAL, Check, Key
+from .settings import (
+    BELOW_ONE,
+    FRACTION,
+    NON_NEGATIVE,
+    OPEN_FRACTION,
+    POSITIVE,
+    UNIT_INTERVAL,
+    Check,
+    DeclaredChoices,
+    Key,
+)
 from .tracking import valid_trackers
 
 __all__ = ["COMMON", "ConfigError", "Key", "defaults", "schema", "validate"]
 
 HALF_FRACTION = Check(lambda v: 0 <= v < 0.5, "in [0, 0.5)")
+
+
+def model_names() -> tuple[str, ...]:
+    from .model import MODELS  # late: the backbones import torch, which a command loads only to train
+
+    return ("auto", *MODELS)
+
 
 COMMON: dict[str, Key] = {
     # what runs
@@ -63,9 +80,7 @@ COMMON: dict[str, Key] = {
     "rotate": Key(True, "domain shift: RotatedMNIST (client i at 15*i deg) / RotatedCIFAR10 angle prior"),
     "test-fraction": Key(0.2, "share of each client's data held out as its local test set", check=OPEN_FRACTION),
     # model and local training
-    "model": Key(
-        "auto", "backbone", choices=("auto", "cnn", "cnn-small", "lenet", "lenet-nonorm", "vgg11", "cct", "resnet18")
-    ),
+    "model": Key("auto", "backbone (fedbr_flwr/model.py: MODELS)", choices=DeclaredChoices(model_names)),
     "local-steps": Key(10, "local SGD steps per round (batches drawn with replacement)", check=POSITIVE),
     "batch-size": Key(32, "local batch size", check=POSITIVE),
     "lr": Key(0.05, "client SGD learning rate", check=POSITIVE),

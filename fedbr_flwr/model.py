@@ -4,6 +4,9 @@ files (FedBR's projection head, DisTrans' double input, MOON's projection layers
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -133,32 +136,32 @@ def resnet18_gn_features(in_channels: int = 3, groups: int = 2) -> nn.Sequential
     )
 
 
-FEATURE_DIMS = {
-    "cnn": 128,
-    "cnn-small": 32,
-    "lenet": 64,
-    "lenet-nonorm": 64,
-    "vgg11": 512,
-    "cct": 256,
-    "resnet18": 512,
+@dataclass(frozen=True)
+class ModelInfo:
+    """A backbone: ``features(in_channels, image_size)`` builds its feature extractor, which maps a batch
+    (B, in_channels, image_size, image_size) to (B, ``feature_dim``) vectors; the classifier is added here."""
+
+    feature_dim: int
+    features: Callable[[int, int], nn.Module]
+
+
+# every backbone ``model=`` accepts (``auto``: the dataset's default, config.resolved_model)
+MODELS: dict[str, ModelInfo] = {
+    "cnn": ModelInfo(128, lambda channels, size: mnist_cnn_features(channels, CNN_LAYERS["cnn"])),
+    "cnn-small": ModelInfo(32, lambda channels, size: mnist_cnn_features(channels, CNN_LAYERS["cnn-small"])),
+    "lenet": ModelInfo(64, lambda channels, size: lenet_features(channels, size, hidden=64)),
+    "lenet-nonorm": ModelInfo(64, lambda channels, size: lenet_features(channels, size, hidden=64, norm=False)),
+    "vgg11": ModelInfo(512, lambda channels, size: vgg11_features(channels)),
+    "cct": ModelInfo(256, CCTFeatures),
+    "resnet18": ModelInfo(512, lambda channels, size: resnet18_gn_features(channels)),
 }
 
 
 def build_model(name: str, num_classes: int, in_channels: int, image_size: int) -> SplitModel:
-    features: nn.Module
-    if name in CNN_LAYERS:
-        features = mnist_cnn_features(in_channels, CNN_LAYERS[name])
-    elif name in ("lenet", "lenet-nonorm"):
-        features = lenet_features(in_channels, image_size, hidden=FEATURE_DIMS[name], norm=name == "lenet")
-    elif name == "vgg11":
-        features = vgg11_features(in_channels)
-    elif name == "cct":
-        features = CCTFeatures(in_channels, image_size)
-    elif name == "resnet18":
-        features = resnet18_gn_features(in_channels)
-    else:
-        raise ValueError(f"unknown model '{name}'. Valid: {', '.join(FEATURE_DIMS)}")
-    return SplitModel(features, FEATURE_DIMS[name], num_classes)
+    if name not in MODELS:
+        raise ValueError(f"unknown model '{name}'. Valid: {', '.join(MODELS)}")
+    info = MODELS[name]
+    return SplitModel(info.features(in_channels, image_size), info.feature_dim, num_classes)
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -10,7 +10,7 @@ key holds a list of names, written ``a,b`` (YAML lists are joined), ``none`` for
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,26 @@ UNIT_INTERVAL = Check(lambda v: 0 <= v <= 1, "in [0, 1]")
 BELOW_ONE = Check(lambda v: 0 <= v < 1, "in [0, 1)")
 
 
+class DeclaredChoices(Sequence[str]):
+    """The choices of a key declared where their code is, read each time they are asked for: so a key's
+    values cannot drift from what its module offers, and the config need not import that module (and
+    torch) before a value is checked."""
+
+    def __init__(self, read: Callable[[], Sequence[str]]):
+        self.read = read
+
+    def __getitem__(self, index: Any) -> Any:
+        return tuple(self.read())[index]
+
+    def __len__(self) -> int:
+        return len(self.read())
+
+
 @dataclass(frozen=True)
 class Key:
     default: Any
     help: str
-    choices: tuple | None = None
+    choices: Sequence[str] | None = None
     check: Check | None = None
     owner: str | None = None  # the algorithm or component it belongs to; None: a common key
     names: bool = False  # a list of names, "a,b"; "none" is the empty list

@@ -7,6 +7,8 @@ import shlex
 from pathlib import Path
 
 import pytest
+from test_adding_a_dataset import add_the_guides_dataset
+from test_adding_a_model import add_the_guides_model
 
 from fedbr_flwr import cli, deploy, sweep
 from fedbr_flwr.bench import command as bench
@@ -64,13 +66,14 @@ def test_the_pages_show_commands_of_every_tool():
     assert ("README.md", "fedbr-sweep experiments/quickstart.yaml", True) in DOCUMENTED
 
 
+GUIDE_EDITS = {"docs/adding-a-dataset.md": add_the_guides_dataset, "docs/adding-a-model.md": add_the_guides_model}
+
+
 @pytest.mark.parametrize("page, command, whole", DOCUMENTED, ids=[f"{p}: {c[:60]}" for p, c, _ in DOCUMENTED])
 def test_a_documented_command_parses_and_its_settings_are_valid(page, command, whole, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    if page == "docs/adding-a-dataset.md":  # its commands run after the guide's edit
-        from test_adding_a_dataset import add_the_guides_dataset
-
-        add_the_guides_dataset(monkeypatch)
+    if page in GUIDE_EDITS:  # its commands run after the guide's edit
+        GUIDE_EDITS[page](monkeypatch)
     tool, *argv = shlex.split(command)
     if not whole:  # a part of a command in prose: its flags must exist
         unknown = [

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedbr_flwr.model import FEATURE_DIMS, build_model, count_parameters
+from fedbr_flwr.model import MODELS, build_model, count_parameters
 
 # name, num_classes, in_channels, image_size, (low, high) parameter count, feature dim
 CASES = [
@@ -39,7 +39,7 @@ def test_parameter_count(models, case):
 def test_features_classifier_split(models, case):
     name, num_classes, in_channels, size, _, feature_dim = case
     model = models[name].eval()
-    assert FEATURE_DIMS[name] == feature_dim == model.feature_dim
+    assert MODELS[name].feature_dim == feature_dim == model.feature_dim
     assert isinstance(model.classifier, nn.Linear)
     assert model.classifier.in_features == feature_dim
     assert model.classifier.out_features == num_classes
@@ -76,7 +76,7 @@ def test_seeded_init_is_reproducible():
 
 def test_unknown_model_raises():
     with pytest.raises(ValueError, match="unknown model"):
-        build_model("mlp", 10, 1, 28)
+        build_model("no-such-model", 10, 1, 28)
 
 
 def test_the_small_cnn_costs_about_a_fiftieth_of_the_papers():
