@@ -108,28 +108,42 @@ def step_main(cfg: dict, steps: int, threads: int, json_path: Path | None) -> in
         f"fedbr-bench --step: {resolved_model(cfg)} on {cfg['dataset']}-shaped inputs, batch {cfg['batch-size']}, "
         f"{device}, {steps} steps x 3 repeats, precision {cfg['precision']}, compile {cfg['compile']}\n"
     )
-    print("| local step | s/step (median) | ratio |\n|---|---|---|")
-    print(f"| FedAvg | {t['fedavg']:.4f} | 1.00 |")
-    print(f"| FedBR ({_fedbr_label(cfg)}) | {t['fedbr']:.4f} | {t['fedbr'] / t['fedavg']:.2f} |")
-    print(f"| DisTrans ({cfg['distrans-update']}) | {t['distrans']:.4f} | {t['distrans'] / t['fedavg']:.2f} |")
-    if json_path:
-        json_path.write_text(
-            json.dumps(
-                {
-                    "device": device,
-                    "model": resolved_model(cfg),
-                    "batch_size": cfg["batch-size"],
-                    "fedavg_s_per_step": t["fedavg"],
-                    "fedbr_s_per_step": t["fedbr"],
-                    "ratio": t["fedbr"] / t["fedavg"],
-                    "distrans_s_per_step": t["distrans"],
-                    "distrans_ratio": t["distrans"] / t["fedavg"],
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+    print_ratio_table(
+        "local step",
+        "step",
+        4,
+        [
+            ("FedAvg", t["fedavg"]),
+            (f"FedBR ({_fedbr_label(cfg)})", t["fedbr"]),
+            (f"DisTrans ({cfg['distrans-update']})", t["distrans"]),
+        ],
+    )
+    write_json(
+        json_path,
+        {
+            "device": device,
+            "model": resolved_model(cfg),
+            "batch_size": cfg["batch-size"],
+            "fedavg_s_per_step": t["fedavg"],
+            "fedbr_s_per_step": t["fedbr"],
+            "ratio": t["fedbr"] / t["fedavg"],
+            "distrans_s_per_step": t["distrans"],
+            "distrans_ratio": t["distrans"] / t["fedavg"],
+        },
+    )
     return 0
+
+
+def print_ratio_table(what: str, unit: str, digits: int, rows: list[tuple[str, float]]) -> None:
+    """A markdown table of (label, seconds a ``unit``) rows, each with its ratio to the first row's seconds."""
+    print(f"| {what} | s/{unit} (median) | ratio |\n|---|---|---|")
+    for label, seconds in rows:
+        print(f"| {label} | {seconds:.{digits}f} | {seconds / rows[0][1]:.2f} |")
+
+
+def write_json(path: Path | None, payload: dict) -> None:
+    if path:
+        path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def _fedbr_label(cfg: dict) -> str:
@@ -344,9 +358,7 @@ def levers_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) ->
         flush=True,
     )
     rows = lever_rows(cfg, rounds)
-    if json_path:
-        payload = {"device": device, "strategy": cfg["strategy"], "model": resolved_model(cfg), "rows": rows}
-        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(json_path, {"device": device, "strategy": cfg["strategy"], "model": resolved_model(cfg), "rows": rows})
     return 0
 
 
@@ -386,25 +398,22 @@ def cohort_step_main(cfg: dict, rounds: int, threads: int, json_path: Path | Non
         f"{cfg['num-clients']} clients x {cfg['local-steps']} steps x batch {cfg['batch-size']}, {device}, "
         f"{rounds} timed rounds\n"
     )
-    print("| cohort-step | s/round (median) | ratio |\n|---|---|---|")
-    print(f"| loop (clients one after another) | {t['loop']:.3f} | 1.00 |")
-    print(f"| vmap (all clients at once) | {t['vmap']:.3f} | {t['vmap'] / t['loop']:.2f} |")
-    if "graph" in t:
-        print(f"| graph (vmap replayed as a CUDA graph) | {t['graph']:.3f} | {t['graph'] / t['loop']:.2f} |")
-    if json_path:
-        json_path.write_text(
-            json.dumps(
-                {
-                    "device": device,
-                    "strategy": cfg["strategy"],
-                    "model": resolved_model(cfg),
-                    "clients": cfg["num-clients"],
-                    **{f"{name}_s_per_round": v for name, v in t.items()},
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+    labels = {
+        "loop": "loop (clients one after another)",
+        "vmap": "vmap (all clients at once)",
+        "graph": "graph (vmap replayed as a CUDA graph)",
+    }
+    print_ratio_table("cohort-step", "round", 3, [(labels[name], seconds) for name, seconds in t.items()])
+    write_json(
+        json_path,
+        {
+            "device": device,
+            "strategy": cfg["strategy"],
+            "model": resolved_model(cfg),
+            "clients": cfg["num-clients"],
+            **{f"{name}_s_per_round": v for name, v in t.items()},
+        },
+    )
     return 0
 
 
@@ -480,8 +489,7 @@ def suite_main(
             row["step_s"] = step_seconds(cfg, steps=steps)
         rows.append({"shape": shape, **row})
     print_suite_table(rows, device)
-    if json_path:
-        json_path.write_text(json.dumps({"device": device, "rows": rows}, indent=2) + "\n")
+    write_json(json_path, {"device": device, "rows": rows})
     return 0
 
 
@@ -586,8 +594,7 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
             f"{by_node} | {r['total_s_incl_startup']:.1f} |"
         )
     print(f"device: {device}")
-    if json_path:
-        json_path.write_text(json.dumps({"device": device, "rows": rows}, indent=2) + "\n")
+    write_json(json_path, {"device": device, "rows": rows})
     return 0
 
 
@@ -728,8 +735,7 @@ def compare_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) -
         f"{result['flower_total_s_incl_startup']:.1f} s; peak {result['memory']} per client process "
         f"{result['client_peak_mb']:.0f} MB; fit messages {result['bytes_per_round'] / 1e6:.2f} MB per round"
     )
-    if json_path:
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(json_path, result)
     return 0
 
 
