@@ -10,8 +10,35 @@ infinite one, e.g. the loss of a diverged model) counts as missing. ``clients_ev
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ClientMetric:
+    """A figure of one evaluation over the clients that answered, computed from their local test accuracies
+    and test-set sizes (in the same order). Every evaluation records it in metrics.jsonl under its name;
+    the summary has its mean of the best 5 (``<name>_best5``), its best and its final figure; the tables
+    show the best-5 figure, and the final one with ``final_column``; a sweep's rule may decide on them."""
+
+    label: str  # its name in the tables: "mean acc" gives "mean acc, best 5 (%)"
+    compute: Callable[[list[float], list[int]], float]
+    final_column: bool = True
+
+
+CLIENT_METRICS: dict[str, ClientMetric] = {
+    "mean_acc": ClientMetric("mean acc", lambda accs, sizes: float(np.mean(accs))),
+    "worst_acc": ClientMetric("worst client", lambda accs, sizes: float(np.min(accs))),
+    # every client's test samples counted together (DisTrans' metric); equal to mean_acc on equal test sets
+    "pooled_acc": ClientMetric(
+        "pooled acc",
+        lambda accs, sizes: sum(acc * size for acc, size in zip(accs, sizes)) / max(sum(sizes), 1),
+        final_column=False,
+    ),
+}
 
 
 def mean_of_best(values: Iterable[float | None], k: int = 5) -> float | None:
@@ -64,25 +91,24 @@ def summarize(history: list[dict], threshold: float, rounds: list[dict] | None =
         "complete_evaluations": len(complete),
         "partial_evaluations": sorted(int(r["round"]) for r in evals if is_partial(r)),
         "last_round": int(last["round"]),
-        "mean_acc_best5": mean_of_best(r["mean_acc"] for r in complete),
-        "worst_acc_best5": mean_of_best(r.get("worst_acc") for r in complete),
         "final_round": int(final["round"]) if final else None,
-        "final_mean_acc": final.get("mean_acc"),
-        "final_worst_acc": final.get("worst_acc"),
-        "best_mean_acc": max((r["mean_acc"] for r in complete), default=None),
         "target_acc": threshold,
         "rounds_to_target": rounds_to_reach(complete, threshold),
         **trained,
     }
-    pooled = [r["pooled_acc"] for r in complete if r.get("pooled_acc") is not None]
-    if pooled:  # every client's local test samples counted together (DisTrans' metric)
-        summary["pooled_acc_best5"] = mean_of_best(pooled)
-        summary["best_pooled_acc"] = max(pooled)  # the DisTrans paper's headline: its best evaluation
-        summary["final_pooled_acc"] = final.get("pooled_acc")
+    for name in recorded_client_metrics(evals):  # best_*: the best evaluation, the DisTrans paper's headline
+        values = [r[name] for r in complete if r.get(name) is not None]
+        summary |= {f"{name}_best5": mean_of_best(values), f"best_{name}": max(values, default=None)}
+        summary[f"final_{name}"] = final.get(name)
     summary |= server_test_summary(evals)
     if last.get("wall_time") is not None:
         summary["wall_time_s"] = last["wall_time"]
     return summary
+
+
+def recorded_client_metrics(evals: list[dict]) -> list[str]:
+    """The client metrics some evaluation recorded (a metric added later is missing from older runs)."""
+    return [name for name in CLIENT_METRICS if any(r.get(name) is not None for r in evals)]
 
 
 def server_test_summary(evals: list[dict]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from .checkpoint import checkpoint_round
 from .errors import ConfigError
-from .metrics import format_accuracy_axes, read_jsonl, run_problem
+from .metrics import CLIENT_METRICS, format_accuracy_axes, read_jsonl, run_problem
 
 Cell = tuple[tuple[str, Any], ...]  # a grid cell: (key, value) per factor, in the grid's order
 
@@ -79,18 +79,54 @@ BEST_COLUMNS = [
     ("best_mean_acc", "best_mean_acc", "mean acc, best eval (%)", "pct"),
     ("best_pooled_acc", "best_pooled_acc", "pooled acc, best eval (%)", "pct"),
 ]
-COLUMNS = [  # (csv column, summary key (None: computed from the curves), markdown header, kind)
-    ("mean_acc_best5", "mean_acc_best5", "mean acc, best 5 (%)", "pct"),
-    ("worst_acc_best5", "worst_acc_best5", "worst client, best 5 (%)", "pct"),
-    ("pooled_acc_best5", "pooled_acc_best5", "pooled acc, best 5 (%)", "pct"),
-    ("final_mean_acc", "final_mean_acc", "final mean acc (%)", "pct"),
-    ("final_worst_acc", "final_worst_acc", "final worst client (%)", "pct"),
-    ("global_acc_best5", "global_acc_best5", "global test, best 5 (%)", "pct"),
-    ("global_worst_acc_best5", "global_worst_acc_best5", "global test worst angle, best 5 (%)", "pct"),
-    ("rounds_to_target", "rounds_to_target", "rounds to target", "rounds"),
-    ("last_fifth_move", None, "move in last fifth (points)", "points"),
-    ("wall_time_s", "wall_time_s", "wall time (s)", "seconds"),
-]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A figure of a run's summary as the tables show it; ``key`` None: computed from the curves."""
+
+    column: str
+    key: str | None
+    label: str
+    kind: str  # pct, points, rounds or seconds
+    decidable: bool  # a sweep's rule may decide on it
+
+
+UNITS = {"pct": " (%)", "points": " (points)", "seconds": " (s)", "rounds": ""}
+
+
+def summary_figures() -> list[Figure]:
+    """The tables' columns, in order: each client metric's best 5 and (``final_column``) final figure, then
+    the server's tests, the rounds to the target, the last fifth's move and the wall time."""
+    best5 = [Figure(f"{n}_best5", f"{n}_best5", f"{m.label}, best 5", "pct", True) for n, m in CLIENT_METRICS.items()]
+    final = [
+        Figure(f"final_{n}", f"final_{n}", f"final {m.label}", "pct", True)
+        for n, m in CLIENT_METRICS.items()
+        if m.final_column
+    ]
+    return [
+        *best5,
+        *final,
+        Figure("global_acc_best5", "global_acc_best5", "global test, best 5", "pct", True),
+        Figure("global_worst_acc_best5", "global_worst_acc_best5", "global test worst angle, best 5", "pct", False),
+        Figure("rounds_to_target", "rounds_to_target", "rounds to target", "rounds", True),
+        Figure("last_fifth_move", None, "move in last fifth", "points", False),
+        Figure("wall_time_s", "wall_time_s", "wall time", "seconds", False),
+    ]
+
+
+def table_columns() -> list[tuple[str, str | None, str, str]]:
+    """(csv column, summary key, markdown header, kind) of every figure."""
+    return [(f.column, f.key, f.label + UNITS[f.kind], f.kind) for f in summary_figures()]
+
+
+def decidable() -> dict[str, tuple[str, str, bool]]:
+    """Summary key -> (name in the tables, unit of a difference, higher is better) of what a rule may decide."""
+    return {
+        f.column: (f.label, "rounds" if f.kind == "rounds" else "points", f.kind != "rounds")
+        for f in summary_figures()
+        if f.decidable
+    }
 
 
 def _stats(values: list[float | None]) -> tuple[float | None, float | None, int]:
@@ -127,7 +163,7 @@ def compare(
     every column, and each seed's mean accuracy (best 5). Columns no run has are left out of the markdown table,
     and so is pooled accuracy where it equals the mean accuracy in every row (equal-sized local test sets). With
     ``headline="best"`` the best (maximum) evaluation's accuracies come first (DisTrans' tables)."""
-    columns = (BEST_COLUMNS if headline == "best" else []) + COLUMNS
+    columns = (BEST_COLUMNS if headline == "best" else []) + table_columns()
     settings = as_settings(names)
     factors = factors_of(settings)
     rows = []
@@ -329,15 +365,6 @@ def plot_grid_levels(out: Path, settings: list[Setting], seeds: list[int], path:
 
 # ---------------------------------------------------------------- a sweep's decision rule
 
-DECIDABLE = {  # summary key -> (name in the tables, unit of a difference, higher is better)
-    "mean_acc_best5": ("mean acc, best 5", "points", True),
-    "worst_acc_best5": ("worst client, best 5", "points", True),
-    "pooled_acc_best5": ("pooled acc, best 5", "points", True),
-    "final_mean_acc": ("final mean acc", "points", True),
-    "final_worst_acc": ("final worst client", "points", True),
-    "global_acc_best5": ("global test, best 5", "points", True),
-    "rounds_to_target": ("rounds to target", "rounds", False),
-}
 RULE_KEYS = ("method", "baseline", "metrics", "spread")
 
 
@@ -371,12 +398,12 @@ class Rule:
             raise ConfigError(f"{where}: method and baseline are the same run, {block['method']!r}")
         metrics = block.get("metrics", ["mean_acc_best5"])
         if not isinstance(metrics, list) or not metrics:
-            raise ConfigError(f"{where}.metrics must be a non-empty list of: {', '.join(DECIDABLE)}")
+            raise ConfigError(f"{where}.metrics must be a non-empty list of: {', '.join(decidable())}")
         for metric in metrics:
-            if metric not in DECIDABLE:
-                close = difflib.get_close_matches(str(metric), DECIDABLE, n=1)
+            if metric not in decidable():
+                close = difflib.get_close_matches(str(metric), list(decidable()), n=1)
                 hint = f" Did you mean '{close[0]}'?" if close else ""
-                raise ConfigError(f"{where}.metrics: unknown metric {metric!r}.{hint} Valid: {', '.join(DECIDABLE)}")
+                raise ConfigError(f"{where}.metrics: unknown metric {metric!r}.{hint} Valid: {', '.join(decidable())}")
         spread = block.get("spread", 1.0)
         if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not 0 <= spread < float("inf"):
             raise ConfigError(f"{where}.spread must be a number of standard deviations >= 0, got {spread!r}")
@@ -465,7 +492,7 @@ def decide(out: Path, names: Sequence[str | Setting], seeds: list[int], rule: Ru
         results: dict[str, tuple[float, str] | None] = {}
         for metric in rule.metrics:
             ours, theirs = (seed_values(out, s, seeds, metric) for s in (setting, matches[0]))
-            higher = DECIDABLE[metric][2]
+            higher = decidable()[metric][2]
             results[metric] = (
                 None
                 if ours is None or theirs is None
@@ -476,7 +503,7 @@ def decide(out: Path, names: Sequence[str | Setting], seeds: list[int], rule: Ru
 
 
 def _difference(metric: str, value: float) -> str:
-    return f"{100 * value:+.2f}" if DECIDABLE[metric][1] == "points" else f"{value:+.1f}"
+    return f"{100 * value:+.2f}" if decidable()[metric][1] == "points" else f"{value:+.1f}"
 
 
 def decision_table(decisions: list[Decision], rule: Rule, seeds: list[int]) -> str:
@@ -488,11 +515,11 @@ def decision_table(decisions: list[Decision], rule: Rule, seeds: list[int]) -> s
         counts = ", ".join(f"{found.count(v)} {v}" for v in ("ahead", "level", "behind"))
         missing = len(decisions) - len(found)
         lines.append(
-            f"- {DECIDABLE[metric][0]}: {rule.method} {counts} of {len(decisions)} cells"
+            f"- {decidable()[metric][0]}: {rule.method} {counts} of {len(decisions)} cells"
             + (f" ({missing} incomplete)" if missing else "")
         )
     header = [*factors] + [
-        f"{DECIDABLE[m][0]}: {rule.method} − {rule.baseline} ({DECIDABLE[m][1]})" for m in rule.metrics
+        f"{decidable()[m][0]}: {rule.method} − {rule.baseline} ({decidable()[m][1]})" for m in rule.metrics
     ]
     lines += ["", "| " + " | ".join(header or ["-"]) + " |", "|" + "|".join("---" for _ in header or ["-"]) + "|"]
     for d in decisions:
@@ -526,7 +553,7 @@ def plot_decisions(decisions: list[Decision], rule: Rule, path: Path, title: str
         squeeze=False,
     )
     for n, (ax, metric) in enumerate(zip(axes[0], rule.metrics)):
-        name, unit, higher = DECIDABLE[metric]
+        name, unit, higher = decidable()[metric]
         scale = 100.0 if unit == "points" else 1.0
         grid = np.full((len(rows), len(columns)), np.nan)
         for d in decisions:

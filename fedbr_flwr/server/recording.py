@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from ..metrics import CLIENT_METRICS
 from .updates import ClientUpdate, mean_metrics
 
 
@@ -83,13 +84,11 @@ def eval_record(
     evaluation some client missed are over the others only (the summary does not count it)."""
     per_client = {pid: acc for pid, _, _, acc in results}
     n = sum(num for _, _, num, _ in results)
-    accs = list(per_client.values())
+    accs, sizes = [acc for _, _, _, acc in results], [num for _, _, num, _ in results]
     missing = sorted(set(all_pids) - set(per_client))
     return {
         "round": server_round,
-        "mean_acc": float(np.mean(accs)),
-        "worst_acc": float(np.min(accs)),
-        "pooled_acc": sum(acc * num for _, _, num, acc in results) / max(n, 1),
+        **{name: metric.compute(accs, sizes) for name, metric in CLIENT_METRICS.items()},
         "loss": sum(loss * num for _, loss, num, _ in results) / max(n, 1),
         "global_acc": None,
         "global_loss": None,
