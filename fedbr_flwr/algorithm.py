@@ -33,7 +33,7 @@ from .catalog import INFO
 from .config import resolved_model
 from .dataset import ClientData, make_partition
 from .model import build_model
-from .registry import component_class, components_of
+from .registry import components_of, lookup_client, lookup_component
 from .settings import NoSettings, Settings
 from .training import (
     BatchSampler,
@@ -634,3 +634,12 @@ class ClientAlgorithm:
             if arrays:
                 self.state.put_arrays(key, arrays)
         self.state.put_meta(RESTORED_KEY, {"restored": True})
+
+
+def client_class(name: str) -> type[ClientAlgorithm]:
+    """The client side of algorithm ``name`` (a variant's base's; FedAvg's for a server-only algorithm)."""
+    return lookup_client(name)
+
+
+def component_class(name: str) -> type[LocalComponent]:
+    return lookup_component(name)

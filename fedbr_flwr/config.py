@@ -392,7 +392,7 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
 
 
 def check_cohort_step(cfg: Mapping[str, Any]) -> None:
-    from .registry import client_class
+    from .registry import lookup_client
 
     step = cfg["cohort-step"]
     if step not in ("vmap", "graph"):
@@ -403,7 +403,7 @@ def check_cohort_step(cfg: Mapping[str, Any]) -> None:
         raise ConfigError(
             "cohort-step=graph replays CUDA graphs: it needs device=cuda or auto on a GPU (on a CPU use loop or vmap)"
         )
-    if not client_class(cfg["strategy"]).vectorised:
+    if not lookup_client(cfg["strategy"]).vectorised:
         raise ConfigError(
             f"strategy '{cfg['strategy']}' has no vectorised local step: use cohort-step=loop "
             "(or auto, which picks loop for it)"

@@ -242,10 +242,11 @@ def build_client(
     clients of the cohort it names), its data on the device."""
     import torch
 
+    from .algorithm import client_class
     from .config import from_run_config
     from .dataset import load_client_data, load_cohort_data
     from .errors import ConfigError
-    from .registry import client_class, components_of
+    from .registry import components_of
     from .training import use_device
 
     cfg = from_run_config(run_config)

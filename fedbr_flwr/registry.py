@@ -16,16 +16,10 @@ import importlib
 import pkgutil
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from .errors import ConfigError
 from .settings import Key, NoSettings, Settings, names_list
-
-if TYPE_CHECKING:  # for the annotations only: the registry imports no algorithm code
-    from strategies.base import FederatedStrategy
-
-    from .algorithm import ClientAlgorithm, LocalComponent
-    from .server.components import ServerComponent
 
 T = TypeVar("T")
 DEFAULT = "fedavg"
@@ -38,11 +32,14 @@ class Variant:
     summary: str
 
 
-CLIENTS: dict[str, type[ClientAlgorithm]] = {}
-STRATEGIES: dict[str, type[FederatedStrategy]] = {}
+# The registry names no algorithm class, not even in annotations, so that it stays below the code it registers;
+# the typed lookups sit beside their base classes: algorithm.client_class and component_class,
+# strategies.base.strategy_class, server.components.server_component_class.
+CLIENTS: dict[str, Any] = {}
+STRATEGIES: dict[str, Any] = {}
 VARIANTS: dict[str, Variant] = {}
-COMPONENTS: dict[str, type[LocalComponent]] = {}
-SERVER_COMPONENTS: dict[str, type[ServerComponent]] = {}
+COMPONENTS: dict[str, Any] = {}
+SERVER_COMPONENTS: dict[str, Any] = {}
 PACKAGES = ("clients", "strategies")
 _loaded = False
 _loading = threading.RLock()
@@ -108,22 +105,23 @@ def _base(name: str) -> str:
     return VARIANTS[name].base if name in VARIANTS else name
 
 
-def client_class(name: str) -> type[ClientAlgorithm]:
+def lookup_client(name: str) -> Any:
+    """The client class of algorithm ``name`` (its variant's base's; FedAvg's for a server-only algorithm)."""
     load_all()
     return CLIENTS.get(_base(name), CLIENTS[DEFAULT])
 
 
-def strategy_class(name: str) -> type[FederatedStrategy]:
+def lookup_strategy(name: str) -> Any:
     load_all()
     return STRATEGIES.get(_base(name), STRATEGIES[DEFAULT])
 
 
-def component_class(name: str) -> type[LocalComponent]:
+def lookup_component(name: str) -> Any:
     load_all()
     return COMPONENTS[name]
 
 
-def server_component_class(name: str) -> type[ServerComponent] | None:
+def lookup_server_component(name: str) -> Any:
     load_all()
     return SERVER_COMPONENTS.get(name)
 
@@ -133,8 +131,8 @@ def components_of(cfg: Mapping[str, Any]) -> tuple[str, ...]:
     those its host's key lists (FedBR's ``fedbr-with``), in that order."""
     load_all()
     name = cfg["strategy"]
-    built_in = (VARIANTS[name].components if name in VARIANTS else ()) + client_class(name).carried_components(cfg)
-    key = client_class(name).component_key
+    built_in = (VARIANTS[name].components if name in VARIANTS else ()) + lookup_client(name).carried_components(cfg)
+    key = lookup_client(name).component_key
     if not key:
         return built_in
     listed = names_list(cfg[key])

@@ -19,10 +19,12 @@ import numpy as np
 import torch
 
 from fedbr_flwr import codec
+from fedbr_flwr.algorithm import client_class
 from fedbr_flwr.broadcast import SharedData
 from fedbr_flwr.dataset import ServerTests
-from fedbr_flwr.registry import client_class, components_of, server_component_class, settings_of
+from fedbr_flwr.registry import components_of, lookup_strategy, settings_of
 from fedbr_flwr.run_io import RunRecorder
+from fedbr_flwr.server.components import server_component_class
 from fedbr_flwr.server.flower import FlowerStrategy
 from fedbr_flwr.server.robust import AggregationRound
 from fedbr_flwr.server.updates import ClientUpdate
@@ -157,3 +159,8 @@ class FederatedStrategy(FlowerStrategy):
             component.restore_state(arrays)
         if self.shared is not None and "shared/x" in arrays:  # clients lost it with the old run: all are sent it
             self.shared.publish(arrays["shared/x"], arrays["shared/y"], int(arrays["shared/version"]))
+
+
+def strategy_class(name: str) -> type[FederatedStrategy]:
+    """The server side of algorithm ``name`` (a variant's base's; FedAvg's for a client-only algorithm)."""
+    return lookup_strategy(name)

@@ -93,9 +93,9 @@ def flower_client(cfg, pid, state=None):
     import torch
     from flwr.common import RecordDict
 
+    from fedbr_flwr.algorithm import client_class
     from fedbr_flwr.dataset import load_client_data
     from fedbr_flwr.node import FlowerClient, RecordState
-    from fedbr_flwr.registry import client_class
 
     data = load_client_data(cfg, pid, torch.device("cpu"))
     state = RecordState(state if state is not None else RecordDict())

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 import clients
 import strategies
 from fedbr_flwr import payload, registry
-from fedbr_flwr.algorithm import MemoryState
+from fedbr_flwr.algorithm import MemoryState, client_class
 from fedbr_flwr.cli import check_pyproject, list_keys, write_pyproject
 from fedbr_flwr.config import ConfigError, load_yaml, pyproject_table, validate
 from fedbr_flwr.dataset import ClientData
@@ -26,6 +26,7 @@ from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.checkpointing import ResumedRun
 from fedbr_flwr.server.robust import AggregationRound, RoundPlan
 from fedbr_flwr.server.updates import ClientUpdate
+from strategies.base import strategy_class
 
 from fakes import in_process_federation, records_without_timing, run_rounds
 
@@ -90,7 +91,7 @@ def mydyn(tmp_path):
 
 def test_a_new_algorithm_is_three_files_and_the_registry_finds_everything_else(mydyn):
     files, folder = mydyn
-    assert "mydyn" in registry.algorithm_names() and registry.client_class("mydyn").vectorised
+    assert "mydyn" in registry.algorithm_names() and client_class("mydyn").vectorised
     cfg = validate(load_yaml(folder / "experiments/mydyn_rotmnist5k.yaml"))
     assert cfg["strategy"] == "mydyn" and cfg["mydyn-alpha"] == 0.01
     with pytest.raises(ConfigError, match=r"'mydyn-alpha' belongs to mydyn \(strategy=mydyn\), not to 'fedavg'"):
@@ -131,7 +132,7 @@ def test_feddyn_follows_its_rule_by_hand(tmp_path):
             "global-test": False,
         }
     )
-    client = registry.client_class("feddyn")(cfg, toy_data(), "cpu", MemoryState())
+    client = client_class("feddyn")(cfg, toy_data(), "cpu", MemoryState())
     names = [name for name, _ in client.model.named_parameters()]
     g = {name: np.full(p.shape, 0.3, np.float32) for name, p in client.model.named_parameters()}
     client.state.put_arrays("feddyn-g", g)
@@ -153,8 +154,8 @@ def test_feddyn_follows_its_rule_by_hand(tmp_path):
         np.testing.assert_allclose(kept[name], g[name] - alpha * (p.detach() - w_round[name]).numpy(), atol=1e-6)
     assert sorted(kept) == sorted(names)
 
-    modules = registry.client_class("feddyn").build_modules(cfg)
-    strategy = registry.strategy_class("feddyn")(cfg, RunRecorder(cfg, tmp_path / "run"), modules, None)
+    modules = client_class("feddyn").build_modules(cfg)
+    strategy = strategy_class("feddyn")(cfg, RunRecorder(cfg, tmp_path / "run"), modules, None)
     start = strategy.initial_arrays()
     updates = [ClientUpdate(pid, {k: a + pid + 1.0 for k, a in start.items()}, 10) for pid in range(2)]
     new = strategy.aggregate(AggregationRound(1, start, updates, [1.0, 1.0], RoundPlan()))
@@ -220,7 +221,7 @@ def test_a_server_only_algorithm_is_one_strategy_file_on_fedavgs_client(tmp_path
     """The guide's claim: a strategy file alone; its clients run FedAvg's, and its rule is the only change."""
     settings = {"num-clients": 2, "local-steps": 2, "batch-size": 8, "model": "cnn-small", "global-test": False}
     with contributed(tmp_path / "contrib", SERVER_ONLY):
-        assert registry.client_class("myavgm") is registry.client_class("fedavg")
+        assert client_class("myavgm") is client_class("fedavg")
         finals = {}
         for name in ("fedavg", "myavgm"):
             for rounds in (1, 2):

@@ -24,11 +24,11 @@ from clients.moon import MoonClient, MoonSettings, MoonStep, moon_contrastive_lo
 from clients.scaffold import ScaffoldClient, ScaffoldStep
 from clients.vhl import RealClasses, VHLSettings, VHLStep, supervised_alignment_loss, vhl_model
 from fedbr_flwr import payload
-from fedbr_flwr.algorithm import UPDATE_USED, MemoryState
+from fedbr_flwr.algorithm import UPDATE_USED, MemoryState, component_class
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.dataset import ClientData
 from fedbr_flwr.model import build_model
-from fedbr_flwr.registry import algorithm_names, component_class, components_of
+from fedbr_flwr.registry import algorithm_names, components_of
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.training import module_arrays, parameter_tensors, state_arrays
 from strategies.fedavg import FedAvgStrategy

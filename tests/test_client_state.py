@@ -111,10 +111,10 @@ def test_the_checkpoint_holds_only_used_state(tmp_path):
 def test_a_fits_state_is_pending_until_the_server_says_whether_it_used_the_update(tmp_path, used):
     from test_adding_an_algorithm import toy_data
 
-    from fedbr_flwr import registry
+    from fedbr_flwr.algorithm import client_class
 
     cfg = validate({**CFG, "strategy": "feddyn", "num-clients": 4, "output-dir": str(tmp_path)})
-    client = registry.client_class("feddyn")(cfg, toy_data(), "cpu", MemoryState())
+    client = client_class("feddyn")(cfg, toy_data(), "cpu", MemoryState())
     arrays = client.weights()
     client.fit(arrays, {"server-round": 3, UPDATE_USED: 0})
     assert client.state.arrays("feddyn-g") is None and client.state.arrays(PENDING_PREFIX + "feddyn-g") is not None

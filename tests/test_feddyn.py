@@ -9,12 +9,13 @@ import torch
 from test_adding_an_algorithm import toy_data
 from torch.nn import functional as F
 
-from fedbr_flwr import payload, registry
-from fedbr_flwr.algorithm import MemoryState
+from fedbr_flwr import payload
+from fedbr_flwr.algorithm import MemoryState, client_class
 from fedbr_flwr.config import validate
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.updates import size_share
 from fedbr_flwr.training import clip_norm_
+from strategies.base import strategy_class
 
 from fakes import in_process_federation
 
@@ -28,12 +29,12 @@ def test_a_clients_size_share_is_its_training_samples_over_the_mean():
 
 def test_the_server_sends_each_client_its_alpha_k_and_the_client_trains_with_it(tmp_path):
     cfg = validate({"strategy": "feddyn", "feddyn-alpha": 0.1, "num-clients": 3, "global-test": False})
-    modules = registry.client_class("feddyn").build_modules(cfg)
-    strategy = registry.strategy_class("feddyn")(cfg, RunRecorder(cfg, tmp_path), modules, None)
+    modules = client_class("feddyn").build_modules(cfg)
+    strategy = strategy_class("feddyn")(cfg, RunRecorder(cfg, tmp_path), modules, None)
     strategy.federation.sizes = {0: (50, 5), 1: (100, 10), 2: (150, 15)}
     assert [strategy.fit_config(1, pid)["feddyn-alpha-k"] for pid in range(3)] == pytest.approx([0.2, 0.1, 0.1 / 1.5])
 
-    client = registry.client_class("feddyn")(cfg, toy_data(), "cpu", MemoryState())
+    client = client_class("feddyn")(cfg, toy_data(), "cpu", MemoryState())
     assert client.make_step(1, {"feddyn-alpha-k": 0.2}).alpha == 0.2
     assert client.make_step(1, {}).alpha == 0.1  # no size known: alpha
 
@@ -63,7 +64,7 @@ def test_a_local_step_clips_the_corrected_gradient_by_hand(strategy, tmp_path):
             "global-test": False,
         }
     )
-    client = registry.client_class(strategy)(cfg, toy_data(), "cpu", MemoryState())
+    client = client_class(strategy)(cfg, toy_data(), "cpu", MemoryState())
     if strategy == "feddyn":
         client.state.put_arrays(
             "feddyn-g", {n: np.full(p.shape, 0.3, np.float32) for n, p in client.model.named_parameters()}

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from fedbr_flwr import cohort, payload
+from fedbr_flwr.algorithm import client_class
 from fedbr_flwr.bench import command as bench
 from fedbr_flwr.config import ConfigError, validate
-from fedbr_flwr.registry import algorithm_names, client_class
+from fedbr_flwr.registry import algorithm_names
 
 import golden
 from fakes import FixedClientManager, InProcessProxy, run_rounds

@@ -9,9 +9,9 @@ import time
 
 import torch
 
+from ..algorithm import client_class
 from ..broadcast import SharedData
 from ..dataset import load_client_data
-from ..registry import client_class
 from ..server.updates import named_mean
 from ..server_app import build_strategy
 from ..training import peak_memory_mb, use_device

@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence, cast
 import numpy as np
 import torch
 
+from ..algorithm import client_class
 from ..catalog import INFO
 from ..cli import build_config, size_for_runtime, size_resources, supernodes
 from ..config import ConfigError, resolved_model
@@ -45,7 +46,6 @@ from ..launcher import RunFailed, run_flower
 from ..metrics import read_jsonl
 from ..model import SplitModel
 from ..raycluster import requested_address
-from ..registry import client_class
 from ..server.recording import node_key
 from ..server_app import build_strategy
 from ..training import autocast, use_device

@@ -42,9 +42,9 @@ except ModuleNotFoundError as exc:  # run as a script only: say what to install 
     ) from None
 
 from .. import seeds
+from ..algorithm import client_class
 from ..cli import build_config
 from ..dataset import ClientData, load_client_data
-from ..registry import client_class
 from ..server_app import build_strategy
 from ..training import BatchSampler, load_module_arrays
 from .bare import synchronize

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from ..registry import lookup_server_component
+
 Named = dict[str, np.ndarray]
 
 
@@ -29,3 +31,8 @@ class ServerComponent:
 
     def restore_state(self, arrays: Named) -> None:
         """The inverse of ``checkpoint_state``."""
+
+
+def server_component_class(name: str) -> type[ServerComponent] | None:
+    """The server part of component ``name``, if it has one."""
+    return lookup_server_component(name)
