@@ -12,7 +12,7 @@ out=${2:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]}
 rounds=${3:-100}
 parts=" ${4:-1 2 3 4 5 6} "
 mkdir -p "$out"
-paper=(dataset=mnist "data-dir=$data" num-clients=10 local-steps=50 batch-size=64)
+paper=(dataset=mnist "data-dir=$data" num-clients=10 local-steps=50 batch-size=64 lr=0.001)
 
 measure() {  # measure NAME COMMAND...: its output into OUT/NAME.txt, its last lines on the terminal
   local name=$1

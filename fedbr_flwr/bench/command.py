@@ -270,8 +270,10 @@ def bench_cohort(cfg: dict, device: torch.device) -> tuple[Any, list[int], Calla
 
 
 # The GPU speed levers, each against strict fp32. Besides config keys, a lever may set "step" (the cohort's step
-# on a GPU: graph, or vmap) and "deterministic" (torch's deterministic algorithms), and an "again" row is measured
-# against the row before it: how far two runs of the same thing land apart.
+# on a GPU: graph, or vmap), "deterministic" (torch's deterministic algorithms) and "nudge" (start from the global
+# model moved by one rounding: how far the local steps carry a difference as small as a kernel's rounding, on
+# any device), and an "again" row is measured against the row before it: how far two runs of the same thing
+# land apart.
 STRICT = {"tf32": False, "cudnn-autotune": False}
 LEVERS: dict[str, dict[str, Any]] = {
     "strict fp32": STRICT,
@@ -284,37 +286,53 @@ LEVERS: dict[str, dict[str, Any]] = {
     "strict fp32, vmap step, again": {**STRICT, "step": "vmap"},
     "strict fp32, deterministic algorithms": {**STRICT, "deterministic": True},
     "strict fp32, deterministic algorithms, again": {**STRICT, "deterministic": True},
+    "strict fp32, deterministic algorithms, nudged by one rounding": {**STRICT, "deterministic": True, "nudge": True},
 }
+NOT_CONFIG = ("step", "deterministic", "nudge")
+FROM_THE_ROW_BEFORE = (", again", ", nudged by one rounding")
+
+
+def nudged_by_one_rounding(arrays: dict, seed: int = 0) -> dict:
+    """The arrays with each float element moved up or down (at random, seeded) by the gap to the next float."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, value in arrays.items():
+        value = np.asarray(value)
+        if value.dtype.kind == "f":
+            value = value + rng.choice(np.array([-1, 1], dtype=value.dtype), size=value.shape) * np.spacing(value)
+        out[name] = value
+    return out
 
 
 def lever_rows(cfg: dict, rounds: int) -> list[dict]:
     """Each of ``LEVERS`` on one cohort of every client (the cohort's own step: graph on a GPU, else vmap): the
     median seconds of ``rounds`` rounds after a warm-up one, and how far its first round's updates land from
-    strict fp32's, or for an "again" row from the row before's (the norm of the difference over the norm of the
-    reference update, all clients' arrays together)."""
+    strict fp32's, or for an "again" or "nudged" row from the row before's (the norm of the difference over the
+    norm of the reference update, all clients' arrays together)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS asks for
     reference: list[np.ndarray] = []
     previous: list[np.ndarray] = []
     rows = []
     for name, lever in LEVERS.items():
-        settings = {k: v for k, v in lever.items() if k not in ("step", "deterministic")}
+        settings = {k: v for k, v in lever.items() if k not in NOT_CONFIG}
         run_cfg = {**cfg, **settings}
         torch.use_deterministic_algorithms(lever.get("deterministic", False), warn_only=True)
         device = use_device(run_cfg)
         cohort, members, config_of, arrays = bench_cohort(run_cfg, device)
+        start_from = nudged_by_one_rounding(arrays) if lever.get("nudge") else arrays
         graph = device.type == "cuda" and lever.get("step", "graph") == "graph"
         times: list[float] = []
         first: list[np.ndarray] = []
         for server_round in range(1, rounds + 2):
-            parts = [(pid, arrays, config_of(server_round)) for pid in members]
+            parts = [(pid, start_from, config_of(server_round)) for pid in members]
             synchronize(device)
             start = time.perf_counter()
             results = cohort.fit_together(parts, graph=graph)
             synchronize(device)
             times.append(time.perf_counter() - start)
-            first = first or updates_of(results, arrays)
+            first = first or updates_of(results, start_from)
         reference = reference or first
-        against = previous if name.endswith(", again") else reference
+        against = previous if name.endswith(FROM_THE_ROW_BEFORE) else reference
         rows.append(
             {
                 "lever": name,
@@ -353,7 +371,7 @@ def levers_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) ->
         f"{rounds} timed rounds\n"
     )
     print(
-        "| lever | s/round (median) | update's distance from strict fp32 (an again row: from the row before) |\n"
+        "| lever | s/round (median) | update's distance from strict fp32 (again, nudged: from the row before) |\n"
         "|---|---|---|",
         flush=True,
     )
