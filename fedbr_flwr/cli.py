@@ -27,11 +27,11 @@ from typing import Any, Sequence
 
 from .checkpoint import checkpoint_round
 from .config import ConfigError, check_sampling, defaults, load_yaml, parse_override, pyproject_table, schema, validate
-from .launcher import PROJECT_DIR, RunFailed, RunHost, run_flower
-from .raycluster import Cluster, requested_address
+from .launch.launcher import PROJECT_DIR, RunFailed, RunHost, run_flower
+from .launch.raycluster import Cluster, requested_address
+from .launch.runlock import check_free
+from .launch.timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_duration, stop_deadline, stopped_line
 from .run_io import check_output_dir, check_path_length, git_commit
-from .runlock import check_free
-from .timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_duration, stop_deadline, stopped_line
 from .tracking import check_available
 
 PYPROJECT_MARK = "# Generated from the schema by `fedbr-run --write-pyproject` (a test keeps it equal):\n"
@@ -140,7 +140,7 @@ def size_for_runtime(cfg: dict[str, Any], cluster: Cluster | None = None, superl
     resolved address it records; and its ``backend`` (``choose_backend``; ``superlink``: fedbr-run --superlink)."""
     import torch
 
-    from .raycluster import describe, requested_address
+    from .launch.raycluster import describe, requested_address
 
     address = requested_address(cfg["ray-address"])
     if address is None:

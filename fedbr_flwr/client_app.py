@@ -7,7 +7,7 @@ round in that process.
 
 Flower 1.41 starts a fresh ClientApp process for every message in a deployment (both isolation
 modes). A SuperNode started with ``worker="<socket>"`` in its node config therefore hands each
-message to a long-lived ``fedbr_flwr.worker`` process, which keeps its clients in the same kind of
+message to a long-lived ``fedbr_flwr.launch.worker`` process, which keeps its clients in the same kind of
 cache; this module then imports nothing heavy (no torch) on that path."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from flwr.client import ClientApp
 from flwr.common import Context
 
-from .worker import WorkerClient
+from .launch.worker import WorkerClient
 
 _CLIENTS = None
 

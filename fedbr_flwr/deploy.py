@@ -14,7 +14,7 @@ All of it on this machine (127.0.0.1), started, run and stopped in one command:
 
     fedbr-deploy local --supernodes 2 --tls --auth experiments/fedavg_rotmnist5k.yaml num-rounds=4
 
-Each SuperNode is paired with a ``fedbr-worker`` (``fedbr_flwr/worker.py``) that keeps the client's
+Each SuperNode is paired with a ``fedbr-worker`` (``fedbr_flwr/launch/worker.py``) that keeps the client's
 data, model and CUDA context alive between rounds: Flower 1.41 starts a new ClientApp process for
 every message in both isolation modes. ``--resume DIR`` continues a run from its checkpoint.
 """
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from . import runlock, watchdog
 from .errors import ConfigError
-from .launcher import RunFailed, flower_env, free_port, stop_tree, submit_run, wait_healthy
-from .worker import write_private
+from .launch import runlock, watchdog
+from .launch.launcher import RunFailed, flower_env, free_port, stop_tree, submit_run, wait_healthy
+from .launch.worker import write_private
 
 CONNECTION = "fedbr"
 NODE_START_TIMEOUT_S = 60
@@ -206,7 +206,7 @@ def supernode_command(
 
 
 def worker_command(address: Path) -> list[str]:
-    return [sys.executable, "-m", "fedbr_flwr.worker", "--address", str(address)]
+    return [sys.executable, "-m", "fedbr_flwr.launch.worker", "--address", str(address)]
 
 
 def write_connection(flwr_home: Path, address: str, certs: Path | None) -> None:
@@ -260,7 +260,7 @@ class Deployment:
         print(f"fedbr-deploy: {name}: {' '.join(command)}", flush=True)
         self.commands[name] = command
         log = open(self.log_dir / f"{name}.log", "ab")
-        # killed with all it starts if fedbr-deploy dies, also by SIGKILL (see watchdog.py)
+        # killed with all it starts if fedbr-deploy dies, also by SIGKILL (see launch/watchdog.py)
         proc = watchdog.spawn(
             command, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )

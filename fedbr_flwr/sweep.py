@@ -52,13 +52,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from . import runlock, tracking
+from . import tracking
 from .cli import config_from_settings, finished_run_problem, prepare, size_for_runtime, supernodes
 from .config import PLACEMENT_KEYS, ConfigError, load_yaml, normalise_key, parse_override, schema, unknown_key
-from .launcher import RunFailed, RunHost, run_flower
+from .launch import runlock
+from .launch.launcher import RunFailed, RunHost, run_flower
+from .launch.timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_duration, stop_deadline, stopped_line
 from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 from .run_io import check_path_length
-from .timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_duration, stop_deadline, stopped_line
 
 # may differ between machines or sessions (a time-limited session checkpoints every round) with the same results
 VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address", "checkpoint-every", "tracking")
@@ -350,7 +351,7 @@ def shared_host(jobs: list[tuple[Setting, int, dict[str, Any]]]) -> Iterator[Run
     """One simulation process for the sweep's runs (``launcher.RunHost``): the second and later runs start on
     the first's imports, Ray runtime and client processes. None (each run a process of its own) when the
     runs name different Ray clusters."""
-    from .raycluster import describe, requested_address
+    from .launch.raycluster import describe, requested_address
 
     addresses = {requested_address(cfg["ray-address"]) for _, _, cfg in jobs}
     if len(addresses) != 1:

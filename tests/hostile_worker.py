@@ -1,10 +1,12 @@
 """A SuperNode worker whose client replies are tampered with, for the real-deployment hostile-client test
 (tests/test_deploy.py): every fit reply's float arrays come back as int64 and every evaluation reports an
-accuracy of 5.0. Run as ``python tests/hostile_worker.py --address SOCKET``, like ``python -m fedbr_flwr.worker``."""
+accuracy of 5.0. Run as ``python tests/hostile_worker.py --address SOCKET``, like
+``python -m fedbr_flwr.launch.worker``."""
 
 import sys
 
-from fedbr_flwr import node, worker
+from fedbr_flwr import node
+from fedbr_flwr.launch import worker
 
 honest_fit, honest_evaluate = node.FlowerClient.fit, node.FlowerClient.evaluate
 

@@ -8,10 +8,16 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from fedbr_flwr.watchdog import proc_stat, proc_table, with_descendants
+from fedbr_flwr.launch.watchdog import proc_stat, proc_table, with_descendants
 
 FIRST_ROUND = "[fedbr] round 1/"
-FLOWER_COMMANDS = (b"flower-superlink", b"flwr-simulation", b"flower-superexec", b"fedbr_flwr.simulation", b"raylet")
+FLOWER_COMMANDS = (
+    b"flower-superlink",
+    b"flwr-simulation",
+    b"flower-superexec",
+    b"fedbr_flwr.launch.simulation",
+    b"raylet",
+)
 
 
 def flower_processes() -> set[int]:

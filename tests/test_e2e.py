@@ -16,7 +16,7 @@ from procs import flower_processes
 
 from fedbr_flwr import cli
 from fedbr_flwr.config import validate
-from fedbr_flwr.launcher import RunFailed, RunHost, run_flower
+from fedbr_flwr.launch.launcher import RunFailed, RunHost, run_flower
 
 pytestmark = pytest.mark.e2e
 

@@ -266,7 +266,8 @@ def test_a_disk_that_fills_up_during_a_run_is_one_line_and_exit_1(tmp_path, caps
     folder, exit 1, no traceback; in a sweep the run is failed with that reason and the sweep goes on."""
     import errno
 
-    from fedbr_flwr import launcher, sweep
+    from fedbr_flwr import sweep
+    from fedbr_flwr.launch import launcher
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -323,7 +324,7 @@ def test_sigterm_during_a_run_says_it_was_stopped_and_how_to_resume(tmp_path, ca
 
 
 def test_a_process_killed_by_a_signal_is_named_by_its_signal():
-    from fedbr_flwr.launcher import how_it_ended
+    from fedbr_flwr.launch.launcher import how_it_ended
 
     assert how_it_ended(1) == "exited with code 1"
     assert how_it_ended(-11) == "was killed by SIGSEGV (a crash)"
@@ -334,7 +335,7 @@ def test_a_process_killed_by_a_signal_is_named_by_its_signal():
 
 def test_an_exception_without_a_message_still_says_what_happened():
     from fedbr_flwr.errors import describe
-    from fedbr_flwr.inprocess import InProcessBackend
+    from fedbr_flwr.launch.inprocess import InProcessBackend
 
     assert describe(MemoryError()) == "MemoryError: out of memory"
     assert describe(KeyError()) == "KeyError"

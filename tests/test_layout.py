@@ -85,7 +85,10 @@ def run_python(code: str) -> str:
 
 
 def test_the_worker_and_the_client_app_import_no_circle_and_the_client_app_no_torch():
-    assert run_python("import sys, fedbr_flwr.worker; print('fedbr_flwr.client_app' in sys.modules)").strip() == "False"
+    assert (
+        run_python("import sys, fedbr_flwr.launch.worker; print('fedbr_flwr.client_app' in sys.modules)").strip()
+        == "False"
+    )
     assert run_python("import sys, fedbr_flwr.client_app; print('torch' in sys.modules)").strip() == "False"
 
 
@@ -185,3 +188,18 @@ def test_nothing_outside_the_bench_wing_imports_it():
     graph = import_graph()
     outside = {m: sorted(t for t in ts if t.startswith("fedbr_flwr.bench")) for m, ts in graph.items()}
     assert not {m: ts for m, ts in outside.items() if ts and not m.startswith("fedbr_flwr.bench")}
+
+
+COMMANDS = ("fedbr_flwr.cli", "fedbr_flwr.sweep", "fedbr_flwr.deploy", "fedbr_flwr.report", "fedbr_flwr.bench")
+
+
+def test_the_launch_layer_imports_no_command():
+    """The commands start runs through fedbr_flwr.launch; the launch layer stays below them."""
+    graph = import_graph()
+    upward = {
+        m: sorted(t for t in ts if t in COMMANDS or t.startswith(tuple(c + "." for c in COMMANDS)))
+        for m, ts in graph.items()
+        if m.startswith("fedbr_flwr.launch")
+    }
+    assert any(m.startswith("fedbr_flwr.launch.") for m in graph)  # the graph sees the layer
+    assert not {m: ts for m, ts in upward.items() if ts}

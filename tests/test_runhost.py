@@ -1,4 +1,4 @@
-"""The simulation process that runs a sweep's runs one after another (``fedbr_flwr.simulation.serve``,
+"""The simulation process that runs a sweep's runs one after another (``fedbr_flwr.launch.simulation.serve``,
 ``launcher.RunHost``): its protocol, what it keeps between runs and when it gives up. The real runs are in
 the end-to-end tests (test_sweep.py)."""
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from procs import flower_processes
 
-from fedbr_flwr import cli, flower_adapter, launcher, simulation
+from fedbr_flwr import cli, flower_adapter
+from fedbr_flwr.launch import launcher, simulation
 
 EARLY_HOST = cli.early_host  # conftest.py replaces it in fast tests; these tests run it
 
@@ -105,7 +106,7 @@ def test_serve_hands_no_run_to_a_process_still_running_a_client_of_the_run_befor
 ):
     """Run 1 ends with a client call that never returned (its round timed out): a thread cannot be killed, so
     the process answers run 2's request with the reason and ends instead of running it."""
-    from fedbr_flwr.inprocess import InProcessBackend, clients_running
+    from fedbr_flwr.launch.inprocess import InProcessBackend, clients_running
 
     release, ran = threading.Event(), []
 
@@ -234,7 +235,7 @@ def test_a_killed_or_failed_host_is_replaced_by_a_new_one_and_none_leaves_a_proc
     from procs import flower_processes
 
     from fedbr_flwr.cli import supernodes
-    from fedbr_flwr.launcher import RunFailed, RunHost, run_flower
+    from fedbr_flwr.launch.launcher import RunFailed, RunHost, run_flower
 
     before = flower_processes()
     first, second, third = (prepared(tmp_path, f"run{i}", seed=i) for i in (1, 2, 3))
@@ -275,7 +276,7 @@ def test_fedbr_run_starts_its_simulation_process_before_checking_the_config_and_
     monkeypatch.setattr(cli, "run_flower", run_flower)
     assert cli.main(["num-clients=2", "num-rounds=1", f"output-dir={tmp_path / 'run'}", "--quiet"]) == 1
     host, pid, cmdline = handed[0]
-    assert b"fedbr_flwr.simulation\0--serve" in cmdline
+    assert b"fedbr_flwr.launch.simulation\0--serve" in cmdline
     assert host.proc is None and not Path(f"/proc/{pid}").exists()
     assert cli.main(["num-clients=2", "lr=-1", f"output-dir={tmp_path / 'refused'}"]) == 2
     assert flower_processes() == before

@@ -10,7 +10,7 @@ import pytest
 from fedbr_flwr import cli, sweep
 from fedbr_flwr.checkpoint import save_checkpoint
 from fedbr_flwr.errors import ConfigError
-from fedbr_flwr.timelimit import (
+from fedbr_flwr.launch.timelimit import (
     EXIT_TIME_LIMIT,
     RoundWatch,
     TimeLimitReached,
@@ -62,7 +62,7 @@ def test_the_watch_stops_a_run_after_the_checkpoint_of_the_last_round_that_fits(
     """Rounds of 10 s from the clients' discovery at t=0; deadline t=40: after round 2 (t=20) a round of 15 s
     still fits, after round 3 (t=30) it does not; the round events alone decide nothing."""
     clock = {"now": 0.0}
-    monkeypatch.setattr("fedbr_flwr.timelimit.time.time", lambda: clock["now"])
+    monkeypatch.setattr("fedbr_flwr.launch.timelimit.time.time", lambda: clock["now"])
     watch = RoundWatch(deadline=40.0, num_rounds=100)
     for event in events(("start", None, 0.0), ("round", 1, 9.0), ("checkpoint", 1, 10.0), ("checkpoint", 2, 20.0)):
         clock["now"] = event["time"]
@@ -75,7 +75,7 @@ def test_the_watch_stops_a_run_after_the_checkpoint_of_the_last_round_that_fits(
 
 def test_the_watch_lets_the_last_round_finish_and_stops_anything_at_the_deadline(monkeypatch):
     clock = {"now": 30.0}
-    monkeypatch.setattr("fedbr_flwr.timelimit.time.time", lambda: clock["now"])
+    monkeypatch.setattr("fedbr_flwr.launch.timelimit.time.time", lambda: clock["now"])
     watch = RoundWatch(deadline=40.0, num_rounds=3, resumed_round=2)
     assert watch.saved_round == 2  # the checkpoint it continues, until it writes one
     for event in events(("start", None, 0.0), ("checkpoint", 3, 30.0)):

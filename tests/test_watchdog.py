@@ -1,4 +1,4 @@
-"""A command killed with SIGKILL takes every process it started along (fedbr_flwr/watchdog.py)."""
+"""A command killed with SIGKILL takes every process it started along (fedbr_flwr/launch/watchdog.py)."""
 
 import os
 import signal
@@ -11,7 +11,7 @@ import procs
 
 PARENT = """
 import sys, tempfile, time
-from fedbr_flwr import watchdog
+from fedbr_flwr.launch import watchdog
 
 home = tempfile.mkdtemp(prefix="fedbr-watchdog-test-")
 watchdog.watch_path(home)
@@ -76,7 +76,7 @@ def test_a_temporary_folder_whose_owner_and_watchdog_both_died_is_removed_by_the
     it, and keeps those of live commands and folders that are not ours."""
     import tempfile
 
-    from fedbr_flwr import watchdog
+    from fedbr_flwr.launch import watchdog
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     stale, reused, live, foreign = (tmp_path / f"fedbr-test-{n}" for n in ("stale", "reused", "live", "foreign"))
@@ -97,7 +97,7 @@ def test_a_temporary_folder_whose_owner_and_watchdog_both_died_is_removed_by_the
 def test_a_process_whose_parent_died_is_still_found_through_the_session_its_ancestor_leads():
     """pid -> (parent, session, start). 10 starts 20, which leads session 20 and started 21 and 22; 21 died,
     so 23 (its child) now has parent 1 but is still in session 20. 30 is someone else's."""
-    from fedbr_flwr.watchdog import with_descendants, with_sessions
+    from fedbr_flwr.launch.watchdog import with_descendants, with_sessions
 
     table = {
         10: (1, 10, 100),
@@ -115,7 +115,7 @@ def test_the_launcher_stops_flower_once_the_server_app_wrote_its_last_event():
     """Flower's orderly shut-down of a finished simulation takes seconds: the launcher stops it instead."""
     import threading
 
-    from fedbr_flwr.launcher import stop_when_finished
+    from fedbr_flwr.launch.launcher import stop_when_finished
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     finished = threading.Event()

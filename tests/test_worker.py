@@ -8,8 +8,8 @@ import pytest
 from flwr.common import Context, RecordDict
 
 from fedbr_flwr import payload
+from fedbr_flwr.launch.worker import RUNS_KEPT, Worker, WorkerClient
 from fedbr_flwr.run_io import code_hash
-from fedbr_flwr.worker import RUNS_KEPT, Worker, WorkerClient
 
 RUN_CONFIG = {"strategy": "scaffold", "num-clients": 2, "local-steps": 2, "batch-size": 8}
 

@@ -42,10 +42,10 @@ from ..catalog import INFO
 from ..cli import build_config, size_for_runtime, size_resources, supernodes
 from ..config import ConfigError, resolved_model
 from ..dataset import load_client_data, load_cohort_data
-from ..launcher import RunFailed, run_flower
+from ..launch.launcher import RunFailed, run_flower
+from ..launch.raycluster import requested_address
 from ..metrics import read_jsonl
 from ..model import SplitModel
-from ..raycluster import requested_address
 from ..server.recording import node_key
 from ..server_app import build_strategy
 from ..training import autocast, use_device

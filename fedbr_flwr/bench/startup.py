@@ -360,7 +360,7 @@ ROUND_PARTS = (
 OTHER_PART = "other threads (imports, run host, Flower's bookkeeping; mostly idle)"
 
 
-def profile_parts(raw_lines: Sequence[str], process_mark: str = "fedbr_flwr.simulation") -> dict[str, int]:
+def profile_parts(raw_lines: Sequence[str], process_mark: str = "fedbr_flwr.launch.simulation") -> dict[str, int]:
     """Samples per part of ``ROUND_PARTS`` (else ``OTHER_PART``) in py-spy's raw output (``--threads``: one line
     per distinct stack, ``frame;frame;... count``), counting only stacks of the process whose command line holds
     ``process_mark``."""

@@ -1,7 +1,7 @@
 """Processes started by ``fedbr-run`` / ``fedbr-deploy`` die with the command that started them, even when
 that command is killed with SIGKILL (which no ``finally`` survives).
 
-The first child a command starts is a small watchdog (``python -I fedbr_flwr/watchdog.py``) in its own
+The first child a command starts is a small watchdog (``python -I fedbr_flwr/launch/watchdog.py``) in its own
 session, reading a pipe whose only writer is the command. The command tells it, line by line, which
 children it started (``add PID``) and which temporary folders it made (``path DIR``), and what it stopped
 or removed itself (``del PID``, ``unpath DIR``). When the command dies, however it dies, the kernel closes

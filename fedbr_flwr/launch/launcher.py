@@ -1,4 +1,4 @@
-"""Run the Flower app as a simulation, in one process of its own (``fedbr_flwr.simulation``: Flower's
+"""Run the Flower app as a simulation, in one process of its own (``fedbr_flwr.launch.simulation``: Flower's
 simulation entry point) or through ``flwr run`` on a private, local simulation SuperLink, and always stop
 every process that run started (the SuperLink that `flwr run` starts outlives it, and
 ``flwr run --stream`` exits 0 even when the run failed)."""
@@ -22,14 +22,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..config import to_toml
+from ..errors import ConfigError
+from ..progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower
 from . import runlock, watchdog
-from .config import to_toml
-from .errors import ConfigError
-from .progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower
 from .raycluster import log_tail, ray_environment, requested_address
 from .timelimit import RoundWatch, TimeLimitReached
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 SUPERLINK_START_TIMEOUT_S = 60
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -109,7 +109,7 @@ def flower_env(flwr_home: Path, http_port: int | None = None, control_port: int 
 def local_superlink(log_dir: Path, ray_address: str | None = None) -> Iterator[dict[str, str]]:
     """A simulation SuperLink on free ports with its own FLWR_HOME; yields the environment in which
     ``flwr`` commands talk to it, and stops it with all its children on exit. Its simulations use a private
-    Ray runtime, or join the running cluster at ``ray_address`` (``fedbr_flwr.raycluster``)."""
+    Ray runtime, or join the running cluster at ``ray_address`` (``fedbr_flwr.launch.raycluster``)."""
     flwr_home = watchdog.temp_dir("fedbr-flwr-home-")  # removed also if this process is killed
     http_port, control_port = free_port(), free_port()
     env = {**flower_env(flwr_home, http_port, control_port), **ray_environment(ray_address)}
@@ -179,7 +179,7 @@ def run_flower(
     watch: RoundWatch | None = None,
 ) -> dict:
     """Run the app with ``cfg`` as a Flower simulation of ``num_supernodes`` nodes and wait for it: in one
-    simulation process (``fedbr_flwr.simulation``: Flower's simulation entry point, as ``flwr run`` would start
+    simulation process (``fedbr_flwr.launch.simulation``: Flower's simulation entry point, as ``flwr run`` would start
     it), or with ``superlink``, through ``flwr run`` on a fresh local simulation SuperLink. Returns the run's
     final status record; raises RunFailed when the run did not complete. ``echo``: see ``submit_run``.
     ``host``: a simulation process that runs one run after another (``RunHost``, on the Ray runtime it was
@@ -211,13 +211,13 @@ def run_flower(
 def simulate_run(
     cfg: dict, num_supernodes: int, out_dir: Path, address: str | None, echo: str, watch: RoundWatch | None = None
 ) -> dict:
-    """``run_flower`` in one simulation process (``python -m fedbr_flwr.simulation``), on a private Ray runtime
+    """``run_flower`` in one simulation process (``python -m fedbr_flwr.launch.simulation``), on a private Ray runtime
     or the cluster at ``address``."""
     run_id = secrets.randbits(62)
     run_config = write_run_config(cfg, out_dir)
     flwr_home = watchdog.temp_dir("fedbr-flwr-home-")  # Flower writes nothing outside it
     env = {**flower_env(flwr_home), **ray_environment(address)}
-    command = [sys.executable, "-m", "fedbr_flwr.simulation", str(run_config), str(run_id), str(num_supernodes)]
+    command = [sys.executable, "-m", "fedbr_flwr.launch.simulation", str(run_config), str(run_id), str(num_supernodes)]
     command += [str(cfg["client-cpus"]), str(cfg["client-gpus"])]
     try:
         # Ray's orderly shut-down takes seconds: stop the process shortly after the run files are complete
@@ -241,7 +241,7 @@ def simulate_run(
 
 
 class RunHost:
-    """One simulation process that runs one run after another (``python -m fedbr_flwr.simulation --serve``), on
+    """One simulation process that runs one run after another (``python -m fedbr_flwr.launch.simulation --serve``), on
     one Ray runtime (private, or the cluster at ``address``): a later run finds torch imported, Ray up and the
     client processes of the run before (``fedbr_flwr.flower_adapter.keep_actors_between_runs``), so it does not pay
     the process, Ray and import start-up again (docs/benchmarks.md).
@@ -283,7 +283,7 @@ class RunHost:
         env = {**flower_env(self.home), **ray_environment(self.address)}
         with open(self.home / "host.log", "w") as err:
             self.proc = watchdog.spawn(
-                [sys.executable, "-m", "fedbr_flwr.simulation", "--serve"],
+                [sys.executable, "-m", "fedbr_flwr.launch.simulation", "--serve"],
                 env=env,
                 cwd=self.home,
                 stdin=subprocess.PIPE,

@@ -1,9 +1,9 @@
-"""``python -m fedbr_flwr.simulation RUN_CONFIG RUN_ID NUM_SUPERNODES CPUS GPUS``: the app's Flower simulation in one
-process (``--serve``: one run after another, each asked for on stdin: ``serve``). It is what ``flwr run`` starts
-under a SuperLink (``flwr-simulation``): Flower's own simulation entry point with the same ServerApp, ClientApp, run
-config and Ray backend, but without the SuperLink, the app bundle and the processes between them, which cost seconds
-per run (docs/benchmarks.md). With ``backend = in-process`` the clients run in this process's threads instead of Ray's
-processes (``InProcessBackend``).
+"""``python -m fedbr_flwr.launch.simulation RUN_CONFIG RUN_ID NUM_SUPERNODES CPUS GPUS``: the app's Flower
+simulation in one process (``--serve``: one run after another, each asked for on stdin: ``serve``). It is what
+``flwr run`` starts under a SuperLink (``flwr-simulation``): Flower's own simulation entry point with the same
+ServerApp, ClientApp, run config and Ray backend, but without the SuperLink, the app bundle and the processes
+between them, which cost seconds per run (docs/benchmarks.md). With ``backend = in-process`` the clients run in
+this process's threads instead of Ray's processes (``InProcessBackend``).
 
 Flower's public ``run_simulation`` cannot take a run config; its private entry point, which ``flwr-simulation``
 itself calls, can (``fedbr_flwr.flower_adapter``, with the engine's patches). flwr is pinned (pyproject.toml) and
@@ -22,8 +22,8 @@ import traceback
 from pathlib import Path
 from typing import IO, Any, Iterator, Sequence
 
-from .errors import describe
-from .flower_adapter import (
+from ..errors import describe
+from ..flower_adapter import (
     choose_backend_per_run,
     dispatch_messages_promptly,
     keep_actors_between_runs,
@@ -39,7 +39,7 @@ STARTED = "fedbr simulation: run {} started in process {}"
 
 def ray_init_args(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, Any]:
     """``ray.init`` arguments: those Flower's Ray backend would use (its defaults), at the address the launcher
-    set (``fedbr_flwr.raycluster``). The workers need this interpreter's module path. A cluster's nodes get it
+    set (``fedbr_flwr.launch.raycluster``). The workers need this interpreter's module path. A cluster's nodes get it
     as the job's runtime environment, as Flower gives it. A private runtime's workers inherit it from this
     process's environment (``start_ray`` sets it), because with a job runtime environment Ray leaves the
     worker processes it starts with the driver idle and starts the actors in new ones (1 CPU-s wasted)."""
@@ -78,14 +78,14 @@ def start_ray() -> None:
 def import_server_side() -> None:
     import flwr.simulation.run_simulation  # noqa: F401
 
-    from . import server_app  # noqa: F401
+    from .. import server_app  # noqa: F401
 
 
 def import_both_sides() -> None:
     """What a run imports, server and client side: ahead, while the command checks the run's configuration."""
     import_server_side()
-    from . import client_app, node  # noqa: F401
-    from .registry import load_all
+    from .. import client_app, node  # noqa: F401
+    from ..registry import load_all
 
     load_all()
 
@@ -221,7 +221,7 @@ def lines_until(stream: IO[str], stop: threading.Event) -> Iterator[str]:
 
 def wait_for_last_event(run: threading.Thread, out_dir: Path) -> None:
     """Until ``run`` has ended or written its last event (then only Flower's end of it goes on)."""
-    from .progress import PROGRESS_FILE, SUMMARY_EVENT, read_events
+    from ..progress import PROGRESS_FILE, SUMMARY_EVENT, read_events
 
     offset = 0
     while run.is_alive():
