@@ -251,7 +251,7 @@ def test_the_startup_benchmark_says_how_busy_the_machine_was():
 def test_the_round_profile_sorts_each_sample_of_the_simulation_process_into_its_part():
     from fedbr_flwr.bench import startup
 
-    sim = 'process 1:"fedbr-run";process 2:"python -m fedbr_flwr.launch.simulation --serve";thread (3): T'
+    sim = 'process 1:"fedbr-run";process 2:"python -m fedbr_flwr.launch.simulation";thread (3): T'
     lines = [
         f"{sim};worker (flwr/server/superlink/fleet/vce/vce_api.py:132);"
         "process_message (fedbr_flwr/launch/inprocess.py:99);"

@@ -259,7 +259,7 @@ def test_a_killed_or_failed_host_is_replaced_by_a_new_one_and_none_leaves_a_proc
 
 
 def test_fedbr_run_starts_its_simulation_process_before_checking_the_config_and_stops_it(monkeypatch, tmp_path):
-    """The process a run goes to is running (``--serve``) when fedbr-run hands it the checked run, and is
+    """The process a run goes to is running when fedbr-run hands it the checked run, and is
     stopped when the command ends; a refused configuration stops it too, and leaves no process."""
     monkeypatch.setattr(cli, "early_host", EARLY_HOST)
     before = flower_processes()
@@ -276,7 +276,7 @@ def test_fedbr_run_starts_its_simulation_process_before_checking_the_config_and_
     monkeypatch.setattr(cli, "run_flower", run_flower)
     assert cli.main(["num-clients=2", "num-rounds=1", f"output-dir={tmp_path / 'run'}", "--quiet"]) == 1
     host, pid, cmdline = handed[0]
-    assert b"fedbr_flwr.launch.simulation\0--serve" in cmdline
+    assert cmdline.endswith(b"-m\0fedbr_flwr.launch.simulation\0")
     assert host.proc is None and not Path(f"/proc/{pid}").exists()
     assert cli.main(["num-clients=2", "lr=-1", f"output-dir={tmp_path / 'refused'}"]) == 2
     assert flower_processes() == before

@@ -211,39 +211,17 @@ def run_flower(
 def simulate_run(
     cfg: dict, num_supernodes: int, out_dir: Path, address: str | None, echo: str, watch: RoundWatch | None = None
 ) -> dict:
-    """``run_flower`` in one simulation process (``python -m fedbr_flwr.launch.simulation``), on a private Ray runtime
-    or the cluster at ``address``."""
-    run_id = secrets.randbits(62)
-    run_config = write_run_config(cfg, out_dir)
-    flwr_home = watchdog.temp_dir("fedbr-flwr-home-")  # Flower writes nothing outside it
-    env = {**flower_env(flwr_home), **ray_environment(address)}
-    command = [sys.executable, "-m", "fedbr_flwr.launch.simulation", str(run_config), str(run_id), str(num_supernodes)]
-    command += [str(cfg["client-cpus"]), str(cfg["client-gpus"])]
-    try:
-        # Ray's orderly shut-down takes seconds: stop the process shortly after the run files are complete
-        _, code, finished = follow_run(
-            command,
-            env,
-            out_dir,
-            echo,
-            True,
-            bool(cfg.get("resume")),
-            own_session=True,
-            finish_grace_s=0.25,
-            watch=watch,
-        )
-    finally:
-        watchdog.remove_temp_dir(flwr_home)
-    log_path = out_dir / "flower.log"
-    if not finished and code != 0:
-        raise RunFailed(f"run {run_id} ended as 'finished:failed'{last_error(log_path)}; see {log_path}")
-    return {"run-id": run_id, "status": "finished:completed"}
+    """``run_flower`` in a simulation process of its own (a ``RunHost`` for one run), on a private Ray runtime or
+    the cluster at ``address``."""
+    with RunHost(address) as host:
+        return host.run(cfg, num_supernodes, out_dir, echo, watch)
 
 
 class RunHost:
-    """One simulation process that runs one run after another (``python -m fedbr_flwr.launch.simulation --serve``), on
-    one Ray runtime (private, or the cluster at ``address``): a later run finds torch imported, Ray up and the
-    client processes of the run before (``fedbr_flwr.flower_adapter.keep_actors_between_runs``), so it does not pay
+    """The simulation process every simulated run goes to (``python -m fedbr_flwr.launch.simulation``): one run
+    (``simulate_run``), or one run after another (fedbr-run's early start, a sweep), on one Ray runtime (private,
+    or the cluster at ``address``): a later run finds torch imported, Ray up and the client processes of the run
+    before (``fedbr_flwr.flower_adapter.keep_actors_between_runs``), so it does not pay
     the process, Ray and import start-up again (docs/benchmarks.md).
     A run that fails ends the process, and so does one that leaves a client call running (a client its round
     timed out on: a thread cannot be stopped); the next run starts a new one, and says why.
@@ -283,7 +261,7 @@ class RunHost:
         env = {**flower_env(self.home), **ray_environment(self.address)}
         with open(self.home / "host.log", "w") as err:
             self.proc = watchdog.spawn(
-                [sys.executable, "-m", "fedbr_flwr.launch.simulation", "--serve"],
+                [sys.executable, "-m", "fedbr_flwr.launch.simulation"],
                 env=env,
                 cwd=self.home,
                 stdin=subprocess.PIPE,
@@ -312,7 +290,7 @@ class RunHost:
             replies.put(None)  # the process has ended, or nothing more can be read from it
 
     def run(self, cfg: dict, num_supernodes: int, out_dir: Path, echo: str, watch: RoundWatch | None = None) -> dict:
-        """``simulate_run`` in this host: the run's output in ``out_dir/flower.log``, its progress followed as
+        """One run in this host: the run's output in ``out_dir/flower.log``, its progress followed as
         there; returns once the run's last event is written (the host finishes Flower's part meanwhile)."""
         for _ in range(2):  # the host may have ended after the run before: then once more, in a new one
             self.start()
@@ -438,8 +416,6 @@ def follow_run(
     echo: str,
     end_at_summary: bool,
     append: bool,
-    own_session: bool = False,
-    finish_grace_s: float = 1.0,
     watch: RoundWatch | None = None,
 ) -> tuple[int | None, int | None, bool]:
     """Run ``command`` (which starts a Flower run) with its output in ``out_dir/flower.log`` (``append``: on
@@ -456,7 +432,6 @@ def follow_run(
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            start_new_session=own_session,
         )
         run_id = None
         finished = threading.Event()
@@ -466,7 +441,7 @@ def follow_run(
             write = _print if echo == "progress" else None
             follow = Follower(out_dir / PROGRESS_FILE, write, on_event=also_watched(mark_finished, watch))
         if end_at_summary:
-            threading.Thread(target=stop_when_finished, args=(proc, finished, finish_grace_s), daemon=True).start()
+            threading.Thread(target=stop_when_finished, args=(proc, finished), daemon=True).start()
         if watch is not None:
             threading.Thread(target=stop_when_watched, args=(proc, finished, watch), daemon=True).start()
         try:

@@ -1,9 +1,9 @@
-"""``python -m fedbr_flwr.launch.simulation RUN_CONFIG RUN_ID NUM_SUPERNODES CPUS GPUS``: the app's Flower
-simulation in one process (``--serve``: one run after another, each asked for on stdin: ``serve``). It is what
-``flwr run`` starts under a SuperLink (``flwr-simulation``): Flower's own simulation entry point with the same
-ServerApp, ClientApp, run config and Ray backend, but without the SuperLink, the app bundle and the processes
-between them, which cost seconds per run (docs/benchmarks.md). With ``backend = in-process`` the clients run in
-this process's threads instead of Ray's processes (``InProcessBackend``).
+"""``python -m fedbr_flwr.launch.simulation``: the app's Flower simulation in one process, which runs the runs
+asked for on its stdin one after another (``serve``; ``launcher.RunHost`` asks). It is what ``flwr run`` starts
+under a SuperLink (``flwr-simulation``): Flower's own simulation entry point with the same ServerApp, ClientApp,
+run config and Ray backend, but without the SuperLink, the app bundle and the processes between them, which cost
+seconds per run (docs/benchmarks.md). With ``backend = in-process`` the clients run in this process's threads
+instead of Ray's processes (``InProcessBackend``).
 
 Flower's public ``run_simulation`` cannot take a run config; its private entry point, which ``flwr-simulation``
 itself calls, can (``fedbr_flwr.flower_adapter``, with the engine's patches). flwr is pinned (pyproject.toml) and
@@ -264,19 +264,12 @@ def answer(replies: IO[str], reply: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args == ["--serve"]:
-        replies = os.fdopen(os.dup(1), "w")  # stdout itself goes to each run's log
-        os.dup2(2, 1)
-        return serve(sys.stdin, replies)
-    if len(args) != 5:
+    if list(sys.argv[1:] if argv is None else argv):
         print(f"usage: {(__doc__ or '').split(':', 1)[0].strip('`')}", file=sys.stderr)
         return 2
-    path, run_id, supernodes, cpus, gpus = args
-    replace_dead_actors()
-    print(STARTED.format(run_id, os.getpid()), flush=True)
-    simulate(run_config_from(Path(path)), int(run_id), int(supernodes), float(cpus), float(gpus))
-    return 0
+    replies = os.fdopen(os.dup(1), "w")  # stdout itself goes to each run's log
+    os.dup2(2, 1)
+    return serve(sys.stdin, replies)
 
 
 if __name__ == "__main__":
