@@ -15,6 +15,7 @@ from procs import flower_processes
 
 from fedbr_flwr import cli, flower_adapter
 from fedbr_flwr.launch import launcher, simulation
+from fedbr_flwr.launch.protocol import RunReply, RunRequest
 
 EARLY_HOST = cli.early_host  # conftest.py replaces it in fast tests; these tests run it
 
@@ -46,16 +47,16 @@ def request(tmp_path, run_id):
     folder = tmp_path / f"run{run_id}"
     folder.mkdir()
     (folder / "run_config.toml").write_text(f"seed = {run_id}\n")
-    return {
-        "run-config": str(folder / "run_config.toml"),
-        "run-id": run_id,
-        "supernodes": 2,
-        "cpus": 1.0,
-        "gpus": 0.0,
-        "log": str(folder / "flower.log"),
-        "append": False,
-        "cwd": str(folder),
-    }
+    return RunRequest(
+        run_config=str(folder / "run_config.toml"),
+        run_id=run_id,
+        supernodes=2,
+        cpus=1.0,
+        gpus=0.0,
+        log=str(folder / "flower.log"),
+        append=False,
+        cwd=str(folder),
+    )
 
 
 def serve_runs_with(monkeypatch, fake_simulate):
@@ -82,14 +83,14 @@ def test_serve_runs_each_request_with_its_output_in_its_log_then_stops_after_a_f
     own_stdout_stderr()
     requests = [request(tmp_path, i) for i in (1, 2, 3)]
     replies = io.StringIO()
-    code = simulation.serve(io.StringIO("".join(json.dumps(r) + "\n" for r in requests)), replies)
+    code = simulation.serve(io.StringIO("".join(r.line() for r in requests)), replies)
     assert code == 1
-    answers = [json.loads(line) for line in replies.getvalue().splitlines()]
+    answers = [RunReply.parse(line) for line in replies.getvalue().splitlines()]
     assert answers == [
-        {"run-id": 1, "started": True},
-        {"run-id": 1, "ok": True, "error": ""},
-        {"run-id": 2, "started": True},
-        {"run-id": 2, "ok": False, "error": "RuntimeError: the ServerApp broke"},
+        RunReply(1, started=True),
+        RunReply(1, ok=True),
+        RunReply(2, started=True),
+        RunReply(2, ok=False, error="RuntimeError: the ServerApp broke"),
     ]  # run 3 is not started after the failure
     assert [(r[0], r[1], r[5]) for r in ran] == [
         ({"seed": 1}, 1, str(tmp_path / "run1")),
@@ -125,17 +126,14 @@ def test_serve_hands_no_run_to_a_process_still_running_a_client_of_the_run_befor
     own_stdout_stderr()
     replies = io.StringIO()
     try:
-        code = simulation.serve(io.StringIO("".join(json.dumps(request(tmp_path, i)) + "\n" for i in (1, 2))), replies)
+        code = simulation.serve(io.StringIO("".join(request(tmp_path, i).line() for i in (1, 2))), replies)
     finally:
         release.set()
-    answers = [json.loads(line) for line in replies.getvalue().splitlines()]
+    answers = [RunReply.parse(line) for line in replies.getvalue().splitlines()]
     assert code == 0 and ran == [1]
-    assert answers[:2] == [{"run-id": 1, "started": True}, {"run-id": 1, "ok": True, "error": ""}]
+    assert answers[:2] == [RunReply(1, started=True), RunReply(1, ok=True)]
     assert answers[2:] == [
-        {
-            "run-id": 2,
-            "retired": "the simulation process still runs 1 client(s) the run before gave up on (never returned)",
-        }
+        RunReply(2, retired="the simulation process still runs 1 client(s) the run before gave up on (never returned)")
     ]
 
 
@@ -205,16 +203,27 @@ def test_an_actor_pool_with_an_actor_out_or_dead_is_not_reused(monkeypatch):
     assert not flower_adapter.all_idle_and_alive(pool)
 
 
+def test_a_request_and_a_reply_cross_as_one_line_and_anything_else_is_refused(tmp_path):
+    sent = request(tmp_path, 3)
+    assert RunRequest.parse(sent.line()) == sent and sent.line().count("\n") == 1
+    assert RunReply.parse(RunReply(3, ok=False, error="x").line()).last
+    assert not RunReply(3, started=True).last
+    assert RunReply.parse('{"run_id": 3, "started": true, "later": 1}') == RunReply(3, started=True)
+    for line in ("not json", "[1, 2]", '{"started": true}', '{"run_id": 3, "started": "x"}', '{"run_id": 3, "ok": 1}'):
+        with pytest.raises(ValueError):
+            RunReply.parse(line)
+
+
 def test_serve_answers_from_several_threads_one_whole_line_at_a_time():
     replies = io.StringIO()
     threads = [
-        threading.Thread(target=simulation.answer, args=(replies, {"run-id": i, "x": "y" * 1000})) for i in range(20)
+        threading.Thread(target=simulation.answer, args=(replies, RunReply(i, error="y" * 1000))) for i in range(20)
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(json.loads(line)["run-id"] for line in replies.getvalue().splitlines()) == list(range(20))
+    assert sorted(RunReply.parse(line).run_id for line in replies.getvalue().splitlines()) == list(range(20))
 
 
 def prepared(tmp_path, name, **settings):
@@ -399,7 +408,7 @@ def test_a_host_whose_replies_cannot_be_read_ends_the_wait_instead_of_hanging(tm
     )
     host.follow_replies()
     outcome = {}
-    waiting = threading.Thread(target=lambda: outcome.update(r=host._run_once({"run-id": 7}, tmp_path, "none")))
+    waiting = threading.Thread(target=lambda: outcome.update(r=host._run_once(request(tmp_path, 7), tmp_path, "none")))
     waiting.start()
     waiting.join(timeout=20)
     alive = waiting.is_alive()

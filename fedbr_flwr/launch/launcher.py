@@ -26,6 +26,7 @@ from ..config import to_toml
 from ..errors import ConfigError
 from ..progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower
 from . import runlock, watchdog
+from .protocol import RunReply, RunRequest
 from .raycluster import log_tail, ray_environment, requested_address
 from .timelimit import RoundWatch, TimeLimitReached
 
@@ -230,7 +231,7 @@ class RunHost:
     def __init__(self, address: str | None = None):
         self.address = address
         self.proc: subprocess.Popen | None = None
-        self.replies: queue.Queue[dict | None] = queue.Queue()
+        self.replies: queue.Queue[RunReply | None] = queue.Queue()
         self.reader: threading.Thread | None = None
         self.home: Path | None = None
 
@@ -284,8 +285,8 @@ class RunHost:
         assert proc.stdout is not None
         try:
             for line in proc.stdout:
-                with contextlib.suppress(json.JSONDecodeError):
-                    replies.put(json.loads(line))
+                with contextlib.suppress(ValueError):  # a line that is no reply (a library printing on stdout)
+                    replies.put(RunReply.parse(line))
         finally:  # also when reading fails (bytes that are no text): whoever waits must learn the end
             replies.put(None)  # the process has ended, or nothing more can be read from it
 
@@ -294,18 +295,17 @@ class RunHost:
         there; returns once the run's last event is written (the host finishes Flower's part meanwhile)."""
         for _ in range(2):  # the host may have ended after the run before: then once more, in a new one
             self.start()
-            run_id = secrets.randbits(62)
-            request = {
-                "run-config": str(write_run_config(cfg, out_dir)),
-                "run-id": run_id,
-                "supernodes": num_supernodes,
-                "cpus": cfg["client-cpus"],
-                "gpus": cfg["client-gpus"],
-                "log": str(out_dir / "flower.log"),
-                "append": bool(cfg.get("resume")),
-                "cwd": str(out_dir),
-                "backend": cfg.get("backend", "ray"),
-            }
+            request = RunRequest(
+                run_config=str(write_run_config(cfg, out_dir)),
+                run_id=secrets.randbits(62),
+                supernodes=num_supernodes,
+                cpus=cfg["client-cpus"],
+                gpus=cfg["client-gpus"],
+                log=str(out_dir / "flower.log"),
+                append=bool(cfg.get("resume")),
+                cwd=str(out_dir),
+                backend=cfg.get("backend", "ray"),
+            )
             started, result = self._run_once(request, out_dir, echo, watch)
             if started:
                 return result
@@ -315,19 +315,21 @@ class RunHost:
         assert self.home is not None
         raise RunFailed(f"the simulation process ended before the run started: {log_tail(self.home / 'host.log')}")
 
-    def _run_once(self, request: dict, out_dir: Path, echo: str, watch: RoundWatch | None = None) -> tuple[bool, dict]:
+    def _run_once(
+        self, request: RunRequest, out_dir: Path, echo: str, watch: RoundWatch | None = None
+    ) -> tuple[bool, dict]:
         assert self.proc is not None and self.proc.stdin is not None
-        run_id, finished, started = request["run-id"], threading.Event(), False
+        run_id, finished, started = request.run_id, threading.Event(), False
 
         mark_finished = also_watched(set_at_summary(finished), watch)
         log = LogFollower(out_dir / "flower.log", _print_log_line) if echo == "all" else contextlib.nullcontext()
         with log, Follower(out_dir / PROGRESS_FILE, _print if echo == "progress" else None, on_event=mark_finished):
             try:
-                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.write(request.line())
                 self.proc.stdin.flush()
             except OSError:  # the host has ended; its end is also in the replies
                 pass
-            reply: dict | None = {}
+            reply: RunReply | None = RunReply(run_id)
             while not finished.is_set():
                 if watch is not None and watch.at_deadline():
                     break
@@ -335,10 +337,10 @@ class RunHost:
                     reply = self.replies.get(timeout=0.1)
                     if reply is None:
                         break
-                    if reply.get("run-id") != run_id:
+                    if reply.run_id != run_id:
                         continue  # the run before's answer, given after its last event
-                    started = started or bool(reply.get("started"))
-                    if "ok" in reply or "retired" in reply:
+                    started = started or reply.started
+                    if reply.last:
                         break
         if finished.is_set():
             return True, {"run-id": run_id, "status": "finished:completed"}
@@ -346,9 +348,9 @@ class RunHost:
             self.close()  # a run cannot be stopped inside the process: it goes, with all it started
             raise TimeLimitReached(watch.saved_round)
         if not started:
-            return False, {"retired": reply["retired"]} if reply and "retired" in reply else {}
+            return False, {"retired": reply.retired} if reply and reply.retired else {}
         log_path = out_dir / "flower.log"
-        if reply and reply.get("ok"):
+        if reply and reply.ok:
             raise RunFailed(f"run {run_id} ended without its last event; see {log_path}")
         if reply is None:
             code = self.proc.wait()
@@ -357,7 +359,7 @@ class RunHost:
                 f"continue from the last checkpoint with `fedbr-run --resume {out_dir}`"
             )
         raise RunFailed(
-            f"run {run_id} ended as 'finished:failed': {reply.get('error') or last_error(log_path)}; see {log_path}"
+            f"run {run_id} ended as 'finished:failed': {reply.error or last_error(log_path)}; see {log_path}"
         )
 
 

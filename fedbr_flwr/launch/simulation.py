@@ -12,7 +12,6 @@ the end-to-end tests run this path."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -30,6 +29,7 @@ from ..flower_adapter import (
     replace_dead_actors,
     run_flower_simulation,
 )
+from .protocol import RunReply, RunRequest
 
 SERVER_APP = "fedbr_flwr.server_app:app"
 CLIENT_APP = "fedbr_flwr.client_app:app"
@@ -138,16 +138,15 @@ def output_to(log: Path, append: bool) -> None:
 
 
 def serve(requests: IO[str], replies: IO[str]) -> int:
-    """Run the runs asked for on ``requests``, one JSON object per line (``run-config``, ``run-id``,
-    ``supernodes``, ``cpus``, ``gpus``, ``log``, ``append``, ``cwd``, ``backend``), one after another in this
-    process, on one Ray runtime and one set of client processes (``keep_actors_between_runs``), or with the clients
-    in this process (``backend``: in-process); each run's output goes to
-    its ``log``. Answers ``{"run-id", "started": true}`` when a run starts and ``{"run-id", "ok", "error"}``
-    when Flower's part of it has ended. A run starts once the run before has ended or written its last event,
-    so that it starts while Flower ends the old one (whose threads poll for up to a second). After a run
-    that failed, the process ends (exit 1) instead of starting another: what a failure leaves behind (in Ray,
-    the actors, threads) is not trusted with the next run. So does a process still running a client of the run
-    before (``leftover_clients``): it answers the next request ``{"run-id", "retired": why}`` and ends."""
+    """Run the runs asked for on ``requests`` (a ``RunRequest`` a line), one after another in this process, on
+    one Ray runtime and one set of client processes (``keep_actors_between_runs``), or with the clients in this
+    process (``backend``: in-process); each run's output goes to its ``log``. Answers (a ``RunReply`` a line)
+    ``started`` when a run starts and ``ok``, ``error`` when Flower's part of it has ended. A run starts once
+    the run before has ended or written its last event, so that it starts while Flower ends the old one (whose
+    threads poll for up to a second). After a run that failed, the process ends (exit 1) instead of starting
+    another: what a failure leaves behind (in Ray, the actors, threads) is not trusted with the next run. So
+    does a process still running a client of the run before (``leftover_clients``): it answers the next
+    request ``retired`` (why) and ends."""
     replace_dead_actors()
     keep_actors_between_runs()  # before each run's simulate() chooses its backend (choose_backend_per_run)
     # as the process starts (fedbr-run starts it before checking the run's configuration): Ray where a run will
@@ -163,14 +162,14 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
             wait_for_last_event(*runs[-1])
         if failed.is_set():
             break
-        request = json.loads(line)
+        request = RunRequest.parse(line)
         leftover = leftover_clients()
         if leftover:
-            answer(replies, {"run-id": request["run-id"], "retired": leftover})
+            answer(replies, RunReply(request.run_id, retired=leftover))
             break
-        if request.get("backend", "ray") == "ray":
+        if request.backend == "ray":
             start_ray()  # in the main thread: the processes Ray starts end with the thread that started them
-        runs.append((threading.Thread(target=run_requested, args=(request, replies, failed)), Path(request["cwd"])))
+        runs.append((threading.Thread(target=run_requested, args=(request, replies, failed)), Path(request.cwd)))
         runs[-1][0].start()
     for run, _ in runs:
         run.join()
@@ -231,35 +230,35 @@ def wait_for_last_event(run: threading.Thread, out_dir: Path) -> None:
         run.join(0.05)
 
 
-def run_requested(request: dict[str, Any], replies: IO[str], failed: threading.Event) -> None:
+def run_requested(request: RunRequest, replies: IO[str], failed: threading.Event) -> None:
     """One run of ``serve``."""
-    answer(replies, {"run-id": request["run-id"], "started": True})
-    output_to(Path(request["log"]), bool(request["append"]))
+    answer(replies, RunReply(request.run_id, started=True))
+    output_to(Path(request.log), request.append)
     error = ""
     try:
-        os.chdir(request["cwd"])
-        print(STARTED.format(request["run-id"], os.getpid()), flush=True)
+        os.chdir(request.cwd)
+        print(STARTED.format(request.run_id, os.getpid()), flush=True)
         simulate(
-            run_config_from(Path(request["run-config"])),
-            int(request["run-id"]),
-            int(request["supernodes"]),
-            float(request["cpus"]),
-            float(request["gpus"]),
+            run_config_from(Path(request.run_config)),
+            request.run_id,
+            request.supernodes,
+            float(request.cpus),
+            float(request.gpus),
         )
     except BaseException as exc:  # noqa: BLE001 - also Flower's sys.exit: say so, then end
         traceback.print_exc()
         sys.stderr.flush()
         error = describe(exc)
         failed.set()
-    answer(replies, {"run-id": request["run-id"], "ok": not error, "error": error})
+    answer(replies, RunReply(request.run_id, ok=not error, error=error))
 
 
 _answering = threading.Lock()
 
 
-def answer(replies: IO[str], reply: dict[str, Any]) -> None:
+def answer(replies: IO[str], reply: RunReply) -> None:
     with _answering:
-        replies.write(json.dumps(reply) + "\n")
+        replies.write(reply.line())
         replies.flush()
 
 
