@@ -357,8 +357,8 @@ def round_seconds(out_dir: Path) -> dict[str, float]:
 def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -> dict:
     """The run's config from files and overrides (``num_clients``: the local SuperNodes, which it must
     match), or from the checkpoint of the run being resumed."""
-    from .cli import prepare, resume_config, settings_from
     from .config import normalise_key, validate
+    from .launch.plan import prepare, resume_config, settings_from
 
     cfg = resume_config(Path(resume), items) if resume else None
     if cfg is None:

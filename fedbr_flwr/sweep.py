@@ -53,10 +53,11 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from . import tracking
-from .cli import config_from_settings, finished_run_problem, prepare, size_for_runtime, supernodes
+from .cli import finished_run_problem
 from .config import PLACEMENT_KEYS, ConfigError, load_yaml, normalise_key, parse_override, schema, unknown_key
 from .launch import runlock
 from .launch.launcher import RunFailed, RunHost, run_flower
+from .launch.plan import config_from_settings, prepare, size_for_runtime, supernodes
 from .launch.timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_duration, stop_deadline, stopped_line
 from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 from .run_io import check_path_length

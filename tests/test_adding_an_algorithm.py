@@ -19,9 +19,10 @@ import clients
 import strategies
 from fedbr_flwr import payload, registry
 from fedbr_flwr.algorithm import MemoryState, client_class
-from fedbr_flwr.cli import check_pyproject, list_keys, write_pyproject
+from fedbr_flwr.cli import list_keys, write_pyproject
 from fedbr_flwr.config import ConfigError, load_yaml, pyproject_table, validate
 from fedbr_flwr.dataset import ClientData
+from fedbr_flwr.launch.plan import check_pyproject
 from fedbr_flwr.run_io import RunRecorder
 from fedbr_flwr.server.checkpointing import ResumedRun
 from fedbr_flwr.server.robust import AggregationRound, RoundPlan

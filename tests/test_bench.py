@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedbr_flwr.bench import command as bench
-from fedbr_flwr.cli import config_from_settings
+from fedbr_flwr.launch.plan import config_from_settings
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedbr", "distrans"])

@@ -6,6 +6,7 @@ import pytest
 
 from fedbr_flwr import cli
 from fedbr_flwr.config import ConfigError
+from fedbr_flwr.launch import plan
 
 
 def run_cli(capsys, *args):
@@ -52,30 +53,30 @@ def test_missing_dataset_names_the_path(capsys, tmp_path):
 
 
 def test_gpu_share_without_cuda_is_refused():
-    cfg = cli.build_config(["client-gpus=0.5"])
+    cfg = plan.build_config(["client-gpus=0.5"])
     with pytest.raises(ConfigError, match="no CUDA"):
-        cli.size_resources(cfg, cuda_available=False, cpu_count=2)
+        plan.size_resources(cfg, cuda_available=False, cpu_count=2)
 
 
 def test_cohort_step_graph_without_cuda_is_refused_before_anything_starts():
-    cfg = cli.build_config(["engine=cohort", "cohort-step=graph"])
+    cfg = plan.build_config(["engine=cohort", "cohort-step=graph"])
     with pytest.raises(ConfigError, match="cohort-step=graph replays CUDA graphs but torch sees no CUDA device"):
-        cli.size_resources(cfg, cuda_available=False, cpu_count=2)
-    assert cli.size_resources(cfg, cuda_available=True, cpu_count=16)["cohorts"] == 1  # one GPU: one cohort
+        plan.size_resources(cfg, cuda_available=False, cpu_count=2)
+    assert plan.size_resources(cfg, cuda_available=True, cpu_count=16)["cohorts"] == 1  # one GPU: one cohort
 
 
 def test_gpu_fraction_is_chosen_when_cuda_is_present():
-    cfg = cli.size_resources(cli.build_config(["num-clients=10"]), cuda_available=True, cpu_count=16)
+    cfg = plan.size_resources(plan.build_config(["num-clients=10"]), cuda_available=True, cpu_count=16)
     assert cfg["client-gpus"] == pytest.approx(0.25)
-    cfg = cli.size_resources(cli.build_config(["num-clients=2"]), cuda_available=True, cpu_count=16)
+    cfg = plan.size_resources(plan.build_config(["num-clients=2"]), cuda_available=True, cpu_count=16)
     assert cfg["client-gpus"] == pytest.approx(0.5)
-    cfg = cli.size_resources(cli.build_config(["device=cpu"]), cuda_available=True, cpu_count=16)
+    cfg = plan.size_resources(plan.build_config(["device=cpu"]), cuda_available=True, cpu_count=16)
     assert cfg["client-gpus"] == 0.0
 
 
 def test_too_many_cpus_per_client_is_refused():
     with pytest.raises(ConfigError, match="cores"):
-        cli.size_resources(cli.build_config(["client-cpus=64"]), cuda_available=False, cpu_count=2)
+        plan.size_resources(plan.build_config(["client-cpus=64"]), cuda_available=False, cpu_count=2)
 
 
 def test_dry_run_resolves_absolute_paths_and_sizes(capsys, tmp_path, monkeypatch):
@@ -91,7 +92,7 @@ def test_later_items_override_earlier(tmp_path):
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     a.write_text("lr: 0.1\nseed: 1\n")
     b.write_text("lr: 0.2\n")
-    cfg = cli.build_config([str(a), str(b), "seed=5"])
+    cfg = plan.build_config([str(a), str(b), "seed=5"])
     assert cfg["lr"] == 0.2 and cfg["seed"] == 5
 
 
@@ -177,7 +178,7 @@ def test_the_loser_of_two_runs_started_at_once_into_one_folder_exits_2(capsys, t
         "import sys, time\nfrom pathlib import Path\nfrom fedbr_flwr.launch import runlock\n"
         "with runlock.hold(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(120)\n"
     )
-    prepare = cli.prepare
+    prepare = plan.prepare
     holder: list[subprocess.Popen] = []
 
     def prepare_then_lose_the_race(cfg, overwrite):

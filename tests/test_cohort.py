@@ -13,8 +13,8 @@ import torch
 from flwr.common import Code, FitRes, RecordDict, Status
 
 from fedbr_flwr import payload
-from fedbr_flwr.cli import build_config, size_resources
 from fedbr_flwr.config import ConfigError, validate
+from fedbr_flwr.launch.plan import build_config, size_resources
 from fedbr_flwr.node import CohortClient, build_client, cohort_members
 from fedbr_flwr.server_app import build_strategy
 

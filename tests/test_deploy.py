@@ -17,9 +17,9 @@ import pytest
 
 from fedbr_flwr import deploy
 from fedbr_flwr.checkpoint import load_checkpoint
-from fedbr_flwr.cli import prepare
 from fedbr_flwr.config import ConfigError, validate
 from fedbr_flwr.launch.launcher import _alive, descendants, stop_tree, submit_run
+from fedbr_flwr.launch.plan import prepare
 from fedbr_flwr.metrics import read_jsonl
 
 from fakes import records_without_timing

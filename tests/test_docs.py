@@ -97,7 +97,7 @@ def test_a_documented_command_parses_and_its_settings_are_valid(page, command, w
         if tool == "fedbr-sweep":
             sweep.plan(args.file, overrides, tmp_path, args.only, args.seeds)
         elif tool == "fedbr-run" and not (args.resume or args.list or args.write_docs or args.write_pyproject):
-            from fedbr_flwr.cli import build_config
+            from fedbr_flwr.launch.plan import build_config
 
             build_config([*files, *overrides])
     except ConfigError as exc:

@@ -16,6 +16,7 @@ from procs import flower_processes
 
 from fedbr_flwr import cli
 from fedbr_flwr.config import validate
+from fedbr_flwr.launch import plan
 from fedbr_flwr.launch.launcher import RunFailed, RunHost, run_flower
 
 pytestmark = pytest.mark.e2e
@@ -355,7 +356,7 @@ def test_a_run_that_leaves_a_client_hanging_hands_the_next_run_a_new_process(tmp
     """Run B's client 1 never returns from round 2; the round times out and B completes without it, but its thread
     cannot be stopped. The next run does not start in that process (it would share its cores with the spinning
     thread): it says so in one line and runs in a new one."""
-    from fedbr_flwr.cli import config_from_settings, prepare, size_for_runtime, supernodes
+    from fedbr_flwr.launch.plan import config_from_settings, prepare, size_for_runtime, supernodes
 
     def prepared(name, **settings):
         base = {"num-clients": 2, "local-steps": 1, "batch-size": 8, "global-test": False, "eval-every": 1}
@@ -447,7 +448,7 @@ def test_a_killed_cohort_run_resumes_rejects_a_nan_member_and_equals_the_client_
     assert manifest["config"]["cohort-step"] == "auto" and manifest["resumed"][0]["config"]["cohort-step"] == "vmap"
     assert manifest["config"]["backend"] == "in-process" and manifest["resumed"][0]["config"]["backend"] == "ray"
 
-    cfg = cli.build_config(settings)
+    cfg = plan.build_config(settings)
     strategy, _, proxies = in_process_federation(cfg, tmp_path / "clients")
     run_rounds(strategy, proxies, 4)
     for name in ("rounds.jsonl", "metrics.jsonl"):

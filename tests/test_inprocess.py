@@ -14,22 +14,22 @@ from flwr.clientapp.client_app import ClientAppException
 
 from fedbr_flwr import cli, flower_adapter, server_app
 from fedbr_flwr.errors import ConfigError
-from fedbr_flwr.launch import simulation
+from fedbr_flwr.launch import plan, simulation
 from fedbr_flwr.launch.inprocess import IN_PROCESS, InProcessBackend, worker_threads
 
 
 def sized(*items, cuda=False, cpus=2):
-    return cli.size_resources(cli.build_config(list(items)), cuda_available=cuda, cpu_count=cpus)
+    return plan.size_resources(plan.build_config(list(items)), cuda_available=cuda, cpu_count=cpus)
 
 
 def test_auto_runs_the_clients_in_process_on_this_machines_cpus_and_on_ray_elsewhere():
-    assert cli.choose_backend(sized())["backend"] == "in-process"
-    assert cli.choose_backend(sized("engine=cohort"))["backend"] == "in-process"
-    assert cli.choose_backend(sized(cuda=True, cpus=16))["backend"] == "ray"  # a GPU share per client
-    assert cli.choose_backend(sized("device=cpu", cuda=True, cpus=16))["backend"] == "in-process"
-    assert cli.choose_backend(sized(), superlink=True)["backend"] == "ray"
-    assert cli.choose_backend(sized(), cluster=True)["backend"] == "ray"
-    assert cli.choose_backend(sized("backend=ray"))["backend"] == "ray"
+    assert plan.choose_backend(sized())["backend"] == "in-process"
+    assert plan.choose_backend(sized("engine=cohort"))["backend"] == "in-process"
+    assert plan.choose_backend(sized(cuda=True, cpus=16))["backend"] == "ray"  # a GPU share per client
+    assert plan.choose_backend(sized("device=cpu", cuda=True, cpus=16))["backend"] == "in-process"
+    assert plan.choose_backend(sized(), superlink=True)["backend"] == "ray"
+    assert plan.choose_backend(sized(), cluster=True)["backend"] == "ray"
+    assert plan.choose_backend(sized("backend=ray"))["backend"] == "ray"
 
 
 @pytest.mark.parametrize(
@@ -41,9 +41,9 @@ def test_auto_runs_the_clients_in_process_on_this_machines_cpus_and_on_ray_elsew
     ],
 )
 def test_in_process_where_it_cannot_run_is_refused_with_the_reason(items, where, message):
-    cfg = cli.build_config(["backend=in-process", *items])
+    cfg = plan.build_config(["backend=in-process", *items])
     with pytest.raises(ConfigError, match=f"backend = in-process runs the clients in threads .*{message}"):
-        cli.choose_backend(cfg, **where)
+        plan.choose_backend(cfg, **where)
 
 
 def test_fedbr_run_resolves_the_backend_and_superlink_refuses_in_process(tmp_path, capsys):
@@ -62,10 +62,10 @@ def test_a_deployment_and_flowers_own_simulation_refuse_in_process(capsys, tmp_p
 
     assert deploy.main(["local", "backend=in-process", f"output-dir={tmp_path / 'run'}"]) == 2
     assert "a deployment's clients are its SuperNodes" in capsys.readouterr().err
-    cfg = cli.build_config(["backend=in-process"])
+    cfg = plan.build_config(["backend=in-process"])
     with pytest.raises(ConfigError, match="this run is Flower's"):  # no backend chosen per run in this process
         server_app.check_backend(cfg)
-    server_app.check_backend(cli.build_config(["backend=ray"]))
+    server_app.check_backend(plan.build_config(["backend=ray"]))
 
 
 def test_the_backend_may_change_when_a_run_resumes():
@@ -133,7 +133,7 @@ def test_flowers_engine_gets_the_in_process_backend_only_where_the_run_asks_for_
     monkeypatch.setattr(ray_backend, "__init__", lambda self, config: built.append(config))  # no Ray here
     backend = chosen({"client_resources": {"num_cpus": 1}, IN_PROCESS: {"on": False}})
     assert isinstance(backend, ray_backend) and len(built) == 1
-    server_app.check_backend(cli.build_config(["backend=in-process"]))  # now it would run in-process
+    server_app.check_backend(plan.build_config(["backend=in-process"]))  # now it would run in-process
 
 
 def test_the_simulation_process_starts_ray_ahead_only_where_a_run_will_likely_use_it():

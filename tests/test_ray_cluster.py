@@ -18,7 +18,7 @@ import pytest
 
 from fedbr_flwr import cli
 from fedbr_flwr.errors import ConfigError
-from fedbr_flwr.launch import raycluster
+from fedbr_flwr.launch import plan, raycluster
 from fedbr_flwr.launch.launcher import free_port
 from fedbr_flwr.server.recording import round_record
 from fedbr_flwr.server.routing import Answer, placement
@@ -68,15 +68,15 @@ def test_fedbr_run_on_a_silent_cluster_exits_2_with_one_line_and_writes_nothing(
 
 
 def test_cohorts_count_the_cluster_and_no_client_asks_for_more_than_a_node_has():
-    cfg = cli.build_config(["engine=cohort", "num-clients=10"])
-    two_nodes = cli.size_resources(cfg, cuda_available=False, cpu_count=2, node_cpus=1)
+    cfg = plan.build_config(["engine=cohort", "num-clients=10"])
+    two_nodes = plan.size_resources(cfg, cuda_available=False, cpu_count=2, node_cpus=1)
     assert two_nodes["cohorts"] == 2 and two_nodes["client-cpus"] == 1
-    uneven = cli.size_resources(
-        cli.build_config(["engine=cohort", "num-clients=10", "cohorts=2"]), False, cpu_count=12, node_cpus=4
+    uneven = plan.size_resources(
+        plan.build_config(["engine=cohort", "num-clients=10", "cohorts=2"]), False, cpu_count=12, node_cpus=4
     )
     assert uneven["client-cpus"] == 4  # 6 each would fit no node
     with pytest.raises(ConfigError, match="the cluster's largest node has 1 cores"):
-        cli.size_resources(cli.build_config(["client-cpus=2"]), cuda_available=False, cpu_count=2, node_cpus=1)
+        plan.size_resources(plan.build_config(["client-cpus=2"]), cuda_available=False, cpu_count=2, node_cpus=1)
 
 
 # ---------------------------------------------------------------- where the work ran
@@ -104,7 +104,7 @@ def test_both_engines_name_the_node_in_a_fit_reply(tmp_path):
     """Outside Ray (in this process) the node is the host name; the server reads it and drops it from the metrics."""
     from fakes import in_process_federation, run_rounds
 
-    cfg = cli.build_config(["num-clients=2", "num-rounds=1", "local-steps=1", "global-test=false"])
+    cfg = plan.build_config(["num-clients=2", "num-rounds=1", "local-steps=1", "global-test=false"])
     strategy, _, proxies = in_process_federation(cfg, tmp_path)
     run_rounds(strategy, proxies, 1)
     (record,) = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
@@ -242,8 +242,8 @@ def test_a_resumed_run_runs_where_the_resume_command_says(tmp_path, monkeypatch)
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     save_checkpoint(tmp_path, {}, {"round": 2, "config": validate({"num-rounds": 4, "ray-address": "10.0.0.5:6379"})})
-    assert cli.resume_config(tmp_path, [])["ray-address"] == ""
-    assert cli.resume_config(tmp_path, ["ray-address=auto"])["ray-address"] == "auto"
+    assert plan.resume_config(tmp_path, [])["ray-address"] == ""
+    assert plan.resume_config(tmp_path, ["ray-address=auto"])["ray-address"] == "auto"
 
 
 @pytest.mark.e2e

@@ -227,7 +227,7 @@ def test_serve_answers_from_several_threads_one_whole_line_at_a_time():
 
 
 def prepared(tmp_path, name, **settings):
-    from fedbr_flwr.cli import config_from_settings, prepare, size_for_runtime
+    from fedbr_flwr.launch.plan import config_from_settings, prepare, size_for_runtime
 
     base = {"num-clients": 2, "num-rounds": 1, "local-steps": 1, "batch-size": 8, "global-test": False}
     return prepare(
@@ -243,8 +243,8 @@ def test_a_killed_or_failed_host_is_replaced_by_a_new_one_and_none_leaves_a_proc
 
     from procs import flower_processes
 
-    from fedbr_flwr.cli import supernodes
     from fedbr_flwr.launch.launcher import RunFailed, RunHost, run_flower
+    from fedbr_flwr.launch.plan import supernodes
 
     before = flower_processes()
     first, second, third = (prepared(tmp_path, f"run{i}", seed=i) for i in (1, 2, 3))

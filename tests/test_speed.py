@@ -14,8 +14,8 @@ from flwr.common import RecordDict, ndarrays_to_parameters
 from fedbr_flwr import payload
 from fedbr_flwr.bench import command as bench
 from fedbr_flwr.catalog import SYNTHETIC_SIZES, load_raw
-from fedbr_flwr.cli import config_from_settings
 from fedbr_flwr.config import ConfigError
+from fedbr_flwr.launch.plan import config_from_settings
 from fedbr_flwr.metrics import read_jsonl
 from fedbr_flwr.node import ClientCache, build_client
 from fedbr_flwr.training import frozen_copy, round_sgd

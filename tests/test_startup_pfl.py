@@ -111,7 +111,7 @@ def test_pfl_trains_what_the_bare_loop_trains(weighting):
 
     from fedbr_flwr.bench.bare import bare_loop
     from fedbr_flwr.bench.startup_pfl import mean_local_accuracy, pfl_loop
-    from fedbr_flwr.cli import build_config
+    from fedbr_flwr.launch.plan import build_config
 
     # unequal partitions, so that weighting=samples differs from uniform
     cfg = build_config([*WORKLOAD, "num-clients=4", "num-rounds=2", "partition=dirichlet", f"weighting={weighting}"])

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from fedbr_flwr import tracking
-from fedbr_flwr.cli import config_from_settings
 from fedbr_flwr.config import ConfigError, validate
+from fedbr_flwr.launch.plan import config_from_settings
 from fedbr_flwr.metrics import read_jsonl
 from fedbr_flwr.progress import read_events
 from fedbr_flwr.run_io import RunRecorder

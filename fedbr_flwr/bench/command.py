@@ -39,10 +39,10 @@ import torch
 
 from ..algorithm import client_class
 from ..catalog import INFO
-from ..cli import build_config, size_for_runtime, size_resources, supernodes
 from ..config import ConfigError, resolved_model
 from ..dataset import load_client_data, load_cohort_data
 from ..launch.launcher import RunFailed, run_flower
+from ..launch.plan import build_config, size_for_runtime, size_resources, supernodes
 from ..launch.raycluster import requested_address
 from ..metrics import read_jsonl
 from ..model import SplitModel

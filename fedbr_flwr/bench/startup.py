@@ -327,7 +327,7 @@ def milestone_main(cfg: dict, label: str, tag: str, train: Callable) -> int:
 
 def bare_main(argv: Sequence[str]) -> int:
     """The bare loop as a process of its own (``milestone_main``)."""
-    from ..cli import build_config
+    from ..launch.plan import build_config
 
     def train(cfg, device, on_start, on_round) -> float:
         from .bare import bare_loop

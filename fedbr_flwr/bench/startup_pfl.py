@@ -43,8 +43,8 @@ except ModuleNotFoundError as exc:  # run as a script only: say what to install 
 
 from .. import seeds
 from ..algorithm import client_class
-from ..cli import build_config
 from ..dataset import ClientData, load_client_data
+from ..launch.plan import build_config
 from ..server_app import build_strategy
 from ..training import BatchSampler, load_module_arrays
 from .bare import synchronize

@@ -1,0 +1,259 @@
+"""The run plan: what a simulated run will be on this machine, decided before Flower starts. Its config from
+experiment files and ``key=value`` overrides (``build_config``) or from a stopped run's checkpoint
+(``resume_config``); its resources sized for the runtime it will use, this machine or a joined Ray cluster
+(``size_for_runtime``: cohorts, each client's cores and GPU share, the ``backend``); its SuperNodes
+(``supernodes``); and its run folder checked and its partition built (``prepare``). fedbr-run, fedbr-sweep,
+fedbr-deploy and the benchmarks plan their runs here."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..config import ConfigError, check_sampling, defaults, load_yaml, parse_override, validate
+from ..run_io import check_output_dir, check_path_length, git_commit
+from ..tracking import check_available
+from .launcher import PROJECT_DIR
+from .raycluster import Cluster
+from .runlock import check_free
+
+DEFAULT_SIMULATED_CLIENTS = 10
+MAX_CLIENTS_PER_GPU = 4
+
+
+def build_config(items: Sequence[str]) -> dict[str, Any]:
+    """Defaults <- each YAML file <- each key=value, in the order given."""
+    return config_from_settings(settings_from(items))
+
+
+def settings_from(items: Sequence[str]) -> dict[str, Any]:
+    """The settings that experiment files and ``key=value`` overrides give, later ones winning."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        if "=" in item and not item.endswith((".yaml", ".yml")):
+            key, value = parse_override(item)
+            overrides[key] = value
+        else:
+            data = load_yaml(item)
+            if "sweep" in data:
+                raise ConfigError(
+                    f"{item} describes several runs (it has a 'sweep' block): run it with `fedbr-sweep {item}`"
+                )
+            overrides.update(data)
+    return overrides
+
+
+def config_from_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    cfg = validate(settings)
+    check_available(cfg)
+    if cfg["num-clients"] == 0:
+        cfg["num-clients"] = DEFAULT_SIMULATED_CLIENTS
+        check_sampling(cfg)
+    return cfg
+
+
+def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
+    """The config of the run in ``out_dir`` (from its checkpoint), with ``resume`` on and the overrides
+    a resumed run may take (num-rounds, checkpoint-every, ...); anything else stops with a message."""
+    from ..checkpoint import load_checkpoint
+    from ..server_app import RESUMABLE_KEYS, check_resumable
+
+    check_path_length(out_dir, "--resume")
+    out_dir = out_dir.expanduser().resolve()
+    check_free(out_dir)  # a live run (or one left running) is writing there
+    _, header = load_checkpoint(out_dir)
+    check_output_dir(out_dir)
+    overrides: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item or item.endswith((".yaml", ".yml")):
+            raise ConfigError(
+                f"--resume takes the config from {out_dir}'s checkpoint; give only key=value overrides "
+                f"of {', '.join(k for k in RESUMABLE_KEYS if k not in ('resume', 'git-commit'))}"
+            )
+        key, value = parse_override(item)
+        overrides[key] = value
+    saved = header["config"]
+    here = {"ray-address": "", "backend": "auto"}  # where it runs now: the resume command's choice
+    cfg = validate({**saved, **here, **overrides, "resume": True, "output-dir": str(out_dir)})
+    check_resumable(saved, cfg, int(header["round"]))
+    check_available(cfg)
+    cfg["git-commit"] = git_commit(PROJECT_DIR) or "unknown"
+    print(f"fedbr-run: resuming {out_dir} after round {header['round']} of {cfg['num-rounds']}", flush=True)
+    return cfg
+
+
+def size_resources(
+    cfg: dict[str, Any],
+    cuda_available: bool,
+    cpu_count: int,
+    gpu_count: int | None = None,
+    node_cpus: int | None = None,
+) -> dict[str, Any]:
+    """Resources for Ray: CPU cores per client, and a GPU share when CUDA is present. With
+    ``engine=cohort``: the cohorts (unless ``cohorts`` says: one per GPU; on a CPU, one per
+    ``client-cpus`` cores, so that they train side by side with each client's thread count as under
+    engine=clients), each with its share of the cores and the GPUs. On a joined cluster the counts are
+    the cluster's, and no client asks for more cores than its largest node has (``node_cpus``)."""
+    cfg = dict(cfg)
+    node_cpus = node_cpus or cpu_count
+    if cfg["client-cpus"] > node_cpus:
+        where = "this machine has" if node_cpus == cpu_count else "the cluster's largest node has"
+        raise ConfigError(f"client-cpus = {cfg['client-cpus']} but {where} {node_cpus} cores")
+    if cfg["client-gpus"] > 0 and not cuda_available:
+        raise ConfigError("client-gpus > 0 but torch sees no CUDA device (Ray would find no actor to place)")
+    if cfg["device"] == "cuda" and not cuda_available:
+        raise ConfigError("device = cuda but torch sees no CUDA device")
+    if cfg["cohort-step"] == "graph" and not cuda_available:
+        raise ConfigError("cohort-step=graph replays CUDA graphs but torch sees no CUDA device: use vmap or loop")
+    gpus = (gpu_count if gpu_count is not None else 1) if cuda_available and cfg["device"] != "cpu" else 0
+    if cfg["engine"] == "cohort":
+        cfg["cohorts"] = min(cfg["cohorts"] or gpus or max(1, cpu_count // cfg["client-cpus"]), cfg["num-clients"])
+        cfg["client-cpus"] = min(max(cfg["client-cpus"], cpu_count // cfg["cohorts"]), node_cpus)
+        if gpus and cfg["client-gpus"] == 0:
+            cfg["client-gpus"] = min(1.0, gpus / cfg["cohorts"])
+    elif gpus and cfg["client-gpus"] == 0:
+        cfg["client-gpus"] = 1.0 / min(cfg["num-clients"], MAX_CLIENTS_PER_GPU)
+    return cfg
+
+
+def size_for_runtime(cfg: dict[str, Any], cluster: Cluster | None = None, superlink: bool = False) -> dict[str, Any]:
+    """``size_resources`` for the runtime the run will use: this machine's cores and GPUs, or those of the
+    running Ray cluster it joins (``ray-address``, else ``RAY_ADDRESS``; ``cluster``: already described), whose
+    resolved address it records; and its ``backend`` (``choose_backend``; ``superlink``: fedbr-run --superlink)."""
+    import torch
+
+    from .raycluster import describe, requested_address
+
+    address = requested_address(cfg["ray-address"])
+    if address is None:
+        return choose_backend(size_resources(cfg, torch.cuda.is_available(), os.cpu_count() or 1), superlink)
+    if cluster is None:
+        cluster = describe(address)
+        print(
+            f"fedbr-run: joining the Ray cluster at {cluster.address}: {cluster.nodes} node(s), {cluster.cpus} "
+            f"CPU(s), {cluster.gpus} GPU(s)",
+            flush=True,
+        )
+    joined = {**cfg, "ray-address": cluster.address}
+    sized = size_resources(joined, cluster.gpus > 0, cluster.cpus, cluster.gpus, cluster.largest_node_cpus)
+    return choose_backend(sized, superlink, cluster=True)
+
+
+def choose_backend(cfg: dict[str, Any], superlink: bool = False, cluster: bool = False) -> dict[str, Any]:
+    """``backend`` for a sized run: ``auto`` is in-process (the clients in threads of the simulation process)
+    where it can be, else ray; in-process where it cannot be is a ConfigError."""
+    why_ray = ray_needed_because(cfg, superlink, cluster)
+    if cfg["backend"] == "in-process" and why_ray:
+        raise ConfigError(
+            f"backend = in-process runs the clients in threads of one process on this machine's CPUs, but {why_ray}: "
+            "use backend = ray (or auto)"
+        )
+    return {**cfg, "backend": "ray" if why_ray else "in-process"} if cfg["backend"] == "auto" else cfg
+
+
+def ray_needed_because(cfg: dict[str, Any], superlink: bool, cluster: bool) -> str:
+    """Why the run's clients must run on Ray; empty where they may run in the simulation process."""
+    if superlink:
+        return "--superlink runs Flower's own simulation process, which runs the clients on Ray"
+    if cluster:
+        return "the run joins a Ray cluster"
+    if cfg["client-gpus"] > 0:
+        return "the clients use a GPU (client-gpus > 0), which Ray shares out"
+    return ""
+
+
+def supernodes(cfg: dict[str, Any]) -> int:
+    """The simulated SuperNodes: one per client, or one per cohort (engine=cohort)."""
+    return cfg["cohorts"] if cfg["engine"] == "cohort" else cfg["num-clients"]
+
+
+def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
+    from ..dataset import make_partition
+
+    if not cfg["output-dir"]:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        cfg["output-dir"] = str(Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}")
+    check_path_length(Path(cfg["output-dir"]))
+    out = Path(cfg["output-dir"]).expanduser().resolve()
+    check_free(out)  # also with --overwrite: a live run (or one left running) is writing there
+    if cfg["resume"]:
+        check_resume_key(out)
+    if not overwrite:
+        check_no_run(out)
+    cfg["output-dir"] = str(out)
+    if cfg["data-dir"]:  # Flower runs the app from a copy elsewhere: hand it absolute paths only
+        cfg["data-dir"] = str(Path(cfg["data-dir"]).expanduser().resolve())
+    cfg["git-commit"] = cfg["git-commit"] or git_commit(PROJECT_DIR) or "unknown"
+    check_pyproject()
+    if cfg["num-clients"]:  # 0 (a deployment: one client per SuperNode) is checked when the nodes are known
+        make_partition(cfg)  # fails here, before Flower starts, on a missing dataset or an impossible split
+    check_proxy_dataset(cfg)
+    check_available(cfg)
+    check_output_dir(out)  # a file in its place, no permission: a message now, not a traceback from Flower
+    return cfg
+
+
+def check_resume_key(out: Path) -> None:
+    """``resume = true`` in a fresh run's settings: a ConfigError now (the run would fail inside Flower),
+    saying whether there is a checkpoint and how to continue from it."""
+    from ..checkpoint import load_checkpoint
+
+    load_checkpoint(out)  # none: "no checkpoint to resume from"
+    raise ConfigError(
+        f"resume = true is set by `fedbr-run --resume`; to continue the run in {out}, use "
+        f"`fedbr-run --resume {out}` (it takes the config from the checkpoint)"
+    )
+
+
+def check_proxy_dataset(cfg: dict[str, Any]) -> None:
+    """Mixture pseudo-data reads a public proxy dataset on the server: a missing one stops the command now,
+    before Flower starts, with the dataset's own message (read once here; the server reads it again)."""
+    if cfg["pseudo-data"] != "mixture":
+        return
+    from pseudodata import proxy_dataset
+
+    from ..catalog import load_raw
+
+    load_raw(proxy_dataset(cfg), cfg["data-dir"], cfg["download"])
+
+
+def check_no_run(out: Path) -> None:
+    """ConfigError when ``out`` holds a run's files; --resume is offered only with a checkpoint to resume."""
+    from ..checkpoint import CHECKPOINT_NAME
+
+    found = [name for name in ("metrics.jsonl", "rounds.jsonl", CHECKPOINT_NAME) if (out / name).exists()]
+    if CHECKPOINT_NAME in found:
+        raise ConfigError(
+            f"{out} already holds a run; pick another output-dir, pass --overwrite, or continue it "
+            f"with `fedbr-run --resume {out}`"
+        )
+    if any((out / name).stat().st_size for name in found):
+        raise ConfigError(
+            f"{out} already holds a run (without a checkpoint, so it cannot be resumed); pick "
+            "another output-dir or pass --overwrite"
+        )
+    if found:
+        raise ConfigError(
+            f"{out} holds the empty files of a run that stopped before its first round (no "
+            "checkpoint to resume from); pick another output-dir or pass --overwrite"
+        )
+
+
+def check_pyproject(path: Path = PROJECT_DIR / "pyproject.toml") -> None:
+    """Flower accepts only the run-config keys pyproject.toml declares: after a key was added (a new
+    algorithm), say how to declare it instead of letting Flower refuse the run."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    if not path.is_file():
+        return
+    table = tomllib.loads(path.read_text()).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
+    if table != defaults():
+        raise ConfigError(
+            f"{path}'s run-config table differs from the config schema (a key was added or "
+            "changed): run `fedbr-run --write-pyproject`, then run again"
+        )
