@@ -60,7 +60,9 @@ def request(tmp_path, run_id):
 
 
 def serve_runs_with(monkeypatch, fake_simulate):
-    """``serve`` with each run's ``simulate`` replaced, and nothing of Ray or the imports started ahead."""
+    """``serve`` with each run's ``simulate`` replaced, and nothing of Ray or the imports started ahead; the
+    working directory, which each run changes to its folder, is restored after the test."""
+    monkeypatch.chdir(Path.cwd())
     monkeypatch.setattr(simulation, "simulate", fake_simulate)
     monkeypatch.setattr(simulation, "keep_actors_between_runs", lambda: None)
     monkeypatch.setattr(simulation, "replace_dead_actors", lambda: None)
