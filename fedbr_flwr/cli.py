@@ -28,8 +28,8 @@ from .checkpoint import checkpoint_round
 from .config import ConfigError, pyproject_table, schema
 from .launch.launcher import PROJECT_DIR, RunFailed, RunHost, run_flower
 from .launch.plan import build_config, prepare, resume_config, size_for_runtime, supernodes
-from .launch.raycluster import requested_address
 from .launch.timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_duration, stop_deadline, stopped_line
+from .raycluster import requested_address
 
 PYPROJECT_MARK = "# Generated from the schema by `fedbr-run --write-pyproject` (a test keeps it equal):\n"
 

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from . import runlock
 from .errors import ConfigError
-from .launch import runlock, watchdog
+from .launch import watchdog
 from .launch.launcher import RunFailed, flower_env, free_port, stop_tree, submit_run, wait_healthy
 from .launch.worker import write_private
 

@@ -73,7 +73,7 @@ def choose_backend_per_run() -> None:
     backend it is (with ``keep_actors_between_runs``: the one that keeps its actors)."""
     from flwr.server.superlink.fleet.vce.backend import raybackend
 
-    from .launch.inprocess import IN_PROCESS, InProcessBackend
+    from .inprocess import IN_PROCESS, InProcessBackend
 
     if chooses_backend_per_run():
         return

@@ -20,7 +20,7 @@ from flwr.common import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from . import cohort, payload
 from .algorithm import ClientAlgorithm, FunctionalStep, NodeState
-from .launch.raycluster import NODE, worker_node
+from .raycluster import NODE, worker_node
 
 
 class RecordState(NodeState):

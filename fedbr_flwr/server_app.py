@@ -12,13 +12,13 @@ from flwr.server.compat import start_grid
 
 from strategies.base import strategy_class
 
+from . import runlock
 from .algorithm import client_class
 from .checkpoint import load_checkpoint
 from .config import PLACEMENT_KEYS, from_run_config
 from .dataset import load_server_tests
 from .errors import ConfigError
 from .flower_adapter import chooses_backend_per_run, receive_replies_promptly
-from .launch import runlock
 from .run_io import RunRecorder, resolve_output_dir
 from .server.checkpointing import ResumedRun
 from .training import use_device

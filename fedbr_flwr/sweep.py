@@ -52,10 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from . import tracking
+from . import runlock, tracking
 from .cli import finished_run_problem
 from .config import PLACEMENT_KEYS, ConfigError, load_yaml, normalise_key, parse_override, schema, unknown_key
-from .launch import runlock
 from .launch.launcher import RunFailed, RunHost, run_flower
 from .launch.plan import config_from_settings, prepare, size_for_runtime, supernodes
 from .launch.timelimit import EXIT_TIME_LIMIT, RoundWatch, TimeLimitReached, parse_duration, stop_deadline, stopped_line
@@ -352,7 +351,7 @@ def shared_host(jobs: list[tuple[Setting, int, dict[str, Any]]]) -> Iterator[Run
     """One simulation process for the sweep's runs (``launcher.RunHost``): the second and later runs start on
     the first's imports, Ray runtime and client processes. None (each run a process of its own) when the
     runs name different Ray clusters."""
-    from .launch.raycluster import describe, requested_address
+    from .raycluster import describe, requested_address
 
     addresses = {requested_address(cfg["ray-address"]) for _, _, cfg in jobs}
     if len(addresses) != 1:

@@ -254,10 +254,10 @@ def test_the_round_profile_sorts_each_sample_of_the_simulation_process_into_its_
     sim = 'process 1:"fedbr-run";process 2:"python -m fedbr_flwr.launch.simulation";thread (3): T'
     lines = [
         f"{sim};worker (flwr/server/superlink/fleet/vce/vce_api.py:132);"
-        "process_message (fedbr_flwr/launch/inprocess.py:99);"
+        "process_message (fedbr_flwr/inprocess.py:99);"
         "ClientAlgorithm.fit (fedbr_flwr/algorithm.py:1);run_local_steps (fedbr_flwr/algorithm.py:2) 30",
         f"{sim};worker (flwr/server/superlink/fleet/vce/vce_api.py:132);"
-        "process_message (fedbr_flwr/launch/inprocess.py:99);"
+        "process_message (fedbr_flwr/inprocess.py:99);"
         "deepcopy (copy.py:1) 4",
         f"{sim};worker (flwr/server/superlink/fleet/vce/vce_api.py:122);get (queue.py:180) 6",
         f"{sim};fit_round (flwr/server/server.py:1);aggregate_fit (fedbr_flwr/server/flower.py:96) 2",

@@ -142,7 +142,7 @@ def test_a_folder_locked_by_a_live_process_is_refused_and_a_dead_ones_lock_is_no
 
     (tmp_path / "checkpoint.npz").write_text("not read: the lock is checked first")
     holding = (
-        "import sys, time\nfrom pathlib import Path\nfrom fedbr_flwr.launch import runlock\n"
+        "import sys, time\nfrom pathlib import Path\nfrom fedbr_flwr import runlock\n"
         f"with runlock.hold(Path(sys.argv[1]), role={role!r}):\n"
         "    print('held', flush=True)\n    time.sleep(120)\n"
     )
@@ -175,7 +175,7 @@ def test_the_loser_of_two_runs_started_at_once_into_one_folder_exits_2(capsys, t
     from fedbr_flwr.launch import launcher
 
     holding = (
-        "import sys, time\nfrom pathlib import Path\nfrom fedbr_flwr.launch import runlock\n"
+        "import sys, time\nfrom pathlib import Path\nfrom fedbr_flwr import runlock\n"
         "with runlock.hold(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(120)\n"
     )
     prepare = plan.prepare

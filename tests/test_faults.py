@@ -335,7 +335,7 @@ def test_a_process_killed_by_a_signal_is_named_by_its_signal():
 
 def test_an_exception_without_a_message_still_says_what_happened():
     from fedbr_flwr.errors import describe
-    from fedbr_flwr.launch.inprocess import InProcessBackend
+    from fedbr_flwr.inprocess import InProcessBackend
 
     assert describe(MemoryError()) == "MemoryError: out of memory"
     assert describe(KeyError()) == "KeyError"

@@ -199,6 +199,7 @@ FLOWER_ADAPTER = (
     "fedbr_flwr.cohort",
     "fedbr_flwr.payload",
     "fedbr_flwr.flower_adapter",
+    "fedbr_flwr.inprocess",
     "fedbr_flwr.server.flower",
     "fedbr_flwr.server.routing",
     "fedbr_flwr.server.federation",
@@ -209,11 +210,6 @@ LAYERS = ("algorithms and shared machinery", "Flower adapter", "launch", "comman
 KNOWN_UPWARD = {
     ("strategies.base", "fedbr_flwr.server.flower"),  # an algorithm's server side is a Flower strategy
     ("fedbr_flwr.client_app", "fedbr_flwr.launch.worker"),  # in a deployment the ClientApp hands to the worker
-    ("fedbr_flwr.flower_adapter", "fedbr_flwr.launch.inprocess"),  # the backend the engine is patched to use
-    ("fedbr_flwr.node", "fedbr_flwr.launch.raycluster"),  # which node a client runs on
-    ("fedbr_flwr.server.routing", "fedbr_flwr.launch.raycluster"),
-    ("fedbr_flwr.server_app", "fedbr_flwr.launch"),  # one live run per folder (runlock)
-    ("fedbr_flwr.server_app", "fedbr_flwr.launch.runlock"),
 }
 
 

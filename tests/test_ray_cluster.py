@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from fedbr_flwr import cli
+from fedbr_flwr import cli, raycluster
 from fedbr_flwr.errors import ConfigError
-from fedbr_flwr.launch import plan, raycluster
+from fedbr_flwr.launch import plan
 from fedbr_flwr.launch.launcher import free_port
 from fedbr_flwr.server.recording import round_record
 from fedbr_flwr.server.routing import Answer, placement

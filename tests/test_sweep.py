@@ -494,7 +494,7 @@ def test_a_second_sweep_into_the_same_out_stops_at_once_and_writes_nothing(tmp_p
 
     out = tmp_path / "out"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys\nfrom fedbr_flwr.launch import runlock\n"
+        [sys.executable, "-c", "import sys\nfrom fedbr_flwr import runlock\n"
          "with runlock.hold(sys.argv[1], 'sweep'):\n"
          "    print('held', flush=True)\n    sys.stdin.read()", str(out)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

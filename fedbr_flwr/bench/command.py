@@ -43,9 +43,9 @@ from ..config import ConfigError, resolved_model
 from ..dataset import load_client_data, load_cohort_data
 from ..launch.launcher import RunFailed, run_flower
 from ..launch.plan import build_config, size_for_runtime, size_resources, supernodes
-from ..launch.raycluster import requested_address
 from ..metrics import read_jsonl
 from ..model import SplitModel
+from ..raycluster import requested_address
 from ..server.recording import node_key
 from ..server_app import build_strategy
 from ..training import autocast, use_device

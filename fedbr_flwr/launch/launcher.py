@@ -22,12 +22,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .. import runlock
 from ..config import to_toml
 from ..errors import ConfigError
 from ..progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower
-from . import runlock, watchdog
+from ..raycluster import log_tail, ray_environment, requested_address
+from . import watchdog
 from .protocol import RunReply, RunRequest
-from .raycluster import log_tail, ray_environment, requested_address
 from .timelimit import RoundWatch, TimeLimitReached
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
@@ -110,7 +111,7 @@ def flower_env(flwr_home: Path, http_port: int | None = None, control_port: int 
 def local_superlink(log_dir: Path, ray_address: str | None = None) -> Iterator[dict[str, str]]:
     """A simulation SuperLink on free ports with its own FLWR_HOME; yields the environment in which
     ``flwr`` commands talk to it, and stops it with all its children on exit. Its simulations use a private
-    Ray runtime, or join the running cluster at ``ray_address`` (``fedbr_flwr.launch.raycluster``)."""
+    Ray runtime, or join the running cluster at ``ray_address`` (``fedbr_flwr.raycluster``)."""
     flwr_home = watchdog.temp_dir("fedbr-flwr-home-")  # removed also if this process is killed
     http_port, control_port = free_port(), free_port()
     env = {**flower_env(flwr_home, http_port, control_port), **ray_environment(ray_address)}

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..config import ConfigError, check_sampling, defaults, load_yaml, parse_override, validate
+from ..raycluster import Cluster
 from ..run_io import check_output_dir, check_path_length, git_commit
+from ..runlock import check_free
 from ..tracking import check_available
 from .launcher import PROJECT_DIR
-from .raycluster import Cluster
-from .runlock import check_free
 
 DEFAULT_SIMULATED_CLIENTS = 10
 MAX_CLIENTS_PER_GPU = 4
@@ -124,7 +124,7 @@ def size_for_runtime(cfg: dict[str, Any], cluster: Cluster | None = None, superl
     resolved address it records; and its ``backend`` (``choose_backend``; ``superlink``: fedbr-run --superlink)."""
     import torch
 
-    from .raycluster import describe, requested_address
+    from ..raycluster import describe, requested_address
 
     address = requested_address(cfg["ray-address"])
     if address is None:

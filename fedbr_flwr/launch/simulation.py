@@ -39,11 +39,11 @@ STARTED = "fedbr simulation: run {} started in process {}"
 
 def ray_init_args(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, Any]:
     """``ray.init`` arguments: those Flower's Ray backend would use (its defaults), at the address the launcher
-    set (``fedbr_flwr.launch.raycluster``). The workers need this interpreter's module path. A cluster's nodes get it
+    set (``fedbr_flwr.raycluster``). The workers need this interpreter's module path. A cluster's nodes get it
     as the job's runtime environment, as Flower gives it. A private runtime's workers inherit it from this
     process's environment (``start_ray`` sets it), because with a job runtime environment Ray leaves the
     worker processes it starts with the driver idle and starts the actors in new ones (1 CPU-s wasted)."""
-    from .raycluster import PRIVATE
+    from ..raycluster import PRIVATE
 
     address = environ.get("RAY_ADDRESS") or PRIVATE
     args: dict[str, Any] = {
@@ -112,7 +112,7 @@ def simulate(run_config: dict[str, Any], run_id: int, supernodes: int, cpus: flo
         import_both_sides()
     else:
         start_ray()
-    from .inprocess import IN_PROCESS
+    from ..inprocess import IN_PROCESS
     from .launcher import PROJECT_DIR
 
     run_flower_simulation(
@@ -179,7 +179,7 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
 def leftover_clients() -> str:
     """Why this process must not take another run: a client thread of the run before that never returned (a
     round timeout gave up on it; a thread cannot be killed, and it would slow every later run). "" if none."""
-    from .inprocess import clients_running
+    from ..inprocess import clients_running
 
     count = clients_running()
     if not count:
@@ -190,7 +190,7 @@ def leftover_clients() -> str:
 def ray_likely(environ: dict[str, str] | os._Environ = os.environ) -> bool:
     """Whether a run of this host will likely use Ray (``backend = auto`` picks it on a cluster or a GPU), told
     without importing torch: a wrong guess costs seconds, not correctness."""
-    from .raycluster import PRIVATE
+    from ..raycluster import PRIVATE
 
     if environ.get("RAY_ADDRESS", PRIVATE) != PRIVATE:
         return True

@@ -12,7 +12,7 @@ from flwr.server.client_proxy import ClientProxy
 
 from .. import cohort, payload
 from ..errors import describe
-from ..launch.raycluster import NODE, reported_node
+from ..raycluster import NODE, reported_node
 from .federation import Federation
 
 

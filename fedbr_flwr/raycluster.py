@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from ..errors import ConfigError, quoted
+from .errors import ConfigError, quoted
 
 PRIVATE = "local"
 NODE = "node"  # the fit metric that says where a client's work ran (``worker_node``)

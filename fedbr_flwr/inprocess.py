@@ -15,7 +15,7 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
 from flwr.server.superlink.fleet.vce.backend import Backend, BackendConfig
 
-from ..errors import describe
+from .errors import describe
 from .raycluster import OUTSIDE_RAY
 
 IN_PROCESS = "in_process"  # the backend config's key that asks for it (Flower's keys use "_")

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 LOCK_FILES = {"launcher": ".fedbr-run.lock", "writer": ".fedbr-writer.lock"}  # a run folder's
 ROLES = {"launcher": "the command that started it", "writer": "its ServerApp, which writes the run files"}
