@@ -5,11 +5,12 @@ server's requests, the checkpoint, and every .npz file a run writes."""
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
+
+from .jsonsafe import write_atomically
 
 
 def encode(arrays: Mapping[str, np.ndarray], compressed: bool = False) -> bytes:
@@ -33,17 +34,7 @@ def write(path: Path, arrays: Mapping[str, np.ndarray], compressed: bool = False
     """Write an .npz file that readers (and a crash) see whole or not at all: written beside it, then
     renamed over it. ``durable``: flushed to the disk before the rename (checkpoints)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(encode(arrays, compressed))
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, say: the old file stays whole, and no half-written one is left
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomically(path, encode(arrays, compressed), durable)
     return path
 
 

@@ -31,12 +31,21 @@ def dumps(obj: Any, **kwargs: Any) -> str:
     return json.dumps(finite_or_none(obj), allow_nan=False, **kwargs)
 
 
-def write_text_atomically(path: Path, text: str) -> None:
-    """Readers (and a crash) see the old file or the new one, never half of it."""
+def write_atomically(path: Path, data: bytes, durable: bool = False) -> None:
+    """Readers (and a crash) see the old file or the new one, never half of it: written beside it, then renamed
+    over it. ``durable``: flushed to the disk before the rename (checkpoints)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:  # a full disk, say: the old file stays whole, and no half-written one is left
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    write_atomically(path, text.encode())
