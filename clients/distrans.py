@@ -17,14 +17,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedbr_flwr import seeds
-from fedbr_flwr.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
-from fedbr_flwr.catalog import INFO, DatasetInfo
-from fedbr_flwr.dataset import normalise
-from fedbr_flwr.model import SplitModel
-from fedbr_flwr.registry import register_client
-from fedbr_flwr.settings import FRACTION, OPEN_FRACTION, POSITIVE, Settings, setting
-from fedbr_flwr.training import round_sgd
+from fedbr_flwr.core import seeds
+from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
+from fedbr_flwr.core.model import SplitModel
+from fedbr_flwr.core.registry import register_client
+from fedbr_flwr.core.settings import FRACTION, OPEN_FRACTION, POSITIVE, Settings, setting
+from fedbr_flwr.core.training import round_sgd
+from fedbr_flwr.data.catalog import INFO, DatasetInfo
+from fedbr_flwr.data.dataset import normalise
 
 OFFSET = "offset"  # the array's name in messages
 OFFSET_KEY = "distrans-offset"  # its record in the node state

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from fedbr_flwr.algorithm import Batch, ClientAlgorithm, FunctionalStep, Phase, StepView, call
-from fedbr_flwr.registry import register_client
+from fedbr_flwr.core.algorithm import Batch, ClientAlgorithm, FunctionalStep, Phase, StepView, call
+from fedbr_flwr.core.registry import register_client
 
 
 class SupervisedStep(FunctionalStep):

@@ -23,15 +23,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedbr_flwr import seeds
-from fedbr_flwr.algorithm import Batch, ClientAlgorithm, FunctionalStep, Phase, StepView, call
-from fedbr_flwr.catalog import INFO
-from fedbr_flwr.errors import ConfigError
-from fedbr_flwr.losses import soft_cross_entropy
-from fedbr_flwr.model import SplitModel
-from fedbr_flwr.registry import register_client
-from fedbr_flwr.settings import NON_NEGATIVE, POSITIVE, Settings, setting
-from fedbr_flwr.training import frozen_copy, round_sgd
+from fedbr_flwr.core import seeds
+from fedbr_flwr.core.algorithm import Batch, ClientAlgorithm, FunctionalStep, Phase, StepView, call
+from fedbr_flwr.core.errors import ConfigError
+from fedbr_flwr.core.losses import soft_cross_entropy
+from fedbr_flwr.core.model import SplitModel
+from fedbr_flwr.core.registry import register_client
+from fedbr_flwr.core.settings import NON_NEGATIVE, POSITIVE, Settings, setting
+from fedbr_flwr.core.training import frozen_copy, round_sgd
+from fedbr_flwr.data.catalog import INFO
 from pseudodata import pseudo_size
 from pseudodata.mixture import mix
 from pseudodata.rsm import sample_means

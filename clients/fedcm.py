@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fedbr_flwr.algorithm import LocalComponent, RoundContext
-from fedbr_flwr.registry import register_component, register_variant
-from fedbr_flwr.settings import FRACTION, Settings, setting
-from fedbr_flwr.training import parameter_tensors
+from fedbr_flwr.core.algorithm import LocalComponent, RoundContext
+from fedbr_flwr.core.registry import register_component, register_variant
+from fedbr_flwr.core.settings import FRACTION, Settings, setting
+from fedbr_flwr.core.training import parameter_tensors
 
 DELTA = "fedcm-delta"
 

@@ -10,9 +10,9 @@ import torch
 
 from clients.fedavg import SupervisedStep
 from clients.fedprox import proximal_term
-from fedbr_flwr.algorithm import ClientAlgorithm
-from fedbr_flwr.registry import register_client
-from fedbr_flwr.settings import POSITIVE, Settings, setting
+from fedbr_flwr.core.algorithm import ClientAlgorithm
+from fedbr_flwr.core.registry import register_client
+from fedbr_flwr.core.settings import POSITIVE, Settings, setting
 
 STATE_KEY = "feddyn-g"  # g_k in the node state, by parameter name
 ALPHA_K = "feddyn-alpha-k"  # alpha_k in the fit config (strategies/feddyn.py)

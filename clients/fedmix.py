@@ -12,11 +12,11 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
-from fedbr_flwr import seeds
-from fedbr_flwr.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
-from fedbr_flwr.losses import soft_cross_entropy
-from fedbr_flwr.registry import register_client
-from fedbr_flwr.settings import BELOW_ONE, POSITIVE, Settings, setting
+from fedbr_flwr.core import seeds
+from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
+from fedbr_flwr.core.losses import soft_cross_entropy
+from fedbr_flwr.core.registry import register_client
+from fedbr_flwr.core.settings import BELOW_ONE, POSITIVE, Settings, setting
 
 
 @dataclass(frozen=True)

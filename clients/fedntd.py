@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from fedbr_flwr.algorithm import LocalComponent, RoundContext, StepView
-from fedbr_flwr.registry import register_component, register_variant
-from fedbr_flwr.settings import NON_NEGATIVE, POSITIVE, Settings, setting
-from fedbr_flwr.training import frozen_copy
+from fedbr_flwr.core.algorithm import LocalComponent, RoundContext, StepView
+from fedbr_flwr.core.registry import register_component, register_variant
+from fedbr_flwr.core.settings import NON_NEGATIVE, POSITIVE, Settings, setting
+from fedbr_flwr.core.training import frozen_copy
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fedbr_flwr.algorithm import LocalComponent, RoundContext, StepView
-from fedbr_flwr.registry import register_component, register_variant
-from fedbr_flwr.settings import NON_NEGATIVE, Settings, setting
+from fedbr_flwr.core.algorithm import LocalComponent, RoundContext, StepView
+from fedbr_flwr.core.registry import register_component, register_variant
+from fedbr_flwr.core.settings import NON_NEGATIVE, Settings, setting
 
 
 @dataclass(frozen=True)

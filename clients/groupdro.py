@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from fedbr_flwr.registry import register_client
+from fedbr_flwr.core.registry import register_client
 
 from .fedavg import FedAvgClient
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedbr_flwr.algorithm import Batch, LocalComponent, RoundContext
-from fedbr_flwr.registry import register_component, register_variant
-from fedbr_flwr.settings import POSITIVE, Settings, setting
+from fedbr_flwr.core.algorithm import Batch, LocalComponent, RoundContext
+from fedbr_flwr.core.registry import register_component, register_variant
+from fedbr_flwr.core.settings import POSITIVE, Settings, setting
 
 
 @dataclass(frozen=True)

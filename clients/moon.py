@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedbr_flwr.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
-from fedbr_flwr.model import SplitModel
-from fedbr_flwr.registry import register_client
-from fedbr_flwr.settings import NON_NEGATIVE, POSITIVE, Settings, setting
-from fedbr_flwr.training import frozen_copy, load_module_arrays, module_arrays
+from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
+from fedbr_flwr.core.model import SplitModel
+from fedbr_flwr.core.registry import register_client
+from fedbr_flwr.core.settings import NON_NEGATIVE, POSITIVE, Settings, setting
+from fedbr_flwr.core.training import frozen_copy, load_module_arrays, module_arrays
 
 PREVIOUS_KEY = "moon-previous"
 PREVIOUS_PREFIX = "prev/"  # the previous features' tensors among a step's inputs

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from clients.fedavg import SupervisedStep
-from fedbr_flwr.algorithm import ClientAlgorithm
-from fedbr_flwr.registry import register_client
-from fedbr_flwr.training import parameter_tensors, state_arrays
+from fedbr_flwr.core.algorithm import ClientAlgorithm
+from fedbr_flwr.core.registry import register_client
+from fedbr_flwr.core.training import parameter_tensors, state_arrays
 
 CONTROL = "control"  # the server's c, as sent
 CONTROL_DELTA = "control-delta"  # the client's change of c_i, as returned

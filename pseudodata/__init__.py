@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
-from fedbr_flwr.catalog import INFO
+from fedbr_flwr.data.catalog import INFO
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,7 @@ def build(
     """The pseudo-batch (x, uniform labels) of one version. RSM: ``collect_means({pid: count}, version)`` must
     return each listed client's means, in the order of the mapping (partition order). Mixture: B means
     of M samples of ``proxy``, seeded by (seed, version)."""
-    from fedbr_flwr import seeds
+    from fedbr_flwr.core import seeds
 
     from .rsm import allot, assemble, sample_means
 

@@ -8,8 +8,8 @@ from typing import Any, Mapping
 import torch
 from torch.nn import functional as F
 
-from fedbr_flwr.catalog import INFO, load_raw
-from fedbr_flwr.dataset import normalise, to_float
+from fedbr_flwr.data.catalog import INFO, load_raw
+from fedbr_flwr.data.dataset import normalise, to_float
 
 from . import proxy_dataset
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedbr_flwr import seeds
+from fedbr_flwr.core import seeds
 
 
 def allot(total: int, partition_ids: list[int], seed: int, version: int) -> dict[int, int]:

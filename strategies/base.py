@@ -18,18 +18,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedbr_flwr import codec
-from fedbr_flwr.algorithm import client_class
-from fedbr_flwr.broadcast import SharedData
-from fedbr_flwr.dataset import ServerTests
-from fedbr_flwr.registry import components_of, lookup_strategy, settings_of
-from fedbr_flwr.run_io import RunRecorder
+from fedbr_flwr.app.strategy import FlowerStrategy
+from fedbr_flwr.core.algorithm import client_class
+from fedbr_flwr.core.broadcast import SharedData
+from fedbr_flwr.core.registry import components_of, lookup_strategy, settings_of
+from fedbr_flwr.core.settings import NoSettings, Settings
+from fedbr_flwr.core.training import module_arrays
+from fedbr_flwr.data.dataset import ServerTests
+from fedbr_flwr.runfiles import codec
+from fedbr_flwr.runfiles.run_io import RunRecorder
 from fedbr_flwr.server.components import server_component_class
-from fedbr_flwr.server.flower import FlowerStrategy
 from fedbr_flwr.server.robust import AggregationRound
 from fedbr_flwr.server.updates import ClientUpdate
-from fedbr_flwr.settings import NoSettings, Settings
-from fedbr_flwr.training import module_arrays
 
 Named = dict[str, np.ndarray]
 

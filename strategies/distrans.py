@@ -25,14 +25,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedbr_flwr import codec
-from fedbr_flwr.catalog import INFO, DatasetInfo
-from fedbr_flwr.dataset import normalise
-from fedbr_flwr.errors import ConfigError
-from fedbr_flwr.partition import heterogeneity_from_counts
-from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.core.errors import ConfigError
+from fedbr_flwr.core.registry import register_strategy
+from fedbr_flwr.core.training import load_module_arrays, module_arrays
+from fedbr_flwr.data.catalog import INFO, DatasetInfo
+from fedbr_flwr.data.dataset import normalise
+from fedbr_flwr.data.partition import heterogeneity_from_counts
+from fedbr_flwr.runfiles import codec
 from fedbr_flwr.server.updates import weighted_mean
-from fedbr_flwr.training import load_module_arrays, module_arrays
 
 from .base import FederatedStrategy
 

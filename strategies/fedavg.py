@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.core.registry import register_strategy
 
 from .base import FederatedStrategy
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedbr_flwr.broadcast import SharedData
-from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.core.broadcast import SharedData
+from fedbr_flwr.core.registry import register_strategy
 from pseudodata import build as build_pseudo_data
 from pseudodata.mixture import load_proxy
 

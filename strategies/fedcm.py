@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedbr_flwr.registry import register_server_component
+from fedbr_flwr.core.registry import register_server_component
 from fedbr_flwr.server.components import ServerComponent
 
 DELTA = "fedcm-delta"  # as the clients read it (clients/fedcm.py)

@@ -6,7 +6,7 @@ official code (the served model's global test accuracy: served_global_acc)."""
 
 import numpy as np
 
-from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.core.registry import register_strategy
 from fedbr_flwr.server.updates import size_share
 
 from .base import FederatedStrategy

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedbr_flwr.broadcast import SharedData
-from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.core.broadcast import SharedData
+from fedbr_flwr.core.registry import register_strategy
 
 from .base import FederatedStrategy
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedbr_flwr.registry import register_strategy
-from fedbr_flwr.settings import NON_NEGATIVE, Settings, setting
+from fedbr_flwr.core.registry import register_strategy
+from fedbr_flwr.core.settings import NON_NEGATIVE, Settings, setting
 
 from .base import FederatedStrategy
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.core.registry import register_strategy
 
 from .base import FederatedStrategy
 

@@ -7,10 +7,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedbr_flwr import seeds
-from fedbr_flwr.broadcast import SharedData
-from fedbr_flwr.catalog import INFO
-from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.core import seeds
+from fedbr_flwr.core.broadcast import SharedData
+from fedbr_flwr.core.registry import register_strategy
+from fedbr_flwr.data.catalog import INFO
 
 from .base import FederatedStrategy
 

@@ -30,7 +30,7 @@ def no_early_simulation_process(request, monkeypatch):
     there it starts no simulation process ahead of the check (``cli.early_host``), which would import torch
     and Flower beside each test. The end-to-end tests, and tests/test_runhost.py's own, run it as users do."""
     if request.node.get_closest_marker("e2e") is None:
-        from fedbr_flwr import cli
+        from fedbr_flwr.commands import cli
 
         monkeypatch.setattr(cli, "early_host", lambda args: None)
 
@@ -57,7 +57,7 @@ def server_tests_evaluated_once_per_model(request, monkeypatch):
     weight that differs is a new key and a new evaluation."""
     if request.node.get_closest_marker("e2e") is not None:
         return
-    from fedbr_flwr.server import flower
+    from fedbr_flwr.app import strategy as flower
 
     run = flower.run_server_tests
 

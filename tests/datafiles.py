@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torchvision.datasets as tvd
 
-from fedbr_flwr import catalog
+from fedbr_flwr.data import catalog
 
 MNIST_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 

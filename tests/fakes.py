@@ -93,9 +93,9 @@ def flower_client(cfg, pid, state=None):
     import torch
     from flwr.common import RecordDict
 
-    from fedbr_flwr.algorithm import client_class
-    from fedbr_flwr.dataset import load_client_data
-    from fedbr_flwr.node import FlowerClient, RecordState
+    from fedbr_flwr.app.node import FlowerClient, RecordState
+    from fedbr_flwr.core.algorithm import client_class
+    from fedbr_flwr.data.dataset import load_client_data
 
     data = load_client_data(cfg, pid, torch.device("cpu"))
     state = RecordState(state if state is not None else RecordDict())
@@ -107,8 +107,8 @@ def in_process_federation(cfg, tmp_path):
     in-process and discovered. Returns (strategy, the clients' ClientAlgorithm objects, proxies)."""
     import torch
 
-    from fedbr_flwr.server.flower import discover
-    from fedbr_flwr.server_app import build_strategy
+    from fedbr_flwr.app.server_app import build_strategy
+    from fedbr_flwr.app.strategy import discover
 
     strategy = build_strategy({**cfg, "output-dir": str(tmp_path)})
     strategy.initialize_parameters(None)  # as Flower does first
@@ -137,7 +137,7 @@ TIMING_KEYS = (
 def records_without_timing(path):
     """A run's JSON-lines file with the fields that measure time, memory and traffic left out: what must
     repeat exactly."""
-    from fedbr_flwr.metrics import read_jsonl
+    from fedbr_flwr.runfiles.metrics import read_jsonl
 
     out = []
     for record in read_jsonl(path):

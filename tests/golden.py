@@ -129,7 +129,7 @@ DATA_FILES = ("partition.npz", "pseudo_data.npz", "fedmix_data.npz", "vhl_data.n
 
 
 def case_config(settings: dict) -> dict:
-    from fedbr_flwr.config import validate
+    from fedbr_flwr.core.config import validate
 
     return validate({**BASE, **settings})
 
@@ -137,14 +137,14 @@ def case_config(settings: dict) -> dict:
 def global_arrays(parameters) -> list[np.ndarray]:
     """The global arrays a Parameters object carries, in order (since the restructuring, by name:
     'model/...', then 'head/...' or 'discriminator/...', the order they were recorded in)."""
-    from fedbr_flwr.payload import from_parameters
+    from fedbr_flwr.app.payload import from_parameters
 
     return list(from_parameters(parameters).values())
 
 
 def build_server(cfg: dict, out: Path):
-    from fedbr_flwr.server.checkpointing import ResumedRun
-    from fedbr_flwr.server_app import build_strategy
+    from fedbr_flwr.app.checkpointing import ResumedRun
+    from fedbr_flwr.app.server_app import build_strategy
 
     strategy = build_strategy({**cfg, "output-dir": str(out)})
     done = strategy.resumed_round
@@ -155,7 +155,7 @@ def build_clients(cfg: dict) -> list:
     """One NumPyClient per node: per client, or per cohort with engine=cohort (added after recording)."""
     from flwr.common import RecordDict
 
-    from fedbr_flwr.node import build_client
+    from fedbr_flwr.app.node import build_client
 
     n = cfg["cohorts"] if cfg.get("engine") == "cohort" else cfg["num-clients"]
     return [build_client(cfg, {"partition-id": pid, "num-partitions": n}, RecordDict()) for pid in range(n)]

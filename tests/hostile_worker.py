@@ -5,7 +5,7 @@ accuracy of 5.0. Run as ``python tests/hostile_worker.py --address SOCKET``, lik
 
 import sys
 
-from fedbr_flwr import node
+from fedbr_flwr.app import node
 from fedbr_flwr.launch import worker
 
 honest_fit, honest_evaluate = node.FlowerClient.fit, node.FlowerClient.evaluate

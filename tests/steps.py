@@ -2,8 +2,8 @@
 
 import torch
 
-from fedbr_flwr.algorithm import RoundContext, component_class
-from fedbr_flwr.registry import components_of
+from fedbr_flwr.core.algorithm import RoundContext, component_class
+from fedbr_flwr.core.registry import components_of
 
 
 def started_components(cfg, model, received=None, seed=0):

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedbr_flwr import catalog
-from fedbr_flwr.config import COMMON, validate
-from fedbr_flwr.metrics import read_jsonl
+from fedbr_flwr.core.config import COMMON, validate
+from fedbr_flwr.data import catalog
+from fedbr_flwr.runfiles.metrics import read_jsonl
 
 from fakes import in_process_federation, run_rounds
 

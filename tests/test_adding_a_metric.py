@@ -1,5 +1,5 @@
 """Adding a client metric is one entry of ``CLIENT_METRICS`` (docs/adding-a-metric.md): the guide's code,
-appended to fedbr_flwr/metrics.py as the guide says, gives a figure every evaluation records, the summary
+appended to fedbr_flwr/runfiles/metrics.py as the guide says, gives a figure every evaluation records, the summary
 sums up, the tables show, a sweep's rule may decide on and the trackers plot."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedbr_flwr import metrics, report
-from fedbr_flwr.config import validate
-from fedbr_flwr.metrics import read_jsonl
-from fedbr_flwr.tracking import eval_scalars
+from fedbr_flwr.commands import report
+from fedbr_flwr.core.config import validate
+from fedbr_flwr.runfiles import metrics
+from fedbr_flwr.runfiles.metrics import read_jsonl
+from fedbr_flwr.runfiles.tracking import eval_scalars
 
 from fakes import in_process_federation, run_rounds
 

@@ -1,5 +1,5 @@
 """Adding a backbone is one entry of ``MODELS`` (docs/adding-a-model.md): the guide's code, appended to
-fedbr_flwr/model.py as the guide says, gives a model the config accepts, the configuration page's check
+fedbr_flwr/core/model.py as the guide says, gives a model the config accepts, the configuration page's check
 asks for, and FedAvg, FedBR and DisTrans train."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedbr_flwr import model
-from fedbr_flwr.config import ConfigError, configuration_reference, validate
-from fedbr_flwr.metrics import read_jsonl
+from fedbr_flwr.core import model
+from fedbr_flwr.core.config import ConfigError, configuration_reference, validate
+from fedbr_flwr.runfiles.metrics import read_jsonl
 
 from fakes import in_process_federation, run_rounds
 

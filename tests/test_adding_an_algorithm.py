@@ -17,14 +17,15 @@ from torch.nn import functional as F
 
 import clients
 import strategies
-from fedbr_flwr import payload, registry
-from fedbr_flwr.algorithm import MemoryState, client_class
-from fedbr_flwr.cli import list_keys, write_pyproject
-from fedbr_flwr.config import ConfigError, load_yaml, pyproject_table, validate
-from fedbr_flwr.dataset import ClientData
+from fedbr_flwr.app import payload
+from fedbr_flwr.app.checkpointing import ResumedRun
+from fedbr_flwr.commands.cli import list_keys, write_pyproject
+from fedbr_flwr.core import registry
+from fedbr_flwr.core.algorithm import MemoryState, client_class
+from fedbr_flwr.core.config import ConfigError, load_yaml, pyproject_table, validate
+from fedbr_flwr.data.dataset import ClientData
 from fedbr_flwr.launch.plan import check_pyproject
-from fedbr_flwr.run_io import RunRecorder
-from fedbr_flwr.server.checkpointing import ResumedRun
+from fedbr_flwr.runfiles.run_io import RunRecorder
 from fedbr_flwr.server.robust import AggregationRound, RoundPlan
 from fedbr_flwr.server.updates import ClientUpdate
 from strategies.base import strategy_class
@@ -198,7 +199,7 @@ def test_feddyn_runs_and_resumes_like_an_uninterrupted_run(tmp_path):
 SERVER_ONLY = {
     "strategies/myavgm.py": '''"""FedAvgM's server (Hsu et al. 2019): the sent model plus a momentum of the updates."""
 
-from fedbr_flwr.registry import register_strategy
+from fedbr_flwr.core.registry import register_strategy
 
 from .base import FederatedStrategy
 

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from clients.fedavg import SupervisedStep as FedAvg
-from fedbr_flwr.config import validate
-from fedbr_flwr.dataset import ClientData
-from fedbr_flwr.model import SplitModel
-from fedbr_flwr.seeds import hash_seed as step_seed
+from fedbr_flwr.core.config import validate
+from fedbr_flwr.core.model import SplitModel
+from fedbr_flwr.core.seeds import hash_seed as step_seed
+from fedbr_flwr.core.training import BatchSampler, evaluate, load_module_arrays, module_arrays, run_local_steps
+from fedbr_flwr.data.dataset import ClientData
 from fedbr_flwr.server.updates import named_mean, weighted_mean
-from fedbr_flwr.training import BatchSampler, evaluate, load_module_arrays, module_arrays, run_local_steps
 
 
 def three_clients(dtype=np.float32):

@@ -23,14 +23,14 @@ from clients.mixup import Mixup
 from clients.moon import MoonClient, MoonSettings, MoonStep, moon_contrastive_loss, moon_model
 from clients.scaffold import ScaffoldClient, ScaffoldStep
 from clients.vhl import RealClasses, VHLSettings, VHLStep, supervised_alignment_loss, vhl_model
-from fedbr_flwr import payload
-from fedbr_flwr.algorithm import UPDATE_USED, MemoryState, component_class
-from fedbr_flwr.config import ConfigError, validate
-from fedbr_flwr.dataset import ClientData
-from fedbr_flwr.model import build_model
-from fedbr_flwr.registry import algorithm_names, components_of
-from fedbr_flwr.run_io import RunRecorder
-from fedbr_flwr.training import module_arrays, parameter_tensors, state_arrays
+from fedbr_flwr.app import payload
+from fedbr_flwr.core.algorithm import UPDATE_USED, MemoryState, component_class
+from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.core.model import build_model
+from fedbr_flwr.core.registry import algorithm_names, components_of
+from fedbr_flwr.core.training import module_arrays, parameter_tensors, state_arrays
+from fedbr_flwr.data.dataset import ClientData
+from fedbr_flwr.runfiles.run_io import RunRecorder
 from strategies.fedavg import FedAvgStrategy
 from strategies.fedcm import GlobalDirection, global_update_direction
 from strategies.groupdro import ClientWeights, GroupDROStrategy
@@ -511,9 +511,9 @@ def test_groupdro_clients_report_the_loss_of_their_first_step_at_the_global_mode
     from flwr.common import RecordDict
 
     from clients.mixup import MixupSampler
-    from fedbr_flwr import seeds
-    from fedbr_flwr.node import build_client
-    from fedbr_flwr.training import BatchSampler
+    from fedbr_flwr.app.node import build_client
+    from fedbr_flwr.core import seeds
+    from fedbr_flwr.core.training import BatchSampler
 
     cfg = cfg_of(
         "groupdro",
@@ -801,8 +801,8 @@ def test_two_rounds_in_process(tmp_path, name, extra):
 def central_accuracy(model: torch.nn.Module, steps: int, lr: float, batch: int = 32, seed: int = 0) -> float:
     """``steps`` of plain SGD on all of mnist5k's training digits (no federation), then accuracy on its
     global test set."""
-    from fedbr_flwr.catalog import INFO, load_raw
-    from fedbr_flwr.dataset import normalise
+    from fedbr_flwr.data.catalog import INFO, load_raw
+    from fedbr_flwr.data.dataset import normalise
 
     train, test = load_raw("mnist5k", "")
     x = normalise(torch.from_numpy(train.x).float() / 255.0, INFO["mnist5k"])

@@ -254,16 +254,17 @@ def test_the_round_profile_sorts_each_sample_of_the_simulation_process_into_its_
     sim = 'process 1:"fedbr-run";process 2:"python -m fedbr_flwr.launch.simulation";thread (3): T'
     lines = [
         f"{sim};worker (flwr/server/superlink/fleet/vce/vce_api.py:132);"
-        "process_message (fedbr_flwr/inprocess.py:99);"
-        "ClientAlgorithm.fit (fedbr_flwr/algorithm.py:1);run_local_steps (fedbr_flwr/algorithm.py:2) 30",
+        "process_message (fedbr_flwr/app/inprocess.py:99);"
+        "ClientAlgorithm.fit (fedbr_flwr/core/algorithm.py:1);run_local_steps (fedbr_flwr/core/algorithm.py:2) 30",
         f"{sim};worker (flwr/server/superlink/fleet/vce/vce_api.py:132);"
-        "process_message (fedbr_flwr/inprocess.py:99);"
+        "process_message (fedbr_flwr/app/inprocess.py:99);"
         "deepcopy (copy.py:1) 4",
         f"{sim};worker (flwr/server/superlink/fleet/vce/vce_api.py:122);get (queue.py:180) 6",
-        f"{sim};fit_round (flwr/server/server.py:1);aggregate_fit (fedbr_flwr/server/flower.py:96) 2",
+        f"{sim};fit_round (flwr/server/server.py:1);aggregate_fit (fedbr_flwr/app/strategy.py:96) 2",
         f"{sim};fit_clients (flwr/x.py:1);send_and_receive (fedbr_flwr/launch/simulation.py:240) 50",
         f"{sim};_update_client_manager (flwr/x.py:1);wait (threading.py:1) 7",
-        'process 1:"fedbr-run";thread (9): MainThread;main (fedbr_flwr/cli.py:1) 99',  # the command: not counted
+        # the command: not counted
+        'process 1:"fedbr-run";thread (9): MainThread;main (fedbr_flwr/commands/cli.py:1) 99',
         "a line py-spy would not write",
     ]
     parts = startup.profile_parts(lines)

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from procs import flower_processes
 
-from fedbr_flwr import sweep
+from fedbr_flwr.commands import sweep
 from fedbr_flwr.launch import timelimit
 
 CAMPAIGN = "experiments/campaign_table1.sh"

@@ -7,12 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from fedbr_flwr import codec, payload
-from fedbr_flwr.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
-from fedbr_flwr.config import ConfigError, validate
-from fedbr_flwr.run_io import keep_rounds_up_to
-from fedbr_flwr.server.checkpointing import ResumedRun
-from fedbr_flwr.server_app import check_resumable
+from fedbr_flwr.app import payload
+from fedbr_flwr.app.checkpointing import ResumedRun
+from fedbr_flwr.app.server_app import check_resumable
+from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.runfiles import codec
+from fedbr_flwr.runfiles.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from fedbr_flwr.runfiles.run_io import keep_rounds_up_to
 
 from fakes import in_process_federation, records_without_timing, run_rounds
 
@@ -151,7 +152,7 @@ def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_file(tmp_
     import errno
     import os
 
-    from fedbr_flwr.jsonsafe import write_text_atomically
+    from fedbr_flwr.runfiles.jsonsafe import write_text_atomically
 
     save_checkpoint(tmp_path, {"global/w": np.ones(3, np.float32)}, {"round": 1, "config": {}})
     (tmp_path / "summary.json").write_text("{}")

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from fedbr_flwr import cli
-from fedbr_flwr.config import ConfigError
+from fedbr_flwr.commands import cli
+from fedbr_flwr.core.config import ConfigError
 from fedbr_flwr.launch import plan
 
 
@@ -142,7 +142,7 @@ def test_a_folder_locked_by_a_live_process_is_refused_and_a_dead_ones_lock_is_no
 
     (tmp_path / "checkpoint.npz").write_text("not read: the lock is checked first")
     holding = (
-        "import sys, time\nfrom pathlib import Path\nfrom fedbr_flwr import runlock\n"
+        "import sys, time\nfrom pathlib import Path\nfrom fedbr_flwr.runfiles import runlock\n"
         f"with runlock.hold(Path(sys.argv[1]), role={role!r}):\n"
         "    print('held', flush=True)\n    time.sleep(120)\n"
     )
@@ -175,7 +175,7 @@ def test_the_loser_of_two_runs_started_at_once_into_one_folder_exits_2(capsys, t
     from fedbr_flwr.launch import launcher
 
     holding = (
-        "import sys, time\nfrom pathlib import Path\nfrom fedbr_flwr import runlock\n"
+        "import sys, time\nfrom pathlib import Path\nfrom fedbr_flwr.runfiles import runlock\n"
         "with runlock.hold(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(120)\n"
     )
     prepare = plan.prepare
@@ -202,7 +202,7 @@ def test_the_loser_of_two_runs_started_at_once_into_one_folder_exits_2(capsys, t
 
 @pytest.mark.parametrize("command", ["fedbr-run", "fedbr-run --resume", "fedbr-sweep"])
 def test_an_over_long_path_is_one_line_and_exit_2(capsys, tmp_path, command):
-    from fedbr_flwr import sweep
+    from fedbr_flwr.commands import sweep
 
     long_path = str(tmp_path / ("a" * 5000))
     if command == "fedbr-run":

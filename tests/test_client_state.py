@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flwr.common import FitRes
 
-from fedbr_flwr import payload
-from fedbr_flwr.algorithm import PENDING_PREFIX, UPDATE_USED, MemoryState
-from fedbr_flwr.config import validate
+from fedbr_flwr.app import payload
+from fedbr_flwr.core.algorithm import PENDING_PREFIX, UPDATE_USED, MemoryState
+from fedbr_flwr.core.config import validate
 
 from fakes import InProcessProxy, in_process_federation, run_rounds
 
@@ -100,7 +100,7 @@ def test_the_checkpoint_holds_only_used_state(tmp_path):
         tmp_path, "feddyn", 1, **{"feddyn-alpha": 0.1, "eval-every": 5, "checkpoint-every": 1}
     )
     run_rounds(server, proxies, 1)
-    from fedbr_flwr import codec
+    from fedbr_flwr.runfiles import codec
 
     saved = codec.decode(server.checkpointer.client_states[1])
     assert saved == {} or not any(a.any() for a in saved.values())
@@ -111,7 +111,7 @@ def test_the_checkpoint_holds_only_used_state(tmp_path):
 def test_a_fits_state_is_pending_until_the_server_says_whether_it_used_the_update(tmp_path, used):
     from test_adding_an_algorithm import toy_data
 
-    from fedbr_flwr.algorithm import client_class
+    from fedbr_flwr.core.algorithm import client_class
 
     cfg = validate({**CFG, "strategy": "feddyn", "num-clients": 4, "output-dir": str(tmp_path)})
     client = client_class("feddyn")(cfg, toy_data(), "cpu", MemoryState())

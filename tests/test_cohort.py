@@ -12,11 +12,11 @@ import pytest
 import torch
 from flwr.common import Code, FitRes, RecordDict, Status
 
-from fedbr_flwr import payload
-from fedbr_flwr.config import ConfigError, validate
+from fedbr_flwr.app import payload
+from fedbr_flwr.app.node import CohortClient, build_client, cohort_members
+from fedbr_flwr.app.server_app import build_strategy
+from fedbr_flwr.core.config import ConfigError, validate
 from fedbr_flwr.launch.plan import build_config, size_resources
-from fedbr_flwr.node import CohortClient, build_client, cohort_members
-from fedbr_flwr.server_app import build_strategy
 
 import golden
 from fakes import FixedClientManager, InProcessProxy
@@ -170,7 +170,7 @@ def test_the_cohorts_share_the_machine():
 
 
 def test_a_deployment_refuses_the_cohort_engine(capsys, tmp_path):
-    from fedbr_flwr import deploy
+    from fedbr_flwr.commands import deploy
 
     assert deploy.main(["local", "engine=cohort", f"output-dir={tmp_path / 'run'}"]) == 2
     assert "engine=cohort runs in simulation only" in capsys.readouterr().err

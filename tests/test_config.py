@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from fedbr_flwr.config import (
+from fedbr_flwr.core.config import (
     ConfigError,
     defaults,
     from_run_config,
@@ -241,7 +241,7 @@ EXPERIMENTS = sorted((ROOT / "experiments").glob("*.yaml"))
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.name for p in EXPERIMENTS])
 def test_experiment_files_validate(path):
     if "sweep" in load_yaml(path):  # every run of a sweep file must validate
-        from fedbr_flwr.sweep import plan
+        from fedbr_flwr.commands.sweep import plan
 
         jobs = plan(str(path), [], ROOT / "runs" / "never-written", None)
         assert len(jobs) >= 2 and all(set(cfg) == set(SCHEMA) for _, _, cfg in jobs)
@@ -279,7 +279,7 @@ def test_a_batch_larger_than_the_training_split_is_refused():
 
 @pytest.mark.parametrize("dataset", ["mnist5k", "synthetic"])
 def test_the_training_split_sizes_are_the_loaded_ones(dataset):
-    from fedbr_flwr.catalog import INFO, load_raw
+    from fedbr_flwr.data.catalog import INFO, load_raw
 
     train, _ = load_raw(dataset)
     assert len(train.y) == INFO[dataset].train_size

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedbr_flwr.catalog import INFO, ROTATIONS, Split, load_cifar, load_mnist, load_raw
-from fedbr_flwr.config import COMMON, ConfigError, validate
-from fedbr_flwr.dataset import (
+from fedbr_flwr.core.config import COMMON, ConfigError, validate
+from fedbr_flwr.data.catalog import INFO, ROTATIONS, Split, load_cifar, load_mnist, load_raw
+from fedbr_flwr.data.dataset import (
     cifar_angle_prior,
     client_angle,
     client_indices,
@@ -100,7 +100,7 @@ def one_class_cfg(classes_each, **more):
 def test_one_class_clients_test_on_as_many_images_of_the_other_classes(pid):
     """DisTrans' 100% heterogeneity: each local test holds its own class and, as many again, random test-split
     images of the other classes (the training split's own images unchanged), seeded by the run seed."""
-    from fedbr_flwr.dataset import other_class_test_indices
+    from fedbr_flwr.data.dataset import other_class_test_indices
 
     cfg = one_class_cfg(1)
     data = load_client_data(cfg, pid, "cpu")
@@ -124,7 +124,7 @@ def test_one_class_clients_test_on_as_many_images_of_the_other_classes(pid):
 
 
 def test_two_classes_per_client_keep_their_local_test_as_it_was():
-    from fedbr_flwr.dataset import other_class_test_indices
+    from fedbr_flwr.data.dataset import other_class_test_indices
 
     cfg = one_class_cfg(2)
     data = load_client_data(cfg, 4, "cpu")
@@ -347,8 +347,9 @@ def test_rotation_equals_torchvisions_bit_for_bit(shape):
 def test_a_client_process_builds_rotated_mnist_without_importing_torchvision():
     code = (
         "import sys\n"
-        "from fedbr_flwr import client_app, dataset\n"
-        "from fedbr_flwr.config import validate\n"
+        "from fedbr_flwr.app import client_app\n"
+        "from fedbr_flwr.data import dataset\n"
+        "from fedbr_flwr.core.config import validate\n"
         "data = dataset.load_client_data(validate({'num-clients': 10}), 3, 'cpu')\n"
         "assert data.x_train.shape[0] > 0\n"
         "print(sorted(m for m in sys.modules if m.partition('.')[0] == 'torchvision'))\n"

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from fedbr_flwr import deploy
-from fedbr_flwr.checkpoint import load_checkpoint
-from fedbr_flwr.config import ConfigError, validate
+from fedbr_flwr.commands import deploy
+from fedbr_flwr.core.config import ConfigError, validate
 from fedbr_flwr.launch.launcher import _alive, descendants, stop_tree, submit_run
 from fedbr_flwr.launch.plan import prepare
-from fedbr_flwr.metrics import read_jsonl
+from fedbr_flwr.runfiles.checkpoint import load_checkpoint
+from fedbr_flwr.runfiles.metrics import read_jsonl
 
 from fakes import records_without_timing
 
@@ -130,7 +130,7 @@ def test_a_killed_run_resumed_from_its_checkpoint_ends_like_an_uninterrupted_one
         "model=cnn-small",
         "--quiet",
     ]
-    run = [sys.executable, "-m", "fedbr_flwr.cli", *settings]
+    run = [sys.executable, "-m", "fedbr_flwr.commands.cli", *settings]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     subprocess.run([*run, f"output-dir={straight}"], check=True, timeout=600)
 
@@ -199,7 +199,7 @@ def test_node_config_quotes_strings_only():
 def test_supernode_data_dir_overrides_the_runs_and_gpu_pins_the_worker(tmp_path, monkeypatch):
     from flwr.common import RecordDict
 
-    from fedbr_flwr.node import build_client
+    from fedbr_flwr.app.node import build_client
 
     with pytest.raises(ConfigError, match="/node/own/data"):  # the node's folder is the one read
         build_client(
@@ -238,7 +238,7 @@ def test_sigkill_of_fedbr_deploy_local_stops_every_process_and_removes_its_tempo
     command = [
         sys.executable,
         "-m",
-        "fedbr_flwr.deploy",
+        "fedbr_flwr.commands.deploy",
         "local",
         "--supernodes",
         "2",

@@ -19,15 +19,15 @@ from clients.distrans import (
     WithOffset,
     initial_offset,
 )
-from fedbr_flwr import payload
-from fedbr_flwr.algorithm import UPDATE_USED, MemoryState
-from fedbr_flwr.catalog import INFO
-from fedbr_flwr.config import ConfigError, validate
-from fedbr_flwr.dataset import ClientData
-from fedbr_flwr.model import build_model
-from fedbr_flwr.partition import heterogeneity_from_counts
-from fedbr_flwr.run_io import RunRecorder
-from fedbr_flwr.training import evaluate
+from fedbr_flwr.app import payload
+from fedbr_flwr.core.algorithm import UPDATE_USED, MemoryState
+from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.core.model import build_model
+from fedbr_flwr.core.training import evaluate
+from fedbr_flwr.data.catalog import INFO
+from fedbr_flwr.data.dataset import ClientData
+from fedbr_flwr.data.partition import heterogeneity_from_counts
+from fedbr_flwr.runfiles.run_io import RunRecorder
 from strategies.distrans import (
     DisTransStrategy,
     OffsetAggregator,

@@ -10,9 +10,9 @@ import pytest
 from test_adding_a_dataset import add_the_guides_dataset
 from test_adding_a_model import add_the_guides_model
 
-from fedbr_flwr import cli, deploy, sweep
 from fedbr_flwr.bench import command as bench
-from fedbr_flwr.config import ConfigError, configuration_reference
+from fedbr_flwr.commands import cli, deploy, sweep
+from fedbr_flwr.core.config import ConfigError, configuration_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -110,7 +110,7 @@ def test_the_configuration_reference_is_the_schemas():
 
 
 def test_the_configuration_reference_lists_every_key_once():
-    from fedbr_flwr.config import schema
+    from fedbr_flwr.core.config import schema
 
     rows = re.findall(r"^\| `([a-z0-9-]+)` \|", configuration_reference(), flags=re.M)
     assert sorted(rows) == sorted(schema()) and len(rows) == len(set(rows))
@@ -178,7 +178,7 @@ def test_each_equation_quotes_the_code_that_computes_it(page):
 
 def test_a_quoted_fragment_that_drifted_is_caught():
     page = ROOT / "docs" / "algorithms" / "fedbr.md"
-    target = "../../fedbr_flwr/losses.py"
+    target = "../../fedbr_flwr/core/losses.py"
     assert quoted_code_problem(page, "soft_cross_entropy", target, "-(target * F.log_softmax(logits, dim=1))") is None
     assert "no longer contains" in quoted_code_problem(page, "soft_cross_entropy", target, "F.softmax(logits)")
     assert "defines no" in quoted_code_problem(page, "hard_cross_entropy", target, "x")

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torchvision.datasets as tvd
 
-from fedbr_flwr import catalog, cli, dataset
-from fedbr_flwr.config import ConfigError, validate
+from fedbr_flwr.commands import cli
+from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.data import catalog, dataset
 
 from datafiles import (
     MNIST_STEMS,
@@ -410,7 +411,7 @@ def test_the_manifest_records_the_servers_data_folder(monkeypatch, tmp_path):
 
     from test_strategy import FakeProxy, make_strategy
 
-    from fedbr_flwr import payload
+    from fedbr_flwr.app import payload
 
     raw = tmp_path / "env" / "MNIST" / "raw"
     write_mnist(raw, mnist_arrays(n_train=20))

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from procs import flower_processes
 
-from fedbr_flwr import cli
-from fedbr_flwr.config import validate
+from fedbr_flwr.commands import cli
+from fedbr_flwr.core.config import validate
 from fedbr_flwr.launch import plan
 from fedbr_flwr.launch.launcher import RunFailed, RunHost, run_flower
 
@@ -213,7 +213,7 @@ BASELINES = {"scaffold": {}, "moon": {}, "fedmix": {}, "vhl": {"vhl-size": 40}, 
 
 def test_every_baseline_completes_a_flower_run(tmp_path, on_shared_host):
     """One sweep of the six, in one simulation process (a process each took 31 s, most of it start-up)."""
-    from fedbr_flwr import sweep
+    from fedbr_flwr.commands import sweep
 
     before = flower_processes()
     runs = "".join(f"    {name}: {json.dumps({'strategy': name, **extra})}\n" for name, extra in BASELINES.items())
@@ -241,7 +241,7 @@ DIVERGING_CLIENT = '''"""Test only: FedAvg whose client 1 diverges (every model 
 import numpy as np
 
 from clients.fedavg import FedAvgClient
-from fedbr_flwr.registry import register_client
+from fedbr_flwr.core.registry import register_client
 
 
 @register_client("diverging-client-1")
@@ -258,7 +258,7 @@ HANGING_CLIENT = '''"""Test only: FedAvg whose client 1 never returns from its r
 import threading
 
 from clients.fedavg import FedAvgClient
-from fedbr_flwr.registry import register_client
+from fedbr_flwr.core.registry import register_client
 
 
 @register_client("hanging-client-1")
@@ -274,7 +274,7 @@ CRASHING_CLIENT = '''"""Test only: FedAvg whose client 0's process dies in its r
 import os
 
 from clients.fedavg import FedAvgClient
-from fedbr_flwr.registry import register_client
+from fedbr_flwr.core.registry import register_client
 
 
 @register_client("crashing-client-0")
@@ -310,7 +310,7 @@ def plugin_algorithm(tmp_path, monkeypatch, module: str, source: str):
     import os
 
     import clients
-    from fedbr_flwr import registry
+    from fedbr_flwr.core import registry
 
     plugins = tmp_path / "plugins"  # its folder must not be named clients (that would shadow our package)
     (plugins / "more-clients").mkdir(parents=True)
@@ -412,7 +412,7 @@ def test_a_killed_cohort_run_resumes_rejects_a_nan_member_and_equals_the_client_
         [
             sys.executable,
             "-m",
-            "fedbr_flwr.cli",
+            "fedbr_flwr.commands.cli",
             *settings,
             "engine=cohort",
             "cohorts=2",
@@ -469,7 +469,7 @@ def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_fol
     command = [
         sys.executable,
         "-m",
-        "fedbr_flwr.cli",
+        "fedbr_flwr.commands.cli",
         "num-clients=2",
         "num-rounds=200",
         "local-steps=2",
@@ -505,7 +505,7 @@ def test_ctrl_c_stops_fedbr_run_with_exit_130_and_leaves_no_process(tmp_path, ba
     import procs
 
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "fedbr_flwr.cli", "num-clients=2", "num-rounds=200", "local-steps=2"]
+    command = [sys.executable, "-m", "fedbr_flwr.commands.cli", "num-clients=2", "num-rounds=200", "local-steps=2"]
     command += [f"backend={backend}", "device=cpu", "model=cnn-small"]
     with procs.command_at_first_round([*command, f"output-dir={out}"]) as (proc, _, snapshot):
         ports = procs.listening(snapshot)
@@ -523,7 +523,7 @@ def test_the_clients_in_the_simulation_process_give_the_ray_backends_numbers_bit
     machine's host name in-process, the Ray node on Ray."""
     import socket
 
-    from fedbr_flwr.metrics import read_jsonl
+    from fedbr_flwr.runfiles.metrics import read_jsonl
 
     from fakes import records_without_timing
 

@@ -1,5 +1,5 @@
 """Flower's simulation looks for messages by polling (the engine every 0.1 s for the clients' instructions, the
-in-memory grid every ``pull_interval`` for their replies); ``fedbr_flwr.flower_adapter`` makes both wake as soon as
+in-memory grid every ``pull_interval`` for their replies); ``fedbr_flwr.app.flower_adapter`` makes both wake as soon as
 a message is stored. Each wait here would take the whole (long) poll interval if the wake-up did not work."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fedbr_flwr import flower_adapter
+from fedbr_flwr.app import flower_adapter
 
 LONG = 60.0  # a poll interval no test could sit out: a wait that returns did so because it was woken
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
-from fedbr_flwr import cli, payload
-from fedbr_flwr.config import validate
-from fedbr_flwr.report import Setting
-from fedbr_flwr.run_io import RunRecorder
+from fedbr_flwr.app import payload
+from fedbr_flwr.commands import cli
+from fedbr_flwr.commands.report import Setting
+from fedbr_flwr.core.config import validate
+from fedbr_flwr.runfiles.run_io import RunRecorder
 from fedbr_flwr.server.updates import update_problem
 from strategies.fedavg import FedAvgStrategy
 from strategies.scaffold import ScaffoldStrategy
@@ -179,7 +180,7 @@ def test_bad_input_stops_before_training_with_one_message(tmp_path, capsys, cont
 def test_resume_without_a_checkpoint_or_with_a_changed_config_stops_with_a_message(tmp_path, capsys):
     assert cli.main(["--resume", str(tmp_path)]) == 2
     assert "no checkpoint to resume from" in capsys.readouterr().err
-    from fedbr_flwr.checkpoint import save_checkpoint
+    from fedbr_flwr.runfiles.checkpoint import save_checkpoint
 
     save_checkpoint(tmp_path, {}, {"round": 2, "config": validate({"num-rounds": 4})})
     assert cli.main(["--resume", str(tmp_path), "lr=0.5"]) == 2
@@ -195,7 +196,7 @@ def test_prerequisites_that_would_fail_inside_flower_stop_the_command_first(tmp_
     assert cli.main(["resume=true", "num-clients=2", "num-rounds=1", f"output-dir={out}"]) == 2
     assert "no checkpoint to resume from" in capsys.readouterr().err and not out.exists()
 
-    from fedbr_flwr.checkpoint import save_checkpoint
+    from fedbr_flwr.runfiles.checkpoint import save_checkpoint
 
     (tmp_path / "old").mkdir()
     save_checkpoint(tmp_path / "old", {}, {"round": 1, "config": validate({"num-rounds": 4})})
@@ -216,8 +217,8 @@ def test_an_unexpected_server_error_checkpoints_the_last_finished_round_and_resu
     it, two more rounds give the records of an uninterrupted 4-round run."""
     from flwr.app import Context, RecordDict
 
-    from fedbr_flwr import server_app
-    from fedbr_flwr.checkpoint import load_checkpoint
+    from fedbr_flwr.app import server_app
+    from fedbr_flwr.runfiles.checkpoint import load_checkpoint
 
     from fakes import FixedClientManager, InProcessProxy, flower_client, records_without_timing, run_rounds
 
@@ -266,7 +267,7 @@ def test_a_disk_that_fills_up_during_a_run_is_one_line_and_exit_1(tmp_path, caps
     folder, exit 1, no traceback; in a sweep the run is failed with that reason and the sweep goes on."""
     import errno
 
-    from fedbr_flwr import sweep
+    from fedbr_flwr.commands import sweep
     from fedbr_flwr.launch import launcher
 
     def disk_full(*args, **kwargs):
@@ -293,8 +294,8 @@ def test_a_reply_flower_expired_under_round_timeout_reads_as_a_timeout():
         REPLY_MESSAGE_UNAVAILABLE_ERROR_REASON,
     )
 
-    from fedbr_flwr.server.federation import Federation
-    from fedbr_flwr.server.routing import describe_failure
+    from fedbr_flwr.app.federation import Federation
+    from fedbr_flwr.app.routing import describe_failure
 
     federation = Federation(validate({"round-timeout": 10}))
     federation.pid_by_cid["node-3"] = 3
@@ -334,8 +335,8 @@ def test_a_process_killed_by_a_signal_is_named_by_its_signal():
 
 
 def test_an_exception_without_a_message_still_says_what_happened():
-    from fedbr_flwr.errors import describe
-    from fedbr_flwr.inprocess import InProcessBackend
+    from fedbr_flwr.app.inprocess import InProcessBackend
+    from fedbr_flwr.core.errors import describe
 
     assert describe(MemoryError()) == "MemoryError: out of memory"
     assert describe(KeyError()) == "KeyError"

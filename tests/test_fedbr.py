@@ -11,17 +11,18 @@ import torch
 from flwr.common import Code, FitRes, GetParametersRes, Status, ndarrays_to_parameters
 
 from clients.fedbr import FedBRClient, FedBRStep, ProjectionHead, fedbr_contrastive_loss, mean_output_cross_entropy
-from fedbr_flwr import codec, payload
-from fedbr_flwr.algorithm import Batch
-from fedbr_flwr.broadcast import SharedData
-from fedbr_flwr.config import ConfigError, validate
-from fedbr_flwr.dataset import ClientData
-from fedbr_flwr.losses import soft_cross_entropy
-from fedbr_flwr.model import build_model, count_parameters
-from fedbr_flwr.node import FlowerClient
-from fedbr_flwr.run_io import RunRecorder
+from fedbr_flwr.app import payload
+from fedbr_flwr.app.node import FlowerClient
+from fedbr_flwr.core.algorithm import Batch
+from fedbr_flwr.core.broadcast import SharedData
+from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.core.losses import soft_cross_entropy
+from fedbr_flwr.core.model import build_model, count_parameters
+from fedbr_flwr.core.training import load_module_arrays, module_arrays
+from fedbr_flwr.data.dataset import ClientData
+from fedbr_flwr.runfiles import codec
+from fedbr_flwr.runfiles.run_io import RunRecorder
 from fedbr_flwr.server.updates import weighted_mean
-from fedbr_flwr.training import load_module_arrays, module_arrays
 from pseudodata import uniform_labels
 from pseudodata.mixture import load_proxy, mix
 from pseudodata.rsm import allot, assemble, sample_means

@@ -9,12 +9,12 @@ import torch
 from test_adding_an_algorithm import toy_data
 from torch.nn import functional as F
 
-from fedbr_flwr import payload
-from fedbr_flwr.algorithm import MemoryState, client_class
-from fedbr_flwr.config import validate
-from fedbr_flwr.run_io import RunRecorder
+from fedbr_flwr.app import payload
+from fedbr_flwr.core.algorithm import MemoryState, client_class
+from fedbr_flwr.core.config import validate
+from fedbr_flwr.core.training import clip_norm_
+from fedbr_flwr.runfiles.run_io import RunRecorder
 from fedbr_flwr.server.updates import size_share
-from fedbr_flwr.training import clip_norm_
 from strategies.base import strategy_class
 
 from fakes import in_process_federation

@@ -1,4 +1,4 @@
-"""Flower's internals are reached from one module, ``fedbr_flwr.flower_adapter``, checked on the Flower versions
+"""Flower's internals are reached from one module, ``fedbr_flwr.app.flower_adapter``, checked on the Flower versions
 it names: an upgrade fails here first, and the re-check is of that module alone."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import flwr
 
-from fedbr_flwr import flower_adapter
+from fedbr_flwr.app import flower_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fedbr_flwr", "clients", "strategies", "pseudodata")
@@ -18,13 +18,13 @@ INTERNALS = ("_run_simulation", "raybackend", "vce_api", "pull_interval", "add_m
 
 def test_flower_is_a_version_the_adapter_was_checked_on():
     assert flwr.__version__ in flower_adapter.CHECKED_ON, (
-        f"flwr {flwr.__version__}: re-check fedbr_flwr/flower_adapter.py against it (its private entry point and "
+        f"flwr {flwr.__version__}: re-check fedbr_flwr/app/flower_adapter.py against it (its private entry point and "
         "patches), run the e2e tests, then add the version to CHECKED_ON"
     )
 
 
 def test_no_other_module_reaches_into_flowers_internals():
-    adapter = ROOT / "fedbr_flwr" / "flower_adapter.py"
+    adapter = ROOT / "fedbr_flwr" / "app" / "flower_adapter.py"
     found = [
         f"{path.relative_to(ROOT)}: {name}"
         for package in PACKAGES

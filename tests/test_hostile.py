@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from fedbr_flwr import payload
-from fedbr_flwr.config import validate
+from fedbr_flwr.app import payload
+from fedbr_flwr.core.config import validate
 from fedbr_flwr.server.updates import count_problem, evaluation_problem, update_problem
 
 from fakes import InProcessProxy, in_process_federation, run_rounds
@@ -172,7 +172,7 @@ def test_update_dtypes_are_checked_exactly_and_before_finiteness():
     ids=["alias-bomb", "deep-list"],
 )
 def test_a_hostile_yaml_file_stops_with_one_line(tmp_path, capsys, text, message):
-    from fedbr_flwr import cli
+    from fedbr_flwr.commands import cli
 
     path = tmp_path / "e.yaml"
     path.write_text(text)
@@ -182,8 +182,8 @@ def test_a_hostile_yaml_file_stops_with_one_line(tmp_path, capsys, text, message
 
 
 def test_a_file_that_is_not_utf8_or_too_large_stops_with_one_line(tmp_path, capsys):
-    from fedbr_flwr import cli
-    from fedbr_flwr.config import YAML_MAX_BYTES
+    from fedbr_flwr.commands import cli
+    from fedbr_flwr.core.config import YAML_MAX_BYTES
 
     path = tmp_path / "e.yaml"
     path.write_bytes("num-rounds: 1\n".encode("utf-16"))
@@ -195,7 +195,7 @@ def test_a_file_that_is_not_utf8_or_too_large_stops_with_one_line(tmp_path, caps
 
 
 def test_numbers_must_fit_and_quoted_values_are_cut(capsys):
-    from fedbr_flwr import cli
+    from fedbr_flwr.commands import cli
 
     assert cli.main(["seed=123456789012345678901", "--dry-run"]) == 2
     assert "does not fit a 64-bit integer" in capsys.readouterr().err

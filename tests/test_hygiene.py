@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from flwr.common import RecordDict
 
-from fedbr_flwr import codec, payload, seeds
-from fedbr_flwr.node import ClientCache
-from fedbr_flwr.progress import Follower, LogFollower, Progress, read_events
+from fedbr_flwr.app import payload
+from fedbr_flwr.app.node import ClientCache
+from fedbr_flwr.core import seeds
+from fedbr_flwr.runfiles import codec
+from fedbr_flwr.runfiles.progress import Follower, LogFollower, Progress, read_events
 
 # ---------------------------------------------------------------- seed streams
 
@@ -137,7 +139,7 @@ def test_two_threads_dropping_the_old_runs_clients_at_once_do_not_race(monkeypat
     failed a sweep's run). The first pauses at its first removal until the second is done (or 1 s passed)."""
     import threading
 
-    from fedbr_flwr import node
+    from fedbr_flwr.app import node
 
     first_paused, second_done = threading.Event(), threading.Event()
 
@@ -174,8 +176,8 @@ def test_two_threads_dropping_the_old_runs_clients_at_once_do_not_race(monkeypat
 
 
 def test_a_run_reports_its_rounds_and_end_as_events_and_the_table_once(tmp_path):
-    from fedbr_flwr.config import validate
-    from fedbr_flwr.run_io import RunRecorder
+    from fedbr_flwr.core.config import validate
+    from fedbr_flwr.runfiles.run_io import RunRecorder
 
     recorder = RunRecorder(validate({"num-rounds": 1}), tmp_path)
     recorder.log_round({"round": 1, "train": {"loss": 2.5}, "seconds": 0.5})

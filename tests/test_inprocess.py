@@ -1,5 +1,5 @@
 """``backend``: where a simulation's clients run. ``in-process`` runs them in threads of the simulation process
-(``fedbr_flwr.inprocess.InProcessBackend``, handed to Flower's engine by
+(``fedbr_flwr.app.inprocess.InProcessBackend``, handed to Flower's engine by
 ``flower_adapter.choose_backend_per_run``);
 ``auto`` picks it where it can run. The runs themselves, against the Ray backend, are in test_e2e.py."""
 
@@ -12,9 +12,10 @@ import pytest
 from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.clientapp.client_app import ClientAppException
 
-from fedbr_flwr import cli, flower_adapter, server_app
-from fedbr_flwr.errors import ConfigError
-from fedbr_flwr.inprocess import IN_PROCESS, InProcessBackend, worker_threads
+from fedbr_flwr.app import flower_adapter, server_app
+from fedbr_flwr.app.inprocess import IN_PROCESS, InProcessBackend, worker_threads
+from fedbr_flwr.commands import cli
+from fedbr_flwr.core.errors import ConfigError
 from fedbr_flwr.launch import plan, simulation
 
 
@@ -56,7 +57,7 @@ def test_fedbr_run_resolves_the_backend_and_superlink_refuses_in_process(tmp_pat
 def test_a_deployment_and_flowers_own_simulation_refuse_in_process(capsys, tmp_path, monkeypatch):
     from flwr.server.superlink.fleet.vce.backend import raybackend
 
-    from fedbr_flwr import deploy
+    from fedbr_flwr.commands import deploy
 
     monkeypatch.setattr(raybackend, "RayBackend", type("FlowersOwn", (), {}))  # as in flwr-simulation
 
@@ -147,7 +148,7 @@ def test_a_client_in_process_records_this_machine_as_where_it_ran_even_beside_a_
     import sys
     import types
 
-    from fedbr_flwr.raycluster import worker_node
+    from fedbr_flwr.app.raycluster import worker_node
 
     context = types.SimpleNamespace(get_node_id=lambda: "ray-node-1")
     fake_ray = types.SimpleNamespace(is_initialized=lambda: True, get_runtime_context=lambda: context)
@@ -159,7 +160,7 @@ def test_a_client_in_process_records_this_machine_as_where_it_ran_even_beside_a_
 
 
 def test_the_backend_counts_the_client_calls_that_have_not_returned():
-    from fedbr_flwr.inprocess import clients_running
+    from fedbr_flwr.app.inprocess import clients_running
 
     inside, release = threading.Event(), threading.Event()
 
@@ -203,7 +204,7 @@ def test_clients_in_threads_decode_arrays_without_the_ast_race():
     ("AST constructor recursion depth mismatch": a cohort dropped out of round 26 of a results run). With the
     in-process backend built, a thread's np.load waits while another thread parses, and 4 threads reading
     headers at the finest thread switching raise nothing (without the guard about 2 errors are expected)."""
-    import fedbr_flwr.inprocess as inprocess
+    import fedbr_flwr.app.inprocess as inprocess
 
     InProcessBackend({"client_resources": {"num_cpus": 1}})
     buffer = io.BytesIO()

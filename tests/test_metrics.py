@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from fedbr_flwr.metrics import plot_history, read_jsonl, summarize, summary_table
+from fedbr_flwr.runfiles.metrics import plot_history, read_jsonl, summarize, summary_table
 
 MEAN = [0.30, 0.55, 0.61, 0.72, 0.70, 0.8247, 0.79, 0.65]
 WORST = [0.10, 0.20, 0.45, 0.40, 0.52, 0.50, 0.61, 0.33]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedbr_flwr.model import MODELS, build_model, count_parameters
+from fedbr_flwr.core.model import MODELS, build_model, count_parameters
 
 # name, num_classes, in_channels, image_size, (low, high) parameter count, feature dim
 CASES = [
@@ -98,8 +98,8 @@ def central_accuracies(name: str, lr: float, steps: int = 400, seed: int = 0) ->
     4,000 to train and the other 500 to test (seeded)."""
     import numpy as np
 
-    from fedbr_flwr.catalog import INFO, load_raw
-    from fedbr_flwr.dataset import normalise, rotate, to_float
+    from fedbr_flwr.data.catalog import INFO, load_raw
+    from fedbr_flwr.data.dataset import normalise, rotate, to_float
 
     torch.set_num_threads(1)
     train, _ = load_raw("mnist5k")

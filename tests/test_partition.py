@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedbr_flwr.partition import distributional_heterogeneity, label_skew, partition, partition_hash, split_train_test
+from fedbr_flwr.data.partition import (
+    distributional_heterogeneity,
+    label_skew,
+    partition,
+    partition_hash,
+    split_train_test,
+)
 
 METHODS = ("fedbr", "dirichlet", "iid", "classes")
 

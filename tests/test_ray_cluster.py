@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from fedbr_flwr import cli, raycluster
-from fedbr_flwr.errors import ConfigError
+from fedbr_flwr.app import raycluster
+from fedbr_flwr.app.routing import Answer, placement
+from fedbr_flwr.commands import cli
+from fedbr_flwr.core.errors import ConfigError
 from fedbr_flwr.launch import plan
 from fedbr_flwr.launch.launcher import free_port
 from fedbr_flwr.server.recording import round_record
-from fedbr_flwr.server.routing import Answer, placement
 from fedbr_flwr.server.updates import ClientUpdate
 
 # ---------------------------------------------------------------- which runtime, fast
@@ -237,8 +238,8 @@ def test_a_run_without_the_setting_does_not_join_the_cluster_ray_start_left(tmp_
 
 def test_a_resumed_run_runs_where_the_resume_command_says(tmp_path, monkeypatch):
     """The checkpoint's cluster may be gone: --resume does not take ray-address from it."""
-    from fedbr_flwr.checkpoint import save_checkpoint
-    from fedbr_flwr.config import validate
+    from fedbr_flwr.core.config import validate
+    from fedbr_flwr.runfiles.checkpoint import save_checkpoint
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     save_checkpoint(tmp_path, {}, {"round": 2, "config": validate({"num-rounds": 4, "ray-address": "10.0.0.5:6379"})})
@@ -255,7 +256,7 @@ def test_a_node_that_dies_mid_run_fails_its_clients_and_the_run_goes_on(tmp_path
     node short."""
     address, node_ids, nodes = two_nodes
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "fedbr_flwr.cli", *RUN[:-1], "num-rounds=5", f"ray-address={address}"]
+    command = [sys.executable, "-m", "fedbr_flwr.commands.cli", *RUN[:-1], "num-rounds=5", f"ray-address={address}"]
     proc = subprocess.Popen(
         [*command, f"output-dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

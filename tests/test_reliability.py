@@ -14,12 +14,13 @@ import pytest
 import torch
 from flwr.common import Code, EvaluateRes, FitRes, Status
 
-from fedbr_flwr import cli, payload
-from fedbr_flwr.checkpoint import CHECKPOINT_NAME, save_checkpoint
-from fedbr_flwr.config import ConfigError, validate
-from fedbr_flwr.metrics import plot_history, read_jsonl, summarize, summary_table
-from fedbr_flwr.report import Setting
-from fedbr_flwr.run_io import RunRecorder, keep_rounds_up_to
+from fedbr_flwr.app import payload
+from fedbr_flwr.commands import cli
+from fedbr_flwr.commands.report import Setting
+from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.runfiles.checkpoint import CHECKPOINT_NAME, save_checkpoint
+from fedbr_flwr.runfiles.metrics import plot_history, read_jsonl, summarize, summary_table
+from fedbr_flwr.runfiles.run_io import RunRecorder, keep_rounds_up_to
 from fedbr_flwr.server.recording import eval_record
 from strategies.fedavg import FedAvgStrategy
 
@@ -194,7 +195,7 @@ def run_that_trained_nothing(cfg, nodes, out, echo, superlink=False, host=None, 
 
 
 def test_fedbr_sweep_counts_a_run_that_trained_nothing_as_failed(tmp_path, monkeypatch):
-    from fedbr_flwr import sweep
+    from fedbr_flwr.commands import sweep
 
     monkeypatch.setattr(sweep, "run_flower", run_that_trained_nothing)
     cfg = validate({"num-rounds": 2, "num-clients": 2, "output-dir": str(tmp_path / "run")})
@@ -214,7 +215,7 @@ def test_fedbr_run_exits_1_when_no_round_trained(tmp_path, capsys, monkeypatch):
 
 
 def test_fedbr_deploy_exits_1_when_no_round_trained(tmp_path, capsys):
-    from fedbr_flwr import deploy
+    from fedbr_flwr.commands import deploy
 
     out = tmp_path / "run"
     cfg = validate({"num-rounds": 2, "num-clients": 2, "output-dir": str(out)})
@@ -399,7 +400,7 @@ def test_no_complete_evaluation_is_said_and_gives_no_figures():
 def test_the_manifest_commit_is_fedbr_commit_where_it_is_set(monkeypatch, tmp_path):
     """A copy of the tree on another machine may carry a .git that is not its own: FEDBR_COMMIT names the commit;
     unset, the commit is the checkout's HEAD (a 40-digit hash), and outside any checkout it is empty."""
-    from fedbr_flwr.run_io import git_commit
+    from fedbr_flwr.runfiles.run_io import git_commit
 
     monkeypatch.delenv("FEDBR_COMMIT", raising=False)
     assert len(git_commit().removesuffix("-dirty")) == 40

@@ -1,4 +1,4 @@
-"""Tables, plots and the results page from run folders (fedbr_flwr/report.py, fedbr-sweep --report),
+"""Tables, plots and the results page from run folders (fedbr_flwr/commands/report.py, fedbr-sweep --report),
 on hand-made run folders: no processes."""
 
 import csv
@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from fedbr_flwr import report, sweep
-from fedbr_flwr.errors import ConfigError
+from fedbr_flwr.commands import report, sweep
+from fedbr_flwr.core.errors import ConfigError
 
 from test_sweep import SWEEP, write
 
@@ -102,7 +102,7 @@ def test_a_run_that_did_not_finish_is_shown_as_failed_and_never_averaged(tmp_pat
 def test_a_run_paused_at_its_checkpoint_is_shown_as_paused_not_failed(tmp_path):
     """A time limit stopped seed 1 after round 3 of 10, with its checkpoint at round 3: the table says it paused
     and resumes, and still leaves it out of the means. A checkpoint behind the last round means it died."""
-    from fedbr_flwr.checkpoint import save_checkpoint
+    from fedbr_flwr.runfiles.checkpoint import save_checkpoint
 
     out = tmp_path / "out"
     fake_run(out / "A" / "seed0", [0.2, 0.6, 0.7, 0.72, 0.74])
@@ -160,7 +160,7 @@ def test_a_best_headline_leads_with_the_best_evaluation_as_distrans_tables_do(tm
 def test_the_distrans_files_evaluate_every_round_and_lead_with_the_best():
     from pathlib import Path
 
-    from fedbr_flwr.config import load_yaml
+    from fedbr_flwr.core.config import load_yaml
 
     files = sorted((Path(__file__).resolve().parents[1] / "experiments").glob("distrans_*.yaml"))
     assert len(files) == 4

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedbr_flwr import attack
-from fedbr_flwr.config import validate
-from fedbr_flwr.errors import ConfigError
+from fedbr_flwr.core import attack
+from fedbr_flwr.core.config import validate
+from fedbr_flwr.core.errors import ConfigError
 from fedbr_flwr.server.robust import (
     RobustRule,
     RoundPlan,
@@ -166,7 +166,7 @@ def test_poisoned_replies_by_hand():
 
 
 def test_label_flippers_train_on_flipped_labels():
-    from fedbr_flwr.dataset import load_client_data
+    from fedbr_flwr.data.dataset import load_client_data
 
     cfg = validate({"num-clients": 3, "test-fraction": 0.05})
     honest = load_client_data(cfg, 1, "cpu")
@@ -180,8 +180,8 @@ def test_label_flippers_train_on_flipped_labels():
 
 def strategy_with_updates(tmp_path, strategy, rule, num_clients=4, count=3, **extra):
     """The strategy under ``rule``, a round's global arrays, and updates of ``count`` clients around them."""
+    from fedbr_flwr.app.server_app import build_strategy
     from fedbr_flwr.server.updates import ClientUpdate
-    from fedbr_flwr.server_app import build_strategy
 
     settings = {"strategy": strategy, "aggregation": rule, "num-clients": num_clients, "model": "cnn-small"}
     cfg = validate(settings | extra)

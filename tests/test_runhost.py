@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from procs import flower_processes
 
-from fedbr_flwr import cli, flower_adapter
+from fedbr_flwr.app import flower_adapter
+from fedbr_flwr.commands import cli
 from fedbr_flwr.launch import launcher, simulation
 from fedbr_flwr.launch.protocol import RunReply, RunRequest
 
@@ -109,7 +110,7 @@ def test_serve_hands_no_run_to_a_process_still_running_a_client_of_the_run_befor
 ):
     """Run 1 ends with a client call that never returned (its round timed out): a thread cannot be killed, so
     the process answers run 2's request with the reason and ends instead of running it."""
-    from fedbr_flwr.inprocess import InProcessBackend, clients_running
+    from fedbr_flwr.app.inprocess import InProcessBackend, clients_running
 
     release, ran = threading.Event(), []
 

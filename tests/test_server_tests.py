@@ -10,10 +10,11 @@ import pytest
 import torch
 from flwr.common import Code, EvaluateRes, Status
 
-from fedbr_flwr import payload
-from fedbr_flwr.catalog import INFO, load_raw
-from fedbr_flwr.config import ConfigError, validate
-from fedbr_flwr.dataset import (
+from fedbr_flwr.app import payload
+from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.core.training import module_arrays
+from fedbr_flwr.data.catalog import INFO, load_raw
+from fedbr_flwr.data.dataset import (
     ServerTests,
     client_indices,
     extra_local_test_indices,
@@ -25,10 +26,9 @@ from fedbr_flwr.dataset import (
     rotate,
     to_float,
 )
-from fedbr_flwr.metrics import summarize, summary_table
-from fedbr_flwr.run_io import RunRecorder
+from fedbr_flwr.runfiles.metrics import summarize, summary_table
+from fedbr_flwr.runfiles.run_io import RunRecorder
 from fedbr_flwr.server.recording import server_test_fields
-from fedbr_flwr.training import module_arrays
 from strategies.fedavg import FedAvgStrategy
 
 ANGLES = tuple(range(0, 136, 15))

@@ -11,14 +11,14 @@ import pytest
 import torch
 from flwr.common import RecordDict, ndarrays_to_parameters
 
-from fedbr_flwr import payload
+from fedbr_flwr.app import payload
+from fedbr_flwr.app.node import ClientCache, build_client
 from fedbr_flwr.bench import command as bench
-from fedbr_flwr.catalog import SYNTHETIC_SIZES, load_raw
-from fedbr_flwr.config import ConfigError
+from fedbr_flwr.core.config import ConfigError
+from fedbr_flwr.core.training import frozen_copy, round_sgd
+from fedbr_flwr.data.catalog import SYNTHETIC_SIZES, load_raw
 from fedbr_flwr.launch.plan import config_from_settings
-from fedbr_flwr.metrics import read_jsonl
-from fedbr_flwr.node import ClientCache, build_client
-from fedbr_flwr.training import frozen_copy, round_sgd
+from fedbr_flwr.runfiles.metrics import read_jsonl
 
 from fakes import in_process_federation, run_rounds
 
@@ -117,7 +117,7 @@ def test_plain_sgd_is_torchs_sgd_on_a_cpu_bit_for_bit_and_imports_no_dynamo(hype
     import subprocess
     import sys
 
-    from fedbr_flwr.training import PlainSGD
+    from fedbr_flwr.core.training import PlainSGD
 
     torch.manual_seed(0)
     theirs, ours = torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)
@@ -135,7 +135,7 @@ def test_plain_sgd_is_torchs_sgd_on_a_cpu_bit_for_bit_and_imports_no_dynamo(hype
     plain.state.clear()
     assert not plain.state
     code = (
-        "import sys, torch\nfrom torch import nn\nfrom fedbr_flwr.training import round_sgd\n"
+        "import sys, torch\nfrom torch import nn\nfrom fedbr_flwr.core.training import round_sgd\n"
         "m = nn.Linear(3, 2); o = round_sgd(m, m.parameters(), {'lr': 0.1, 'momentum': 0.9, 'weight-decay': 0.0})\n"
         "m(torch.ones(1, 3)).sum().backward(); o.step(); o.zero_grad()\n"
         "print(type(o).__name__, 'torch._dynamo' in sys.modules)"
@@ -170,7 +170,7 @@ def test_bf16_autocast_keeps_the_losses_near_fp32(strategy):
 
 def step_losses(precision: str, strategy: str, steps: int = 4) -> list[float]:
     """The training loss of each of ``steps`` local steps of one client in one round (one fit)."""
-    from fedbr_flwr.training import run_local_steps
+    from fedbr_flwr.core.training import run_local_steps
 
     config = run_config(
         strategy=strategy,
@@ -261,7 +261,7 @@ def test_the_suite_covers_each_shape_for_fedavg_fedbr_and_distrans_with_the_user
 
 
 def test_the_scale_cases_are_cohort_runs_of_many_clients_sampling_ten_each_round():
-    from fedbr_flwr.config import sampled_per_round
+    from fedbr_flwr.core.config import sampled_per_round
 
     for _, preset in bench.SCALE:
         cfg = bench.cohort_config(config_from_settings(dict(item.split("=") for item in preset)))
@@ -320,7 +320,7 @@ def test_a_fits_counted_flops_grow_with_its_steps_and_batch_and_match_the_cnns_h
 def test_local_steps_on_cuda_wait_for_the_device_only_once_per_round(strategy):
     """Batches are drawn and diagnostics summed on the device: torch's sync checker raises on any
     host-device synchronisation inside the steps."""
-    from fedbr_flwr.training import BatchSampler, run_local_steps
+    from fedbr_flwr.core.training import BatchSampler, run_local_steps
 
     config = run_config(strategy=strategy, device="cuda", **{"local-steps": 5})
     cfg = config_from_settings(config)
@@ -345,7 +345,7 @@ def test_the_suite_runs_flower_and_the_bare_loop_and_prints_the_table(tmp_path, 
     """One strategy, FedBR (the one with the most to send and compute), through the bare loop and both Flower
     engines; it is compared with FedAvg's figures counted here, without Flower. The table's FedBR / FedAvg
     columns are pinned by test_the_suite_table_prints_the_ratios_and_rates_of_what_was_measured."""
-    from fedbr_flwr.server_app import build_strategy
+    from fedbr_flwr.app.server_app import build_strategy
 
     json_path = tmp_path / "suite.json"
     items = ["num-clients=2", "local-steps=1"]

@@ -9,11 +9,11 @@ import torch
 from flwr.common import Code, EvaluateRes, FitRes, GetPropertiesRes, Status
 from flwr.server.client_manager import SimpleClientManager
 
-import fedbr_flwr.server.federation as federation
-from fedbr_flwr import payload
-from fedbr_flwr.config import ConfigError, validate
-from fedbr_flwr.dataset import client_indices, make_partition
-from fedbr_flwr.run_io import RunRecorder
+import fedbr_flwr.app.federation as federation
+from fedbr_flwr.app import payload
+from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.data.dataset import client_indices, make_partition
+from fedbr_flwr.runfiles.run_io import RunRecorder
 from strategies.fedavg import FedAvgStrategy
 
 from fakes import OfflineProxy

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from fedbr_flwr import sweep
-from fedbr_flwr.config import ConfigError
+from fedbr_flwr.commands import sweep
+from fedbr_flwr.core.config import ConfigError
 
 SWEEP = """
 num-clients: 2
@@ -271,7 +271,7 @@ CPU_SIZED = {
 def planned_configs(path, tmp_path):
     from pathlib import Path
 
-    from fedbr_flwr.config import load_yaml, validate
+    from fedbr_flwr.core.config import load_yaml, validate
 
     full = Path(__file__).resolve().parents[1] / path
     if "sweep" not in load_yaml(full):
@@ -494,7 +494,7 @@ def test_a_second_sweep_into_the_same_out_stops_at_once_and_writes_nothing(tmp_p
 
     out = tmp_path / "out"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys\nfrom fedbr_flwr import runlock\n"
+        [sys.executable, "-c", "import sys\nfrom fedbr_flwr.runfiles import runlock\n"
          "with runlock.hold(sys.argv[1], 'sweep'):\n"
          "    print('held', flush=True)\n    sys.stdin.read()", str(out)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

@@ -7,9 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from fedbr_flwr import cli, sweep
-from fedbr_flwr.checkpoint import save_checkpoint
-from fedbr_flwr.errors import ConfigError
+from fedbr_flwr.commands import cli, sweep
+from fedbr_flwr.core.errors import ConfigError
 from fedbr_flwr.launch.timelimit import (
     EXIT_TIME_LIMIT,
     RoundWatch,
@@ -19,6 +18,7 @@ from fedbr_flwr.launch.timelimit import (
     stop_deadline,
     stopped_line,
 )
+from fedbr_flwr.runfiles.checkpoint import save_checkpoint
 
 
 @pytest.mark.parametrize(

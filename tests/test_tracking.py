@@ -7,13 +7,13 @@ import struct
 import numpy as np
 import pytest
 
-from fedbr_flwr import tracking
-from fedbr_flwr.config import ConfigError, validate
+from fedbr_flwr.app.checkpointing import ResumedRun
+from fedbr_flwr.core.config import ConfigError, validate
 from fedbr_flwr.launch.plan import config_from_settings
-from fedbr_flwr.metrics import read_jsonl
-from fedbr_flwr.progress import read_events
-from fedbr_flwr.run_io import RunRecorder
-from fedbr_flwr.server.checkpointing import ResumedRun
+from fedbr_flwr.runfiles import tracking
+from fedbr_flwr.runfiles.metrics import read_jsonl
+from fedbr_flwr.runfiles.progress import read_events
+from fedbr_flwr.runfiles.run_io import RunRecorder
 
 from fakes import in_process_federation, run_rounds
 
@@ -186,8 +186,8 @@ def test_a_tracker_that_cannot_start_is_one_warning(tmp_path, monkeypatch):
 
 def test_a_sweep_labels_each_run_for_its_wandb_group_before_it_runs(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="the wandb extra is not installed here")
-    from fedbr_flwr import sweep
-    from fedbr_flwr.report import Setting
+    from fedbr_flwr.commands import sweep
+    from fedbr_flwr.commands.report import Setting
 
     seen = {}
 

@@ -1,4 +1,4 @@
-"""The vectorised cohort step (``cohort-step=vmap``, ``fedbr_flwr.vectorised``): the members'
+"""The vectorised cohort step (``cohort-step=vmap``, ``fedbr_flwr.core.vectorised``): the members'
 ``FunctionalStep`` functions vmapped over the members must give what the per-client loop gives, for every
 strategy and combination with a vectorised step.
 
@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedbr_flwr import cohort, payload
-from fedbr_flwr.algorithm import client_class
+from fedbr_flwr.app import cohort, payload
 from fedbr_flwr.bench import command as bench
-from fedbr_flwr.config import ConfigError, validate
-from fedbr_flwr.registry import algorithm_names
+from fedbr_flwr.core.algorithm import client_class
+from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.core.registry import algorithm_names
 
 import golden
 from fakes import FixedClientManager, InProcessProxy, run_rounds
@@ -248,7 +248,7 @@ def test_the_vmapped_cohort_answers_every_message_as_the_loop_does(name, tmp_pat
 
 def test_lockstep_sees_a_vmapped_step_that_drifts_from_the_loop(tmp_path, monkeypatch):
     """A tolerance that can fail: the vectorised step's lr 2e-4 larger than the loop's, on every fit."""
-    from fedbr_flwr import vectorised
+    from fedbr_flwr.core import vectorised
 
     sgd_like = vectorised.sgd_like
 
@@ -268,8 +268,8 @@ def cohort_of(settings: dict, members: int = 3, phase_index: int = 0):
     with its own gradients of one phase (at the round's start values) on its own first batch."""
     from flwr.common import RecordDict
 
-    from fedbr_flwr.node import build_client
-    from fedbr_flwr.vectorised import Member, snapshot
+    from fedbr_flwr.app.node import build_client
+    from fedbr_flwr.core.vectorised import Member, snapshot
 
     cfg = {
         "num-clients": members,
@@ -300,7 +300,7 @@ def cohort_of(settings: dict, members: int = 3, phase_index: int = 0):
 
 
 def vmapped_phase_gradients(members, draws, phase_index: int = 0):
-    from fedbr_flwr.vectorised import phase_gradients, stacked
+    from fedbr_flwr.core.vectorised import phase_gradients, stacked
 
     template = members[0].step
     phase = template.phases[phase_index]
@@ -331,7 +331,7 @@ def tiny_backbone(name: str, num_classes: int, in_channels: int, image_size: int
     """The backbones' own classes at tiny sizes, for 8x8 images: VGG11's layout at 1/8 of its widths with
     three of its five poolings, CCT of 2 layers of width 16, ResNet18-GN, the paper's CNN and the lenet as
     they are."""
-    from fedbr_flwr import model
+    from fedbr_flwr.core import model
 
     if name == "vgg11":
         pools = [i for i, c in enumerate(model.VGG11_LAYOUT) if c == "M"][-2:]  # 8x8 images: three poolings
@@ -350,7 +350,9 @@ def test_every_backbone_trains_under_vmap_as_each_member_alone(backbone, strateg
     computed for all members at once, equal those of its own autograd."""
     import dataclasses
 
-    from fedbr_flwr import algorithm, dataset, node
+    from fedbr_flwr.app import node
+    from fedbr_flwr.core import algorithm
+    from fedbr_flwr.data import dataset
 
     def small_images(cfg, members, device):
         loaded, packed = load_cohort_data(cfg, members, device)
@@ -411,7 +413,8 @@ def test_a_replayed_step_on_fixed_input_buffers_trains_as_the_vmapped_step(name,
     phases with the head's momentum, DisTrans' alternation), bit for bit what cohort-step=vmap computes."""
     import functools
 
-    from fedbr_flwr import node, vectorised
+    from fedbr_flwr.app import node
+    from fedbr_flwr.core import vectorised
 
     settings = {**GRAPH_CASES[name], "local-steps": 3}
     want = federation(settings, "vmap", tmp_path / "vmap")
@@ -428,7 +431,7 @@ def test_a_replayed_step_on_fixed_input_buffers_trains_as_the_vmapped_step(name,
 def test_fedbr_computes_its_features_once_a_step_under_vmap(tmp_path, monkeypatch):
     """FedBR's max and min steps share one feature forward (``shares_prepare``), as on the per-client path."""
     from clients.fedbr import FedBRStep
-    from fedbr_flwr import vectorised
+    from fedbr_flwr.core import vectorised
 
     calls = []
     original = FedBRStep.prepare
@@ -442,7 +445,7 @@ def test_fedbr_computes_its_features_once_a_step_under_vmap(tmp_path, monkeypatc
 
 
 def test_the_functional_sgd_is_torchs():
-    from fedbr_flwr.vectorised import sgd_values
+    from fedbr_flwr.core.vectorised import sgd_values
 
     torch.manual_seed(0)
     for hyper in (
@@ -463,7 +466,7 @@ def test_the_functional_sgd_is_torchs():
 
 
 def test_a_step_input_that_changes_shape_stops_a_captured_step():
-    from fedbr_flwr.vectorised import copy_inputs
+    from fedbr_flwr.core.vectorised import copy_inputs
 
     buffers = {"x": torch.zeros(2, 4, 3)}
     copy_inputs(buffers, {"x": torch.ones(2, 4, 3)})
@@ -477,8 +480,8 @@ GPU_GRAPH_CASES = ("fedavg", "fedbr", "fedbr-momentum-decay", "fedbr-bf16", "sca
 
 
 def test_auto_replays_a_graph_on_a_gpu_where_the_algorithms_graph_was_checked_on_one(monkeypatch):
-    from fedbr_flwr.node import cohort_step
-    from fedbr_flwr.registry import algorithm_names, components_of
+    from fedbr_flwr.app.node import cohort_step
+    from fedbr_flwr.core.registry import algorithm_names, components_of
 
     fedbr, moon = client_class("fedbr"), client_class("moon")
     assert cohort_step("auto", "cuda", fedbr) == "graph"
@@ -518,8 +521,8 @@ def test_bf16_runs_a_vmapped_convolution_in_bf16():
     vectorised path casts the modules instead, which gives each member's bf16 convolution to bf16 rounding."""
     from torch import nn
 
-    from fedbr_flwr.algorithm import call, modules_in
-    from fedbr_flwr.vectorised import stacked
+    from fedbr_flwr.core.algorithm import call, modules_in
+    from fedbr_flwr.core.vectorised import stacked
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 16, 3)
@@ -601,7 +604,7 @@ def test_cohort_step_vmap_is_refused_where_it_cannot_apply(monkeypatch):
 def test_auto_vmaps_on_a_gpu_only():
     from flwr.common import RecordDict
 
-    from fedbr_flwr.node import build_client
+    from fedbr_flwr.app.node import build_client
 
     run_config = {
         "num-clients": 4,
@@ -622,9 +625,9 @@ def test_auto_vmaps_on_a_gpu_only():
 def test_members_are_evaluated_at_once_as_each_alone_with_its_own_state_and_test_set():
     """Two members with different weights and test sets of different lengths (the shorter one padded and
     masked), in chunks smaller than the sets: the same loss and accuracy as evaluating each alone."""
-    from fedbr_flwr.model import build_model
-    from fedbr_flwr.training import evaluate
-    from fedbr_flwr.vectorised import evaluate_members, load_module_state, module_state
+    from fedbr_flwr.core.model import build_model
+    from fedbr_flwr.core.training import evaluate
+    from fedbr_flwr.core.vectorised import evaluate_members, load_module_state, module_state
 
     torch.manual_seed(0)
     model = build_model("cnn-small", 10, 1, 28)
@@ -642,7 +645,7 @@ def test_members_are_evaluated_at_once_as_each_alone_with_its_own_state_and_test
 
 def packed_members(augment: bool = False):
     """Three members with partitions of 5, 11 and 2 images, packed; each member's data as loaded, too."""
-    from fedbr_flwr.dataset import ClientData, pack_partitions
+    from fedbr_flwr.data.dataset import ClientData, pack_partitions
 
     g = torch.Generator().manual_seed(0)
     loaded = {
@@ -676,8 +679,8 @@ def test_packed_partitions_hold_every_members_rows_once_and_members_view_them():
 def test_packed_batches_are_each_members_own_stream(augment):
     """One gather for all members gives, step after step, bit for bit the batches each member's own sampler
     draws alone (with CIFAR's crop and flip, which draw from the same stream after the indices)."""
-    from fedbr_flwr.training import BatchSampler
-    from fedbr_flwr.vectorised import PackedBatches
+    from fedbr_flwr.core.training import BatchSampler
+    from fedbr_flwr.core.vectorised import PackedBatches
 
     _, members, packed = packed_members(augment)
     alone = [BatchSampler(data, 4, seed=pid) for pid, data in members.items()]
@@ -695,8 +698,8 @@ def test_packed_batches_are_each_members_own_stream(augment):
 
 
 def test_a_batch_stream_off_the_packed_partitions_is_refused():
-    from fedbr_flwr.training import BatchSampler
-    from fedbr_flwr.vectorised import PackedBatches
+    from fedbr_flwr.core.training import BatchSampler
+    from fedbr_flwr.core.vectorised import PackedBatches
 
     loaded, _, packed = packed_members()
     with pytest.raises(ValueError, match="does not read the packed partitions at row 5"):
@@ -706,7 +709,7 @@ def test_a_batch_stream_off_the_packed_partitions_is_refused():
 def test_draws_are_stacked_only_where_not_stacked_already():
     """A member's value that is its slice of the gathered batch, or the tensor it gave the step before, is
     taken as it stands (no copy); a new tensor is stacked."""
-    from fedbr_flwr.vectorised import DrawStacker
+    from fedbr_flwr.core.vectorised import DrawStacker
 
     stack = DrawStacker()
     fixed = [torch.full((2,), float(i)) for i in range(3)]
@@ -731,9 +734,9 @@ def test_a_cohorts_members_draw_a_step_with_few_operations():
     for the images and labels): 10 + 4 operations a step, against 3 per member and 2 stacks without packing."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fedbr_flwr.dataset import ClientData, pack_partitions
-    from fedbr_flwr.training import BatchSampler
-    from fedbr_flwr.vectorised import DrawStacker, PackedBatches
+    from fedbr_flwr.core.training import BatchSampler
+    from fedbr_flwr.core.vectorised import DrawStacker, PackedBatches
+    from fedbr_flwr.data.dataset import ClientData, pack_partitions
 
     class Count(TorchDispatchMode):
         calls = 0
@@ -766,7 +769,7 @@ def test_a_cohorts_members_draw_a_step_with_few_operations():
 
 
 def test_evaluation_groups_bound_the_images_of_one_forward_and_pad_little():
-    from fedbr_flwr.vectorised import evaluation_groups
+    from fedbr_flwr.core.vectorised import evaluation_groups
 
     lengths = [5, 900, 3, 40, 700]
     groups = evaluation_groups(lengths, batch_size=512, max_images=1000)
@@ -782,7 +785,7 @@ def test_a_cohort_evaluates_its_members_in_groups_as_each_alone():
     (the per-client path), the same losses and accuracies, in the members' order."""
     from flwr.common import RecordDict
 
-    from fedbr_flwr.node import build_client
+    from fedbr_flwr.app.node import build_client
 
     run_config = {
         "num-clients": 6,
@@ -811,9 +814,9 @@ def test_a_step_whose_losses_would_read_another_members_state_is_refused():
     per-client value it holds (instead of taking it through draw or constants) would silently use member 0's.
     Equal values in separate tensors pass; a declared per-member value passes."""
     from clients.fedavg import SupervisedStep
-    from fedbr_flwr.algorithm import LocalComponent
-    from fedbr_flwr.model import build_model
-    from fedbr_flwr.vectorised import Member, check_members_agree
+    from fedbr_flwr.core.algorithm import LocalComponent
+    from fedbr_flwr.core.model import build_model
+    from fedbr_flwr.core.vectorised import Member, check_members_agree
 
     class ClientScale(LocalComponent):
         def __init__(self, cfg, value):

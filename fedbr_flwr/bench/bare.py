@@ -9,12 +9,12 @@ import time
 
 import torch
 
-from ..algorithm import client_class
-from ..broadcast import SharedData
-from ..dataset import load_client_data
+from ..app.server_app import build_strategy
+from ..core.algorithm import client_class
+from ..core.broadcast import SharedData
+from ..core.training import peak_memory_mb, use_device
+from ..data.dataset import load_client_data
 from ..server.updates import named_mean
-from ..server_app import build_strategy
-from ..training import peak_memory_mb, use_device
 
 
 def synchronize(device: torch.device) -> None:

@@ -37,18 +37,18 @@ from typing import Any, Callable, Sequence, cast
 import numpy as np
 import torch
 
-from ..algorithm import client_class
-from ..catalog import INFO
-from ..config import ConfigError, resolved_model
-from ..dataset import load_client_data, load_cohort_data
+from ..app.raycluster import requested_address
+from ..app.server_app import build_strategy
+from ..core.algorithm import client_class
+from ..core.config import ConfigError, resolved_model
+from ..core.model import SplitModel
+from ..core.training import autocast, use_device
+from ..data.catalog import INFO
+from ..data.dataset import load_client_data, load_cohort_data
 from ..launch.launcher import RunFailed, run_flower
 from ..launch.plan import build_config, size_for_runtime, size_resources, supernodes
-from ..metrics import read_jsonl
-from ..model import SplitModel
-from ..raycluster import requested_address
+from ..runfiles.metrics import read_jsonl
 from ..server.recording import node_key
-from ..server_app import build_strategy
-from ..training import autocast, use_device
 from .bare import bare_fit_config, bare_loop_round_seconds, synchronize
 
 
@@ -251,7 +251,7 @@ def fit_flops(cfg: dict) -> float:
 def bench_cohort(cfg: dict, device: torch.device) -> tuple[Any, list[int], Callable[[int], dict], dict]:
     """One cohort holding every client of ``cfg`` on ``device`` in this process (no Flower): the cohort, its
     members' ids, the fit config of a round, and the server's initial arrays."""
-    from ..node import CohortClient
+    from ..app.node import CohortClient
 
     members, packed = load_cohort_data(cfg, list(range(cfg["num-clients"])), device)
     cohort = CohortClient(client_class(cfg["strategy"])(cfg, members[0], device), members, packed)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..flower_adapter import ENGINE_FRAMES
+from ..app.flower_adapter import ENGINE_FRAMES
 
 # The issue's workload: 10 clients, all every round, 20 rounds of 10 SGD steps of 32 at lr 0.02, the small
 # CNN, the embedded data, one evaluation at the end.
@@ -130,7 +130,7 @@ def phases(lines: list[tuple[float, str]], total: float) -> dict[str, float]:
 
 def steady_round_seconds(out_dir: Path) -> float:
     """The median seconds of the rounds after the first (rounds.jsonl)."""
-    from ..metrics import read_jsonl
+    from ..runfiles.metrics import read_jsonl
 
     return steady_seconds(read_jsonl(out_dir / "rounds.jsonl"))
 
@@ -162,7 +162,11 @@ VARIANTS = {  # label: (how the process starts, its own items)
 # variants whose runs start processes the command does not wait for (Ray's, the SuperLink's): their CPU time would
 # count as other processes', so how quiet the machine was is read from the other variants' runs
 DETACHED = ("engine=cohort, backend=ray", "engine=clients, --superlink")
-MODULES = {"fedbr-run": "fedbr_flwr.cli", "bare": "fedbr_flwr.bench.startup", "pfl": "fedbr_flwr.bench.startup_pfl"}
+MODULES = {
+    "fedbr-run": "fedbr_flwr.commands.cli",
+    "bare": "fedbr_flwr.bench.startup",
+    "pfl": "fedbr_flwr.bench.startup_pfl",
+}
 
 
 def variant_command(variant: str, items: Sequence[str], out: Path) -> list[str]:
@@ -259,7 +263,7 @@ def sweep_main(items: Sequence[str], repeats: int, json_path: Path | None) -> in
         for mode, flags in SWEEP_MODES.items():
             with tempfile.TemporaryDirectory(prefix="fedbr-startup-") as tmp:
                 (Path(tmp) / "sweep.yaml").write_text(SWEEP_FILE)
-                command = [sys.executable, "-m", "fedbr_flwr.sweep", str(Path(tmp) / "sweep.yaml"), *WORKLOAD]
+                command = [sys.executable, "-m", "fedbr_flwr.commands.sweep", str(Path(tmp) / "sweep.yaml"), *WORKLOAD]
                 command += [*items, "--out", str(Path(tmp) / "out"), *flags]
                 lines, total, code = timed_lines(command)
                 runs = sweep_fixed_seconds(lines)
@@ -303,7 +307,7 @@ def milestone_main(cfg: dict, label: str, tag: str, train: Callable) -> int:
     on_round)`` runs the rounds and returns the mean local-test accuracy."""
     import torch
 
-    from ..training import use_device
+    from ..core.training import use_device
 
     out = Path(cfg["output-dir"])
     out.mkdir(parents=True, exist_ok=True)
@@ -415,7 +419,7 @@ def round_profile_main(items: Sequence[str], json_path: Path | None) -> int:
             tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
             print(f"fedbr-bench: error: the profiled run exited {done.returncode}:\n{tail}", file=sys.stderr)
             return 1
-        from ..metrics import read_jsonl
+        from ..runfiles.metrics import read_jsonl
 
         records = read_jsonl(out / "rounds.jsonl")
         parts = profile_parts(raw.read_text().splitlines())

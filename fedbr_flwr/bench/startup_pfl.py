@@ -41,12 +41,12 @@ except ModuleNotFoundError as exc:  # run as a script only: say what to install 
         f"fedbr_flwr.bench.startup_pfl: {exc}; install pfl-research: pip install -e '.[pfl]' (or 'pfl[pytorch]==0.6.0')"
     ) from None
 
-from .. import seeds
-from ..algorithm import client_class
-from ..dataset import ClientData, load_client_data
+from ..app.server_app import build_strategy
+from ..core import seeds
+from ..core.algorithm import client_class
+from ..core.training import BatchSampler, load_module_arrays
+from ..data.dataset import ClientData, load_client_data
 from ..launch.plan import build_config
-from ..server_app import build_strategy
-from ..training import BatchSampler, load_module_arrays
 from .bare import synchronize
 from .startup import milestone_main
 

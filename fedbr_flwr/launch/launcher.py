@@ -22,11 +22,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .. import runlock
-from ..config import to_toml
-from ..errors import ConfigError
-from ..progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower
-from ..raycluster import log_tail, ray_environment, requested_address
+from ..app.raycluster import log_tail, ray_environment, requested_address
+from ..core.config import to_toml
+from ..core.errors import ConfigError
+from ..runfiles import runlock
+from ..runfiles.progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower
 from . import watchdog
 from .protocol import RunReply, RunRequest
 from .timelimit import RoundWatch, TimeLimitReached
@@ -111,7 +111,7 @@ def flower_env(flwr_home: Path, http_port: int | None = None, control_port: int 
 def local_superlink(log_dir: Path, ray_address: str | None = None) -> Iterator[dict[str, str]]:
     """A simulation SuperLink on free ports with its own FLWR_HOME; yields the environment in which
     ``flwr`` commands talk to it, and stops it with all its children on exit. Its simulations use a private
-    Ray runtime, or join the running cluster at ``ray_address`` (``fedbr_flwr.raycluster``)."""
+    Ray runtime, or join the running cluster at ``ray_address`` (``fedbr_flwr.app.raycluster``)."""
     flwr_home = watchdog.temp_dir("fedbr-flwr-home-")  # removed also if this process is killed
     http_port, control_port = free_port(), free_port()
     env = {**flower_env(flwr_home, http_port, control_port), **ray_environment(ray_address)}
@@ -223,7 +223,7 @@ class RunHost:
     """The simulation process every simulated run goes to (``python -m fedbr_flwr.launch.simulation``): one run
     (``simulate_run``), or one run after another (fedbr-run's early start, a sweep), on one Ray runtime (private,
     or the cluster at ``address``): a later run finds torch imported, Ray up and the client processes of the run
-    before (``fedbr_flwr.flower_adapter.keep_actors_between_runs``), so it does not pay
+    before (``fedbr_flwr.app.flower_adapter.keep_actors_between_runs``), so it does not pay
     the process, Ray and import start-up again (docs/benchmarks.md).
     A run that fails ends the process, and so does one that leaves a client call running (a client its round
     timed out on: a thread cannot be stopped); the next run starts a new one, and says why.

@@ -12,11 +12,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..config import ConfigError, check_sampling, defaults, load_yaml, parse_override, validate
-from ..raycluster import Cluster
-from ..run_io import check_output_dir, check_path_length, git_commit
-from ..runlock import check_free
-from ..tracking import check_available
+from ..app.raycluster import Cluster
+from ..core.config import ConfigError, check_sampling, defaults, load_yaml, parse_override, validate
+from ..runfiles.run_io import check_output_dir, check_path_length, git_commit
+from ..runfiles.runlock import check_free
+from ..runfiles.tracking import check_available
 from .launcher import PROJECT_DIR
 
 DEFAULT_SIMULATED_CLIENTS = 10
@@ -57,8 +57,8 @@ def config_from_settings(settings: dict[str, Any]) -> dict[str, Any]:
 def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
     """The config of the run in ``out_dir`` (from its checkpoint), with ``resume`` on and the overrides
     a resumed run may take (num-rounds, checkpoint-every, ...); anything else stops with a message."""
-    from ..checkpoint import load_checkpoint
-    from ..server_app import RESUMABLE_KEYS, check_resumable
+    from ..app.server_app import RESUMABLE_KEYS, check_resumable
+    from ..runfiles.checkpoint import load_checkpoint
 
     check_path_length(out_dir, "--resume")
     out_dir = out_dir.expanduser().resolve()
@@ -124,7 +124,7 @@ def size_for_runtime(cfg: dict[str, Any], cluster: Cluster | None = None, superl
     resolved address it records; and its ``backend`` (``choose_backend``; ``superlink``: fedbr-run --superlink)."""
     import torch
 
-    from ..raycluster import describe, requested_address
+    from ..app.raycluster import describe, requested_address
 
     address = requested_address(cfg["ray-address"])
     if address is None:
@@ -170,7 +170,7 @@ def supernodes(cfg: dict[str, Any]) -> int:
 
 
 def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
-    from ..dataset import make_partition
+    from ..data.dataset import make_partition
 
     if not cfg["output-dir"]:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -198,7 +198,7 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
 def check_resume_key(out: Path) -> None:
     """``resume = true`` in a fresh run's settings: a ConfigError now (the run would fail inside Flower),
     saying whether there is a checkpoint and how to continue from it."""
-    from ..checkpoint import load_checkpoint
+    from ..runfiles.checkpoint import load_checkpoint
 
     load_checkpoint(out)  # none: "no checkpoint to resume from"
     raise ConfigError(
@@ -214,14 +214,14 @@ def check_proxy_dataset(cfg: dict[str, Any]) -> None:
         return
     from pseudodata import proxy_dataset
 
-    from ..catalog import load_raw
+    from ..data.catalog import load_raw
 
     load_raw(proxy_dataset(cfg), cfg["data-dir"], cfg["download"])
 
 
 def check_no_run(out: Path) -> None:
     """ConfigError when ``out`` holds a run's files; --resume is offered only with a checkpoint to resume."""
-    from ..checkpoint import CHECKPOINT_NAME
+    from ..runfiles.checkpoint import CHECKPOINT_NAME
 
     found = [name for name in ("metrics.jsonl", "rounds.jsonl", CHECKPOINT_NAME) if (out / name).exists()]
     if CHECKPOINT_NAME in found:

@@ -6,7 +6,7 @@ seconds per run (docs/benchmarks.md). With ``backend = in-process`` the clients 
 instead of Ray's processes (``InProcessBackend``).
 
 Flower's public ``run_simulation`` cannot take a run config; its private entry point, which ``flwr-simulation``
-itself calls, can (``fedbr_flwr.flower_adapter``, with the engine's patches). flwr is pinned (pyproject.toml) and
+itself calls, can (``fedbr_flwr.app.flower_adapter``, with the engine's patches). flwr is pinned (pyproject.toml) and
 the end-to-end tests run this path."""
 
 from __future__ import annotations
@@ -21,29 +21,29 @@ import traceback
 from pathlib import Path
 from typing import IO, Any, Iterator, Sequence
 
-from ..errors import describe
-from ..flower_adapter import (
+from ..app.flower_adapter import (
     choose_backend_per_run,
     dispatch_messages_promptly,
     keep_actors_between_runs,
     replace_dead_actors,
     run_flower_simulation,
 )
+from ..core.errors import describe
 from .protocol import RunReply, RunRequest
 
-SERVER_APP = "fedbr_flwr.server_app:app"
-CLIENT_APP = "fedbr_flwr.client_app:app"
+SERVER_APP = "fedbr_flwr.app.server_app:app"
+CLIENT_APP = "fedbr_flwr.app.client_app:app"
 # the run has started (fedbr-bench --startup times the process's start by this line; a sweep's runs name one process)
 STARTED = "fedbr simulation: run {} started in process {}"
 
 
 def ray_init_args(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, Any]:
     """``ray.init`` arguments: those Flower's Ray backend would use (its defaults), at the address the launcher
-    set (``fedbr_flwr.raycluster``). The workers need this interpreter's module path. A cluster's nodes get it
+    set (``fedbr_flwr.app.raycluster``). The workers need this interpreter's module path. A cluster's nodes get it
     as the job's runtime environment, as Flower gives it. A private runtime's workers inherit it from this
     process's environment (``start_ray`` sets it), because with a job runtime environment Ray leaves the
     worker processes it starts with the driver idle and starts the actors in new ones (1 CPU-s wasted)."""
-    from ..raycluster import PRIVATE
+    from ..app.raycluster import PRIVATE
 
     address = environ.get("RAY_ADDRESS") or PRIVATE
     args: dict[str, Any] = {
@@ -78,14 +78,14 @@ def start_ray() -> None:
 def import_server_side() -> None:
     import flwr.simulation.run_simulation  # noqa: F401
 
-    from .. import server_app  # noqa: F401
+    from ..app import server_app  # noqa: F401
 
 
 def import_both_sides() -> None:
     """What a run imports, server and client side: ahead, while the command checks the run's configuration."""
     import_server_side()
-    from .. import client_app, node  # noqa: F401
-    from ..registry import load_all
+    from ..app import client_app, node  # noqa: F401
+    from ..core.registry import load_all
 
     load_all()
 
@@ -112,7 +112,7 @@ def simulate(run_config: dict[str, Any], run_id: int, supernodes: int, cpus: flo
         import_both_sides()
     else:
         start_ray()
-    from ..inprocess import IN_PROCESS
+    from ..app.inprocess import IN_PROCESS
     from .launcher import PROJECT_DIR
 
     run_flower_simulation(
@@ -179,7 +179,7 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
 def leftover_clients() -> str:
     """Why this process must not take another run: a client thread of the run before that never returned (a
     round timeout gave up on it; a thread cannot be killed, and it would slow every later run). "" if none."""
-    from ..inprocess import clients_running
+    from ..app.inprocess import clients_running
 
     count = clients_running()
     if not count:
@@ -190,7 +190,7 @@ def leftover_clients() -> str:
 def ray_likely(environ: dict[str, str] | os._Environ = os.environ) -> bool:
     """Whether a run of this host will likely use Ray (``backend = auto`` picks it on a cluster or a GPU), told
     without importing torch: a wrong guess costs seconds, not correctness."""
-    from ..raycluster import PRIVATE
+    from ..app.raycluster import PRIVATE
 
     if environ.get("RAY_ADDRESS", PRIVATE) != PRIVATE:
         return True
@@ -220,7 +220,7 @@ def lines_until(stream: IO[str], stop: threading.Event) -> Iterator[str]:
 
 def wait_for_last_event(run: threading.Thread, out_dir: Path) -> None:
     """Until ``run`` has ended or written its last event (then only Flower's end of it goes on)."""
-    from ..progress import PROGRESS_FILE, SUMMARY_EVENT, read_events
+    from ..runfiles.progress import PROGRESS_FILE, SUMMARY_EVENT, read_events
 
     offset = 0
     while run.is_alive():

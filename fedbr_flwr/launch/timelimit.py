@@ -12,7 +12,7 @@ import re
 import threading
 import time
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 EXIT_TIME_LIMIT = 75  # EX_TEMPFAIL (sysexits.h): stopped on purpose, to be continued
 ROUND_MARGIN = 1.5  # a round may take this many times the mean of the rounds before it

@@ -25,8 +25,8 @@ from typing import Any
 from flwr.client import NumPyClient
 from flwr.common import Context
 
-from ..errors import describe
-from ..run_io import code_hash
+from ..core.errors import describe
+from ..runfiles.run_io import code_hash
 
 log = logging.getLogger("fedbr-worker")
 RUNS_KEPT = 2  # client objects (with their device memory) are kept for this many most recent runs
@@ -101,7 +101,7 @@ class Worker:
     """Holds one client object per (run, partition), built on first use and reused afterwards."""
 
     def __init__(self):
-        from ..node import ClientCache
+        from ..app.node import ClientCache
 
         self.clients = ClientCache(RUNS_KEPT)
         self.code = code_hash()

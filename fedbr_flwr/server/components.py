@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..registry import lookup_server_component
+from ..core.registry import lookup_server_component
 
 Named = dict[str, np.ndarray]
 

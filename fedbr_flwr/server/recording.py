@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ..metrics import CLIENT_METRICS
+from ..runfiles.metrics import CLIENT_METRICS
 from .updates import ClientUpdate, mean_metrics
 
 

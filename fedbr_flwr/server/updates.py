@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import quoted
+from ..core.errors import quoted
 
 Named = dict[str, np.ndarray]
 # bookkeeping, not averaged (nor are "*-version")

@@ -1,0 +1,277 @@
+"""``fedbr-run``: validate an experiment, run it as a Flower simulation, report the result.
+
+    fedbr-run                                   # the quick main job (defaults)
+    fedbr-run experiments/fedavg_rotmnist5k.yaml seed=1 num-rounds=50
+    fedbr-run --list                            # every key, its default and meaning
+    fedbr-run --resume runs/fedbr-mnist5k-...   # continue a stopped run from its checkpoint
+    fedbr-run --resume runs/fedbr-mnist5k-... num-rounds=200   # or train it further
+    fedbr-run experiments/fedavg_rotmnist.yaml --time-limit 14m   # stop in time, to be continued
+
+Later files and ``key=value`` overrides win over earlier ones. Exit codes: 0 completed, 1 the run
+failed (also when it ran to its end but no round trained: every update failed or was rejected), 2 bad
+configuration or input (also a damaged checkpoint or an output-dir that cannot be written), 75 the
+--time-limit stopped it (after a round's checkpoint; one line says how to continue), 130 Ctrl-C, 143 SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from ..app.raycluster import requested_address
+from ..core.config import ConfigError, pyproject_table, schema
+from ..launch.launcher import PROJECT_DIR, RunFailed, RunHost, run_flower
+from ..launch.plan import build_config, prepare, resume_config, size_for_runtime, supernodes
+from ..launch.timelimit import (
+    EXIT_TIME_LIMIT,
+    RoundWatch,
+    TimeLimitReached,
+    parse_duration,
+    stop_deadline,
+    stopped_line,
+)
+from ..runfiles.checkpoint import checkpoint_round
+
+PYPROJECT_MARK = "# Generated from the schema by `fedbr-run --write-pyproject` (a test keeps it equal):\n"
+
+
+def list_keys() -> str:
+    """Every strategy and component, then every key by owner: its default, choices and meaning."""
+    from ..core.registry import COMPONENTS, VARIANTS, algorithm_names, how_to_enable
+
+    lines = [
+        f"strategies: {', '.join(algorithm_names())}",
+        *(f"  {name} = {v.base} + {' + '.join(v.components)}: {v.summary}" for name, v in sorted(VARIANTS.items())),
+        f"components (strategy=fedbr fedbr-with=a,b): {', '.join(sorted(COMPONENTS))}",
+    ]
+    owner = object()
+    for key, spec in schema().items():
+        if spec.owner != owner:
+            owner = spec.owner
+            lines += [
+                "",
+                "common keys (default) - meaning:" if owner is None else f"{owner} keys ({how_to_enable(owner)}):",
+            ]
+        choices = f" [{'|'.join(spec.choices)}]" if spec.choices else ""
+        lines.append(f"  {key} ({spec.default!r}){choices} - {spec.help}")
+    return "\n".join(lines)
+
+
+def write_pyproject(path: Path = PROJECT_DIR / "pyproject.toml") -> bool:
+    """Rewrite pyproject.toml's ``[tool.flwr.app.config]`` table from the schema; True if it changed."""
+    text = path.read_text()
+    head, sep, _ = text.partition(PYPROJECT_MARK)
+    if not sep:
+        raise ConfigError(f"{path} lacks the line '{PYPROJECT_MARK.strip()}' above [tool.flwr.app.config]")
+    new = head + sep + "[tool.flwr.app.config]\n" + pyproject_table()
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+CONFIGURATION_PAGE = PROJECT_DIR / "docs" / "configuration.md"
+
+
+def write_configuration_page(path: Path = CONFIGURATION_PAGE) -> bool:
+    """Rewrite the configuration reference from the schema; True if it changed."""
+    from ..core.config import configuration_reference
+
+    new = configuration_reference()
+    changed = not path.is_file() or path.read_text() != new
+    if changed:
+        path.write_text(new)
+    return changed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedbr-run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
+    parser.add_argument("--list", action="store_true", help="list strategies, components and config keys, then exit")
+    parser.add_argument(
+        "--write-pyproject",
+        action="store_true",
+        help="rewrite pyproject.toml's run-config table from the schema (after adding a key), then exit",
+    )
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="rewrite docs/configuration.md from the schema (after adding a key), then exit",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then exit")
+    parser.add_argument("--overwrite", action="store_true", help="reuse an output-dir that holds a run")
+    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    parser.add_argument(
+        "--time-limit",
+        metavar="DURATION",
+        help="stop before DURATION (90s, 15m, 1h30m, 2h) has passed: the run checkpoints after every round and "
+        "stops after the last round that fits, with exit code 75 and a line saying how to continue "
+        "(fedbr-run --resume DIR --time-limit ...); a round still running at the limit is lost",
+    )
+    parser.add_argument("--quiet", action="store_true", help="print no progress (the log is in flower.log)")
+    parser.add_argument("--verbose", action="store_true", help="echo all of Flower's log, not only progress")
+    parser.add_argument(
+        "--superlink",
+        action="store_true",
+        help="run through `flwr run` on a private local SuperLink, as a Flower user would (seconds slower to "
+        "start; the default runs Flower's simulation entry point in one process)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.time()
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)  # options may come between files and overrides
+    try:
+        args.deadline = None if args.time_limit is None else stop_deadline(started, parse_duration(args.time_limit))
+    except ConfigError as exc:
+        print(f"fedbr-run: error: {exc}", file=sys.stderr)
+        return 2
+    if args.list:
+        print(list_keys())
+        return 0
+    if args.write_pyproject or args.write_docs:
+        for wanted, write, path in (
+            (args.write_pyproject, write_pyproject, PROJECT_DIR / "pyproject.toml"),
+            (args.write_docs, write_configuration_page, CONFIGURATION_PAGE),
+        ):
+            if wanted:
+                print(f"fedbr-run: {path} {'rewritten' if write() else 'already up to date'}")
+        return 0
+    host = early_host(args)
+    try:
+        return run_command(args, host)
+    finally:
+        if host is not None:
+            host.close()
+
+
+def early_host(args: argparse.Namespace) -> RunHost | None:
+    """The simulation process, started before the configuration is checked: it imports what a run needs (torch,
+    Flower's simulation, the ServerApp and the clients; Ray too where a run will likely use it) beside the check,
+    which leaves a core idle, and the run goes to it (docs/benchmarks.md). None where the run would not use it:
+    ``--superlink``, ``--dry-run``, or a Ray cluster named by RAY_ADDRESS; a run on a cluster named by
+    ``ray-address`` does not use it either, and it is stopped when the command ends."""
+    if args.superlink or args.dry_run or os.environ.get("RAY_ADDRESS"):
+        return None
+    return RunHost().start()
+
+
+def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
+    try:
+        if args.resume:
+            cfg = size_for_runtime(resume_config(Path(args.resume), args.items), superlink=args.superlink)
+        else:
+            cfg = prepare(size_for_runtime(build_config(args.items), superlink=args.superlink), args.overwrite)
+        if args.deadline is not None:
+            cfg["checkpoint-every"] = 1  # a stop loses no finished round
+    except ConfigError as exc:
+        print(f"fedbr-run: error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print("\n".join(f"{k} = {v!r}" for k, v in cfg.items()))
+        return 0
+    out = Path(cfg["output-dir"])
+    print(
+        f"fedbr-run: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients, "
+        f"{cfg['num-rounds']} rounds -> {out}",
+        flush=True,
+    )
+    if host is not None and requested_address(cfg["ray-address"]) != host.address:
+        host.close()  # the run joins a cluster: the private runtime started ahead would only hold memory
+    # SIGTERM must unwind like Ctrl-C so that the launcher stops the SuperLink and its children.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        echo = "none" if args.quiet else "all" if args.verbose else "progress"
+        watch = None
+        if args.deadline is not None:
+            watch = RoundWatch(args.deadline, cfg["num-rounds"], checkpoint_round(out) if cfg["resume"] else None)
+        run_flower(cfg, supernodes(cfg), out, echo=echo, superlink=args.superlink, host=host, watch=watch)
+    except TimeLimitReached as exc:
+        print(
+            stopped_line("fedbr-run", str(out), exc.saved_round, cfg["num-rounds"], again(args, out, exc)),
+            file=sys.stderr,
+        )
+        return EXIT_TIME_LIMIT
+    except ConfigError as exc:  # found only at launch: the folder taken by a run that started at the same instant
+        print(f"fedbr-run: error: {exc}", file=sys.stderr)
+        return 2
+    except RunFailed as exc:
+        print(f"fedbr-run: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the run folder's disk filled up (or went away) while the run wrote to it
+        print(f"fedbr-run: error: the run stopped: cannot write to {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"fedbr-run: interrupted; {stopped_run(out)}", file=sys.stderr)
+        return 130
+    except SystemExit as exc:
+        if exc.code != 143:
+            raise
+        print(f"fedbr-run: stopped by SIGTERM; {stopped_run(out)}", file=sys.stderr)
+        return 143
+    summary_md = out / "summary.md"
+    if not summary_md.exists():
+        print(
+            f"fedbr-run: error: the run ended without a final evaluation (did every client fail?); "
+            f"see {out / 'flower.log'}",
+            file=sys.stderr,
+        )
+        return 1
+    return print_result(out, "fedbr-run", "(metrics.jsonl, rounds.jsonl, manifest.json, summary.json, convergence.png)")
+
+
+def again(args: argparse.Namespace, out: Path, stop: TimeLimitReached) -> str:
+    """The command that continues a run its time limit stopped: ``--resume`` from its checkpoint, or where it
+    has none, the command that started it, into the same folder."""
+    superlink = ["--superlink"] if args.superlink else []
+    if stop.saved_round is not None:
+        command = ["fedbr-run", "--resume", str(out), "--time-limit", args.time_limit, *superlink]
+    else:
+        command = ["fedbr-run", *args.items, f"output-dir={out}", "--overwrite", "--time-limit", args.time_limit]
+        command += superlink
+    return shlex.join(command)
+
+
+def stopped_run(out: Path) -> str:
+    return (
+        f"Flower processes stopped; partial run files in {out} (continue with `fedbr-run --resume {out}` once a "
+        "checkpoint exists)"
+    )
+
+
+def print_result(out: Path, command: str, files: str = "") -> int:
+    """Print a finished run's summary.md; the exit code: 1 (with one line saying why) when no round trained."""
+    print("\n" + (out / "summary.md").read_text())
+    print(f"run files: {out}" + (f" {files}" if files else ""))
+    problem = finished_run_problem(out)
+    if problem:
+        print(f"{command}: error: {problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def finished_run_problem(out: Path) -> str | None:
+    """Why a run that ran to its end gave no result (fedbr-run exits 1), from its summary.json: no round
+    changed the global model. None when it is a result (or there is no summary to judge by)."""
+    import json
+
+    from ..runfiles.metrics import run_problem
+
+    try:
+        summary = json.loads((Path(out) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return run_problem(summary) if isinstance(summary, dict) else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

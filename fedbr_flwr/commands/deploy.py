@@ -1,0 +1,762 @@
+"""``fedbr-deploy``: the same app on a real Flower deployment, a SuperLink and one SuperNode per client.
+
+On separate machines (every command prints the Flower command it runs):
+
+    fedbr-deploy certs deploy-keys --host 10.0.0.1 --supernodes 4        # once: CA, server cert, node keys
+    fedbr-deploy superlink --certs deploy-keys --auth                     # on the server machine
+    fedbr-deploy register --superlink 10.0.0.1:8000 --certs deploy-keys   # allow the node keys (--auth)
+    fedbr-deploy supernode --superlink 10.0.0.1:8000 --certs deploy-keys \\
+        --partition-id 0 --num-partitions 4 --data-dir /data --gpu 0 --auth-key deploy-keys/supernode-0
+    fedbr-deploy run --superlink 10.0.0.1:8000 --certs deploy-keys experiments/fedavg_rotmnist5k.yaml \\
+        num-clients=4 num-rounds=20
+
+All of it on this machine (127.0.0.1), started, run and stopped in one command:
+
+    fedbr-deploy local --supernodes 2 --tls --auth experiments/fedavg_rotmnist5k.yaml num-rounds=4
+
+Each SuperNode is paired with a ``fedbr-worker`` (``fedbr_flwr/launch/worker.py``) that keeps the client's
+data, model and CUDA context alive between rounds: Flower 1.41 starts a new ClientApp process for
+every message in both isolation modes. ``--resume DIR`` continues a run from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from ..core.errors import ConfigError
+from ..launch import watchdog
+from ..launch.launcher import RunFailed, flower_env, free_port, stop_tree, submit_run, wait_healthy
+from ..launch.worker import write_private
+from ..runfiles import runlock
+
+CONNECTION = "fedbr"
+NODE_START_TIMEOUT_S = 60
+# how often a SuperNode's launcher looks for a message to run (Flower's default: 1 s, paid on every message)
+TASK_POLL_INTERVAL_S = "0.05"
+CA, SERVER_CERT, SERVER_KEY = "ca.crt", "server.pem", "server.key"
+
+
+# ---------------------------------------------------------------- certificates and node keys
+
+
+def make_certificates(out: Path, hosts: Sequence[str], supernodes: int, days: int = 365) -> list[Path]:
+    """A self-signed CA, the SuperLink's certificate for ``hosts`` (IPs or names), and one EC key pair per
+    SuperNode in OpenSSH format (Flower's SuperNode authentication). Returns the private key paths."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    valid = dict(
+        not_valid_before=now - datetime.timedelta(minutes=5), not_valid_after=now + datetime.timedelta(days=days)
+    )
+
+    def cert(subject, issuer, public_key, signing_key, extensions):
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(valid["not_valid_before"])
+            .not_valid_after(valid["not_valid_after"])
+        )
+        for ext, critical in extensions:
+            builder = builder.add_extension(ext, critical=critical)
+        return builder.sign(signing_key, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedbr-flwr CA")])
+    ca_cert = cert(
+        ca_name, ca_name, ca_key.public_key(), ca_key, [(x509.BasicConstraints(ca=True, path_length=None), True)]
+    )
+    server_key = ec.generate_private_key(ec.SECP384R1())
+    names = [x509.IPAddress(ipaddress.ip_address(h)) if _is_ip(h) else x509.DNSName(h) for h in hosts]
+    server_cert = cert(
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]),
+        ca_name,
+        server_key.public_key(),
+        ca_key,
+        [(x509.SubjectAlternativeName(names), False)],
+    )
+    pem = serialization.Encoding.PEM
+    write_private(
+        out / SERVER_KEY, server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    (out / SERVER_CERT).write_bytes(server_cert.public_bytes(pem))
+    (out / CA).write_bytes(ca_cert.public_bytes(pem))
+    keys = []
+    for i in range(supernodes):
+        key = ec.generate_private_key(ec.SECP384R1())
+        path = out / f"supernode-{i}"
+        write_private(path, key.private_bytes(pem, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
+        path.with_name(path.name + ".pub").write_bytes(
+            key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        )
+        keys.append(path)
+    return keys
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def check_certs(certs: Path, server: bool) -> None:
+    needed = [CA] + ([SERVER_CERT, SERVER_KEY] if server else [])
+    missing = [n for n in needed if not (certs / n).is_file()]
+    if missing:
+        raise ConfigError(f"{certs} lacks {', '.join(missing)}: make them with `fedbr-deploy certs {certs}`")
+
+
+def certificate_problem(path: Path, now: datetime.datetime | None = None) -> str | None:
+    """Why clients would refuse the certificate at ``path`` on dates alone (expired, or not valid yet)."""
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        return f"{path} cannot be read as a PEM certificate ({exc})"
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    remake = f"make new ones with `fedbr-deploy certs {path.parent}` and hand ca.crt to the SuperNodes again"
+    if cert.not_valid_after_utc < now:
+        return f"{path} expired on {cert.not_valid_after_utc:%Y-%m-%d}: SuperNodes will refuse it; {remake}"
+    if cert.not_valid_before_utc > now:
+        return f"{path} is valid only from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (check this machine's clock)"
+    return None
+
+
+# ---------------------------------------------------------------- Flower commands
+
+
+def flower_tool(env: dict[str, str], name: str) -> str:
+    return shutil.which(name, path=env["PATH"]) or name
+
+
+def superlink_command(
+    env: dict[str, str], host: str, port: int, certs: Path | None, auth: bool, state_dir: Path
+) -> list[str]:
+    security = (
+        ["--insecure"]
+        if certs is None
+        else [
+            "--ssl-ca-certfile",
+            str(certs / CA),
+            "--ssl-certfile",
+            str(certs / SERVER_CERT),
+            "--ssl-keyfile",
+            str(certs / SERVER_KEY),
+        ]
+    )
+    if auth:
+        if certs is None:
+            raise ConfigError("SuperNode authentication needs TLS: give --certs (or --tls with local)")
+        security.append("--enable-supernode-auth")
+    return [
+        flower_tool(env, "flower-superlink"),
+        *security,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--database",
+        str(state_dir / "superlink.db"),
+        "--disable-runtime-dependency-installation",
+    ]
+
+
+def node_config_string(values: dict[str, object]) -> str:
+    """Flower's --node-config syntax: strings quoted, numbers bare."""
+    return " ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
+
+
+def supernode_command(
+    env: dict[str, str], superlink: str, port: int, certs: Path | None, node_config: dict, auth_key: Path | None
+) -> list[str]:
+    security = ["--insecure"] if certs is None else ["--root-certificates", str(certs / CA)]
+    if auth_key is not None:
+        security += ["--auth-supernode-private-key", str(auth_key)]
+    return [
+        flower_tool(env, "flower-supernode"),
+        *security,
+        "--superlink",
+        superlink,
+        "--port",
+        str(port),
+        "--node-config",
+        node_config_string(node_config),
+    ]
+
+
+def worker_command(address: Path) -> list[str]:
+    return [sys.executable, "-m", "fedbr_flwr.launch.worker", "--address", str(address)]
+
+
+def write_connection(flwr_home: Path, address: str, certs: Path | None) -> None:
+    """The ``fedbr`` connection in FLWR_HOME/config.toml, used by ``flwr run``, ``flwr ls`` and registration."""
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    security = "insecure = true" if certs is None else f'root-certificates = "{(certs / CA).resolve()}"'
+    (flwr_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{address}"\n{security}\n'
+    )
+
+
+def register_supernodes(env: dict[str, str], public_keys: Sequence[Path]) -> None:
+    for key in public_keys:
+        res = subprocess.run(
+            [flower_tool(env, "flwr"), "supernode", "register", str(key), CONNECTION],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if res.returncode != 0:
+            raise RunFailed(f"`flwr supernode register {key}` failed: {(res.stdout + res.stderr).strip()[-500:]}")
+
+
+def process_env(flwr_home: Path) -> dict[str, str]:
+    """The environment of deployment processes: ours, with Flower's quicker task polling."""
+    env = flower_env(flwr_home)
+    env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", TASK_POLL_INTERVAL_S)
+    return env
+
+
+def deploy_env(flwr_home: Path, address: str, certs: Path | None) -> dict[str, str]:
+    env = process_env(flwr_home)
+    write_connection(flwr_home, address, certs)
+    return env
+
+
+# ---------------------------------------------------------------- processes
+
+
+@dataclass
+class Deployment:
+    """Processes started on this machine, by role; ``stop()`` ends them all with their children."""
+
+    env: dict[str, str]
+    log_dir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)
+
+    def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        print(f"fedbr-deploy: {name}: {' '.join(command)}", flush=True)
+        self.commands[name] = command
+        log = open(self.log_dir / f"{name}.log", "ab")
+        # killed with all it starts if fedbr-deploy dies, also by SIGKILL (see launch/watchdog.py)
+        proc = watchdog.spawn(
+            command, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def stop(self) -> None:
+        """Newest first, so that SuperNodes go before the SuperLink they talk to."""
+        while self.procs:
+            stop_tree(self.procs.pop(next(reversed(self.procs))))
+
+
+def start_worker(deployment: Deployment, name: str, address: Path, gpu: str | None) -> None:
+    env = dict(deployment.env)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    proc = deployment.start(name, worker_command(address), env)
+    deadline = time.time() + NODE_START_TIMEOUT_S
+    while not address.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            raise RunFailed(f"{name} did not start; see {deployment.log_dir / (name + '.log')}")
+        time.sleep(0.1)
+
+
+@contextmanager
+def local_deployment(
+    out_dir: Path, num_supernodes: int, tls: bool = False, auth: bool = False, workers: bool = True
+) -> Iterator[Deployment]:
+    """A SuperLink and ``num_supernodes`` SuperNodes (partition i of n each, with a worker unless
+    ``workers=False``) on 127.0.0.1, with TLS and SuperNode authentication when asked; stopped on exit,
+    also on failure. Logs and keys go to ``out_dir/deploy``."""
+    log_dir = out_dir / "deploy"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    home = watchdog.temp_dir("fedbr-deploy-")  # removed also if this process is killed
+    certs = None
+    keys: list[Path] = []
+    if tls or auth:
+        certs = home / "certs"
+        keys = make_certificates(certs, ["127.0.0.1", "localhost"], num_supernodes if auth else 0)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    deployment = Deployment(deploy_env(home / "flwr", address, certs), log_dir)
+    try:
+        superlink = deployment.start(
+            "superlink", superlink_command(deployment.env, "127.0.0.1", port, certs, auth, home)
+        )
+        scheme = "https" if certs else "http"
+        wait_healthy(
+            superlink,
+            f"{scheme}://127.0.0.1:{port}/health",
+            log_dir / "superlink.log",
+            verify=ssl.create_default_context(cafile=str(certs / CA)) if certs else True,
+        )
+        if auth:
+            register_supernodes(deployment.env, [k.with_name(k.name + ".pub") for k in keys])
+        for i in range(num_supernodes):
+            node: dict[str, int | str] = {"partition-id": i, "num-partitions": num_supernodes}
+            if workers:
+                sock = home / f"worker-{i}.sock"
+                start_worker(deployment, f"worker-{i}", sock, None)
+                node["worker"] = str(sock)
+            deployment.start(
+                f"supernode-{i}",
+                supernode_command(deployment.env, address, free_port(), certs, node, keys[i] if auth else None),
+            )
+        yield deployment
+    finally:
+        deployment.stop()
+        watchdog.remove_temp_dir(home)
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def round_seconds(out_dir: Path) -> dict[str, float]:
+    """From a finished run's files: the median seconds of a round's fit phase (rounds after the first,
+    which includes discovery) and the whole run's wall seconds per round."""
+    import numpy as np
+
+    from ..runfiles.metrics import read_jsonl
+
+    rounds, evals = read_jsonl(out_dir / "rounds.jsonl"), read_jsonl(out_dir / "metrics.jsonl")
+    fit = [r["seconds"] for r in rounds[1:]] or [r["seconds"] for r in rounds]
+    return {
+        "fit_s_per_round": float(np.median(fit)),
+        "wall_s_per_round": float(evals[-1]["wall_time"]) / max(len(rounds), 1) if evals else float("nan"),
+    }
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -> dict:
+    """The run's config from files and overrides (``num_clients``: the local SuperNodes, which it must
+    match), or from the checkpoint of the run being resumed."""
+    from ..core.config import normalise_key, validate
+    from ..launch.plan import prepare, resume_config, settings_from
+
+    cfg = resume_config(Path(resume), items) if resume else None
+    if cfg is None:
+        settings = {normalise_key(k): v for k, v in settings_from(items).items()}
+        if num_clients is not None:
+            if settings.get("num-clients", 0) not in (0, num_clients):
+                raise ConfigError(
+                    f"num-clients = {settings['num-clients']} but --supernodes {num_clients}: drop "
+                    "num-clients or make them equal"
+                )
+            settings["num-clients"] = num_clients
+        cfg = prepare(validate(settings), overwrite=False)
+    if cfg["engine"] == "cohort":
+        raise ConfigError(
+            "engine=cohort runs in simulation only (fedbr-run): a deployment has one client per "
+            "SuperNode; drop engine=cohort (engine=clients)"
+        )
+    if cfg["backend"] == "in-process":
+        raise ConfigError(
+            "backend = in-process runs simulated clients in one process (fedbr-run): a deployment's clients are "
+            "its SuperNodes; drop backend"
+        )
+    return cfg
+
+
+def _print_result(out: Path) -> int:
+    """Print the run's summary; the exit code: 1 when the run trained no round (fedbr-run's rule)."""
+    from .cli import print_result
+
+    if not (out / "summary.md").exists():
+        print(f"fedbr-deploy: the run's files are on the SuperLink's machine, in {out}")
+        return 0
+    return print_result(out, "fedbr-deploy")
+
+
+def _check_supernodes(n: int) -> None:
+    if n < 1:
+        raise ConfigError(f"--supernodes {n}: a run needs at least one SuperNode (one client each)")
+
+
+def cmd_local(args) -> int:
+    _check_supernodes(args.supernodes)
+    cfg = _config(args.items, args.resume, args.supernodes)
+    out = Path(cfg["output-dir"])
+    print(
+        f"fedbr-deploy: {cfg['strategy']} on {cfg['dataset']}, {args.supernodes} SuperNodes on 127.0.0.1"
+        f"{' with TLS' if args.tls or args.auth else ''}{' and SuperNode auth' if args.auth else ''} -> {out}",
+        flush=True,
+    )
+    with runlock.hold(out), local_deployment(out, args.supernodes, args.tls, args.auth, not args.no_worker) as dep:
+        submit_run(cfg, dep.env, CONNECTION, out, echo="progress")
+    return _print_result(out)
+
+
+def cmd_run(args) -> int:
+    certs = _certs_arg(args)
+    cfg = _config(args.items, args.resume, None)
+    home = watchdog.temp_dir("fedbr-deploy-")
+    try:
+        env = deploy_env(home, args.superlink, certs)
+        submit_run(cfg, env, CONNECTION, Path(cfg["output-dir"]), echo=args.echo)
+    finally:
+        watchdog.remove_temp_dir(home)
+    return _print_result(Path(cfg["output-dir"]))
+
+
+def cmd_register(args) -> int:
+    certs = _certs_arg(args)
+    keys = [Path(k) for k in args.keys] or (sorted(certs.glob("supernode-*.pub")) if certs else [])
+    if not keys:
+        where = f"none in {certs}" if certs else "--insecure names no certificate folder to take them from"
+        raise ConfigError(f"no public keys given and {where}")
+    home = watchdog.temp_dir("fedbr-deploy-")
+    try:
+        register_supernodes(deploy_env(home, args.superlink, certs), keys)
+    finally:
+        watchdog.remove_temp_dir(home)
+    print(f"fedbr-deploy: registered {len(keys)} SuperNode key(s)")
+    return 0
+
+
+def _certs_arg(args, server: bool = False) -> Path | None:
+    if args.insecure:
+        return None
+    if not args.certs:
+        raise ConfigError("give --certs DIR (from `fedbr-deploy certs`) or --insecure")
+    certs = Path(args.certs).resolve()
+    check_certs(certs, server)
+    for name in [CA] + ([SERVER_CERT] if server else []):
+        if problem := certificate_problem(certs / name):
+            print(f"fedbr-deploy: warning: {problem}", file=sys.stderr, flush=True)
+    return certs
+
+
+# ---------------------------------------------------------------- a SuperNode that cannot connect
+
+CONNECTION_FAILED = "Connection attempt failed"  # Flower's SuperNode log line, one per failed attempt
+FAILURES_BEFORE_HINT = 3
+
+
+def speaks_tls(address: str, timeout_s: float = 3.0) -> bool | None:
+    """Whether the server at HOST:PORT completes a TLS handshake (its certificate is not checked): True,
+    False (it answers, but not TLS), or None (nothing answers)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except (OSError, ValueError):
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with context.wrap_socket(sock, server_hostname=host or None):
+            return True
+    except ssl.SSLError:
+        return False
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def refused_certificate(address: str, ca: Path, timeout_s: float = 3.0) -> str | None:
+    """Why a TLS handshake with the server at HOST:PORT fails when its certificate is checked against ``ca``
+    (as Flower's SuperNode checks it), or None when it passes or nothing answers."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        context = ssl.create_default_context(cafile=str(ca))
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+            with context.wrap_socket(sock, server_hostname=host):
+                return None
+    except ssl.SSLCertVerificationError as exc:
+        return exc.verify_message or str(exc)
+    except (OSError, ValueError, ssl.SSLError):
+        return None
+
+
+def tls_mismatch(superlink: str, tls: bool, ca: Path | None = None) -> str | None:
+    """What to fix when this SuperNode's security does not match the SuperLink's, as far as a probe tells
+    (with ``ca``: also whether the SuperLink's certificate passes the check against it)."""
+    answer = speaks_tls(superlink)
+    if answer is True and tls and ca is not None and (why := refused_certificate(superlink, ca)):
+        return (
+            f"the SuperLink at {superlink} presents a certificate that {ca} does not accept ({why}): give --certs "
+            "the folder the SuperLink's certificates were made in, or make new ones with `fedbr-deploy certs DIR "
+            "--host <the host SuperNodes connect to>`"
+        )
+    if answer is True and not tls:
+        return (
+            f"the SuperLink at {superlink} speaks TLS, but this SuperNode was started with --insecure: give "
+            "--certs DIR (the folder from `fedbr-deploy certs` holding its ca.crt, passed to Flower as "
+            "--root-certificates)"
+        )
+    if answer is False and tls:
+        return (
+            f"the SuperLink at {superlink} does not answer TLS (started with --insecure?): start both with "
+            "--certs, or both with --insecure"
+        )
+    return None
+
+
+class ConnectionWatch:
+    """Reads on in a SuperNode's log; after FAILURES_BEFORE_HINT more failed connection attempts, says why it
+    may fail to connect (a TLS mismatch, probed on the SuperLink's address, or where else to look), each
+    message once. Called again and again: the SuperLink may start later, with other security."""
+
+    def __init__(self, log_path: Path, superlink: str, tls: bool, ca: Path | None = None):
+        self.log_path, self.superlink, self.tls, self.ca = log_path, superlink, tls, ca
+        self.failures, self.shown = 0, set[str]()
+        try:  # the log is appended to: lines of an earlier SuperNode in this state-dir do not count
+            self.offset = log_path.stat().st_size
+        except OSError:
+            self.offset = 0
+
+    def __call__(self) -> str | None:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.offset)
+                new = f.read()
+        except OSError:
+            return None
+        self.offset += len(new)
+        self.failures += new.decode(errors="replace").count(CONNECTION_FAILED)
+        if self.failures < FAILURES_BEFORE_HINT:
+            return None
+        self.failures = 0
+        message = tls_mismatch(self.superlink, self.tls, self.ca) or (
+            f"the SuperNode keeps failing to connect to the SuperLink at {self.superlink}: is it running, are the "
+            "host and port right (--superlink HOST:PORT, the SuperLink's --port), does a firewall let it through?"
+        )
+        if message in self.shown:
+            return None
+        self.shown.add(message)
+        return message
+
+
+def _foreground(deployment: Deployment, hint=None) -> int:
+    """Wait until any process ends or a signal arrives; then stop them all. ``hint()``, checked every few
+    seconds: a warning to print, or None."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        next_hint = time.time() + 5
+        while all(p.poll() is None for p in deployment.procs.values()):
+            if hint is not None and time.time() > next_hint:
+                message, next_hint = hint(), time.time() + 5
+                if message:
+                    print(f"fedbr-deploy: warning: {message}", file=sys.stderr, flush=True)
+            time.sleep(0.5)
+        ended = [k for k, p in deployment.procs.items() if p.poll() is not None]
+        print(f"fedbr-deploy: {', '.join(ended)} exited; see {deployment.log_dir}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        deployment.stop()
+
+
+def cmd_superlink(args) -> int:
+    certs = _certs_arg(args, server=True)
+    state = Path(args.state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    dep = Deployment(process_env(state / "flwr-home"), state)
+    dep.start("superlink", superlink_command(dep.env, args.host, args.port, certs, args.auth, state))
+    return _foreground(dep)
+
+
+def cmd_supernode(args) -> int:
+    if args.num_partitions < 1 or not 0 <= args.partition_id < args.num_partitions:
+        raise ConfigError(
+            f"--partition-id {args.partition_id} --num-partitions {args.num_partitions}: need "
+            "num-partitions >= 1 and 0 <= partition-id < num-partitions"
+        )
+    certs = _certs_arg(args)
+    mismatch = tls_mismatch(args.superlink, certs is not None, certs / CA if certs else None)
+    if mismatch and certs is None:  # plaintext to a TLS SuperLink never connects
+        raise ConfigError(mismatch)
+    if mismatch:
+        print(f"fedbr-deploy: warning: {mismatch}", file=sys.stderr, flush=True)
+    state = Path(args.state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    dep = Deployment(process_env(state / "flwr-home"), state)
+    node: dict[str, object] = {"partition-id": args.partition_id, "num-partitions": args.num_partitions}
+    if args.data_dir:
+        node["data-dir"] = str(Path(args.data_dir).resolve())
+    name = f"supernode-{args.partition_id}"
+    try:
+        if not args.no_worker:
+            sock = state / f"worker-{args.partition_id}.sock"
+            start_worker(dep, f"worker-{args.partition_id}", sock, args.gpu)
+            node["worker"] = str(sock)
+        env = dict(dep.env)
+        if args.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = args.gpu
+        dep.start(
+            name,
+            supernode_command(
+                env, args.superlink, args.port, certs, node, Path(args.auth_key).resolve() if args.auth_key else None
+            ),
+            env,
+        )
+    except BaseException:
+        dep.stop()
+        raise
+    ca = certs / CA if certs else None
+    return _foreground(dep, ConnectionWatch(state / f"{name}.log", args.superlink, certs is not None, ca))
+
+
+def cmd_certs(args) -> int:
+    if args.supernodes < 0:
+        raise ConfigError(f"--supernodes {args.supernodes}: give the number of SuperNode key pairs to make (0 or more)")
+    keys = make_certificates(Path(args.out), args.host or ["127.0.0.1", "localhost"], args.supernodes)
+    print(
+        f"fedbr-deploy: wrote {args.out}/{{{CA},{SERVER_CERT},{SERVER_KEY}}} and {len(keys)} SuperNode key pair(s) "
+        f"(supernode-<i>, supernode-<i>.pub); keep the .key and private node keys secret"
+    )
+    return 0
+
+
+def cmd_compare(args) -> int:
+    """The same config in simulation and in a local deployment (with and without workers): s/round."""
+    from .cli import main as fedbr_run
+
+    _check_supernodes(args.supernodes)
+    base = Path(args.out).resolve()
+    rows = []
+    runs = [("simulation", None), ("deployment + worker", True), ("deployment, no worker", False)]
+    for label, workers in runs:
+        out = base / label.replace(" ", "-").replace(",", "").replace("+", "with")
+        items = [*args.items, f"output-dir={out}", f"num-clients={args.supernodes}"]
+        if workers is None:
+            code = fedbr_run([*items, "--overwrite", "--quiet"])
+            if code:
+                return code
+        else:
+            shutil.rmtree(out, ignore_errors=True)  # this comparison's own folder, from an earlier call
+            cfg = _config(items, None, args.supernodes)
+            with local_deployment(out, args.supernodes, workers=workers) as dep:
+                submit_run(cfg, dep.env, CONNECTION, out, echo="none")
+        rows.append((label, round_seconds(out)))
+    print("\n| path | fit phase, s/round (median, rounds 2+) | wall s/round (whole run) |\n|---|---|---|")
+    for label, r in rows:
+        print(f"| {label} | {r['fit_s_per_round']:.2f} | {r['wall_s_per_round']:.2f} |")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedbr-deploy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def security(p):
+        p.add_argument("--certs", help="folder from `fedbr-deploy certs` (TLS)")
+        p.add_argument("--insecure", action="store_true", help="no TLS (trusted networks and tests only)")
+
+    p = sub.add_parser("certs", help="make a CA, the SuperLink's certificate and SuperNode keys")
+    p.add_argument("out")
+    p.add_argument("--host", action="append", help="the SuperLink's IP or name, as SuperNodes reach it (repeatable)")
+    p.add_argument("--supernodes", type=int, default=0, help="SuperNode key pairs to make (for --auth)")
+    p.set_defaults(func=cmd_certs)
+
+    p = sub.add_parser("superlink", help="start a SuperLink (foreground)")
+    security(p)
+    p.add_argument("--auth", action="store_true", help="accept only registered SuperNode keys (needs --certs)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--state-dir", default="superlink-state", help="its database and logs")
+    p.set_defaults(func=cmd_superlink)
+
+    p = sub.add_parser("register", help="allow SuperNode public keys on a SuperLink started with --auth")
+    security(p)
+    p.add_argument("--superlink", required=True, help="HOST:PORT")
+    p.add_argument("keys", nargs="*", help="public keys (default: every supernode-*.pub in --certs)")
+    p.set_defaults(func=cmd_register)
+
+    p = sub.add_parser("supernode", help="start a SuperNode and its worker (foreground)")
+    security(p)
+    p.add_argument("--superlink", required=True, help="HOST:PORT")
+    p.add_argument("--partition-id", type=int, required=True)
+    p.add_argument("--num-partitions", type=int, required=True)
+    p.add_argument("--data-dir", help="this machine's dataset folder (overrides the run's data-dir)")
+    p.add_argument("--gpu", help="CUDA device index for this client (sets CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--auth-key", help="this node's private key (SuperLink started with --auth)")
+    p.add_argument("--port", type=int, default=9094, help="the SuperNode's local runtime API port")
+    p.add_argument("--no-worker", action="store_true", help="run each message in Flower's fresh ClientApp process")
+    p.add_argument("--state-dir", default="supernode-state", help="its worker socket and logs")
+    p.set_defaults(func=cmd_supernode)
+
+    for name, func, text in (
+        ("run", cmd_run, "submit a run to a deployment and follow it"),
+        ("local", cmd_local, "SuperLink + SuperNodes on 127.0.0.1, run, stop them all"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
+        p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint")
+        if name == "run":
+            security(p)
+            p.add_argument("--superlink", required=True, help="HOST:PORT")
+            p.add_argument(
+                "--echo",
+                choices=("all", "progress", "none"),
+                default="all",
+                help="what to print while the run goes on: Flower's whole log (all: the only channel "
+                "from a SuperLink on another machine), the run's events from output-dir/progress.jsonl "
+                "(progress: when this machine sees the run folder), or nothing",
+            )
+        else:
+            p.add_argument("--supernodes", type=int, default=2)
+            p.add_argument("--tls", action="store_true")
+            p.add_argument("--auth", action="store_true", help="SuperNode authentication (implies --tls)")
+            p.add_argument("--no-worker", action="store_true")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("compare", help="seconds per round: simulation vs local deployment, same config")
+    p.add_argument("items", nargs="*")
+    p.add_argument("--supernodes", type=int, default=2)
+    p.add_argument("--out", default="runs/deploy-compare")
+    p.set_defaults(func=cmd_compare)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"fedbr-deploy: error: {exc}", file=sys.stderr)
+        return 2
+    except RunFailed as exc:
+        print(f"fedbr-deploy: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fedbr-deploy: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

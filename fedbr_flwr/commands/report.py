@@ -1,0 +1,782 @@
+"""Tables, plots and the results page, from a sweep's run folders (reads files only: no Flower, no runs).
+
+- ``comparison.md``/``.csv``/``.png``: every run of a sweep (in a grid: every run in every cell, the cell's
+  factor values as columns), mean ± std over its seeds; with a ``decide`` rule (``Rule``) also the rule's
+  verdict per cell, method against baseline, in ``comparison.md`` and as a heatmap, ``decisions.png``;
+- ``fedbr-sweep ... --report PAGE``: the same table, its plot, and the command, commit, machine and wall
+  time that produced it, as one section of a markdown page. Each sweep file owns one section, between two
+  marker lines; the rest of the page (other sections, the text around them) is left as it is. A section
+  depends on the run folders only, never on the clock, so writing it again from the same runs changes
+  nothing.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..core.errors import ConfigError
+from ..runfiles.checkpoint import checkpoint_round
+from ..runfiles.metrics import CLIENT_METRICS, format_accuracy_axes, read_jsonl, run_problem
+
+Cell = tuple[tuple[str, Any], ...]  # a grid cell: (key, value) per factor, in the grid's order
+
+
+def run_folder(out: Path, name: str, seed: int, cell: Cell = ()) -> Path:
+    """``<out>/<name>/seed<k>``, or in a grid ``<out>/<name>/<cell>/seed<k>`` (``cell_name``); other characters
+    than letters, digits and +.=- in the name become _."""
+    folder = out / re.sub(r"[^A-Za-z0-9+.=-]+", "_", name).strip("_")
+    return (folder / cell_name(cell, sort=True) if cell else folder) / f"seed{seed}"
+
+
+def format_value(value: Any) -> str:
+    """A config value as a grid cell writes it: true/false, a float as Python writes it (1e-3 and 0.001 alike:
+    0.001), a list of names joined by +."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value).replace(",", "+")
+
+
+def cell_name(cell: Cell, sort: bool = False) -> str:
+    """``lr=0.01,local-steps=50``: in the grid's order, or (``sort``, a run folder's name) in key order, so that
+    reordering a grid's keys keeps its folders; characters other than letters, digits and +.=- become _."""
+    items = sorted(cell) if sort else cell
+    return ",".join(re.sub(r"[^A-Za-z0-9+.=-]+", "_", f"{k}={format_value(v)}") for k, v in items)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of a sweep's table: a run of the file and, in a grid, one cell of the factors that run uses."""
+
+    run: str
+    cell: Cell = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.run} {cell_name(self.cell)}" if self.cell else self.run
+
+    def folder(self, out: Path, seed: int) -> Path:
+        return run_folder(out, self.run, seed, self.cell)
+
+
+def as_settings(names: Sequence[str | Setting]) -> list[Setting]:
+    return [name if isinstance(name, Setting) else Setting(name) for name in names]
+
+
+def factors_of(settings: list[Setting]) -> list[str]:
+    """The grid's factors, in its order, over every setting (none outside a grid)."""
+    return list(dict.fromkeys(k for s in settings for k, _ in s.cell))
+
+
+HEADLINES = ("best5", "best")  # a sweep file's headline: the FedBR paper's mean of the best 5, or the DisTrans
+# paper's best evaluation (shown first, beside the best-5 figures)
+BEST_COLUMNS = [
+    ("best_mean_acc", "best_mean_acc", "mean acc, best eval (%)", "pct"),
+    ("best_pooled_acc", "best_pooled_acc", "pooled acc, best eval (%)", "pct"),
+]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A figure of a run's summary as the tables show it; ``key`` None: computed from the curves."""
+
+    column: str
+    key: str | None
+    label: str
+    kind: str  # pct, points, rounds or seconds
+    decidable: bool  # a sweep's rule may decide on it
+
+
+UNITS = {"pct": " (%)", "points": " (points)", "seconds": " (s)", "rounds": ""}
+
+
+def summary_figures() -> list[Figure]:
+    """The tables' columns, in order: each client metric's best 5 and (``final_column``) final figure, then
+    the server's tests, the rounds to the target, the last fifth's move and the wall time."""
+    best5 = [Figure(f"{n}_best5", f"{n}_best5", f"{m.label}, best 5", "pct", True) for n, m in CLIENT_METRICS.items()]
+    final = [
+        Figure(f"final_{n}", f"final_{n}", f"final {m.label}", "pct", True)
+        for n, m in CLIENT_METRICS.items()
+        if m.final_column
+    ]
+    return [
+        *best5,
+        *final,
+        Figure("global_acc_best5", "global_acc_best5", "global test, best 5", "pct", True),
+        Figure("global_worst_acc_best5", "global_worst_acc_best5", "global test worst angle, best 5", "pct", False),
+        Figure("rounds_to_target", "rounds_to_target", "rounds to target", "rounds", True),
+        Figure("last_fifth_move", None, "move in last fifth", "points", False),
+        Figure("wall_time_s", "wall_time_s", "wall time", "seconds", False),
+    ]
+
+
+def table_columns() -> list[tuple[str, str | None, str, str]]:
+    """(csv column, summary key, markdown header, kind) of every figure."""
+    return [(f.column, f.key, f.label + UNITS[f.kind], f.kind) for f in summary_figures()]
+
+
+def decidable() -> dict[str, tuple[str, str, bool]]:
+    """Summary key -> (name in the tables, unit of a difference, higher is better) of what a rule may decide."""
+    return {
+        f.column: (f.label, "rounds" if f.kind == "rounds" else "points", f.kind != "rounds")
+        for f in summary_figures()
+        if f.decidable
+    }
+
+
+def _stats(values: list[float | None]) -> tuple[float | None, float | None, int]:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None, None, 0
+    return statistics.fmean(present), statistics.stdev(present) if len(present) > 1 else 0.0, len(present)
+
+
+def seed_curves(out: Path, name: str | Setting, seeds: list[int], key: str) -> dict[int, list[float]]:
+    """Round -> the run's ``key`` (a fraction) in each seed that evaluated that round."""
+    (setting,) = as_settings([name])
+    curves: dict[int, list[float]] = {}
+    for seed in seeds:
+        for rec in read_jsonl(setting.folder(out, seed) / "metrics.jsonl"):
+            if rec.get(key) is not None:  # null: missing
+                curves.setdefault(int(rec["round"]), []).append(rec[key])
+    return curves
+
+
+def last_fifth_move(curve: dict[int, list[float]], num_rounds: int) -> float | None:
+    """How far the mean-over-seeds curve moves (max - min) over the last fifth of the rounds, the
+    evaluations from round ``num_rounds - num_rounds / 5`` on: under 0.02, the run has levelled off."""
+    start = num_rounds - num_rounds / 5
+    points = [statistics.fmean(v) for r, v in curve.items() if r >= start and v]
+    return max(points) - min(points) if len(points) > 1 else None
+
+
+def compare(
+    out: Path, names: Sequence[str | Setting], seeds: list[int], headline: str = "best5"
+) -> tuple[str, list[dict[str, Any]]]:
+    """The markdown table and the csv rows: per run (in a grid: per run and cell, the cell's factor values as
+    columns after the run's name; "-" for a factor the run does not use), mean, std and count over its seeds of
+    every column, and each seed's mean accuracy (best 5). Columns no run has are left out of the markdown table,
+    and so is pooled accuracy where it equals the mean accuracy in every row (equal-sized local test sets). With
+    ``headline="best"`` the best (maximum) evaluation's accuracies come first (DisTrans' tables)."""
+    columns = (BEST_COLUMNS if headline == "best" else []) + table_columns()
+    settings = as_settings(names)
+    factors = factors_of(settings)
+    rows = []
+    target = None
+    for setting in settings:
+        summaries, failed = {}, {}
+        for seed in seeds:
+            summary, why = seed_result(setting.folder(out, seed))
+            if summary is not None:
+                summaries[seed] = summary
+                target = summary.get("target_acc")
+            elif why:
+                failed[seed] = why
+        row: dict[str, Any] = {"run": setting.run, **{k: dict(setting.cell).get(k) for k in factors}}
+        row["seeds"] = len(summaries)  # the finished seeds, which every figure of the row is over
+        row["not_finished"] = "; ".join(f"seed {seed} {why}" for seed, why in failed.items())
+        num_rounds = max((s.get("last_round") or 0 for s in summaries.values()), default=0)
+        for column, key, _, _ in columns:
+            if key is None:  # last_fifth_move: of the mean curve over seeds, so no spread
+                move = last_fifth_move(seed_curves(out, setting, list(summaries), "mean_acc"), num_rounds)
+                row[column], row[f"{column}_std"], row[f"{column}_n"] = move, 0.0, int(move is not None)
+                continue
+            mean, std, n = _stats([s.get(key) for s in summaries.values()])
+            row[column], row[f"{column}_std"], row[f"{column}_n"] = mean, std, n
+        row["mean_acc_best5_per_seed"] = " / ".join(per_seed_cell(summaries.get(s), failed.get(s, "")) for s in seeds)
+        rows.append(row)
+    shown = [c for c in columns if _shown(rows, c[0])]
+    header = ["run", *factors, "seeds"] + [
+        h.replace("rounds to target", f"rounds to {100 * (target or 0):.0f}%") for _, _, h, _ in shown
+    ]
+    per_seed = len(seeds) > 1
+    if per_seed:
+        header.append(f"seed {' / '.join(map(str, seeds))}: mean acc, best 5 (%)")
+    failures = any(row["not_finished"] for row in rows)
+    if failures:
+        header.append("not finished (left out)")
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for row in rows:
+        values = ["-" if row[k] is None else format_value(row[k]) for k in factors]
+        cells = [row["run"], *values, str(row["seeds"])] + [_cell(row, column, kind) for column, _, _, kind in shown]
+        if per_seed:
+            cells.append(row["mean_acc_best5_per_seed"] or "-")
+        if failures:
+            cells.append(row["not_finished"] or "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n", rows
+
+
+def per_seed_cell(summary: dict[str, Any] | None, why: str) -> str:
+    if summary is None:
+        return why.split(" ")[0].rstrip(":") if why else "-"  # failed, paused
+    return "-" if summary.get("mean_acc_best5") is None else f"{100 * summary['mean_acc_best5']:.2f}"
+
+
+def _shown(rows: list[dict[str, Any]], column: str) -> bool:
+    if all(row[column] is None for row in rows):
+        return column == "rounds_to_target" and any(row["seeds"] for row in rows)  # "not reached" says something
+    if column in ("pooled_acc_best5", "best_pooled_acc"):
+        mean = "mean_acc_best5" if column == "pooled_acc_best5" else "best_mean_acc"
+        return any(row[column] is not None and abs(row[column] - (row[mean] or 0)) > 1e-9 for row in rows)
+    return True
+
+
+def _cell(row: dict[str, Any], column: str, kind: str) -> str:
+    mean, std, n = row[column], row[f"{column}_std"], row[f"{column}_n"]
+    if mean is None:
+        return "not reached" if kind == "rounds" and row["seeds"] else "-"
+    if kind == "points":
+        return f"{100 * mean:.2f}"
+    if kind != "pct":
+        text = f"{mean:.0f}"
+    else:  # one seed has no spread to show
+        text = f"{100 * mean:.2f} ± {100 * std:.2f}" if n > 1 else f"{100 * mean:.2f}"
+    if kind == "rounds" and n < row["seeds"]:
+        text += f" ({n}/{row['seeds']} reached)"
+    return text
+
+
+def write_comparison(
+    out: Path,
+    names: Sequence[str | Setting],
+    seeds: list[int],
+    title: str,
+    rule: Rule | None = None,
+    headline: str = "best5",
+) -> str:
+    """comparison.md, .csv and .png in ``out``; with a ``rule``, its decisions below the table in comparison.md
+    and as decisions.png."""
+    table, rows = compare(out, names, seeds, headline)
+    text = f"### {title}\n\nMean ± standard deviation over seeds {', '.join(map(str, seeds))}.\n\n{table}"
+    if rule is not None:
+        decisions = decide(out, names, seeds, rule)
+        text += f"\n#### {rule.method} against {rule.baseline}\n\n{decision_table(decisions, rule, seeds)}"
+        plot_decisions(decisions, rule, out / "decisions.png", title)
+    (out / "comparison.md").write_text(text)
+    with open(out / "comparison.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot_comparison(out, names, seeds, out / "comparison.png", title)
+    return table
+
+
+MOST_CURVES = 12  # a grid with more settings is drawn as one heatmap per run: its curves could not be told apart
+
+
+def plot_comparison(out: Path, names: Sequence[str | Setting], seeds: list[int], path: Path, title: str) -> None:
+    """Two panels, one curve per run, each the mean over seeds per evaluated round: mean client accuracy
+    (left, solid, band = min..max over seeds) and worst client accuracy (right, dashed, same colour). A grid of
+    more than ``MOST_CURVES`` settings: ``plot_grid_levels`` instead."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    settings = as_settings(names)
+    if len(settings) > MOST_CURVES and factors_of(settings):
+        plot_grid_levels(out, settings, seeds, path, title)
+        return
+    fig, (ax_mean, ax_worst) = plt.subplots(1, 2, figsize=(11.0, 4.6), sharey=True)
+    colours = plt.get_cmap("tab20" if len(names) > 10 else "tab10").colors  # type: ignore[attr-defined]
+    for i, setting in enumerate(as_settings(names)):
+        name = setting.label
+        mean_curves = seed_curves(out, setting, seeds, "mean_acc")
+        worst_curves = seed_curves(out, setting, seeds, "worst_acc")
+        if not mean_curves:
+            continue
+        colour = colours[i % len(colours)]
+        rounds = sorted(mean_curves)
+        ax_mean.plot(rounds, [100 * np.mean(mean_curves[r]) for r in rounds], color=colour, label=name)
+        ax_mean.fill_between(
+            rounds,
+            [100 * min(mean_curves[r]) for r in rounds],
+            [100 * max(mean_curves[r]) for r in rounds],
+            color=colour,
+            alpha=0.15,
+        )
+        rounds = sorted(worst_curves)
+        ax_worst.plot(rounds, [100 * np.mean(worst_curves[r]) for r in rounds], ls="--", color=colour, label=name)
+    format_accuracy_axes(ax_mean, "mean client", "local-test accuracy (%)")
+    format_accuracy_axes(ax_worst, "worst client", "local-test accuracy (%)")
+    handles, labels = ax_mean.get_legend_handles_labels()
+    if labels:  # no run finished: an empty plot, no legend
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize="small", frameon=False)
+    fig.suptitle(title)
+    rows_of_legend = -(-len(labels) // 5)
+    fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def grid_axes(settings: list[Setting]) -> tuple[list[str], list[Any], list[tuple]]:
+    """A grid drawn as a table: its factors, the last factor's values (columns) and every combination of the
+    others (rows); outside a grid, one cell."""
+    factors = factors_of(settings)
+    if not factors:
+        return factors, [None], [()]
+    columns = list(dict.fromkeys(dict(s.cell).get(factors[-1]) for s in settings))
+    rows = list(dict.fromkeys(tuple((k, v) for k, v in s.cell if k != factors[-1]) for s in settings)) or [()]
+    return factors, columns, rows
+
+
+def plot_grid_levels(out: Path, settings: list[Setting], seeds: list[int], path: Path, title: str) -> None:
+    """One heatmap per run of the mean over seeds of its mean client accuracy (best 5) in every cell: columns
+    the grid's last factor, rows the combinations of the others; "?" where a seed has not finished."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    factors, columns, rows = grid_axes(settings)
+    runs = list(dict.fromkeys(s.run for s in settings))
+    fig, axes = plt.subplots(
+        1, len(runs), figsize=(2.5 + 1.3 * len(columns) * len(runs), 1.4 + 0.45 * len(rows)), squeeze=False
+    )
+    for ax, run in zip(axes[0], runs):
+        grid = np.full((len(rows), len(columns)), np.nan)
+        for setting in (s for s in settings if s.run == run):
+            values = seed_values(out, setting, seeds, "mean_acc_best5")
+            i = rows.index(tuple((k, v) for k, v in setting.cell if k != factors[-1]))
+            j = columns.index(dict(setting.cell).get(factors[-1]))
+            if values is None:
+                ax.text(j, i, "?", ha="center", va="center", fontsize="small", color="grey")
+                continue
+            grid[i, j] = 100 * statistics.mean(values)
+            ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", fontsize="small", bbox=BOX)
+        ax.imshow(grid, cmap="viridis", vmin=0, vmax=100, aspect="auto")
+        ax.set_title(f"{run}: mean acc, best 5 (%)", fontsize="medium")
+        ax.set_xticks(range(len(columns)), [format_value(c) for c in columns], rotation=30, ha="right")
+        ax.set_xlabel(factors[-1])
+        ax.set_yticks(range(len(rows)), [cell_name(r) or "-" for r in rows] if ax is axes[0][0] else [])
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- a sweep's decision rule
+
+RULE_KEYS = ("method", "baseline", "metrics", "spread")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A sweep file's ``decide`` block, written before its runs: in each cell, ``method`` is ahead of
+    ``baseline`` on a metric where its mean over the seeds, less ``spread`` standard deviations, beats the
+    baseline's mean plus ``spread`` of its standard deviations; behind where the baseline's beats it the same
+    way; level otherwise. Each metric is decided on its own."""
+
+    method: str
+    baseline: str
+    metrics: tuple[str, ...]
+    spread: float = 1.0
+
+    @classmethod
+    def from_block(cls, block: Any, runs: Sequence[str], where: str) -> Rule:
+        """The rule of a ``decide`` block, or a ConfigError naming what is wrong in it."""
+        import difflib
+
+        if not isinstance(block, dict):
+            raise ConfigError(f"{where} must map {', '.join(RULE_KEYS)} to values, got {block!r}")
+        unknown = sorted(set(block) - set(RULE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (valid: {', '.join(RULE_KEYS)})")
+        for role in ("method", "baseline"):
+            if block.get(role) not in runs:
+                names = ", ".join(runs)
+                raise ConfigError(f"{where}.{role} must name one of the runs ({names}), got {block.get(role)!r}")
+        if block["method"] == block["baseline"]:
+            raise ConfigError(f"{where}: method and baseline are the same run, {block['method']!r}")
+        metrics = block.get("metrics", ["mean_acc_best5"])
+        if not isinstance(metrics, list) or not metrics:
+            raise ConfigError(f"{where}.metrics must be a non-empty list of: {', '.join(decidable())}")
+        for metric in metrics:
+            if metric not in decidable():
+                close = difflib.get_close_matches(str(metric), list(decidable()), n=1)
+                hint = f" Did you mean '{close[0]}'?" if close else ""
+                raise ConfigError(f"{where}.metrics: unknown metric {metric!r}.{hint} Valid: {', '.join(decidable())}")
+        spread = block.get("spread", 1.0)
+        if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not 0 <= spread < float("inf"):
+            raise ConfigError(f"{where}.spread must be a number of standard deviations >= 0, got {spread!r}")
+        return cls(block["method"], block["baseline"], tuple(dict.fromkeys(metrics)), float(spread))
+
+    def describe(self, seeds: list[int]) -> str:
+        return (
+            f"{self.method} is ahead of {self.baseline} in a cell, on each metric separately, where its mean over "
+            f"seeds {', '.join(map(str, seeds))} less {self.spread:g} standard deviation(s) beats {self.baseline}'s "
+            f"mean plus {self.spread:g} of its own (higher accuracy; for rounds to target fewer rounds, a seed that "
+            "never reached the target counted at the evaluation after its last round); behind where "
+            f"{self.baseline}'s beats {self.method}'s the same way; level otherwise"
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The rule in one cell: per metric, the method's mean less the baseline's and the verdict (ahead, level,
+    behind), or None where a seed of either has no finished run."""
+
+    setting: Setting
+    baseline: Setting
+    results: dict[str, tuple[float, str] | None]
+
+
+def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
+    """A seed's summary where its run finished (it evaluated its last round, and some round trained); else None
+    and why not: "" where it never started, else how far it came ("failed after round 2"). summary.json is
+    rewritten at every evaluation, so a run that died leaves one that looks like a shorter run's."""
+    if not folder.is_dir():
+        return None, ""
+    rounds = [int(r["round"]) for r in read_jsonl(folder / "rounds.jsonl") if "round" in r]
+    stopped = f"failed after round {max(rounds)}" if rounds else "failed before its first round"
+    if not (folder / "summary.json").exists() or not (folder / "manifest.json").exists():
+        return None, stopped
+    summary = json.loads((folder / "summary.json").read_text())
+    cfg = json.loads((folder / "manifest.json").read_text()).get("config", {})
+    if summary.get("last_round") != cfg.get("num-rounds"):
+        if rounds and checkpoint_round(folder) == max(rounds):  # a time limit (or Ctrl-C) paused it
+            return None, f"paused after round {max(rounds)} of {cfg.get('num-rounds')} (resumes from its checkpoint)"
+        return None, stopped
+    if run_problem(summary):
+        return None, "failed: no round trained"
+    return summary, ""
+
+
+def seed_values(out: Path, setting: Setting, seeds: list[int], metric: str) -> list[float] | None:
+    """Each seed's ``metric``, or None when a seed has no finished run (one that evaluated its last round;
+    summary.json is written at every evaluation) or, except for rounds to target, no value. Rounds to target
+    that a seed never reached count as the evaluation after its last round (num-rounds + eval-every): the
+    earliest it could have come."""
+    values = []
+    for seed in seeds:
+        folder = setting.folder(out, seed)
+        summary, _ = seed_result(folder)
+        if summary is None:
+            return None
+        cfg = json.loads((folder / "manifest.json").read_text()).get("config", {})
+        value = summary.get(metric)
+        if value is None and metric == "rounds_to_target":
+            value = cfg["num-rounds"] + cfg.get("eval-every", 1)
+        if value is None:
+            return None
+        values.append(float(value))
+    return values
+
+
+def verdict(method: list[float], baseline: list[float], spread: float, higher_is_better: bool) -> str:
+    """ahead, behind or level: mean - spread * std of one against mean + spread * std of the other."""
+    m, b = statistics.fmean(method), statistics.fmean(baseline)
+    margin = spread * sum(statistics.stdev(v) if len(v) > 1 else 0.0 for v in (method, baseline))
+    gain = m - b if higher_is_better else b - m
+    return "ahead" if gain > margin else "behind" if -gain > margin else "level"
+
+
+def decide(out: Path, names: Sequence[str | Setting], seeds: list[int], rule: Rule) -> list[Decision]:
+    """The rule in every cell of the method's that has a baseline cell (the baseline's cell holds the method's
+    values of the factors the baseline uses)."""
+    settings = as_settings(names)
+    baselines = [s for s in settings if s.run == rule.baseline]
+    decisions = []
+    for setting in (s for s in settings if s.run == rule.method):
+        matches = [b for b in baselines if set(b.cell) <= set(setting.cell)]
+        if len(matches) != 1:
+            continue
+        results: dict[str, tuple[float, str] | None] = {}
+        for metric in rule.metrics:
+            ours, theirs = (seed_values(out, s, seeds, metric) for s in (setting, matches[0]))
+            higher = decidable()[metric][2]
+            results[metric] = (
+                None
+                if ours is None or theirs is None
+                else (statistics.fmean(ours) - statistics.fmean(theirs), verdict(ours, theirs, rule.spread, higher))
+            )
+        decisions.append(Decision(setting, matches[0], results))
+    return decisions
+
+
+def _difference(metric: str, value: float) -> str:
+    return f"{100 * value:+.2f}" if decidable()[metric][1] == "points" else f"{value:+.1f}"
+
+
+def decision_table(decisions: list[Decision], rule: Rule, seeds: list[int]) -> str:
+    """The rule, a count of verdicts per metric, and one row per cell: each metric's difference and verdict."""
+    factors = factors_of([d.setting for d in decisions])
+    lines = [f"Rule (fixed in the sweep file before its runs): {rule.describe(seeds)}.", ""]
+    for metric in rule.metrics:
+        found = [d.results[metric][1] for d in decisions if d.results[metric] is not None]  # type: ignore[index]
+        counts = ", ".join(f"{found.count(v)} {v}" for v in ("ahead", "level", "behind"))
+        missing = len(decisions) - len(found)
+        lines.append(
+            f"- {decidable()[metric][0]}: {rule.method} {counts} of {len(decisions)} cells"
+            + (f" ({missing} incomplete)" if missing else "")
+        )
+    header = [*factors] + [
+        f"{decidable()[m][0]}: {rule.method} − {rule.baseline} ({decidable()[m][1]})" for m in rule.metrics
+    ]
+    lines += ["", "| " + " | ".join(header or ["-"]) + " |", "|" + "|".join("---" for _ in header or ["-"]) + "|"]
+    for d in decisions:
+        cell = dict(d.setting.cell)
+        results = [
+            "incomplete" if d.results[m] is None else f"{_difference(m, d.results[m][0])} {d.results[m][1]}"  # type: ignore[index]
+            for m in rule.metrics
+        ]
+        lines.append("| " + " | ".join([format_value(cell[k]) for k in factors] + results) + " |")
+    return "\n".join(lines) + "\n"
+
+
+BOX = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.7}  # readable on any colour
+
+
+def plot_decisions(decisions: list[Decision], rule: Rule, path: Path, title: str) -> None:
+    """One heatmap per metric of the method's mean less the baseline's per cell: columns the grid's last
+    factor's values, rows every combination of the others; coloured so that the method's better side is blue
+    (fewer rounds, more accuracy), and a mark and a frame on the cells the rule decides (▲ ahead, ▼ behind)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    factors, columns, rows = grid_axes([d.setting for d in decisions])
+    fig, axes = plt.subplots(
+        1,
+        len(rule.metrics),
+        figsize=(1.2 + 1.6 * len(columns) * len(rule.metrics) + 2.2, 1.2 + 0.5 * len(rows)),
+        squeeze=False,
+    )
+    for n, (ax, metric) in enumerate(zip(axes[0], rule.metrics)):
+        name, unit, higher = decidable()[metric]
+        scale = 100.0 if unit == "points" else 1.0
+        grid = np.full((len(rows), len(columns)), np.nan)
+        for d in decisions:
+            cell = dict(d.setting.cell)
+            i = rows.index(tuple((k, v) for k, v in d.setting.cell if k != factors[-1])) if factors else 0
+            j = columns.index(cell.get(factors[-1])) if factors else 0
+            result = d.results[metric]
+            if result is not None:
+                grid[i, j] = scale * result[0]
+                mark = {"ahead": " ▲", "behind": " ▼"}.get(result[1], "")
+                ax.text(j, i, f"{scale * result[0]:+.1f}{mark}", ha="center", va="center", fontsize="small", bbox=BOX)
+                if mark:
+                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2.5, ec="black"))
+            else:
+                ax.text(j, i, "?", ha="center", va="center", fontsize="small", color="grey")
+        limit = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
+        ax.imshow(grid, cmap="RdBu" if higher else "RdBu_r", vmin=-limit or -1, vmax=limit or 1, aspect="auto")
+        ax.set_title(f"{name} ({unit})", fontsize="medium")
+        ax.set_xticks(range(len(columns)), [format_value(c) if factors else "" for c in columns])
+        ax.set_xlabel(factors[-1] if factors else "")
+        ax.set_yticks(range(len(rows)), [cell_name(r).replace(",", ", ") for r in rows] if n == 0 else [])
+    fig.suptitle(f"{title}: {rule.method} − {rule.baseline} (▲ ahead, ▼ behind by the rule)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- the results page
+
+
+def _begin(key: str) -> str:
+    return (
+        f"<!-- fedbr-sweep report {key}: written by the command below from its run folders; edits are overwritten -->"
+    )
+
+
+def _end(key: str) -> str:
+    return f"<!-- end of fedbr-sweep report {key} -->"
+
+
+def replace_section(text: str, key: str, section: str) -> str:
+    """The page with ``key``'s section (between its markers) replaced, or appended where it has none."""
+    begin, end = _begin(key), _end(key)
+    block = f"{begin}\n{section.rstrip()}\n{end}\n"
+    starts, ends = text.count(begin), text.count(end)
+    if (starts, ends) == (0, 0):
+        return text.rstrip("\n") + "\n\n" + block
+    if (starts, ends) != (1, 1) or text.index(begin) > text.index(end):
+        raise ConfigError(
+            f"the page's markers of section '{key}' are damaged (each must appear once, begin before "
+            "end); repair or remove them, then write the report again"
+        )
+    head, rest = text.split(begin, 1)
+    after = rest.split(end, 1)[1]
+    return head + block + (after[1:] if after.startswith("\n") else after)
+
+
+def _manifests(out: Path, names: Sequence[str | Setting], seeds: list[int]) -> list[dict[str, Any]]:
+    found = []
+    for setting in as_settings(names):
+        for seed in seeds:
+            path = setting.folder(out, seed) / "manifest.json"
+            if path.exists() and (path.parent / "summary.json").exists():
+                found.append(json.loads(path.read_text()))
+    return found
+
+
+def paused_runs(out: Path, names: Sequence[str | Setting], seeds: list[int]) -> list[str]:
+    """Each run a time limit paused, as "<run> seed <seed> at round <r> of <n> (<minutes> min)"."""
+    found = []
+    for setting in as_settings(names):
+        for seed in seeds:
+            folder = setting.folder(out, seed)
+            summary, why = seed_result(folder)
+            if summary is None and why.startswith("paused"):
+                done = json.loads((folder / "summary.json").read_text())
+                num_rounds = json.loads((folder / "manifest.json").read_text())["config"]["num-rounds"]
+                minutes = (done.get("wall_time_s") or 0.0) / 60
+                where = f"at round {checkpoint_round(folder)} of {num_rounds}"
+                found.append(f"{setting.label} seed {seed} {where} ({minutes:.1f} min)")
+    return found
+
+
+def run_pieces(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's start and each resumed piece (with its own commit and, since pieces record it, machine):
+    a run continued elsewhere ran on every one of them."""
+    return [manifest, *manifest.get("resumed", [])]
+
+
+def describe_machine(host: dict[str, Any]) -> str:
+    cpu = host.get("cpu") or host.get("platform") or "unknown CPU"
+    gpu = host.get("gpu")
+    return f"{host.get('cpus', '?')}-core {cpu}, " + (
+        f"GPU {gpu}" if gpu else "no GPU" if "gpu" in host else "GPU not recorded"
+    )
+
+
+SETTINGS_SHOWN = (
+    "dataset",
+    "model",
+    "partition",
+    "alpha",
+    "classes-per-client",
+    "rotate",
+    "num-clients",
+    "num-rounds",
+    "local-steps",
+    "batch-size",
+    "lr",
+    "eval-every",
+    "target-acc",
+    "engine",
+    "precision",
+)
+
+
+SPLIT_KEYS = {"alpha": ("fedbr", "dirichlet"), "classes-per-client": ("classes",)}  # read by these splits only
+
+
+def shared_settings(configs: list[dict[str, Any]]) -> str:
+    """The main settings every run of the table has in common, as key=value (a split's own key only
+    where every run uses that split)."""
+    same = [
+        k
+        for k in SETTINGS_SHOWN
+        if configs
+        and all(k in c and c[k] == configs[0][k] for c in configs)
+        and all(c.get("partition") in SPLIT_KEYS.get(k, (c.get("partition"),)) for c in configs)
+    ]
+    return " ".join(
+        f"{k}={json.dumps(configs[0][k]) if isinstance(configs[0][k], bool) else configs[0][k]}" for k in same
+    )
+
+
+def report_section(
+    key: str,
+    title: str,
+    command: str,
+    out: Path,
+    names: Sequence[str | Setting],
+    seeds: list[int],
+    plot: str,
+    rule: Rule | None = None,
+    headline: str = "best5",
+) -> str:
+    """The section of ``key``: title, command, provenance (commit, machine, dates, wall time), the table
+    over ``seeds`` (headed by ``headline``'s figures) and the plot (``plot``: its path relative to the page);
+    with a ``rule``, its decisions and their heatmap (``decisions_plot(plot)``)."""
+    manifests = _manifests(out, names, seeds)
+    table, rows = compare(out, names, seeds, headline)
+    pieces = [piece for m in manifests for piece in run_pieces(m)]
+    commits = sorted(
+        {
+            str(m.get("git_commit", "unknown"))[:7]
+            + ("-dirty" if str(m.get("git_commit", "")).endswith("-dirty") else "")
+            for m in pieces
+        }
+    )
+    machines = sorted({describe_machine(m["host"]) for m in pieces if "host" in m})
+    days = sorted({str(m.get("started_utc", ""))[:10] for m in manifests if m.get("started_utc")})
+    walls = [r["wall_time_s"] * r["wall_time_s_n"] for r in rows if r["wall_time_s"] is not None]
+    runs = sum(r["seeds"] for r in rows)
+    lines = [
+        f"## {title}",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"- commit: {', '.join(commits) or '-'}; machine: {'; '.join(machines) or '-'}",
+        f"- runs: {runs} ({len(names)} settings x seeds {', '.join(map(str, seeds))}), started "
+        f"{' to '.join(dict.fromkeys([days[0], days[-1]])) if days else '-'}; wall time {sum(walls) / 60:.1f} min "
+        "(the runs' own clocks, from the server's start to the last evaluation; Flower's start-up is not counted)",
+        f"- settings of every run: `{shared_settings([m['config'] for m in manifests if 'config' in m])}`",
+        *paused_line(paused_runs(out, names, seeds)),
+        '- mean ± standard deviation over seeds; "move in last fifth": max - min of the mean curve over the '
+        "last fifth of the rounds (under 2 points: levelled off)",
+        "",
+        table,
+        f"![{title}]({plot})",
+    ]
+    if rule is not None:
+        decisions = decision_table(decide(out, names, seeds, rule), rule, seeds)
+        heatmap = f"![{title}: {rule.method} − {rule.baseline}]({decisions_plot(plot)})"
+        lines += ["", f"### {rule.method} against {rule.baseline}", "", decisions, heatmap]
+    return "\n".join(lines) + "\n"
+
+
+def paused_line(paused: list[str]) -> list[str]:
+    if not paused:
+        return []
+    return [
+        f"- **in progress**: paused by a time limit, {'; '.join(paused)}: left out of the table until they "
+        "finish; their curves so far are in the plot"
+    ]
+
+
+def decisions_plot(plot: str) -> str:
+    """Where a section's heatmap of decisions goes: beside its plot, ``<key>-decisions.png``."""
+    return plot.removesuffix(".png") + "-decisions.png"
+
+
+def write_report(
+    page: Path,
+    key: str,
+    title: str,
+    command: str,
+    out: Path,
+    names: Sequence[str | Setting],
+    seeds: list[int],
+    rule: Rule | None = None,
+    headline: str = "best5",
+) -> Path:
+    """Write ``key``'s section of ``page`` (made if missing) and its plot in ``results/`` beside it (with a
+    ``rule``, also the heatmap of its decisions)."""
+    plot = page.parent / "results" / f"{key}.png"
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    text = page.read_text() if page.exists() else "# Results\n"
+    relative = plot.relative_to(page.parent).as_posix()
+    section = report_section(key, title, command, out, names, seeds, relative, rule, headline)
+    new_text = replace_section(text, key, section)  # before the plots: damaged markers change nothing
+    plot_comparison(out, names, seeds, plot, title)
+    if rule is not None:
+        plot_decisions(decide(out, names, seeds, rule), rule, page.parent / decisions_plot(relative), title)
+    page.write_text(new_text)
+    return plot

@@ -1,0 +1,483 @@
+"""``fedbr-sweep``: several runs x seeds, one after another, then one comparison table and plot.
+
+    fedbr-sweep experiments/table1_rotmnist5k.yaml
+    fedbr-sweep experiments/table4_rotmnist5k.yaml num-rounds=10 --only FedAvg FedBR --out runs/t4
+
+A sweep file holds the shared settings as top-level keys plus a ``sweep`` block:
+
+    sweep:
+      title: FedAvg vs FedBR   # optional: the comparison's and the report section's title
+      seeds: [0, 1, 2]
+      runs:                 # name: the keys that differ
+        FedAvg: {strategy: fedavg}
+        FedBR: {strategy: fedbr}
+      grid:                 # optional: factors crossed with every run that uses their key, and the seeds
+        lr: [0.005, 0.05]
+        local-steps: [10, 50]
+      decide:               # optional: the rule that decides each cell (report.Rule)
+        method: FedBR
+        baseline: FedAvg
+        metrics: [mean_acc_best5, worst_acc_best5, rounds_to_target]
+        spread: 1           # standard deviations on each side
+
+Settings are applied as: file keys <- command-line key=value <- the grid cell's keys <- the run's keys
+<- seed (a grid key set on the command line or by a run is an error). Each run goes to
+<out>/<name>/seed<k>/, in a grid to <out>/<name>/<cell>/seed<k>/ with <cell> its factors' key=value
+in key order, e.g. local-steps=50,lr=0.005 (the usual run files; other characters than letters, digits
+and +.=- in the name become _); a grid key of an algorithm a run does not use is not crossed with that
+run. A run whose folder already holds a finished run of the same config is kept, not repeated, and an
+unfinished one continues from its checkpoint (``fedbr-run --resume``; started again where it has none), so an
+interrupted sweep continues where it stopped. ``--time-limit 14m`` stops the sweep in time: its runs checkpoint
+after every round, the run in progress stops after the last round that fits, and the same command continues
+(a campaign of many pieces: docs/reproducing.md). The comparison (mean and standard deviation over seeds;
+in a grid one row per run and cell) goes to <out>/comparison.md, .csv and .png, with a decide rule its
+verdict per cell below it and as decisions.png; with --report PAGE also into the file's section of a
+markdown results page, with its command, commit, machine and wall time (fedbr_flwr/commands/report.py).
+Exit codes: 0 every run finished, 1 some run failed (the others still ran), 2 bad configuration, 75 the time
+limit stopped it, 130 Ctrl-C, 143 SIGTERM (75 and 143 print the command that continues the sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import shlex
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from ..core.config import PLACEMENT_KEYS, ConfigError, load_yaml, normalise_key, parse_override, schema, unknown_key
+from ..launch.launcher import RunFailed, RunHost, run_flower
+from ..launch.plan import config_from_settings, prepare, size_for_runtime, supernodes
+from ..launch.timelimit import (
+    EXIT_TIME_LIMIT,
+    RoundWatch,
+    TimeLimitReached,
+    parse_duration,
+    stop_deadline,
+    stopped_line,
+)
+from ..runfiles import runlock, tracking
+from ..runfiles.run_io import check_path_length
+from .cli import finished_run_problem
+from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
+
+# may differ between machines or sessions (a time-limited session checkpoints every round) with the same results
+VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address", "checkpoint-every", "tracking")
+
+
+def sweep_title(path: str) -> str | None:
+    """The ``title`` of the file's sweep block (what its results-page section is called), if it has one."""
+    sweep = load_yaml(path).get("sweep")
+    return sweep.get("title") if isinstance(sweep, dict) else None
+
+
+def sweep_headline(path: str) -> str:
+    """The ``headline`` of the file's sweep block: ``best5`` (default, the FedBR paper's mean of the best 5
+    evaluations) or ``best`` (the DisTrans paper's best evaluation, shown first in its tables)."""
+    sweep = load_yaml(path).get("sweep")
+    return str(sweep.get("headline", "best5")) if isinstance(sweep, dict) else "best5"
+
+
+SWEEP_KEYS = ("seeds", "runs", "title", "headline", "grid", "decide")
+Factor = list[dict[str, Any]]  # a grid factor's values, each as the config keys it sets
+NOT_FACTORS = ("seed", "output-dir", "git-commit", "strategy")  # the seeds, the runs and the sweep set these
+
+
+@dataclass(frozen=True)
+class SweepFile:
+    """A sweep file: its shared settings, seeds, runs (name: settings), grid (factor: its values, each the
+    config keys it sets; crossed with every run that uses the keys) and decision rule (None: no ``decide``)."""
+
+    base: dict[str, Any]
+    seeds: list[int]
+    runs: dict[str, dict[str, Any]]
+    grid: dict[str, Factor] = field(default_factory=dict)
+    rule: Rule | None = None
+
+
+def load_sweep(path: str) -> SweepFile:
+    data = load_yaml(path)
+    sweep = data.pop("sweep", None)
+    if not isinstance(sweep, dict) or not isinstance(sweep.get("runs"), dict) or not sweep["runs"]:
+        raise ConfigError(f"{path} needs a 'sweep' block with a non-empty 'runs' mapping (name: settings)")
+    unknown = set(sweep) - set(SWEEP_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown key(s) in 'sweep': {', '.join(sorted(unknown))} (valid: {', '.join(SWEEP_KEYS)})"
+        )
+    if sweep.get("headline", "best5") not in HEADLINES:
+        raise ConfigError(f"{path}: 'sweep.headline' must be one of {', '.join(HEADLINES)}, got {sweep['headline']!r}")
+    if not isinstance(sweep.get("title", ""), str):
+        raise ConfigError(f"{path}: 'sweep.title' must be a string, got {sweep['title']!r}")
+    seeds = sweep.get("seeds", [data.get("seed", 0)])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
+        raise ConfigError(f"{path}: 'sweep.seeds' must be a list of integers >= 0, got {seeds!r}")
+    runs = {}
+    for name, settings in sweep["runs"].items():
+        if not isinstance(settings, dict):
+            raise ConfigError(f"{path}: run '{name}' must map config keys to values, got {settings!r}")
+        runs[str(name)] = settings
+    folders = [run_folder(Path("."), name, 0) for name in runs]
+    if len(set(folders)) != len(folders) or any(str(f.parent) in ("", ".") for f in folders):
+        raise ConfigError(f"{path}: run names must differ in their letters and digits: {', '.join(runs)}")
+    grid = load_grid(sweep.get("grid", {}), path)
+    rule = Rule.from_block(sweep["decide"], list(runs), f"{path}: 'sweep.decide'") if "decide" in sweep else None
+    return SweepFile(data, seeds, runs, grid, rule)
+
+
+def load_grid(grid: Any, path: str) -> dict[str, Factor]:
+    """The ``grid`` block: per factor, a non-empty list of values. A factor named by a config key lists that
+    key's values (``lr: [0.01, 0.1]``); any other name lists mappings of the same config keys, which then move
+    together (``budget: [{local-steps: 10, num-rounds: 40}, {local-steps: 50, num-rounds: 8}]``). Each key one
+    the schema knows (with a did-you-mean otherwise), in one factor only, and not one the sweep sets itself."""
+    if not isinstance(grid, dict):
+        raise ConfigError(f"{path}: 'sweep.grid' must map config keys to lists of values, got {grid!r}")
+    factors: dict[str, Factor] = {}
+    taken: set[str] = set()
+    for raw_name, values in grid.items():
+        where = f"{path}: 'sweep.grid.{raw_name}'"
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{where} must be a non-empty list of values, got {values!r}")
+        linked = all(isinstance(v, dict) for v in values)
+        mixed = not linked and any(isinstance(v, dict) for v in values)
+        if mixed or (linked and len({tuple(sorted(v)) for v in values}) != 1) or values == [{}]:
+            raise ConfigError(f"{where}: its values must all be values of one key, or all set the same keys")
+        settings = values if linked else [{raw_name: v} for v in values]
+        keys = [grid_key(k, path) for k in settings[0]]
+        repeated = [k for k in keys if k in taken]
+        if repeated:
+            raise ConfigError(f"{where}: key '{repeated[0]}' is listed twice; each key in one factor")
+        taken.update(keys)
+        factors[str(raw_name)] = [{normalise_key(k): v for k, v in value.items()} for value in settings]
+    return factors
+
+
+def grid_key(raw_key: str, path: str) -> str:
+    """A grid key: one of the schema's (with a did-you-mean otherwise), not one the sweep sets itself."""
+    keys = schema()
+    key = normalise_key(raw_key)
+    if key not in keys:
+        raise ConfigError(f"{path}: 'sweep.grid': {unknown_key(raw_key, keys)}")
+    if key in NOT_FACTORS:
+        raise ConfigError(
+            f"{path}: 'sweep.grid': key '{raw_key}' is set by the sweep (seeds: sweep.seeds; methods: runs)"
+        )
+    return key
+
+
+def grid_keys(grid: dict[str, Factor]) -> list[str]:
+    return [key for values in grid.values() for key in values[0]]
+
+
+def run_factors(name: str, settings: dict[str, Any], grid: dict[str, Factor]) -> list[str]:
+    """The grid keys that apply to run ``name`` (its ``settings`` without the grid's): a key of an algorithm or
+    component the run does not use (DisTrans' offset lr for FedAvg) is not crossed with it."""
+    from ..core.registry import active_owners
+
+    if not grid:
+        return []
+    try:
+        owners = active_owners(config_from_settings(settings))
+    except ConfigError as exc:
+        raise ConfigError(f"run '{name}': {exc}") from None
+    keys = schema()
+    return [key for key in grid_keys(grid) if keys[key].owner is None or keys[key].owner in owners]
+
+
+def check_grid_is_alone(grid: dict[str, Factor], cli: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
+    """A grid key set on the command line or by a run would silently replace the grid's values: stop."""
+    factor_keys = grid_keys(grid)
+    for where, settings in [("the command line", cli)] + [(f"run '{n}'", s) for n, s in runs.items()]:
+        taken = [normalise_key(k) for k in settings if normalise_key(k) in factor_keys]
+        if taken:
+            raise ConfigError(f"{where} sets {', '.join(taken)}, a factor of the grid: give its values in 'sweep.grid'")
+
+
+def cells(grid: dict[str, Factor]) -> list[tuple[tuple[str, Any], ...]]:
+    """Every combination of the grid's values as (key, value) pairs, the first factor's slowest ((): no grid,
+    one cell)."""
+    return [tuple(kv for value in values for kv in value.items()) for values in itertools.product(*grid.values())]
+
+
+def plan(
+    path: str, overrides: Sequence[str], out: Path, only: Sequence[str] | None, seeds: Sequence[int] | None = None
+) -> list[tuple[Setting, int, dict[str, Any]]]:
+    """Every (setting: run name and grid cell, seed, validated config), seed by seed, cell by cell, run by run;
+    or a ConfigError before anything runs."""
+    spec = load_sweep(path)
+    runs = spec.runs
+    seeds = list(seeds) if seeds else spec.seeds
+    if only:
+        missing = sorted(set(only) - set(runs))
+        if missing:
+            raise ConfigError(f"--only names unknown runs: {', '.join(missing)}. Runs: {', '.join(runs)}")
+        runs = {name: runs[name] for name in runs if name in only}
+    cli_overrides = dict(parse_override(item) for item in overrides)
+    check_grid_is_alone(spec.grid, cli_overrides, runs)
+    factors = {name: run_factors(name, {**spec.base, **cli_overrides, **s}, spec.grid) for name, s in runs.items()}
+    unused = [key for key in grid_keys(spec.grid) if not any(key in f for f in factors.values())]
+    if unused:
+        raise ConfigError(f"{path}: grid key(s) {', '.join(unused)} apply to none of the runs {', '.join(runs)}")
+    jobs: list[tuple[Setting, int, dict[str, Any]]] = []
+    folders = set()
+    for seed in seeds:
+        for cell in cells(spec.grid):
+            for name, settings in runs.items():
+                own = tuple((k, v) for k, v in cell if k in factors[name])
+                merged = {**spec.base, **cli_overrides, **dict(own), **settings, "seed": seed}
+                try:
+                    cfg = config_from_settings(merged)
+                except ConfigError as exc:
+                    where = f"run '{name}'" + (f" in cell {cell_name(own)}" if own else "")
+                    raise ConfigError(f"{where} (seed {seed}): {exc}") from None
+                setting = Setting(name, tuple((k, cfg[k]) for k, _ in own))  # 1e-3 and 0.001 alike
+                cfg["output-dir"] = str(setting.folder(out, seed))
+                if cfg["output-dir"] not in folders:  # else: a cell that differs in keys this run does not use
+                    folders.add(cfg["output-dir"])
+                    jobs.append((setting, seed, cfg))
+    check_cells_differ(spec.grid, [setting for setting, seed, _ in jobs if seed == seeds[0]])
+    return jobs
+
+
+def check_cells_differ(grid: dict[str, Factor], settings: list[Setting]) -> None:
+    """Two values of a factor that read the same (1e-3 and 0.001, or names that differ only in characters a
+    folder cannot hold) would share one run folder: each run must have one folder per combination of the
+    values of the factors it uses."""
+    for run in dict.fromkeys(s.run for s in settings):
+        own = [s for s in settings if s.run == run]
+        keys = {k for k, _ in own[0].cell}
+        used = [values for values in grid.values() if keys & set(values[0])]
+        if len(own) != math.prod(map(len, used)):
+            listed = "; ".join(", ".join(cell_name(tuple(v.items())) for v in values) for values in used)
+            raise ConfigError(f"grid values that read the same would share a run folder ({listed}): list each once")
+
+
+def finished_with_same_config(cfg: dict[str, Any]) -> bool:
+    """True if the folder holds a finished run of this config; a different run there is an error."""
+    out = Path(cfg["output-dir"])
+    manifest, summary = out / "manifest.json", out / "summary.json"
+    if not (out / "metrics.jsonl").exists():
+        return False
+    if not manifest.exists() or not summary.exists():
+        return False  # an unfinished run: start it again
+    if json.loads(summary.read_text()).get("last_round") != cfg["num-rounds"]:
+        return False  # summary.json is refreshed at every evaluation: this run stopped early
+    old = json.loads(manifest.read_text())["config"]
+    defaults = {k: spec.default for k, spec in schema().items()}
+    # a key the run's version did not have yet: that run behaved as the key's default does (new keys keep the
+    # old behaviour by default), so a sweep continued after an upgrade keeps its finished runs
+    free = VOLATILE_KEYS + PLACEMENT_KEYS
+    differs = sorted(k for k in cfg if k not in free and (old[k] if k in old else defaults.get(k)) != cfg[k])
+    if differs:
+        raise ConfigError(
+            f"{out} holds a finished run with different settings ({', '.join(differs)}); "
+            "pick another --out or remove that folder"
+        )
+    return True
+
+
+def resumable_round(cfg: dict[str, Any]) -> int | None:
+    """The round of the checkpoint in the run's folder when the run can continue from it (``fedbr-run --resume``);
+    None when there is none, or it is of other settings (then the run starts again, and a line says why)."""
+    from ..app.server_app import check_resumable
+    from ..runfiles.checkpoint import CHECKPOINT_NAME, load_checkpoint
+
+    out = Path(cfg["output-dir"])
+    if not (out / CHECKPOINT_NAME).exists():
+        return None
+    try:
+        _, header = load_checkpoint(out)
+        check_resumable(header["config"], {**cfg, "resume": True}, int(header["round"]))
+    except ConfigError as exc:
+        print(f"fedbr-sweep: {out}: its checkpoint cannot continue this run ({exc}); starting it again", flush=True)
+        return None
+    return int(header["round"])
+
+
+def run_all(
+    jobs: list[tuple[Setting, int, dict[str, Any]]],
+    quiet: bool,
+    isolated: bool = False,
+    deadline: float | None = None,
+    out: Path | None = None,
+) -> dict[tuple[Setting, int], str]:
+    """Run each job not finished yet, continuing those with a checkpoint; the status of each. ``deadline``
+    (``time.time()``'s clock): the time limit every run shares, at which the sweep stops with
+    TimeLimitReached (``where``: the run in progress). ``out``, the sweep's folder, is each run's W&B group
+    where tracking is on."""
+    status = {}
+    with contextlib.nullcontext(None) if isolated else shared_host(jobs) as host:
+        for i, (name, seed, cfg) in enumerate(jobs, 1):
+            label = f"[{i}/{len(jobs)}] {name.label} seed {seed}"
+            cfg = prepare(size_for_runtime(cfg), overwrite=True)
+            if finished_with_same_config(cfg):
+                print(f"fedbr-sweep: {label}: already finished in {cfg['output-dir']}; kept", flush=True)
+                status[(name, seed)] = "kept"
+                continue
+            where = f"{name.label} seed {seed} ({cfg['output-dir']})"
+            resumed = resumable_round(cfg)
+            if deadline is not None:
+                if time.time() >= deadline:
+                    raise TimeLimitReached(resumed, where, cfg["num-rounds"])
+                cfg["checkpoint-every"] = 1  # a stop loses no finished round
+            cfg["resume"] = resumed is not None
+            start = f"continues after round {resumed}" if cfg["resume"] else cfg["strategy"]
+            print(f"fedbr-sweep: {label}: {start} -> {cfg['output-dir']}", flush=True)
+            watch = None if deadline is None else RoundWatch(deadline, cfg["num-rounds"], resumed)
+            try:
+                out_dir = Path(cfg["output-dir"])
+                if out is not None and tracking.requested(cfg):
+                    tracking.label_sweep_run(
+                        out_dir, out.name, str(out_dir.relative_to(out)), [name.label[:64], f"seed{seed}"]
+                    )
+                echo = "none" if quiet else "progress"
+                try:
+                    run_flower(cfg, supernodes(cfg), out_dir, echo=echo, host=host, watch=watch)
+                except TimeLimitReached as exc:
+                    raise TimeLimitReached(exc.saved_round, where, cfg["num-rounds"]) from None
+                ok = (out_dir / "summary.json").exists()
+                problem = finished_run_problem(out_dir) if ok else "no final evaluation"
+                status[(name, seed)] = f"failed: {problem}" if problem else "ok"
+            except (RunFailed, ConfigError) as exc:
+                status[(name, seed)] = f"failed: {exc}"
+            except OSError as exc:  # its folder's disk filled up, say: the next runs may still fit elsewhere
+                status[(name, seed)] = f"failed: cannot write to {cfg['output-dir']}: {exc.strerror or exc}"
+            print(f"fedbr-sweep: {label}: {status[(name, seed)]}", flush=True)
+    return status
+
+
+@contextlib.contextmanager
+def shared_host(jobs: list[tuple[Setting, int, dict[str, Any]]]) -> Iterator[RunHost | None]:
+    """One simulation process for the sweep's runs (``launcher.RunHost``): the second and later runs start on
+    the first's imports, Ray runtime and client processes. None (each run a process of its own) when the
+    runs name different Ray clusters."""
+    from ..app.raycluster import describe, requested_address
+
+    addresses = {requested_address(cfg["ray-address"]) for _, _, cfg in jobs}
+    if len(addresses) != 1:
+        yield None
+        return
+    address = addresses.pop()
+    with RunHost(describe(address).address if address else None) as host:
+        yield host
+
+
+def report_command(argv: Sequence[str] | None) -> str:
+    """The command that makes the sweep's runs and its report, as a user would type it (without the
+    switches that only skip work: --table-only, --quiet)."""
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--table-only", "--quiet")]
+    return shlex.join(["fedbr-sweep", *args])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedbr-sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("file", help="sweep YAML file")
+    parser.add_argument("overrides", nargs="*", help="key=value settings for every run")
+    parser.add_argument("--out", type=Path, help="output folder (default: runs/<file name>)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these runs of the file")
+    parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="these seeds instead of the file's")
+    parser.add_argument("--dry-run", action="store_true", help="validate every run and list them, then exit")
+    parser.add_argument("--table-only", action="store_true", help="do not run; rebuild the comparison")
+    parser.add_argument("--quiet", action="store_true", help="no per-round progress")
+    parser.add_argument(
+        "--time-limit",
+        metavar="DURATION",
+        help="stop before DURATION (90s, 15m, 1h30m, 2h) has passed, shared by the runs: each checkpoints after "
+        "every round and the run in progress stops after the last round that fits; exit code 75 and a line with "
+        "the command that continues (this same command: it resumes the unfinished run and keeps finished ones)",
+    )
+    parser.add_argument(
+        "--isolated",
+        action="store_true",
+        help="each run in a process of its own, with a Ray runtime and client processes of its own (by default "
+        "the runs share one simulation process, Ray runtime and set of client processes)",
+    )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        metavar="PAGE",
+        help="also write the table, its plot (in results/ beside PAGE) and the command, commit, "
+        "machine and wall time as this sweep file's section of the markdown page PAGE; the "
+        "page's other sections and text are kept",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.time()
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)
+    out = (args.out or Path("runs") / Path(args.file).stem).expanduser()
+    again = shlex.join(["fedbr-sweep", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        deadline = None if args.time_limit is None else stop_deadline(started, parse_duration(args.time_limit))
+        check_path_length(out, "--out")
+        out = out.resolve()
+        jobs = plan(args.file, args.overrides, out, args.only, args.seeds)
+    except ConfigError as exc:
+        print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
+        return 2
+    names = list(dict.fromkeys(name for name, _, _ in jobs))
+    seeds = list(dict.fromkeys(seed for _, seed, _ in jobs))
+    if args.dry_run:
+        for name, seed, cfg in jobs:
+            print(f"{name.label} seed {seed}: strategy={cfg['strategy']} -> {cfg['output-dir']}")
+        print(f"{len(jobs)} runs ({len(names)} settings x {len(seeds)} seeds)")
+        return 0
+    status = {}
+    if not args.table_only:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        try:
+            with runlock.hold(out, "sweep"):
+                status = run_all(jobs, args.quiet, args.isolated, deadline, out)
+        except ConfigError as exc:
+            print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
+            return 2
+        except TimeLimitReached as exc:
+            print(stopped_line("fedbr-sweep", exc.where, exc.saved_round, exc.num_rounds, again), file=sys.stderr)
+            return EXIT_TIME_LIMIT
+        except KeyboardInterrupt:
+            print(f"fedbr-sweep: interrupted; finished runs are kept in {out}", file=sys.stderr)
+            return 130
+        except SystemExit as exc:
+            if exc.code != 143:
+                raise
+            print(
+                f"fedbr-sweep: stopped by SIGTERM; finished runs and the last checkpoint of the run in progress are "
+                f"kept in {out}; continue with: {again}",
+                file=sys.stderr,
+            )
+            return 143
+    # the command-line overrides say what the file alone does not
+    title = " ".join([sweep_title(args.file) or Path(args.file).stem, *args.overrides])
+    headline = sweep_headline(args.file)
+    rule = load_sweep(args.file).rule
+    table = write_comparison(out, names, seeds, title, rule, headline)
+    print("\n" + table)
+    print(f"comparison: {out / 'comparison.md'}, comparison.csv, comparison.png" + (", decisions.png" if rule else ""))
+    if args.report:
+        try:
+            write_report(
+                args.report, Path(args.file).stem, title, report_command(argv), out, names, seeds, rule, headline
+            )
+        except (ConfigError, OSError) as exc:
+            print(f"fedbr-sweep: error: cannot write the report to {args.report}: {exc}", file=sys.stderr)
+            return 2
+        print(f"report: section '{Path(args.file).stem}' of {args.report}")
+    failed = {k: v for k, v in status.items() if v.startswith("failed")}
+    for (name, seed), why in failed.items():
+        print(f"fedbr-sweep: {name.label} seed {seed} {why}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

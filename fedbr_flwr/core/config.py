@@ -1,0 +1,628 @@
+"""Run configuration: one schema, validated the same way by the CLI and the Flower apps.
+
+The schema is the common keys below plus the keys each algorithm and component declares next to its
+code (``fedbr_flwr.core.settings``), collected by the registry. Keys are kebab-case, as in Flower's
+``[tool.flwr.app.config]``; YAML experiment files may use ``snake_case`` too. ``pyproject.toml``
+repeats every key with its default (Flower rejects run-config keys it does not know):
+``fedbr-run --write-pyproject`` rewrites that table from the schema, and a test keeps them equal.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from ..data.catalog import INFO
+from ..runfiles.tracking import valid_trackers
+from ..server.robust import RULES, WEIGHTED_RULES, minimum_updates
+from .attack import ATTACKS, check_attack
+from .errors import ConfigError, quoted
+from .settings import (
+    BELOW_ONE,
+    FRACTION,
+    NON_NEGATIVE,
+    OPEN_FRACTION,
+    POSITIVE,
+    UNIT_INTERVAL,
+    Check,
+    DeclaredChoices,
+    Key,
+)
+
+__all__ = ["COMMON", "ConfigError", "Key", "defaults", "schema", "validate"]
+
+HALF_FRACTION = Check(lambda v: 0 <= v < 0.5, "in [0, 0.5)")
+
+
+def model_names() -> tuple[str, ...]:
+    from .model import MODELS  # late: the backbones import torch, which a command loads only to train
+
+    return ("auto", *MODELS)
+
+
+COMMON: dict[str, Key] = {
+    # what runs
+    "strategy": Key("fedavg", "algorithm name (see `fedbr-run --list`)"),
+    "seed": Key(0, "seed for partition, sampling, init and batches", check=NON_NEGATIVE),
+    "num-rounds": Key(20, "communication rounds", check=POSITIVE),
+    "output-dir": Key("", "where the run files go; empty: runs/<strategy>-<dataset>-<time> under the server's cwd"),
+    "git-commit": Key("", "code version recorded in the manifest (the CLI fills it in)"),
+    # data
+    "dataset": Key(
+        "mnist5k",
+        "dataset; synthetic: random CIFAR-size images and labels, for benchmarks",
+        choices=tuple(INFO),
+    ),
+    "data-dir": Key(
+        "",
+        "folder holding torchvision's MNIST/ or CIFAR files (not read for mnist5k); empty: "
+        "$FEDBR_DATA_DIR, else ${XDG_CACHE_HOME:-~/.cache}/fedbr-flwr/datasets",
+        placement=True,
+    ),
+    "download": Key(
+        "auto",
+        "a missing MNIST/CIFAR dataset: download it into the data folder (auto), or stop with a message (never)",
+        choices=("auto", "never"),
+        placement=True,
+    ),
+    "num-clients": Key(
+        0,
+        "number of clients; 0 = one per SuperNode (Flower's simulation default is 2, fedbr-run then starts 10)",
+        check=NON_NEGATIVE,
+    ),
+    "partition": Key("fedbr", "label split", choices=("fedbr", "dirichlet", "iid", "classes")),
+    "alpha": Key(0.1, "Dirichlet concentration of the fedbr/dirichlet splits", check=POSITIVE),
+    "classes-per-client": Key(2, "classes per client of the 'classes' (pFedHN) split", check=POSITIVE),
+    "rotate": Key(True, "domain shift: RotatedMNIST (client i at 15*i deg) / RotatedCIFAR10 angle prior"),
+    "test-fraction": Key(0.2, "share of each client's data held out as its local test set", check=OPEN_FRACTION),
+    # model and local training
+    "model": Key("auto", "backbone (fedbr_flwr/core/model.py: MODELS)", choices=DeclaredChoices(model_names)),
+    "local-steps": Key(10, "local SGD steps per round (batches drawn with replacement)", check=POSITIVE),
+    "batch-size": Key(32, "local batch size", check=POSITIVE),
+    "lr": Key(0.05, "client SGD learning rate", check=POSITIVE),
+    "momentum": Key(0.0, "client SGD momentum", check=BELOW_ONE),
+    "weight-decay": Key(0.0, "client SGD weight decay", check=NON_NEGATIVE),
+    "clip-grad-norm": Key(
+        0.0,
+        "clip each local SGD step's gradient to this L2 norm, per client, over the parameters the step "
+        "trains, after the algorithm's corrections (the FedDyn authors' code clips at 10); 0: no clipping",
+        check=NON_NEGATIVE,
+    ),
+    "device": Key("auto", "client training device; auto = cuda when available", choices=("auto", "cpu", "cuda")),
+    "precision": Key(
+        "fp32",
+        "local steps in fp32, or in bf16 (weights and optimiser stay fp32): per client and "
+        "with cohort-step=loop under autocast (a region per step, no weight cache); with cohort-step=vmap/graph "
+        "every module cast to bf16 (norm layers and softmax too); both land about 3-4% of an "
+        "update from fp32, and from each other (docs/implementation-choices.md)",
+        choices=("fp32", "bf16"),
+    ),
+    "compile": Key(
+        False, "torch.compile the backbone's feature extractor on the clients (the first round pays the compilation)"
+    ),
+    "tf32": Key(
+        True,
+        "on CUDA, fp32 matrix products and convolutions on TF32 tensor cores (what the authors' PyTorch 1.7 "
+        "did on Ampere by default); false: strict fp32. No effect on a CPU",
+    ),
+    "cudnn-autotune": Key(
+        True,
+        "on CUDA, cuDNN times its convolution algorithms once per shape and keeps the fastest "
+        "(torch.backends.cudnn.benchmark). No effect on a CPU",
+    ),
+    # server
+    "fraction-fit": Key(1.0, "share of clients sampled per round", check=FRACTION),
+    "weighting": Key("uniform", "averaging weights", choices=("uniform", "samples")),
+    "aggregation": Key(
+        "mean",
+        "how the server combines the clients' arrays (every array of every strategy): mean, coordinate-wise "
+        "median or trimmed-mean, krum / multi-krum (Krum's pick, or the mean of the n - f best-scored updates), "
+        "norm-bound (each update clipped to a norm, then averaged); docs/robust-aggregation.md",
+        choices=RULES,
+    ),
+    "trim-fraction": Key(
+        0.1, "aggregation=trimmed-mean: share of values cut at each end of each coordinate", check=HALF_FRACTION
+    ),
+    "byzantine-clients": Key(
+        1,
+        "aggregation=krum / multi-krum: attackers assumed among a round's updates (f; needs n > 2f + 2)",
+        check=NON_NEGATIVE,
+    ),
+    "norm-bound": Key(
+        0.0,
+        "aggregation=norm-bound: the largest norm of a client's update (0: norm-bound-multiple x the round's median)",
+        check=NON_NEGATIVE,
+    ),
+    "norm-bound-multiple": Key(
+        1.0,
+        "aggregation=norm-bound with norm-bound = 0: the bound as a multiple of the median update norm",
+        check=POSITIVE,
+    ),
+    "eval-every": Key(2, "evaluate the global model every E rounds (and at the last)", check=POSITIVE),
+    "global-test": Key(
+        True,
+        "also evaluate the global model on the balanced global test (server side): the dataset's test split "
+        "once per angle 0, 15, ..., 135 under rotation (the 0 degree copy unrotated), else once",
+    ),
+    "extra-local-tests": Key(
+        False,
+        "RotatedMNIST (mnist, mnist5k): also evaluate the global model on the reference code's 10 extra local "
+        "test sets (server side): the test split dealt into 10 sets by fresh Dirichlet(alpha) label draws, set k "
+        "rotated 15*k degrees",
+    ),
+    "server-test-every": Key(
+        0,
+        "run the server-side tests (global-test, extra-local-tests) every N rounds, a multiple of eval-every, "
+        "and at the last; 0: at every evaluation",
+        check=NON_NEGATIVE,
+    ),
+    "target-acc": Key(0.5, "threshold for 'rounds to reach' in the summary", check=FRACTION),
+    "engine": Key(
+        "clients",
+        "simulation engine: one Flower node per client (clients), or per cohort of clients "
+        "that one process trains (cohort; simulation only)",
+        choices=("clients", "cohort"),
+        placement=True,
+    ),
+    "cohorts": Key(
+        0,
+        "engine=cohort: the number of cohorts (Flower nodes); 0 = one per GPU, or on a CPU one per client-cpus cores",
+        check=NON_NEGATIVE,
+        placement=True,
+    ),
+    "cohort-step": Key(
+        "auto",
+        "engine=cohort: how a cohort steps its clients: loop (one after another), vmap (all "
+        "at once, torch.func.vmap over the clients), graph (vmap, each round's step captured "
+        "once as a CUDA graph and replayed; GPU only), auto (on a GPU graph where the "
+        "algorithm's graph step is checked on a GPU, else vmap where it has a vectorised step; else loop)",
+        choices=("auto", "loop", "vmap", "graph"),
+        placement=True,
+    ),
+    # simulation resources (used by the CLI; recorded in the manifest)
+    "client-cpus": Key(1, "CPU cores per simulated client (also its torch threads)", check=POSITIVE, placement=True),
+    "client-gpus": Key(
+        0.0, "GPU share per simulated client; the CLI picks one when CUDA is present", check=UNIT_INTERVAL
+    ),
+    "backend": Key(
+        "auto",
+        "simulation: where the clients run: in-process (threads of the simulation process: no Ray or client processes "
+        "to start; fedbr-run and fedbr-sweep on this machine's CPUs), ray (Flower's Ray backend: "
+        "processes of their own, GPU shares, clusters; what `flwr run` always uses), auto (in-process on a CPU "
+        "without a Ray cluster, else ray)",
+        choices=("auto", "in-process", "ray"),
+        placement=True,
+    ),
+    "ray-address": Key(
+        "",
+        "simulation: the running Ray cluster to join (host:port of its head, or auto for the one `ray start` "
+        "left on this machine); empty: the RAY_ADDRESS environment variable if set, else a private Ray runtime "
+        "(local forces that)",
+    ),
+    # faults and checkpoints
+    "min-fit-clients": Key(
+        1,
+        "fewest valid client updates that may change the global model; a round with fewer "
+        "keeps it unchanged (recorded in rounds.jsonl)",
+        check=POSITIVE,
+    ),
+    "round-timeout": Key(
+        0.0,
+        "seconds the server waits for a round's answers; clients still busy then count as "
+        "failed (0: wait for every client)",
+        check=NON_NEGATIVE,
+    ),
+    "checkpoint-every": Key(
+        5,
+        "save the server's whole state to checkpoint.npz every N rounds and at the last (0: never)",
+        check=NON_NEGATIVE,
+    ),
+    # simulated attacks (experiments): docs/robust-aggregation.md
+    "attack": Key(
+        "none",
+        "what the attacking clients send after local training: sign-flip (g - factor x update), scale "
+        "(g + factor x update), noise (g + sigma x its own normal draw), label-flip (trains on labels C-1-y), "
+        "collude (g + sigma x one normal draw all attackers share)",
+        choices=ATTACKS,
+    ),
+    "attack-clients": Key(0, "how many clients attack, drawn from the run seed", check=NON_NEGATIVE),
+    "attack-ids": Key("", "which clients attack, as partition ids (e.g. 0,4,7); instead of attack-clients"),
+    "attack-factor": Key(10.0, "attack=sign-flip / scale: the factor on the attacker's update", check=POSITIVE),
+    "attack-noise": Key(1.0, "attack=noise / collude: sigma of the noise sent as the update", check=POSITIVE),
+    "resume": Key(False, "continue the run in output-dir from its checkpoint (`fedbr-run --resume DIR` sets it)"),
+    # experiment tracking (server side; docs/running.md)
+    "tracking": Key(
+        "none",
+        "also log each round's metrics, evaluations and the config to tensorboard (the run folder's tensorboard/) "
+        "and/or wandb (respects WANDB_MODE=offline), comma-separated; each needs its extra "
+        '(pip install -e ".[tensorboard]", ".[wandb]"; docs/running.md)',
+        check=Check(valid_trackers, "none or a comma-separated list of: tensorboard, wandb"),
+        names=True,
+    ),
+}
+
+# where a run's data and clients are, not what it computes (``Key.placement``): a resumed run, or a sweep's
+# finished run, may differ in them
+PLACEMENT_KEYS = tuple(name for name, key in COMMON.items() if key.placement)
+
+# keys of earlier versions: what replaced them
+REPLACED = {
+    "mixup": "FedBR on the Mixup backbone is fedbr-with=mixup now (and strategy=mixup is FedAvg + Mixup)",
+}
+
+
+def schema() -> dict[str, Key]:
+    """Every key of a run: the common ones, then each algorithm's and component's (by owner name)."""
+    from .registry import owned_keys  # late import: the registry imports the algorithm packages
+
+    return {**COMMON, **owned_keys()}
+
+
+def defaults() -> dict[str, Any]:
+    return {k: v.default for k, v in schema().items()}
+
+
+def _type_name(v: Any) -> str:
+    return {bool: "bool", int: "int", float: "float", str: "str"}[type(v)]
+
+
+def _coerce(key: str, spec: Key, value: Any) -> Any:
+    default = spec.default
+    if spec.names and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        value = ",".join(value) or "none"
+    if isinstance(value, str) and isinstance(default, (int, float)) and not isinstance(default, bool):
+        value = _yaml_number(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+    elif isinstance(default, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # YAML's .inf / .nan, or 1e999
+                raise ConfigError(f"config key '{key}' must be a finite number, got {quoted(value)}")
+            return float(value)
+    elif isinstance(default, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not INT64_MIN <= value <= INT64_MAX:  # Flower's run config carries 64-bit integers
+                raise ConfigError(f"config key '{key}' = {quoted(value)} does not fit a 64-bit integer")
+            return value
+    elif isinstance(value, str):
+        return ",".join(v.strip() for v in value.split(",")) if spec.names else value
+    raise ConfigError(
+        f"config key '{key}' must be {'a list of names' if spec.names else _type_name(default)}, "
+        f"got {type(value).__name__} {quoted(value)}"
+    )
+
+
+def _yaml_number(text: str) -> Any:
+    try:
+        return float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        return text
+
+
+def normalise_key(key: str) -> str:
+    return str(key).strip().replace("_", "-")
+
+
+def unknown_key(raw_key: str, keys: Mapping[str, Key]) -> ConfigError:
+    key = normalise_key(raw_key)
+    if key in REPLACED:
+        return ConfigError(f"config key '{raw_key}' is gone: {REPLACED[key]}")
+    close = difflib.get_close_matches(key, keys, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key {quoted(raw_key)}.{hint} Valid keys: {', '.join(keys)}")
+
+
+def validate(overrides: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Return a complete config: ``base`` (default: the defaults) updated with checked ``overrides``."""
+    keys = schema()
+    cfg = dict(defaults() if base is None else base)
+    for raw_key, value in overrides.items():
+        key = normalise_key(raw_key)
+        if key not in keys:
+            raise unknown_key(raw_key, keys)
+        cfg[key] = _coerce(key, keys[key], value)
+    for key, spec in keys.items():
+        v = cfg[key]
+        if spec.choices is not None and v not in spec.choices:
+            raise ConfigError(f"config key '{key}' = {quoted(v)} is not one of: {', '.join(spec.choices)}")
+        if spec.check is not None and not spec.check(v):
+            raise ConfigError(f"config key '{key}' = {quoted(v)} must be {spec.check.message}")
+    _check_consistency(cfg)
+    _check_ownership(cfg, overrides, keys)
+    return cfg
+
+
+def _check_ownership(cfg: Mapping[str, Any], overrides: Mapping[str, Any], keys: Mapping[str, Key]) -> None:
+    """A key set to a non-default value for a run that ignores it is a mistake worth stopping for."""
+    from .registry import active_owners, how_to_enable
+
+    active = active_owners(cfg)
+    for raw_key in overrides:
+        key = normalise_key(raw_key)
+        owner = keys[key].owner
+        if owner is not None and owner not in active and cfg[key] != keys[key].default:
+            valid = [k for k, spec in keys.items() if spec.owner in active]
+            name = " + ".join(active)
+            raise ConfigError(
+                f"config key '{raw_key}' belongs to {owner} ({how_to_enable(owner)}), not to '{name}'. "
+                f"Keys of '{name}': {', '.join(valid) or 'none beyond the common ones'}"
+            )
+
+
+def check_batch_sizes(cfg: Mapping[str, Any]) -> None:
+    """batch-size (and a pseudo-batch's size) at most the dataset's training split: a client draws its batch
+    from its own partition, a part of that split."""
+    limit = INFO[cfg["dataset"]].train_size
+    for key in ("batch-size", "pseudo-size"):
+        if cfg.get(key, 0) > limit:
+            raise ConfigError(
+                f"config key '{key}' = {cfg[key]} exceeds the {limit} training images of {cfg['dataset']}: "
+                f"a batch is drawn from one client's share of them; use at most {limit}"
+            )
+
+
+def _check_consistency(cfg: Mapping[str, Any]) -> None:
+    from .registry import active_owners, algorithm_names, settings_of
+
+    names = algorithm_names()
+    if cfg["strategy"] not in names:
+        close = difflib.get_close_matches(cfg["strategy"], names, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown strategy {quoted(cfg['strategy'])}.{hint} Valid: {', '.join(names)}")
+    num_classes = INFO[cfg["dataset"]].num_classes
+    if cfg["partition"] == "classes" and cfg["classes-per-client"] > num_classes:
+        raise ConfigError(
+            f"'classes-per-client' = {cfg['classes-per-client']} exceeds the {num_classes} classes of {cfg['dataset']}"
+        )
+    check_batch_sizes(cfg)
+    check_sampling(cfg)
+    check_cohort_step(cfg)
+    check_server_tests(cfg)
+    check_aggregation(cfg)
+    check_attack(cfg)
+    for owner in active_owners(cfg):  # each algorithm's and component's own cross-key checks
+        settings_of(owner).check(cfg)
+
+
+def check_cohort_step(cfg: Mapping[str, Any]) -> None:
+    from .registry import lookup_client
+
+    step = cfg["cohort-step"]
+    if step not in ("vmap", "graph"):
+        return
+    if cfg["engine"] != "cohort":
+        raise ConfigError(f"cohort-step={step} steps the clients of a cohort together: it needs engine=cohort")
+    if step == "graph" and cfg["device"] == "cpu":
+        raise ConfigError(
+            "cohort-step=graph replays CUDA graphs: it needs device=cuda or auto on a GPU (on a CPU use loop or vmap)"
+        )
+    if not lookup_client(cfg["strategy"]).vectorised:
+        raise ConfigError(
+            f"strategy '{cfg['strategy']}' has no vectorised local step: use cohort-step=loop "
+            "(or auto, which picks loop for it)"
+        )
+
+
+def check_server_tests(cfg: Mapping[str, Any]) -> None:
+    every, eval_every = cfg["server-test-every"], cfg["eval-every"]
+    if every and every % eval_every:
+        raise ConfigError(
+            f"server-test-every = {every} is not a multiple of eval-every = {eval_every}: the server-side tests "
+            "are recorded with an evaluation (use a multiple of eval-every, or 0 for every evaluation)"
+        )
+    if cfg["extra-local-tests"] and INFO[cfg["dataset"]].rotation != "client":
+        raise ConfigError(
+            f"extra-local-tests = true is RotatedMNIST's (dataset mnist or mnist5k), not {cfg['dataset']}'s: "
+            "the reference code builds them for RotatedMNIST only"
+        )
+
+
+def sampled_per_round(fraction_fit: float, num_clients: int) -> int:
+    return min(num_clients, max(1, int(round(fraction_fit * num_clients))))
+
+
+def check_sampling(cfg: Mapping[str, Any]) -> None:
+    """min-fit-clients must be reachable (checked once num-clients is known)."""
+    if not cfg["num-clients"]:
+        return
+    sampled = sampled_per_round(cfg["fraction-fit"], cfg["num-clients"])
+    if cfg["min-fit-clients"] > sampled:
+        raise ConfigError(
+            f"min-fit-clients = {cfg['min-fit-clients']} but only {sampled} of the {cfg['num-clients']} "
+            f"clients are sampled per round (fraction-fit = {cfg['fraction-fit']}): lower "
+            "min-fit-clients or raise fraction-fit"
+        )
+
+
+def check_aggregation(cfg: Mapping[str, Any]) -> None:
+    """A rule without a weighted form refuses weights; Krum needs n > 2f + 2 sampled clients (once num-clients
+    is known)."""
+    rule = cfg["aggregation"]
+    if rule not in WEIGHTED_RULES:
+        if cfg["weighting"] == "samples":
+            raise ConfigError(
+                f"aggregation={rule} has no weighted form: use weighting=uniform, or one of {', '.join(WEIGHTED_RULES)}"
+            )
+        if cfg["strategy"] == "groupdro":
+            raise ConfigError(
+                f"groupdro weighs clients by its own rule, and aggregation={rule} has no weighted form: "
+                f"use one of {', '.join(WEIGHTED_RULES)}"
+            )
+    if not cfg["num-clients"] or rule not in ("krum", "multi-krum"):
+        return
+    sampled = sampled_per_round(cfg["fraction-fit"], cfg["num-clients"])
+    need = minimum_updates(rule, cfg["byzantine-clients"])
+    if sampled < need:
+        raise ConfigError(
+            f"aggregation={rule} with byzantine-clients = {cfg['byzantine-clients']} needs n > 2f + 2, i.e. at least "
+            f"{need} clients a round, but {sampled} are sampled: lower byzantine-clients or sample more clients"
+        )
+
+
+def from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Config inside the Flower apps: the run config Flower hands over, checked again."""
+    keys = schema()
+    return validate({k: v for k, v in run_config.items() if normalise_key(k) in keys})
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+YAML_MAX_BYTES = 1 << 20  # an experiment file is a few dozen lines
+YAML_MAX_DEPTH = 20
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """YAML's safe loader without anchors and aliases (a few hundred bytes of nested aliases expand to
+    gigabytes) and with a bounded nesting depth (a deep list would exhaust Python's stack)."""
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+        """A mapping whose key appears twice is refused: YAML would keep the last value without a word."""
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.YAMLError(f"key {quoted(str(key))} appears twice (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError("anchors and aliases (& and *) are not supported here; write the values out")
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > YAML_MAX_DEPTH:
+                raise yaml.YAMLError(f"nested deeper than {YAML_MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=BoundedLoader)  # noqa: S506  (a safe loader, bounded)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise ConfigError(f"{quoted(str(path), 300)} is a directory; give the experiment file (.yaml) in it")
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"{quoted(str(path), 300)} is not a regular file; give an experiment file (.yaml)")
+        if not path.is_file():
+            raise ConfigError(f"experiment file not found: {quoted(str(path), 300)}")
+        if path.stat().st_size > YAML_MAX_BYTES:
+            raise ConfigError(
+                f"{path} holds {path.stat().st_size} bytes; an experiment file may hold at most {YAML_MAX_BYTES}"
+            )
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text; save the experiment file as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {quoted(str(path), 300)}: {exc.strerror}") from None
+    try:
+        data = read_yaml(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {yaml_problem(exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
+    return data
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: the problem and where (PyYAML's own text spans 2-5 lines with a caret)."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        context = getattr(exc, "context", None)
+        text = f"{context}, {problem}" if context else problem
+        return f"line {mark.line + 1}, column {mark.column + 1}: {text}"[:500]
+    return " ".join(str(exc).split())[:500]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key=value`` with the value read as YAML (``lr=0.01``, ``rotate=false``, ``dataset=mnist``)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = read_yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if value is None:
+        value = ""
+    return key.strip(), value
+
+
+def to_toml(cfg: Mapping[str, Any]) -> str:
+    """Serialise a flat config as a TOML run-config file for ``flwr run --run-config``."""
+    lines = []
+    for k, v in cfg.items():
+        if isinstance(v, bool):
+            lines.append(f"{k} = {'true' if v else 'false'}")
+        elif isinstance(v, (int, float)):
+            lines.append(f"{k} = {v!r}")
+        else:
+            escaped = str(v).replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'{k} = "{escaped}"')
+    return "\n".join(lines) + "\n"
+
+
+def resolved_model(cfg: Mapping[str, Any]) -> str:
+    if cfg["model"] != "auto":
+        return cfg["model"]
+    return INFO[cfg["dataset"]].default_model
+
+
+CONFIGURATION_PAGE_HEAD = """# Configuration reference
+
+Every key a run takes, with its type, default, allowed values and meaning. Set them in an experiment
+file (YAML), as `key=value` on the command line (later ones win), or in `flwr run --run-config`.
+`fedbr-run` checks every key and type before anything starts: an unknown key (with a "did you mean"),
+a value of the wrong type or outside its range, or a key of an algorithm the run does not use, stops
+the run with exit 2 and one line. `fedbr-run --list` prints the same in a terminal.
+
+This page is generated from the settings schema by `fedbr-run --write-docs`; a test fails when it is
+stale, so edit the `setting(...)` declarations, not this page.
+"""
+
+
+def _markdown_cell(value: str) -> str:
+    return value.replace("|", "\\|")
+
+
+def configuration_reference() -> str:
+    """docs/configuration.md: every key of the schema, grouped by owner (common keys first), as tables."""
+    from .registry import how_to_enable
+
+    lines, owner = [CONFIGURATION_PAGE_HEAD.rstrip("\n")], object()
+    for key, spec in schema().items():
+        if spec.owner != owner:
+            owner = spec.owner
+            heading = "Common keys" if owner is None else f"`{owner}` (with {how_to_enable(owner)})"
+            lines += ["", f"## {heading}", "", "| key | type | default | values | meaning |", "|---|---|---|---|---|"]
+        kind = "names" if spec.names else type(spec.default).__name__
+        values = (
+            " \\| ".join(f"`{c}`" for c in spec.choices) if spec.choices else (spec.check.message if spec.check else "")
+        )
+        default = to_toml({key: spec.default}).strip().split(" = ", 1)[1]
+        lines.append(f"| `{key}` | {kind} | `{default}` | {values} | {_markdown_cell(spec.help)} |")
+    return "\n".join(lines) + "\n"
+
+
+def pyproject_table() -> str:
+    """The ``[tool.flwr.app.config]`` table of pyproject.toml: every key with its default, grouped by owner."""
+    lines, owner = [], object()
+    for key, spec in schema().items():
+        if spec.owner != owner:
+            owner = spec.owner
+            lines.append(f"# {owner or 'common keys'}")
+        lines.append(to_toml({key: spec.default}).strip())
+    return "\n".join(lines) + "\n"

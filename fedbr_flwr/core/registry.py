@@ -1,0 +1,190 @@
+"""Algorithms and components found by name; the neutral place through which both sides reach what
+they share (an algorithm's model and settings), so that no strategy imports a client module.
+
+A new algorithm is a file in ``clients/`` whose client side is registered with ``@register_client``
+and, when its server does more than FedAvg's, a file in ``strategies/`` registered with
+``@register_strategy`` under the same name; plus an experiment file. A local piece other algorithms
+can carry (FedBR's combinations, paper Table 3) is registered with ``@register_component`` (and its
+server part with ``@register_server_component``); ``register_variant`` names a host algorithm plus
+components as an algorithm of its own (``strategy=fedcm`` is FedAvg + the fedcm component).
+Every module of ``clients`` and ``strategies`` is imported the first time a name is looked up."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import pkgutil
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, TypeVar
+
+from .errors import ConfigError
+from .settings import Key, NoSettings, Settings, names_list
+
+T = TypeVar("T")
+DEFAULT = "fedavg"
+
+
+@dataclass(frozen=True)
+class Variant:
+    base: str
+    components: tuple[str, ...]
+    summary: str
+
+
+# The registry names no algorithm class, not even in annotations, so that it stays below the code it registers;
+# the typed lookups sit beside their base classes: algorithm.client_class and component_class,
+# strategies.base.strategy_class, server.components.server_component_class.
+CLIENTS: dict[str, Any] = {}
+STRATEGIES: dict[str, Any] = {}
+VARIANTS: dict[str, Variant] = {}
+COMPONENTS: dict[str, Any] = {}
+SERVER_COMPONENTS: dict[str, Any] = {}
+PACKAGES = ("clients", "strategies")
+_loaded = False
+_loading = threading.RLock()
+
+
+def _register(table: dict[str, Any], name: str) -> Callable[[T], T]:
+    def decorator(cls: T) -> T:
+        if name in table and table[name] is not cls:
+            raise ValueError(f"'{name}' is registered twice: {table[name]} and {cls}")
+        table[name] = cls
+        cls.name = name  # type: ignore[attr-defined]  # every registered class has a name
+        return cls
+
+    return decorator
+
+
+def register_client(name: str) -> Callable[[T], T]:
+    """The client side of algorithm ``name`` (a ``fedbr_flwr.core.algorithm.ClientAlgorithm``)."""
+    return _register(CLIENTS, name)
+
+
+def register_strategy(name: str) -> Callable[[T], T]:
+    """The server side of algorithm ``name`` (a ``strategies.base.FederatedStrategy``)."""
+    return _register(STRATEGIES, name)
+
+
+def register_component(name: str) -> Callable[[T], T]:
+    """A local piece other algorithms' steps can carry (a ``fedbr_flwr.core.algorithm.LocalComponent``)."""
+    return _register(COMPONENTS, name)
+
+
+def register_server_component(name: str) -> Callable[[T], T]:
+    """The server part of component ``name`` (a ``fedbr_flwr.server.components.ServerComponent``)."""
+    return _register(SERVER_COMPONENTS, name)
+
+
+def register_variant(name: str, base: str, components: tuple[str, ...], summary: str) -> None:
+    """``strategy=name`` runs algorithm ``base`` (both sides) with ``components`` added."""
+    if name in VARIANTS and VARIANTS[name] != Variant(base, components, summary):
+        raise ValueError(f"'{name}' is registered twice as a variant")
+    VARIANTS[name] = Variant(base, tuple(components), summary)
+
+
+def load_all() -> None:
+    """Import every module of ``clients`` and ``strategies`` so that their registrations run."""
+    global _loaded
+    with _loading:  # another thread (the simulation process's warm-up) may be importing them: wait for it
+        if _loaded:
+            return
+        _loaded = True  # first: a module being imported may look something up (in this thread)
+        for package_name in PACKAGES:
+            package = importlib.import_module(package_name)
+            for mod in pkgutil.iter_modules(package.__path__):
+                importlib.import_module(f"{package_name}.{mod.name}")
+
+
+def algorithm_names() -> list[str]:
+    load_all()
+    return sorted(set(CLIENTS) | set(STRATEGIES) | set(VARIANTS))
+
+
+def _base(name: str) -> str:
+    return VARIANTS[name].base if name in VARIANTS else name
+
+
+def lookup_client(name: str) -> Any:
+    """The client class of algorithm ``name`` (its variant's base's; FedAvg's for a server-only algorithm)."""
+    load_all()
+    return CLIENTS.get(_base(name), CLIENTS[DEFAULT])
+
+
+def lookup_strategy(name: str) -> Any:
+    load_all()
+    return STRATEGIES.get(_base(name), STRATEGIES[DEFAULT])
+
+
+def lookup_component(name: str) -> Any:
+    load_all()
+    return COMPONENTS[name]
+
+
+def lookup_server_component(name: str) -> Any:
+    load_all()
+    return SERVER_COMPONENTS.get(name)
+
+
+def components_of(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """The components a run's local steps carry: its variant's, its client's own (GroupDRO's mixup), then
+    those its host's key lists (FedBR's ``fedbr-with``), in that order."""
+    load_all()
+    name = cfg["strategy"]
+    built_in = (VARIANTS[name].components if name in VARIANTS else ()) + lookup_client(name).carried_components(cfg)
+    key = lookup_client(name).component_key
+    if not key:
+        return built_in
+    listed = names_list(cfg[key])
+    unknown = [c for c in listed if c not in COMPONENTS]
+    if unknown or len(set(listed)) != len(listed):
+        close = difflib.get_close_matches(unknown[0], COMPONENTS, n=1) if unknown else []
+        problem = f"names no component {', '.join(unknown)}" if unknown else "names a component twice"
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"config key '{key}' = {cfg[key]!r} {problem}.{hint} Components: {', '.join(sorted(COMPONENTS))}"
+        )
+    return built_in + listed
+
+
+def active_owners(cfg: Mapping[str, Any]) -> list[str]:
+    """The names whose keys apply to a run: its algorithm (and a variant's base), then its components."""
+    name = cfg["strategy"]
+    owners = [name] + ([_base(name)] if _base(name) != name else [])
+    return list(dict.fromkeys(owners + list(components_of(cfg))))
+
+
+def settings_of(owner: str) -> type[Settings]:
+    """The Settings class of an algorithm (declared by its client or its strategy) or a component."""
+    load_all()
+    if owner in COMPONENTS:
+        return COMPONENTS[owner].Settings
+    declared = {getattr(table.get(owner), "Settings", NoSettings) for table in (CLIENTS, STRATEGIES)} - {NoSettings}
+    if len(declared) > 1:
+        raise ValueError(f"'{owner}' declares settings in both its client and its strategy: keep one declaration")
+    return declared.pop() if declared else NoSettings
+
+
+def owned_keys() -> dict[str, Key]:
+    """Every algorithm's and component's keys, tagged with their owner, in name order."""
+    load_all()
+    keys: dict[str, Key] = {}
+    for owner in sorted(set(CLIENTS) | set(STRATEGIES) | set(COMPONENTS)):
+        for key, spec in settings_of(owner).keys(owner).items():
+            if key in keys:
+                raise ValueError(f"config key '{key}' is declared by both {keys[key].owner} and {owner}")
+            keys[key] = spec
+    return keys
+
+
+def how_to_enable(owner: str) -> str:
+    """How a run gets ``owner``'s keys: 'strategy=fedprox, or strategy=fedbr fedbr-with=fedprox'."""
+    load_all()
+    ways = [f"strategy={owner}"] if owner in algorithm_names() else []
+    ways += [
+        f"strategy={name} {key}={owner}"
+        for name, cls in sorted(CLIENTS.items())
+        if owner in COMPONENTS and (key := getattr(cls, "component_key", None))
+    ]
+    ways += [f"strategy={name}" for name, v in sorted(VARIANTS.items()) if owner == v.base and name != owner]
+    return ", or ".join(ways) or "no strategy"

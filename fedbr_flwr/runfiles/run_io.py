@@ -1,0 +1,294 @@
+"""Run files: manifest.json, metrics.jsonl (one line per evaluation), rounds.jsonl (one line per
+round), progress.jsonl (events), summary.json / summary.md and convergence.png, all in the run's output
+directory. Every JSON value that is NaN or infinite is written as ``null`` (``jsonsafe``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..core.errors import ConfigError, quoted
+from . import jsonsafe
+from .jsonsafe import write_text_atomically
+from .metrics import is_partial, plot_history, read_jsonl, run_problem, summarize, summary_table
+from .progress import SUMMARY_EVENT, Progress
+from .tracking import Tracking
+
+PACKAGES = ("flwr", "torch", "torchvision", "numpy", "ray", "mlxtend", "pyyaml", "matplotlib")
+CODE_PACKAGES = ("fedbr_flwr", "clients", "strategies", "pseudodata")
+log = logging.getLogger("flwr")
+
+
+def resolve_output_dir(cfg: Mapping[str, Any]) -> Path:
+    if cfg["output-dir"]:
+        return Path(cfg["output-dir"]).expanduser().resolve()
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return (Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}").resolve()
+
+
+def check_path_length(path: Path, what: str = "output-dir") -> None:
+    """ConfigError when ``path`` is longer than this system allows (a name over NAME_MAX, the whole over
+    PATH_MAX), said once, before any file operation fails on it with a traceback."""
+    name_max, path_max = 255, 4096
+    try:
+        name_max = os.pathconf("/", "PC_NAME_MAX")
+        path_max = os.pathconf("/", "PC_PATH_MAX")
+    except (OSError, ValueError):
+        pass
+    longest = max((len(part.encode()) for part in Path(path).parts), default=0)
+    if longest > name_max or len(str(path).encode()) >= path_max:
+        raise ConfigError(
+            f"{what} {quoted(str(path))} is too long for this system ({len(str(path))} characters; a folder name "
+            f"may have {name_max} bytes, a whole path {path_max - 1}): pick a shorter one"
+        )
+
+
+def check_output_dir(out: Path) -> None:
+    """ConfigError, before anything starts, when the run folder cannot be made or written to (a file in
+    its place or in its path, no permission, a read-only disk). The check leaves no trace: folders it
+    made for the probe are removed again."""
+    out = Path(out)
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    probe = out / ".fedbr-write-probe"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except FileExistsError:
+        raise ConfigError(
+            f"output-dir {out} cannot be used: it is a file, not a folder; pick another output-dir or move the file"
+        ) from None
+    except NotADirectoryError as exc:
+        blocker = next((p for p in out.parents if p.is_file()), exc.filename)
+        raise ConfigError(
+            f"output-dir {out} cannot be made: {blocker} in its path is a file, not a folder; pick another output-dir"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"output-dir {out} is not writable ({exc.strerror}: {exc.filename}); pick another "
+            "output-dir or make it writable"
+        ) from None
+    finally:
+        for p in made:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+
+
+def cpu_model() -> str:
+    """The CPU's name as the OS reports it (Linux: /proc/cpuinfo), else the platform's processor."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_name() -> str | None:
+    """The first CUDA device's name when torch sees one (without initialising CUDA otherwise)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_name(0))
+
+
+def host_facts() -> dict[str, Any]:
+    """What a results table names as its machine: platform, CPU model, cores, GPU (None: none used)."""
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "gpu": gpu_name(),
+        "argv": sys.argv[:1],
+    }
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def code_hash() -> str:
+    """sha256 over this project's Python sources as they are running (also inside a Flower FAB)."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for pkg in CODE_PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def git_commit(path: Path | None = None) -> str:
+    """$FEDBR_COMMIT where it is set (a copy of the tree whose .git is not its own, as on a lent GPU machine, says
+    which commit it is), else HEAD of the git checkout at ``path`` (+ '-dirty' with local changes), or ''."""
+    if os.environ.get("FEDBR_COMMIT"):
+        return os.environ["FEDBR_COMMIT"]
+    cwd = path or Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def keep_rounds_up_to(path: Path, last_round: int) -> None:
+    """Rewrite a JSON-lines file keeping the records of rounds <= ``last_round`` (and dropping a line a
+    crash cut short)."""
+    if not path.exists():
+        path.write_text("")
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if int(record.get("round", 0)) <= last_round:
+            kept.append(line + "\n")
+    write_text_atomically(path, "".join(kept))
+
+
+class RunRecorder:
+    """Writes the run files and prints progress. Knows nothing of Flower."""
+
+    def __init__(self, cfg: Mapping[str, Any], out_dir: Path, resume_round: int | None = None, elapsed: float = 0.0):
+        """A new run empties the line files; a run resumed after round ``resume_round`` keeps their lines
+        up to that round (later ones were written after its checkpoint) and its clock goes on from
+        ``elapsed`` seconds."""
+        self.cfg = dict(cfg)
+        self.out_dir = out_dir
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = out_dir / "metrics.jsonl"
+        self.rounds_path = out_dir / "rounds.jsonl"
+        self.resume_round = resume_round
+        for p in (self.metrics_path, self.rounds_path):
+            if resume_round is None:
+                p.write_text("")
+            else:
+                keep_rounds_up_to(p, resume_round)
+        self.start = time.time() - elapsed
+        self.title = f"{cfg['strategy']} on {cfg['dataset']}"
+        self.progress = Progress(out_dir, resumed=resume_round is not None)
+        # TensorBoard / W&B get exactly the records the line files get
+        self.tracking = Tracking(cfg, out_dir, resume_round, warn=lambda text: self.progress.emit("warning", text))
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
+
+    def write_manifest(self, **extra: Any) -> None:
+        """A resumed run keeps the manifest of its start and adds an entry under ``resumed``."""
+        if self.resume_round is not None and (self.out_dir / "manifest.json").is_file():
+            manifest = json.loads((self.out_dir / "manifest.json").read_text())
+            manifest.setdefault("resumed", []).append(
+                {
+                    "after_round": self.resume_round,
+                    "config": self.cfg,
+                    "git_commit": self.cfg.get("git-commit") or git_commit() or "unknown",
+                    "code_hash": code_hash(),
+                    "packages": package_versions(),
+                    "host": host_facts(),
+                    "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                }
+            )
+            self._write_json("manifest.json", manifest)
+            return
+        manifest = {
+            "config": self.cfg,
+            "git_commit": self.cfg.get("git-commit") or git_commit() or "unknown",
+            "code_hash": code_hash(),
+            "seed": self.cfg["seed"],
+            "packages": package_versions(),
+            "host": host_facts(),
+            "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            **extra,
+        }
+        self._write_json("manifest.json", manifest)
+
+    def log_round(self, record: dict[str, Any]) -> None:
+        self._append(self.rounds_path, record)
+        self.tracking.log_round(record)
+        shown = {**record.get("train", {}), **record.get("server", {})}
+        extras = "".join(f" | {k} {v:.4f}" for k, v in shown.items())
+        failed = f" | {record['failures']} failed or rejected" if record.get("failures") else ""
+        failed += " | too few updates: model unchanged" if record.get("skipped") else ""
+        self.progress.emit(
+            "round",
+            f"round {record['round']}/{self.cfg['num-rounds']}{extras}{failed} | {record['seconds']:.2f} s/round",
+            round=record["round"],
+        )
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        record = {**record, "wall_time": round(self.elapsed(), 3)}
+        self._append(self.metrics_path, record)
+        self.tracking.log_eval(record)
+        glob = "" if record.get("global_acc") is None else f" | global {100 * record['global_acc']:.2f}%"
+        if len(record.get("global_acc_by_angle") or {}) > 1:
+            glob += f" (worst {record['global_worst_angle']} deg {100 * record['global_worst_acc']:.2f}%)"
+        if record.get("extra_local_acc") is not None:
+            glob += f" | extra local {100 * record['extra_local_acc']:.2f}%"
+        partial = (
+            ""
+            if "clients_expected" not in record or not is_partial(record)
+            else f" | PARTIAL: {record['clients_evaluated']} of {record['clients_expected']} clients, "
+            "not in the summary"
+        )
+        self.progress.emit(
+            "eval",
+            f"eval round {record['round']} | mean acc {100 * record['mean_acc']:.2f}% | worst "
+            f"{100 * record['worst_acc']:.2f}%{glob} | loss {record['loss']:.4f}{partial}",
+            round=record["round"],
+        )
+        self._write_json("summary.json", self.summary())
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(read_jsonl(self.metrics_path), self.cfg["target-acc"], read_jsonl(self.rounds_path))
+
+    def finalize(self) -> dict[str, Any]:
+        history = read_jsonl(self.metrics_path)
+        summary = self.summary()
+        self._write_json("summary.json", summary)
+        (self.out_dir / "summary.md").write_text(summary_table(summary, self.title))
+        if history:
+            plot_history(history, self.out_dir / "convergence.png", self.title)
+        self.tracking.close()
+        problem = run_problem(summary)
+        if problem:
+            self.progress.emit("error", problem)
+        self.progress.emit(SUMMARY_EVENT, f"run files in {self.out_dir}")  # the launcher stops Flower on it
+        log.info("%s", summary_table(summary, self.title))  # for flower.log; fedbr-run prints summary.md itself
+        return summary
+
+    def _append(self, path: Path, record: dict) -> None:
+        with open(path, "a") as f:
+            f.write(jsonsafe.dumps(record) + "\n")
+
+    def _write_json(self, name: str, obj: Any) -> None:
+        write_text_atomically(self.out_dir / name, jsonsafe.dumps(obj, indent=2, default=str) + "\n")

@@ -1,0 +1,230 @@
+"""Experiment tracking: the records a run writes to rounds.jsonl and metrics.jsonl, also sent to
+TensorBoard (``<run>/tensorboard/``) and/or Weights & Biases (``tracking = tensorboard,wandb``), from the
+server only. The step is the round. Each tracker is an optional extra, imported only when asked for; a
+tracker that fails (a full disk, W&B unreachable) costs one warning line and is off for the rest of the
+run, which goes on.
+
+A resumed run continues the same curves: TensorBoard purges the steps after the checkpoint's round (they are
+written again), W&B reopens the run id kept in ``<run>/tracking.json`` and logs only rounds above the last one
+it logged. A sweep labels its runs there too (``label_sweep_run``): W&B groups them by sweep."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+from ..core.errors import ConfigError
+from ..core.settings import names_list
+
+TRACKERS = ("tensorboard", "wandb")
+TENSORBOARD_DIR = "tensorboard"
+TRACKING_FILE = "tracking.json"
+# metrics.jsonl fields that are no curve: the round (the step), the training means (rounds.jsonl's, logged
+# with the round) and the per-client accuracies (a histogram)
+EVAL_NOT_SCALARS = ("round", "train", "per_client_acc")
+HPARAM_METRICS = ("eval/mean_acc", "eval/worst_acc", "eval/global_acc")
+
+
+def requested(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    return names_list(cfg.get("tracking", "none"))
+
+
+def valid_trackers(value: str) -> bool:
+    return set(names_list(value)) <= set(TRACKERS)
+
+
+def check_available(cfg: Mapping[str, Any]) -> None:
+    """ConfigError, before a run starts, naming the extra to install for a tracker whose package is missing."""
+    for name in requested(cfg):
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f'tracking={name} needs the {name} extra: pip install -e ".[{name}]"')
+
+
+def flat_scalars(values: Mapping[str, Any], prefix: str) -> dict[str, float]:
+    """Every number in ``values`` (nested mappings too) by its path under ``prefix``; None, flags and lists
+    are no curve."""
+    out: dict[str, float] = {}
+    for key, value in values.items():
+        name = f"{prefix}/{key}"
+        if isinstance(value, Mapping):
+            out.update(flat_scalars(value, name))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out
+
+
+def round_scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """A rounds.jsonl line's curves: train/<metric> (the clients' means), server/<metric> (the strategy's) and
+    round/<field> (clients, failures, seconds, bytes, memory)."""
+    rest = {k: v for k, v in record.items() if k not in ("round", "train", "server")}
+    return {
+        **flat_scalars(record.get("train", {}), "train"),
+        **flat_scalars(record.get("server", {}), "server"),
+        **flat_scalars(rest, "round"),
+    }
+
+
+def eval_scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """A metrics.jsonl line's curves: eval/mean_acc, worst_acc, pooled_acc, loss, global_acc, ..."""
+    return flat_scalars({k: v for k, v in record.items() if k not in EVAL_NOT_SCALARS}, "eval")
+
+
+def eval_histograms(record: Mapping[str, Any]) -> dict[str, list[float]]:
+    accs = [float(a) for a in record.get("per_client_acc", {}).values() if a is not None and math.isfinite(a)]
+    return {"eval/per_client_acc": accs} if accs else {}
+
+
+def read_state(out_dir: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((Path(out_dir) / TRACKING_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def write_state(out_dir: Path, state: Mapping[str, Any]) -> None:
+    from .jsonsafe import write_text_atomically
+
+    write_text_atomically(Path(out_dir) / TRACKING_FILE, json.dumps(state, indent=2) + "\n")
+
+
+def label_sweep_run(out_dir: Path, group: str, name: str, tags: list[str]) -> None:
+    """Called by fedbr-sweep before a run (its folder may not exist yet): its W&B group (the sweep), name and tags
+    (run, seed)."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_state(out_dir, {**read_state(out_dir), "group": group, "name": name, "tags": tags})
+
+
+class Sink(Protocol):
+    def log(self, step: int, scalars: dict[str, float], histograms: dict[str, list[float]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardSink:
+    """Event files in ``<run>/tensorboard/`` (torch's SummaryWriter); the config as TensorBoard hparams."""
+
+    def __init__(self, cfg: Mapping[str, Any], out_dir: Path, resume_round: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+
+        log_dir = Path(out_dir) / TENSORBOARD_DIR
+        if resume_round is None:
+            shutil.rmtree(log_dir, ignore_errors=True)  # a run started again in its folder: not the old curves
+        # purge_step: the events of rounds after the checkpoint's are hidden; this run writes them again
+        self.writer = SummaryWriter(
+            str(log_dir), purge_step=None if resume_round is None else resume_round + 1, flush_secs=10
+        )
+        file_writer = self.writer._get_file_writer()
+        for summary in hparams(dict(cfg), dict.fromkeys(HPARAM_METRICS, 0.0)):
+            file_writer.add_summary(summary)
+
+    def log(self, step: int, scalars: dict[str, float], histograms: dict[str, list[float]]) -> None:
+        import numpy as np
+
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        for tag, values in histograms.items():
+            self.writer.add_histogram(tag, np.asarray(values), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A W&B run (online, or offline with WANDB_MODE=offline) whose id is kept in ``<run>/tracking.json``."""
+
+    def __init__(self, cfg: Mapping[str, Any], out_dir: Path, resume_round: int | None):
+        import os
+
+        import wandb
+
+        self.out_dir = Path(out_dir)
+        state = read_state(self.out_dir)
+        if resume_round is None or "wandb_id" not in state:
+            state = {**state, "wandb_id": secrets.token_hex(4), "wandb_step": 0}  # a new W&B run
+        self.state = state
+        self.logged_through = int(state.get("wandb_step", 0))  # a resumed run's rounds W&B already has
+        write_state(self.out_dir, state)
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "fedbr-flwr",
+            dir=str(self.out_dir),
+            id=state["wandb_id"],
+            resume="allow",
+            name=state.get("name") or self.out_dir.name,
+            group=state.get("group"),
+            tags=state.get("tags"),
+            config=dict(cfg),
+            reinit="finish_previous",
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True),
+        )
+
+    def log(self, step: int, scalars: dict[str, float], histograms: dict[str, list[float]]) -> None:
+        if step <= self.logged_through:
+            return
+        data: dict[str, Any] = {**scalars, **{tag: self.wandb.Histogram(v) for tag, v in histograms.items()}}
+        self.run.log(data, step=step)
+        if step > self.state["wandb_step"]:
+            self.state["wandb_step"] = step
+            write_state(self.out_dir, self.state)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+OPENERS: dict[str, Callable[[Mapping[str, Any], Path, int | None], Sink]] = {
+    "tensorboard": TensorBoardSink,
+    "wandb": WandbSink,
+}
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class Tracking:
+    """The run's trackers. Never raises: a tracker that fails is reported through ``warn`` once and dropped."""
+
+    def __init__(
+        self, cfg: Mapping[str, Any], out_dir: Path, resume_round: int | None, warn: Callable[[str], None]
+    ) -> None:
+        self.warn = warn
+        self.sinks: dict[str, Sink] = {}
+        for name in requested(cfg):
+            try:
+                self.sinks[name] = OPENERS[name](cfg, Path(out_dir), resume_round)
+            except Exception as exc:  # noqa: BLE001  (tracking must never fail the run)
+                self._failed(name, exc)
+
+    def log_round(self, record: Mapping[str, Any]) -> None:
+        if self.sinks:
+            step, scalars = int(record["round"]), round_scalars(record)
+            self._each(lambda sink: sink.log(step, scalars, {}))
+
+    def log_eval(self, record: Mapping[str, Any]) -> None:
+        if self.sinks:
+            step, scalars, histograms = int(record["round"]), eval_scalars(record), eval_histograms(record)
+            self._each(lambda sink: sink.log(step, scalars, histograms))
+
+    def close(self) -> None:
+        self._each(lambda sink: sink.close())
+        self.sinks.clear()
+
+    def _each(self, call: Callable[[Sink], None]) -> None:
+        for name, sink in list(self.sinks.items()):
+            try:
+                call(sink)
+            except Exception as exc:  # noqa: BLE001
+                del self.sinks[name]
+                self._failed(name, exc)
+
+    def _failed(self, name: str, exc: BaseException) -> None:
+        self.warn(f"tracking: {name} failed ({one_line(exc)}); the run goes on without it")
