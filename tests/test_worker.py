@@ -8,7 +8,8 @@ import pytest
 from flwr.common import Context, RecordDict
 
 from fedbr_flwr.app import payload
-from fedbr_flwr.launch.worker import RUNS_KEPT, Worker, WorkerClient
+from fedbr_flwr.app.client_app import WorkerClient
+from fedbr_flwr.launch.worker import RUNS_KEPT, Worker
 from fedbr_flwr.runfiles.run_io import code_hash
 
 RUN_CONFIG = {"strategy": "scaffold", "num-clients": 2, "local-steps": 2, "batch-size": 8}

@@ -18,13 +18,11 @@ import secrets
 import signal
 import sys
 import traceback
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
-from flwr.client import NumPyClient
-from flwr.common import Context
-
+from ..app.client_app import key_path
 from ..core.errors import describe
 from ..runfiles.run_io import code_hash
 
@@ -32,69 +30,11 @@ log = logging.getLogger("fedbr-worker")
 RUNS_KEPT = 2  # client objects (with their device memory) are kept for this many most recent runs
 
 
-def key_path(address: str) -> Path:
-    return Path(address + ".key")
-
-
 def write_private(path: Path, data: bytes) -> None:
     """A file only its owner may read, made so before the secret is written into it."""
     path.touch(mode=0o600, exist_ok=True)
     path.chmod(0o600)
     path.write_bytes(data)
-
-
-def read_key(address: str) -> bytes:
-    return key_path(address).read_bytes()
-
-
-class WorkerClient(NumPyClient):
-    """Runs in Flower's per-message ClientApp process: forwards each call to the node's worker."""
-
-    def __init__(self, address: str, context: Context):
-        self.address = address
-        self.context = context
-
-    def call(self, method: str, *args: Any) -> Any:
-        try:
-            conn = Client(self.address, family="AF_UNIX", authkey=read_key(self.address))
-        except (OSError, EOFError) as exc:
-            raise RuntimeError(
-                f"no fedbr worker answers at {self.address} ({exc}): start it with "
-                f"`fedbr-worker --address {self.address}` (fedbr-deploy supernode does)"
-            ) from None
-        with conn:
-            conn.send(
-                {
-                    "code": code_hash(),
-                    "run_id": self.context.run_id,
-                    "run_config": dict(self.context.run_config),
-                    "node_config": dict(self.context.node_config),
-                    "state": self.context.state,
-                    "method": method,
-                    "args": args,
-                }
-            )
-            try:
-                status, result, state = conn.recv()
-            except EOFError:
-                raise RuntimeError(f"the fedbr worker at {self.address} died during '{method}'") from None
-        if status != "ok":
-            raise RuntimeError(f"fedbr worker {self.address}: {result}")
-        self.context.state.clear()  # the same object: Flower keeps it for the node's next message
-        self.context.state.update(state)
-        return result
-
-    def get_properties(self, config):
-        return self.call("get_properties", config)
-
-    def get_parameters(self, config):
-        return self.call("get_parameters", config)
-
-    def fit(self, parameters, config):
-        return self.call("fit", parameters, config)
-
-    def evaluate(self, parameters, config):
-        return self.call("evaluate", parameters, config)
 
 
 class Worker:
