@@ -18,6 +18,7 @@ from fedbr_flwr.app import payload
 from fedbr_flwr.commands import cli
 from fedbr_flwr.commands.report import Setting
 from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.runfiles import run_io
 from fedbr_flwr.runfiles.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from fedbr_flwr.runfiles.metrics import plot_history, read_jsonl, summarize, summary_table
 from fedbr_flwr.runfiles.run_io import RunRecorder, keep_rounds_up_to
@@ -151,7 +152,7 @@ def test_a_run_whose_every_update_was_rejected_says_so_and_is_no_result(tmp_path
     assert summary["rounds_without_update"] == [1, 2] and summary["rounds_trained"] == 0
     md = (tmp_path / "summary.md").read_text()
     assert "no round trained" in md and "rounds without update" in md
-    problem = cli.finished_run_problem(tmp_path)
+    problem = run_io.finished_run_problem(tmp_path)
     assert problem is not None and "no round trained" in problem and "\n" not in problem
 
 
@@ -163,7 +164,7 @@ def test_a_run_with_some_rounds_without_update_names_them_and_is_a_result(tmp_pa
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rounds_without_update"] == [2] and summary["rounds_trained"] == 2
     assert "rounds without update (model unchanged) | 1: round 2" in (tmp_path / "summary.md").read_text()
-    assert cli.finished_run_problem(tmp_path) is None
+    assert run_io.finished_run_problem(tmp_path) is None
 
 
 def run_that_trained_nothing(cfg, nodes, out, echo, superlink=False, host=None, watch=None):

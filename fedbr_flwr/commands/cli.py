@@ -37,6 +37,7 @@ from ..launch.timelimit import (
     stopped_line,
 )
 from ..runfiles.checkpoint import checkpoint_round
+from ..runfiles.run_io import finished_run_problem
 
 PYPROJECT_MARK = "# Generated from the schema by `fedbr-run --write-pyproject` (a test keeps it equal):\n"
 
@@ -257,20 +258,6 @@ def print_result(out: Path, command: str, files: str = "") -> int:
         print(f"{command}: error: {problem}", file=sys.stderr)
         return 1
     return 0
-
-
-def finished_run_problem(out: Path) -> str | None:
-    """Why a run that ran to its end gave no result (fedbr-run exits 1), from its summary.json: no round
-    changed the global model. None when it is a result (or there is no summary to judge by)."""
-    import json
-
-    from ..runfiles.metrics import run_problem
-
-    try:
-        summary = json.loads((Path(out) / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return run_problem(summary) if isinstance(summary, dict) else None
 
 
 if __name__ == "__main__":

@@ -64,8 +64,7 @@ from ..launch.timelimit import (
     stopped_line,
 )
 from ..runfiles import runlock, tracking
-from ..runfiles.run_io import check_path_length
-from .cli import finished_run_problem
+from ..runfiles.run_io import check_path_length, finished_run_problem
 from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 
 # may differ between machines or sessions (a time-limited session checkpoints every round) with the same results

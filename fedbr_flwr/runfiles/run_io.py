@@ -292,3 +292,13 @@ class RunRecorder:
 
     def _write_json(self, name: str, obj: Any) -> None:
         write_text_atomically(self.out_dir / name, jsonsafe.dumps(obj, indent=2, default=str) + "\n")
+
+
+def finished_run_problem(out: Path) -> str | None:
+    """Why a run that ran to its end gave no result (fedbr-run exits 1), from its summary.json: no round
+    changed the global model. None when it is a result (or there is no summary to judge by)."""
+    try:
+        summary = json.loads((Path(out) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return run_problem(summary) if isinstance(summary, dict) else None
