@@ -105,6 +105,26 @@ def test_serve_runs_each_request_with_its_output_in_its_log_then_stops_after_a_f
     assert "output of run 2" in log2.read_text() and "RuntimeError: the ServerApp broke" in log2.read_text()
 
 
+def test_serve_starts_ray_in_its_own_thread_for_a_run_whose_config_asks_for_ray_and_not_otherwise(
+    tmp_path, monkeypatch, own_stdout_stderr
+):
+    """Where a run's clients run is its run config's ``backend`` (decided once by the run plan); the request
+    does not carry it a second time."""
+    serve_runs_with(monkeypatch, lambda *args: None)
+    started = []
+    monkeypatch.setattr(simulation, "start_ray", lambda: started.append(threading.current_thread().name))
+    monkeypatch.setattr(simulation, "ray_likely", lambda: False)  # nothing started ahead of the requests
+    own_stdout_stderr()
+    requests = [request(tmp_path, i) for i in (1, 2)]
+    Path(requests[0].run_config).write_text('backend = "in-process"\n')
+    Path(requests[1].run_config).write_text('backend = "ray"\n')
+    assert "backend" not in requests[0].line()
+    serve_in_process = simulation.serve(io.StringIO(requests[0].line()), io.StringIO())
+    assert serve_in_process == 0 and started == []
+    serve_on_ray = simulation.serve(io.StringIO(requests[1].line()), io.StringIO())
+    assert serve_on_ray == 0 and started == [threading.current_thread().name]
+
+
 def test_serve_hands_no_run_to_a_process_still_running_a_client_of_the_run_before(
     tmp_path, monkeypatch, own_stdout_stderr
 ):

@@ -305,7 +305,6 @@ class RunHost:
                 log=str(out_dir / "flower.log"),
                 append=bool(cfg.get("resume")),
                 cwd=str(out_dir),
-                backend=cfg.get("backend", "ray"),
             )
             started, result = self._run_once(request, out_dir, echo, watch)
             if started:

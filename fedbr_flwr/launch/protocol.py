@@ -14,7 +14,7 @@ T = TypeVar("T")
 class RunRequest:
     """One run for the simulation process: its run-config file, Flower's run id, the simulated SuperNodes and
     each one's resources, the file its output goes to (``append``: a resumed run's), the folder it runs in
-    (the run folder) and where its clients run (``backend``)."""
+    (the run folder). Where its clients run is the run config's ``backend``, decided once by the run plan."""
 
     run_config: str
     run_id: int
@@ -24,7 +24,6 @@ class RunRequest:
     log: str
     append: bool
     cwd: str
-    backend: str = "ray"
 
     def line(self) -> str:
         return as_line(self)

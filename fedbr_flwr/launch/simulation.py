@@ -97,6 +97,14 @@ def run_config_from(path: Path) -> dict[str, Any]:
     return parse_config_args([str(path)])
 
 
+def run_config_of(request: RunRequest) -> dict[str, Any]:
+    """The requested run's config; an unreadable one is {} here (its run then fails saying why)."""
+    try:
+        return run_config_from(Path(request.run_config))
+    except Exception:  # noqa: BLE001 - the run reads it again and reports the error
+        return {}
+
+
 def in_process(run_config: dict[str, Any]) -> bool:
     """Whether the run's clients run in this process (``backend = in-process``; fedbr-run resolves ``auto``)."""
     return run_config.get("backend") == "in-process"
@@ -167,7 +175,7 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
         if leftover:
             answer(replies, RunReply(request.run_id, retired=leftover))
             break
-        if request.backend == "ray":
+        if not in_process(run_config_of(request)):
             start_ray()  # in the main thread: the processes Ray starts end with the thread that started them
         runs.append((threading.Thread(target=run_requested, args=(request, replies, failed)), Path(request.cwd)))
         runs[-1][0].start()
