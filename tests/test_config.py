@@ -8,7 +8,10 @@ import pytest
 import tomllib
 
 from fedbr_flwr.core.config import (
+    COMMON,
+    CommonSettings,
     ConfigError,
+    common,
     defaults,
     from_run_config,
     load_yaml,
@@ -283,3 +286,19 @@ def test_the_training_split_sizes_are_the_loaded_ones(dataset):
 
     train, _ = load_raw(dataset)
     assert len(train.y) == INFO[dataset].train_size
+
+
+def test_common_reads_every_common_key_typed_and_refuses_a_config_without_one():
+    cfg = validate({"num-clients": 7, "lr": "0.01", "tracking": "tensorboard", "fraction-fit": 1})
+    run = common(cfg)
+    assert (run.num_clients, run.lr, run.tracking, run.fraction_fit) == (7, 0.01, ("tensorboard",), 1.0)
+    assert {key: getattr(run, key.replace("-", "_")) for key in COMMON if key != "tracking"} == {
+        key: value for key, value in cfg.items() if key in COMMON and key != "tracking"
+    }
+    with pytest.raises(KeyError, match="num-clients"):
+        common({key: value for key, value in cfg.items() if key != "num-clients"})
+
+
+def test_a_common_key_is_its_fields_name_in_kebab_case():
+    assert [key for _, key, _ in CommonSettings.declared()] == list(COMMON)
+    assert all(key == attribute.replace("_", "-") for attribute, key, _ in CommonSettings.declared())

@@ -1,7 +1,8 @@
 """Run configuration: one schema, validated the same way by the CLI and the Flower apps.
 
-The schema is the common keys below plus the keys each algorithm and component declares next to its
-code (``fedbr_flwr.core.settings``), collected by the registry. Keys are kebab-case, as in Flower's
+The schema is the common keys below (``CommonSettings``; ``common(cfg)`` reads them typed) plus the keys
+each algorithm and component declares next to its code (``fedbr_flwr.core.settings``), collected by the
+registry. Keys are kebab-case, as in Flower's
 ``[tool.flwr.app.config]``; YAML experiment files may use ``snake_case`` too. ``pyproject.toml``
 repeats every key with its default (Flower rejects run-config keys it does not know):
 ``fedbr-run --write-pyproject`` rewrites that table from the schema, and a test keeps them equal.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -31,9 +33,11 @@ from .settings import (
     Check,
     DeclaredChoices,
     Key,
+    Settings,
+    setting,
 )
 
-__all__ = ["COMMON", "ConfigError", "Key", "defaults", "schema", "validate"]
+__all__ = ["COMMON", "CommonSettings", "ConfigError", "Key", "common", "defaults", "schema", "validate"]
 
 HALF_FRACTION = Check(lambda v: 0 <= v < 0.5, "in [0, 0.5)")
 
@@ -44,137 +48,156 @@ def model_names() -> tuple[str, ...]:
     return ("auto", *MODELS)
 
 
-COMMON: dict[str, Key] = {
+def common_key(default: Any, help: str, **options: Any) -> Any:
+    """A field of ``CommonSettings``: its run-config key is the field's name in kebab-case."""
+    return setting("", default, help, **options)
+
+
+@dataclass(frozen=True)
+class CommonSettings(Settings):
+    """Every run's keys, typed: ``common(cfg).num_clients`` reads a validated config's ``num-clients``. The
+    schema's common part (``COMMON``) is made from these fields, so the two cannot drift."""
+
     # what runs
-    "strategy": Key("fedavg", "algorithm name (see `fedbr-run --list`)"),
-    "seed": Key(0, "seed for partition, sampling, init and batches", check=NON_NEGATIVE),
-    "num-rounds": Key(20, "communication rounds", check=POSITIVE),
-    "output-dir": Key("", "where the run files go; empty: runs/<strategy>-<dataset>-<time> under the server's cwd"),
-    "git-commit": Key("", "code version recorded in the manifest (the CLI fills it in)"),
+    strategy: str = common_key("fedavg", "algorithm name (see `fedbr-run --list`)")
+    seed: int = common_key(0, "seed for partition, sampling, init and batches", check=NON_NEGATIVE)
+    num_rounds: int = common_key(20, "communication rounds", check=POSITIVE)
+    output_dir: str = common_key(
+        "", "where the run files go; empty: runs/<strategy>-<dataset>-<time> under the server's cwd"
+    )
+    git_commit: str = common_key("", "code version recorded in the manifest (the CLI fills it in)")
     # data
-    "dataset": Key(
+    dataset: str = common_key(
         "mnist5k",
         "dataset; synthetic: random CIFAR-size images and labels, for benchmarks",
         choices=tuple(INFO),
-    ),
-    "data-dir": Key(
+    )
+    data_dir: str = common_key(
         "",
         "folder holding torchvision's MNIST/ or CIFAR files (not read for mnist5k); empty: "
         "$FEDBR_DATA_DIR, else ${XDG_CACHE_HOME:-~/.cache}/fedbr-flwr/datasets",
         placement=True,
-    ),
-    "download": Key(
+    )
+    download: str = common_key(
         "auto",
         "a missing MNIST/CIFAR dataset: download it into the data folder (auto), or stop with a message (never)",
         choices=("auto", "never"),
         placement=True,
-    ),
-    "num-clients": Key(
+    )
+    num_clients: int = common_key(
         0,
         "number of clients; 0 = one per SuperNode (Flower's simulation default is 2, fedbr-run then starts 10)",
         check=NON_NEGATIVE,
-    ),
-    "partition": Key("fedbr", "label split", choices=("fedbr", "dirichlet", "iid", "classes")),
-    "alpha": Key(0.1, "Dirichlet concentration of the fedbr/dirichlet splits", check=POSITIVE),
-    "classes-per-client": Key(2, "classes per client of the 'classes' (pFedHN) split", check=POSITIVE),
-    "rotate": Key(True, "domain shift: RotatedMNIST (client i at 15*i deg) / RotatedCIFAR10 angle prior"),
-    "test-fraction": Key(0.2, "share of each client's data held out as its local test set", check=OPEN_FRACTION),
+    )
+    partition: str = common_key("fedbr", "label split", choices=("fedbr", "dirichlet", "iid", "classes"))
+    alpha: float = common_key(0.1, "Dirichlet concentration of the fedbr/dirichlet splits", check=POSITIVE)
+    classes_per_client: int = common_key(2, "classes per client of the 'classes' (pFedHN) split", check=POSITIVE)
+    rotate: bool = common_key(True, "domain shift: RotatedMNIST (client i at 15*i deg) / RotatedCIFAR10 angle prior")
+    test_fraction: float = common_key(
+        0.2, "share of each client's data held out as its local test set", check=OPEN_FRACTION
+    )
     # model and local training
-    "model": Key("auto", "backbone (fedbr_flwr/core/model.py: MODELS)", choices=DeclaredChoices(model_names)),
-    "local-steps": Key(10, "local SGD steps per round (batches drawn with replacement)", check=POSITIVE),
-    "batch-size": Key(32, "local batch size", check=POSITIVE),
-    "lr": Key(0.05, "client SGD learning rate", check=POSITIVE),
-    "momentum": Key(0.0, "client SGD momentum", check=BELOW_ONE),
-    "weight-decay": Key(0.0, "client SGD weight decay", check=NON_NEGATIVE),
-    "clip-grad-norm": Key(
+    model: str = common_key("auto", "backbone (fedbr_flwr/core/model.py: MODELS)", choices=DeclaredChoices(model_names))
+    local_steps: int = common_key(10, "local SGD steps per round (batches drawn with replacement)", check=POSITIVE)
+    batch_size: int = common_key(32, "local batch size", check=POSITIVE)
+    lr: float = common_key(0.05, "client SGD learning rate", check=POSITIVE)
+    momentum: float = common_key(0.0, "client SGD momentum", check=BELOW_ONE)
+    weight_decay: float = common_key(0.0, "client SGD weight decay", check=NON_NEGATIVE)
+    clip_grad_norm: float = common_key(
         0.0,
         "clip each local SGD step's gradient to this L2 norm, per client, over the parameters the step "
         "trains, after the algorithm's corrections (the FedDyn authors' code clips at 10); 0: no clipping",
         check=NON_NEGATIVE,
-    ),
-    "device": Key("auto", "client training device; auto = cuda when available", choices=("auto", "cpu", "cuda")),
-    "precision": Key(
+    )
+    device: str = common_key(
+        "auto", "client training device; auto = cuda when available", choices=("auto", "cpu", "cuda")
+    )
+    precision: str = common_key(
         "fp32",
         "local steps in fp32, or in bf16 (weights and optimiser stay fp32): per client and "
         "with cohort-step=loop under autocast (a region per step, no weight cache); with cohort-step=vmap/graph "
         "every module cast to bf16 (norm layers and softmax too); both land about 3-4% of an "
         "update from fp32, and from each other (docs/implementation-choices.md)",
         choices=("fp32", "bf16"),
-    ),
-    "compile": Key(
-        False, "torch.compile the backbone's feature extractor on the clients (the first round pays the compilation)"
-    ),
-    "tf32": Key(
+    )
+    compile: bool = common_key(
+        False,
+        "torch.compile the backbone's feature extractor on the clients (the first round pays the compilation)",
+    )
+    tf32: bool = setting(
+        "tf32",
         True,
         "on CUDA, fp32 matrix products and convolutions on TF32 tensor cores (what the authors' PyTorch 1.7 "
         "did on Ampere by default); false: strict fp32. No effect on a CPU",
-    ),
-    "cudnn-autotune": Key(
+    )
+    cudnn_autotune: bool = common_key(
         True,
         "on CUDA, cuDNN times its convolution algorithms once per shape and keeps the fastest "
         "(torch.backends.cudnn.benchmark). No effect on a CPU",
-    ),
+    )
     # server
-    "fraction-fit": Key(1.0, "share of clients sampled per round", check=FRACTION),
-    "weighting": Key("uniform", "averaging weights", choices=("uniform", "samples")),
-    "aggregation": Key(
+    fraction_fit: float = common_key(1.0, "share of clients sampled per round", check=FRACTION)
+    weighting: str = common_key("uniform", "averaging weights", choices=("uniform", "samples"))
+    aggregation: str = common_key(
         "mean",
         "how the server combines the clients' arrays (every array of every strategy): mean, coordinate-wise "
         "median or trimmed-mean, krum / multi-krum (Krum's pick, or the mean of the n - f best-scored updates), "
         "norm-bound (each update clipped to a norm, then averaged); docs/robust-aggregation.md",
         choices=RULES,
-    ),
-    "trim-fraction": Key(
-        0.1, "aggregation=trimmed-mean: share of values cut at each end of each coordinate", check=HALF_FRACTION
-    ),
-    "byzantine-clients": Key(
+    )
+    trim_fraction: float = common_key(
+        0.1,
+        "aggregation=trimmed-mean: share of values cut at each end of each coordinate",
+        check=HALF_FRACTION,
+    )
+    byzantine_clients: int = common_key(
         1,
         "aggregation=krum / multi-krum: attackers assumed among a round's updates (f; needs n > 2f + 2)",
         check=NON_NEGATIVE,
-    ),
-    "norm-bound": Key(
+    )
+    norm_bound: float = common_key(
         0.0,
         "aggregation=norm-bound: the largest norm of a client's update (0: norm-bound-multiple x the round's median)",
         check=NON_NEGATIVE,
-    ),
-    "norm-bound-multiple": Key(
+    )
+    norm_bound_multiple: float = common_key(
         1.0,
         "aggregation=norm-bound with norm-bound = 0: the bound as a multiple of the median update norm",
         check=POSITIVE,
-    ),
-    "eval-every": Key(2, "evaluate the global model every E rounds (and at the last)", check=POSITIVE),
-    "global-test": Key(
+    )
+    eval_every: int = common_key(2, "evaluate the global model every E rounds (and at the last)", check=POSITIVE)
+    global_test: bool = common_key(
         True,
         "also evaluate the global model on the balanced global test (server side): the dataset's test split "
         "once per angle 0, 15, ..., 135 under rotation (the 0 degree copy unrotated), else once",
-    ),
-    "extra-local-tests": Key(
+    )
+    extra_local_tests: bool = common_key(
         False,
         "RotatedMNIST (mnist, mnist5k): also evaluate the global model on the reference code's 10 extra local "
         "test sets (server side): the test split dealt into 10 sets by fresh Dirichlet(alpha) label draws, set k "
         "rotated 15*k degrees",
-    ),
-    "server-test-every": Key(
+    )
+    server_test_every: int = common_key(
         0,
         "run the server-side tests (global-test, extra-local-tests) every N rounds, a multiple of eval-every, "
         "and at the last; 0: at every evaluation",
         check=NON_NEGATIVE,
-    ),
-    "target-acc": Key(0.5, "threshold for 'rounds to reach' in the summary", check=FRACTION),
-    "engine": Key(
+    )
+    target_acc: float = common_key(0.5, "threshold for 'rounds to reach' in the summary", check=FRACTION)
+    engine: str = common_key(
         "clients",
         "simulation engine: one Flower node per client (clients), or per cohort of clients "
         "that one process trains (cohort; simulation only)",
         choices=("clients", "cohort"),
         placement=True,
-    ),
-    "cohorts": Key(
+    )
+    cohorts: int = common_key(
         0,
         "engine=cohort: the number of cohorts (Flower nodes); 0 = one per GPU, or on a CPU one per client-cpus cores",
         check=NON_NEGATIVE,
         placement=True,
-    ),
-    "cohort-step": Key(
+    )
+    cohort_step: str = common_key(
         "auto",
         "engine=cohort: how a cohort steps its clients: loop (one after another), vmap (all "
         "at once, torch.func.vmap over the clients), graph (vmap, each round's step captured "
@@ -182,13 +205,17 @@ COMMON: dict[str, Key] = {
         "algorithm's graph step is checked on a GPU, else vmap where it has a vectorised step; else loop)",
         choices=("auto", "loop", "vmap", "graph"),
         placement=True,
-    ),
+    )
     # simulation resources (used by the CLI; recorded in the manifest)
-    "client-cpus": Key(1, "CPU cores per simulated client (also its torch threads)", check=POSITIVE, placement=True),
-    "client-gpus": Key(
-        0.0, "GPU share per simulated client; the CLI picks one when CUDA is present", check=UNIT_INTERVAL
-    ),
-    "backend": Key(
+    client_cpus: int = common_key(
+        1, "CPU cores per simulated client (also its torch threads)", check=POSITIVE, placement=True
+    )
+    client_gpus: float = common_key(
+        0.0,
+        "GPU share per simulated client; the CLI picks one when CUDA is present",
+        check=UNIT_INTERVAL,
+    )
+    backend: str = common_key(
         "auto",
         "simulation: where the clients run: in-process (threads of the simulation process: no Ray or client processes "
         "to start; fedbr-run and fedbr-sweep on this machine's CPUs), ray (Flower's Ray backend: "
@@ -196,54 +223,68 @@ COMMON: dict[str, Key] = {
         "without a Ray cluster, else ray)",
         choices=("auto", "in-process", "ray"),
         placement=True,
-    ),
-    "ray-address": Key(
+    )
+    ray_address: str = common_key(
         "",
         "simulation: the running Ray cluster to join (host:port of its head, or auto for the one `ray start` "
         "left on this machine); empty: the RAY_ADDRESS environment variable if set, else a private Ray runtime "
         "(local forces that)",
-    ),
+    )
     # faults and checkpoints
-    "min-fit-clients": Key(
+    min_fit_clients: int = common_key(
         1,
         "fewest valid client updates that may change the global model; a round with fewer "
         "keeps it unchanged (recorded in rounds.jsonl)",
         check=POSITIVE,
-    ),
-    "round-timeout": Key(
+    )
+    round_timeout: float = common_key(
         0.0,
         "seconds the server waits for a round's answers; clients still busy then count as "
         "failed (0: wait for every client)",
         check=NON_NEGATIVE,
-    ),
-    "checkpoint-every": Key(
+    )
+    checkpoint_every: int = common_key(
         5,
         "save the server's whole state to checkpoint.npz every N rounds and at the last (0: never)",
         check=NON_NEGATIVE,
-    ),
+    )
     # simulated attacks (experiments): docs/robust-aggregation.md
-    "attack": Key(
+    attack: str = common_key(
         "none",
         "what the attacking clients send after local training: sign-flip (g - factor x update), scale "
         "(g + factor x update), noise (g + sigma x its own normal draw), label-flip (trains on labels C-1-y), "
         "collude (g + sigma x one normal draw all attackers share)",
         choices=ATTACKS,
-    ),
-    "attack-clients": Key(0, "how many clients attack, drawn from the run seed", check=NON_NEGATIVE),
-    "attack-ids": Key("", "which clients attack, as partition ids (e.g. 0,4,7); instead of attack-clients"),
-    "attack-factor": Key(10.0, "attack=sign-flip / scale: the factor on the attacker's update", check=POSITIVE),
-    "attack-noise": Key(1.0, "attack=noise / collude: sigma of the noise sent as the update", check=POSITIVE),
-    "resume": Key(False, "continue the run in output-dir from its checkpoint (`fedbr-run --resume DIR` sets it)"),
+    )
+    attack_clients: int = common_key(0, "how many clients attack, drawn from the run seed", check=NON_NEGATIVE)
+    attack_ids: str = common_key("", "which clients attack, as partition ids (e.g. 0,4,7); instead of attack-clients")
+    attack_factor: float = common_key(
+        10.0, "attack=sign-flip / scale: the factor on the attacker's update", check=POSITIVE
+    )
+    attack_noise: float = common_key(
+        1.0, "attack=noise / collude: sigma of the noise sent as the update", check=POSITIVE
+    )
+    resume: bool = common_key(
+        False, "continue the run in output-dir from its checkpoint (`fedbr-run --resume DIR` sets it)"
+    )
     # experiment tracking (server side; docs/running.md)
-    "tracking": Key(
+    tracking: tuple[str, ...] = common_key(
         "none",
         "also log each round's metrics, evaluations and the config to tensorboard (the run folder's tensorboard/) "
         "and/or wandb (respects WANDB_MODE=offline), comma-separated; each needs its extra "
         '(pip install -e ".[tensorboard]", ".[wandb]"; docs/running.md)',
         check=Check(valid_trackers, "none or a comma-separated list of: tensorboard, wandb"),
         names=True,
-    ),
-}
+    )
+
+
+COMMON: dict[str, Key] = CommonSettings.keys(owner=None)
+
+
+def common(cfg: Mapping[str, Any]) -> CommonSettings:
+    """The typed view of a validated config's common keys (``names`` keys as tuples)."""
+    return CommonSettings.from_config(cfg)
+
 
 # where a run's data and clients are, not what it computes (``Key.placement``): a resumed run, or a sweep's
 # finished run, may differ in them

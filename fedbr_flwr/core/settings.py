@@ -1,7 +1,7 @@
-"""Typed, documented settings. Every run has the common keys (``config.COMMON``); each algorithm and
-each combinable component declares its own next to its code, as a frozen ``Settings`` dataclass whose
-fields are made with ``setting(key, default, help, ...)``. The run schema is the common keys plus what
-the registry collects from these declarations (``config.schema()``).
+"""Typed, documented settings. Every run has the common keys (``config.CommonSettings``, read typed with
+``config.common(cfg)``); each algorithm and each combinable component declares its own next to its code, as
+a frozen ``Settings`` dataclass whose fields are made with ``setting(key, default, help, ...)``. The run
+schema is the common keys plus what the registry collects from these declarations (``config.schema()``).
 
 A key is kebab-case (the run-config key Flower passes, e.g. ``fedbr-lambda``); its default's type is
 the key's type (bool, int, float or str); ``choices`` or a ``Check`` restrict its values; a ``names``
@@ -67,10 +67,18 @@ _KEY = "fedbr-setting"
 
 
 def setting(
-    key: str, default: Any, help: str, *, choices: tuple | None = None, check: Check | None = None, names: bool = False
+    key: str,
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | None = None,
+    check: Check | None = None,
+    names: bool = False,
+    placement: bool = False,
 ) -> Any:
-    """A field of a ``Settings`` dataclass, read from run-config key ``key``."""
-    return field(default=default, metadata={_KEY: (key, Key(default, help, choices, check, names=names))})
+    """A field of a ``Settings`` dataclass, read from run-config key ``key`` ("": the field's name in kebab-case)."""
+    spec = Key(default, help, choices, check, names=names, placement=placement)
+    return field(default=default, metadata={_KEY: (key, spec)})
 
 
 @dataclass(frozen=True)
@@ -80,11 +88,11 @@ class Settings:
 
     @classmethod
     def declared(cls) -> list[tuple[str, str, Key]]:
-        """(attribute, key, Key) of every field, in declaration order."""
-        return [(f.name, *f.metadata[_KEY]) for f in fields(cls)]
+        """(attribute, key, Key) of every field, in declaration order (read once per class)."""
+        return _declared(cls)
 
     @classmethod
-    def keys(cls, owner: str) -> dict[str, Key]:
+    def keys(cls, owner: str | None) -> dict[str, Key]:
         return {key: replace(spec, owner=owner) for _, key, spec in cls.declared()}
 
     @classmethod
@@ -95,6 +103,20 @@ class Settings:
     @classmethod
     def check(cls, cfg: Mapping[str, Any]) -> None:
         """Checks that involve several keys (also common ones); raise ConfigError with the fix."""
+
+
+_DECLARED: dict[type, list[tuple[str, str, Key]]] = {}
+
+
+def key_and_spec(attribute: str, key: str, spec: Key) -> tuple[str, Key]:
+    """A field's run-config key: the one it names, else its attribute's name in kebab-case."""
+    return key or attribute.replace("_", "-"), spec
+
+
+def _declared(cls: type[Settings]) -> list[tuple[str, str, Key]]:
+    if cls not in _DECLARED:
+        _DECLARED[cls] = [(f.name, *key_and_spec(f.name, *f.metadata[_KEY])) for f in fields(cls)]
+    return _DECLARED[cls]
 
 
 @dataclass(frozen=True)
