@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, Params, Phase, call
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.errors import ConfigError
 from fedbr_flwr.core.model import SplitModel
 from fedbr_flwr.core.registry import register_client
@@ -128,9 +129,10 @@ class DANNClient(ClientAlgorithm):
 
     @classmethod
     def extra_modules(cls, model, cfg):
-        if not cfg["num-clients"]:
+        run = common(cfg)
+        if not run.num_clients:
             raise ConfigError("DANN's discriminator has one output per client: set num-clients")
-        return {"discriminator": build_discriminator(model.feature_dim, cfg["dann-hidden"], cfg["num-clients"])}
+        return {"discriminator": build_discriminator(model.feature_dim, cfg["dann-hidden"], run.num_clients)}
 
     def make_step(self, server_round: int, config: dict) -> DANNStep:
         discriminator = self.modules["discriminator"].train()

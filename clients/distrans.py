@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from fedbr_flwr.core import seeds
 from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.model import SplitModel
 from fedbr_flwr.core.registry import register_client
 from fedbr_flwr.core.settings import FRACTION, OPEN_FRACTION, POSITIVE, Settings, setting
@@ -180,7 +181,7 @@ class DisTransClient(ClientAlgorithm):
 
     @classmethod
     def returned_shapes(cls, model, cfg):
-        return {OFFSET: offset_shape(INFO[cfg["dataset"]])}
+        return {OFFSET: offset_shape(INFO[common(cfg).dataset])}
 
     @classmethod
     def with_offset(cls, model: DoubleInputModel, t: torch.Tensor) -> nn.Module:
@@ -189,7 +190,7 @@ class DisTransClient(ClientAlgorithm):
 
     def __init__(self, cfg, data, device, state=None):
         super().__init__(cfg, data, device, state)
-        self.info = INFO[cfg["dataset"]]
+        self.info = INFO[common(cfg).dataset]
         self.offset = Offset(offset_shape(self.info)).to(self.device)
         self.fresh_offset = False
         self.start_offset: np.ndarray | None = None
@@ -210,7 +211,7 @@ class DisTransClient(ClientAlgorithm):
         if stored is not None:
             return stored["t"]
         self.fresh_offset = True
-        return initial_offset(self.info, seeds.seed("distrans-offset", self.cfg["seed"], self.pid))
+        return initial_offset(self.info, seeds.seed("distrans-offset", common(self.cfg).seed, self.pid))
 
     def store_offset(self) -> np.ndarray:
         t = self.offset.t.detach().cpu().numpy().copy()  # no view of t

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from fedbr_flwr.core import seeds
 from fedbr_flwr.core.algorithm import Batch, ClientAlgorithm, FunctionalStep, Phase, StepView, call
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.errors import ConfigError
 from fedbr_flwr.core.losses import soft_cross_entropy
 from fedbr_flwr.core.model import SplitModel
@@ -114,6 +115,7 @@ class FedBRSettings(Settings):
 
     @classmethod
     def check(cls, cfg):
+        run = common(cfg)
         if not cfg["fedbr-balance"] and not cfg["fedbr-contrastive"]:
             raise ConfigError(
                 "fedbr-balance and fedbr-contrastive are both false: that is FedAvg "
@@ -121,9 +123,9 @@ class FedBRSettings(Settings):
             )
         if not cfg["fedbr-contrastive"] and not cfg["fedbr-max-step"]:
             raise ConfigError("fedbr-max-step = false only applies with fedbr-contrastive = true")
-        if cfg["fedbr-contrastive"] and cfg["pseudo-size"] not in (0, cfg["batch-size"]):
+        if cfg["fedbr-contrastive"] and cfg["pseudo-size"] not in (0, run.batch_size):
             raise ConfigError(
-                f"pseudo-size = {cfg['pseudo-size']} but batch-size = {cfg['batch-size']}: component 2 "
+                f"pseudo-size = {cfg['pseudo-size']} but batch-size = {run.batch_size}: component 2 "
                 "pairs pseudo-samples with local samples one to one, so they must be equal "
                 "(pseudo-size = 0 follows batch-size)"
             )
@@ -336,14 +338,14 @@ class FedBRClient(ClientAlgorithm):
     def rsm_means(self, config: dict) -> dict[str, np.ndarray]:
         """Only these means leave the client, never its samples."""
         generator = seeds.torch_generator(
-            "rsm-means", self.cfg["seed"], int(config["version"]), self.pid, device=self.data.x_train.device
+            "rsm-means", common(self.cfg).seed, int(config["version"]), self.pid, device=self.data.x_train.device
         )
         means = sample_means(self.data.x_train, int(config["count"]), int(config["pseudo-m"]), generator)
         return {"means": means.cpu().numpy()}
 
     def pseudo_data(self, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.shared("pseudo", config)
-        expected = (pseudo_size(self.cfg), INFO[self.cfg["dataset"]].num_classes)
+        expected = (pseudo_size(self.cfg), INFO[common(self.cfg).dataset].num_classes)
         if (len(x), y.shape[1]) != expected:
             raise RuntimeError(f"pseudo-data has {len(x)} samples of {y.shape[1]} classes, expected {expected}")
         return x, y
@@ -368,6 +370,6 @@ class FedBRClient(ClientAlgorithm):
             x_p,
             y_p,
             (self.data.x_train, self.data.y_train),
-            seed=seeds.seed("fedbr-steps", self.cfg["seed"], server_round, self.pid),
+            seed=seeds.seed("fedbr-steps", common(self.cfg).seed, server_round, self.pid),
             components=components,
         )

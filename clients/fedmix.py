@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from fedbr_flwr.core import seeds
 from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.losses import soft_cross_entropy
 from fedbr_flwr.core.registry import register_client
 from fedbr_flwr.core.settings import BELOW_ONE, POSITIVE, Settings, setting
@@ -126,7 +127,7 @@ class FedMixClient(ClientAlgorithm):
     def mean_data(self, config: dict):
         """Only means leave the client."""
         generator = seeds.torch_generator(
-            "fedmix-means", self.cfg["seed"], int(config["version"]), self.pid, device=self.data.x_train.device
+            "fedmix-means", common(self.cfg).seed, int(config["version"]), self.pid, device=self.data.x_train.device
         )
         x, y = mean_data(self.data.x_train, self.data.y_train, self.settings.m, self.data.num_classes, generator)
         return {"x": x.cpu().numpy(), "y": y.cpu().numpy()}
@@ -139,5 +140,5 @@ class FedMixClient(ClientAlgorithm):
             self.settings.lam,
             x,
             y,
-            seeds.seed("fedmix-steps", self.cfg["seed"], server_round, self.pid),
+            seeds.seed("fedmix-steps", common(self.cfg).seed, server_round, self.pid),
         )

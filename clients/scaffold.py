@@ -11,6 +11,7 @@ import torch
 
 from clients.fedavg import SupervisedStep
 from fedbr_flwr.core.algorithm import ClientAlgorithm
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_client
 from fedbr_flwr.core.training import parameter_tensors, state_arrays
 
@@ -37,7 +38,8 @@ class ScaffoldStep(SupervisedStep):
     @torch.no_grad()
     def new_control_variate(self) -> list[torch.Tensor]:
         """Option II: c_i+ = c_i - c + (x - y) / (K lr), with y the weights after the K local steps."""
-        scale = 1.0 / (self.cfg["local-steps"] * self.cfg["lr"])
+        run = common(self.cfg)
+        scale = 1.0 / (run.local_steps * run.lr)
         return [
             cl - cg + (x0 - p) * scale for cl, cg, x0, p in zip(self.c_local, self.c_global, self.start, self.params)
         ]

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 from fedbr_flwr.core import seeds
 from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.model import SplitModel
 from fedbr_flwr.core.registry import register_client
 from fedbr_flwr.core.settings import NON_NEGATIVE, POSITIVE, Settings, setting
@@ -137,5 +138,5 @@ class VHLClient(ClientAlgorithm):
             self.settings,
             x,
             y.long(),
-            seeds.seed("vhl-steps", self.cfg["seed"], server_round, self.pid),
+            seeds.seed("vhl-steps", common(self.cfg).seed, server_round, self.pid),
         )

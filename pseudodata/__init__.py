@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
+from fedbr_flwr.core.config import common
 from fedbr_flwr.data.catalog import INFO
 
 if TYPE_CHECKING:
@@ -25,14 +26,14 @@ def uniform_labels(count: int, num_classes: int) -> np.ndarray:
 
 def pseudo_size(cfg: Mapping[str, Any]) -> int:
     """B: the pseudo-batch size (pseudo-size, or the batch size when 0)."""
-    return cfg["pseudo-size"] or cfg["batch-size"]
+    return cfg["pseudo-size"] or common(cfg).batch_size
 
 
 def proxy_dataset(cfg: Mapping[str, Any]) -> str:
     """Mixture's public dataset: proxy-dataset, or by the run's dataset when 'auto'."""
     if cfg["proxy-dataset"] != "auto":
         return cfg["proxy-dataset"]
-    return INFO[cfg["dataset"]].proxy
+    return INFO[common(cfg).dataset].proxy
 
 
 def build(
@@ -45,19 +46,20 @@ def build(
     """The pseudo-batch (x, uniform labels) of one version. RSM: ``collect_means({pid: count}, version)`` must
     return each listed client's means, in the order of the mapping (partition order). Mixture: B means
     of M samples of ``proxy``, seeded by (seed, version)."""
+    run = common(cfg)
     from fedbr_flwr.core import seeds
 
     from .rsm import allot, assemble, sample_means
 
     size = pseudo_size(cfg)
     if cfg["pseudo-data"] == "rsm":
-        counts = {pid: n for pid, n in sorted(allot(size, partition_ids, cfg["seed"], version).items()) if n > 0}
+        counts = {pid: n for pid, n in sorted(allot(size, partition_ids, run.seed, version).items()) if n > 0}
         x = assemble(collect_means(counts, version))
     else:
         if proxy is None:
             raise ValueError("mixture pseudo-data needs the proxy dataset")
-        generator = seeds.torch_generator("mixture-means", cfg["seed"], version)
+        generator = seeds.torch_generator("mixture-means", run.seed, version)
         x = sample_means(proxy, size, cfg["pseudo-m"], generator).numpy()
     if len(x) != size:
         raise RuntimeError(f"pseudo-data has {len(x)} samples, {size} were asked for")
-    return x, uniform_labels(size, INFO[cfg["dataset"]].num_classes)
+    return x, uniform_labels(size, INFO[run.dataset].num_classes)

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch.nn import functional as F
 
+from fedbr_flwr.core.config import common
 from fedbr_flwr.data.catalog import INFO, load_raw
 from fedbr_flwr.data.dataset import normalise, to_float
 
@@ -17,10 +18,11 @@ from . import proxy_dataset
 def load_proxy(cfg: Mapping[str, Any]) -> torch.Tensor:
     """The proxy dataset's training images, converted to the run's image shape (channels averaged or
     repeated, resized bilinearly) and normalised with the run's statistics."""
+    run = common(cfg)
     name = proxy_dataset(cfg)
-    train = load_raw(name, cfg["data-dir"], cfg["download"])[0]  # the built-in ones ignore the data folder
+    train = load_raw(name, run.data_dir, run.download)[0]  # the built-in ones ignore the data folder
     x = to_float(train.x)  # (N, C, H, W) in [0, 1]
-    target = INFO[cfg["dataset"]]
+    target = INFO[run.dataset]
     if x.shape[1] != target.in_channels:
         x = x.mean(dim=1, keepdim=True).expand(-1, target.in_channels, -1, -1).contiguous()
     if x.shape[-1] != target.image_size:

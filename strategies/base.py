@@ -21,6 +21,7 @@ import torch
 from fedbr_flwr.app.strategy import FlowerStrategy
 from fedbr_flwr.core.algorithm import client_class
 from fedbr_flwr.core.broadcast import SharedData
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import components_of, lookup_strategy, settings_of
 from fedbr_flwr.core.settings import NoSettings, Settings
 from fedbr_flwr.core.training import module_arrays
@@ -48,7 +49,7 @@ class FederatedStrategy(FlowerStrategy):
         modules: dict[str, torch.nn.Module],
         server_tests: ServerTests | None,
     ):
-        self.client_class = client_class(cfg["strategy"])
+        self.client_class = client_class(common(cfg).strategy)
         super().__init__(cfg, recorder, bool(self.client_class.state_keys))
         self.settings = settings_of(self.name).from_config(cfg)
         self.modules = modules  # the global model (and FedBR's head, DANN's discriminator), as clients build them
@@ -99,7 +100,7 @@ class FederatedStrategy(FlowerStrategy):
 
     def aggregation_weights(self, updates: list[ClientUpdate]) -> list[float]:
         """One weight per update, in order (GroupDRO's come from the clients' losses)."""
-        return [u.num_examples if self.cfg["weighting"] == "samples" else 1.0 for u in updates]
+        return [u.num_examples if common(self.cfg).weighting == "samples" else 1.0 for u in updates]
 
     def aggregate(self, rnd: AggregationRound) -> Named:
         """The new global arrays from the round's accepted updates (``rnd.combine``: every mean goes through it)."""

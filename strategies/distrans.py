@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.errors import ConfigError
 from fedbr_flwr.core.registry import register_strategy
 from fedbr_flwr.core.training import load_module_arrays, module_arrays
@@ -183,7 +184,7 @@ class OffsetAggregator:
 class DisTransStrategy(FederatedStrategy):
     def __init__(self, cfg, recorder, modules, server_tests):
         super().__init__(cfg, recorder, modules, server_tests)  # self.model: the double-input model
-        self.info = INFO[cfg["dataset"]]
+        self.info = INFO[common(cfg).dataset]
         # built right after the seeded model, so that it is seeded too; unused when auto picks none
         self.network = (
             build_offset_network(self.info).to(self._device()) if self.settings.agg in ("nn", "auto") else None

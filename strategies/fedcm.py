@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_server_component
 from fedbr_flwr.server.components import ServerComponent
 
@@ -34,7 +35,7 @@ class GlobalDirection(ServerComponent):
     def after_aggregate(self, new_global):
         self.delta = {
             key: global_update_direction(
-                self.round_start[key], new_global[MODEL + key], self.cfg["lr"], self.cfg["local-steps"]
+                self.round_start[key], new_global[MODEL + key], common(self.cfg).lr, common(self.cfg).local_steps
             )
             for key in self.delta
         }

@@ -6,6 +6,7 @@ official code (the served model's global test accuracy: served_global_acc)."""
 
 import numpy as np
 
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_strategy
 from fedbr_flwr.server.updates import size_share
 
@@ -26,7 +27,7 @@ class FedDynStrategy(FederatedStrategy):
         return {**super().fit_config(server_round, pid), ALPHA_K: alpha_k}
 
     def aggregate(self, rnd):
-        alpha, m = self.settings.alpha, self.cfg["num-clients"]  # its settings, declared in clients/feddyn.py
+        alpha, m = self.settings.alpha, common(self.cfg).num_clients  # its settings, declared in clients/feddyn.py
         mean = self.mean = super().aggregate(rnd)
         for name, h in self.h.items():
             if rnd.plan.is_mean:

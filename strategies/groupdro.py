@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_strategy
 from fedbr_flwr.core.settings import NON_NEGATIVE, Settings, setting
 
@@ -57,12 +58,12 @@ class GroupDROStrategy(FederatedStrategy):
     def restore_state(self, arrays):
         super().restore_state(arrays)
         if "groupdro/p" in arrays:
-            self.client_weights = ClientWeights(self.cfg["num-clients"], self.settings.eta)
+            self.client_weights = ClientWeights(common(self.cfg).num_clients, self.settings.eta)
             self.client_weights.p = arrays["groupdro/p"].astype(np.float64).copy()
 
     def aggregation_weights(self, updates):
         if self.client_weights is None:
-            self.client_weights = ClientWeights(self.cfg["num-clients"], self.settings.eta)
+            self.client_weights = ClientWeights(common(self.cfg).num_clients, self.settings.eta)
         self.client_weights.update({u.pid: float(u.metrics["first-loss"]) for u in updates})
         self.server_metrics = {f"p-{pid}": float(p) for pid, p in enumerate(self.client_weights.p)}
         return [float(self.client_weights.p[u.pid]) for u in updates]

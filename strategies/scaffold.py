@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_strategy
 
 from .base import FederatedStrategy
@@ -39,14 +40,14 @@ class ScaffoldStrategy(FederatedStrategy):
         if rnd.plan.is_mean:
             self.control = {
                 key: update_server_control(
-                    c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in rnd.updates], self.cfg["num-clients"]
+                    c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in rnd.updates], common(self.cfg).num_clients
                 )
                 for key, c in self.control.items()
             }
         else:
             names = [f"{CONTROL_DELTA}/{key}" for key in self.control]
             robust = rnd.combine(names, weights=[1.0] * len(rnd.updates))  # a sum over S by its math: unweighted
-            n, total = len(rnd.updates), self.cfg["num-clients"]
+            n, total = len(rnd.updates), common(self.cfg).num_clients
             self.control = {
                 key: update_server_control(c, [n * robust[f"{CONTROL_DELTA}/{key}"]], total)
                 for key, c in self.control.items()

@@ -9,6 +9,7 @@ from torch import nn
 
 from fedbr_flwr.core import seeds
 from fedbr_flwr.core.broadcast import SharedData
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_strategy
 from fedbr_flwr.data.catalog import INFO
 
@@ -61,13 +62,14 @@ class VHLStrategy(FederatedStrategy):
         self.shared = SharedData("vhl")
 
     def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
-        info = INFO[self.cfg["dataset"]]
+        run = common(self.cfg)
+        info = INFO[run.dataset]
         x, y = virtual_data(
             info.num_classes,
             info.in_channels,
             info.image_size,
             self.cfg["vhl-size"],
-            seeds.seed("vhl-data", self.cfg["seed"]),
+            seeds.seed("vhl-data", run.seed),
         )
         self.recorder.progress.emit(
             "info", f"VHL: {len(x)} virtual samples of {info.num_classes} classes, sent to each client once"

@@ -1,11 +1,12 @@
 """The seams of the code base, checked: one algorithm in its client and strategy files, the server
-never importing client code, client files free of Flower, one npz codec, named seed streams, a thin
-strategy base, no import circle between the ClientApp and the worker, none anywhere but the one left, and a
-bench wing nothing else imports."""
+never importing client code, algorithm files free of Flower, one npz codec, named seed streams, a thin
+strategy base, a light ClientApp, a bench wing nothing else imports, the layers (one folder each, no circle,
+no upward import) and common keys read typed."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -247,3 +248,31 @@ def test_the_layer_rule_finds_an_upward_import():
     ) == {("fedbr_flwr.launch.x", "fedbr_flwr.commands.cli")}
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("fedbr_flwr.stray")
+
+
+# Reads of a common key by its string (cfg["lr"], self.cfg.get("lr")) outside the config module and the run plan,
+# which builds the config: the rest read them typed, common(cfg).lr (issue 46; 312 before). Left: modules the config
+# module itself imports (attack, registry, tracking), and stored or partial configs (a finished run's manifest in
+# report.py, a run's overrides file in launch/simulation.py). The count may only go down; when it does, lower it.
+UNTYPED_COMMON_READS_LEFT = 28
+
+
+def untyped_common_reads(text: str, keys) -> int:
+    alternatives = "|".join(re.escape(k) for k in sorted(keys, key=len, reverse=True))
+    key = rf"""["'](?:{alternatives})["']"""
+    read = rf"(?<![\w.])(?:[\w.]*cfg|run_config)(?:\[\s*{key}\s*\](?!\s*=[^=])|\.get\(\s*{key})"
+    return len(re.findall(read, text))
+
+
+def test_common_keys_are_read_typed_outside_the_config_and_the_plan():
+    from fedbr_flwr.core.config import COMMON
+
+    exempt = {ROOT / "fedbr_flwr" / "core" / "config.py", ROOT / "fedbr_flwr" / "launch" / "plan.py"}
+    counts = {p.name: n for p in PRODUCT if p not in exempt and (n := untyped_common_reads(p.read_text(), COMMON))}
+    assert sum(counts.values()) <= UNTYPED_COMMON_READS_LEFT, counts
+    assert sum(counts.values()) == UNTYPED_COMMON_READS_LEFT, f"fewer now: lower UNTYPED_COMMON_READS_LEFT {counts}"
+
+
+def test_the_read_counter_counts_reads_not_writes_or_typed_reads():
+    text = 'a = cfg["lr"]; b = self.cfg.get("seed", 0); cfg["lr"] = 1; c = common(cfg).lr; d = params["lr"]'
+    assert untyped_common_reads(text, {"lr", "seed"}) == 2

@@ -14,7 +14,7 @@ from flwr.common import RecordDict, ndarrays_to_parameters
 from fedbr_flwr.app import payload
 from fedbr_flwr.app.node import ClientCache, build_client
 from fedbr_flwr.bench import command as bench
-from fedbr_flwr.core.config import ConfigError
+from fedbr_flwr.core.config import ConfigError, validate
 from fedbr_flwr.core.training import frozen_copy, round_sgd
 from fedbr_flwr.data.catalog import SYNTHETIC_SIZES, load_raw
 from fedbr_flwr.launch.plan import config_from_settings
@@ -88,7 +88,7 @@ def test_the_cache_keeps_a_client_per_run_and_config_and_drops_old_runs():
 
 def test_round_sgd_is_reused_with_its_momentum_cleared_and_frozen_copies_follow_the_model():
     model = torch.nn.Linear(3, 2)
-    cfg = {"lr": 0.1, "momentum": 0.9, "weight-decay": 0.0}
+    cfg = validate({"lr": 0.1, "momentum": 0.9, "weight-decay": 0.0})
     opt = round_sgd(model, model.parameters(), cfg)
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
@@ -136,7 +136,8 @@ def test_plain_sgd_is_torchs_sgd_on_a_cpu_bit_for_bit_and_imports_no_dynamo(hype
     assert not plain.state
     code = (
         "import sys, torch\nfrom torch import nn\nfrom fedbr_flwr.core.training import round_sgd\n"
-        "m = nn.Linear(3, 2); o = round_sgd(m, m.parameters(), {'lr': 0.1, 'momentum': 0.9, 'weight-decay': 0.0})\n"
+        "from fedbr_flwr.core.config import validate\n"
+        "m = nn.Linear(3, 2); o = round_sgd(m, m.parameters(), validate({'lr': 0.1, 'momentum': 0.9}))\n"
         "m(torch.ones(1, 3)).sum().backward(); o.step(); o.zero_grad()\n"
         "print(type(o).__name__, 'torch._dynamo' in sys.modules)"
     )

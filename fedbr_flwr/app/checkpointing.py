@@ -17,6 +17,7 @@ import numpy as np
 from flwr.server.strategy import Strategy
 
 from ..core.algorithm import UPDATE_USED
+from ..core.config import common
 from ..core.errors import ConfigError
 from ..runfiles import codec
 from ..runfiles.checkpoint import rng_state, save_checkpoint, set_rng_state
@@ -42,8 +43,9 @@ class Checkpointer:
         self._to_restore: dict[str, np.ndarray] | None = None  # strategy state, restored after discovery
 
     def due(self, server_round: int) -> bool:
-        every = self.cfg["checkpoint-every"]
-        return bool(every) and (server_round % every == 0 or server_round == self.cfg["num-rounds"])
+        run = common(self.cfg)
+        every = run.checkpoint_every
+        return bool(every) and (server_round % every == 0 or server_round == run.num_rounds)
 
     def save(self, server_round: int, global_arrays: Named, strategy_state: Named) -> None:
         start = time.perf_counter()
@@ -72,7 +74,7 @@ class Checkpointer:
             "round": server_round,
             "config": self.cfg,
             "elapsed": self.recorder.elapsed(),
-            "git_commit": self.cfg.get("git-commit", ""),
+            "git_commit": common(self.cfg).git_commit,
             "code_hash": code_hash(),
             "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }

@@ -15,7 +15,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 
 from ..core import seeds
-from ..core.config import sampled_per_round
+from ..core.config import common, sampled_per_round
 from ..core.errors import ConfigError
 from ..data.partition import heterogeneity_from_counts
 from . import cohort, payload
@@ -51,7 +51,7 @@ class Federation:
         every ``WAIT_NOTICE_S``."""
         timeout_s = DISCOVERY_TIMEOUT_S if timeout_s is None else timeout_s
         say = say or (lambda text: log.info("[fedbr] %s", text))
-        expected = self.cfg["num-clients"]
+        expected = common(self.cfg).num_clients
         start = time.monotonic()
         hashes = set()
         while True:
@@ -140,11 +140,12 @@ class Federation:
 
     def sample(self, server_round: int) -> list[int]:
         """Seeded by (seed, round) over partition ids, so runs repeat whatever Flower's node ids are."""
+        run = common(self.cfg)
         pids = sorted(self.clients_by_pid)
-        m = sampled_per_round(self.cfg["fraction-fit"], len(pids))
+        m = sampled_per_round(run.fraction_fit, len(pids))
         if m >= len(pids):
             return pids
-        rng = seeds.rng("client-sampling", self.cfg["seed"], server_round)
+        rng = seeds.rng("client-sampling", run.seed, server_round)
         return sorted(rng.choice(pids, size=m, replace=False).tolist())
 
     def class_count_matrix(self) -> np.ndarray | None:
@@ -166,7 +167,7 @@ class Federation:
         """Send each listed client the named request ``name`` with its arguments, in parallel; return the
         arrays each answered. ``what`` names them in errors. With ``required=False`` a client that fails
         is logged and left out instead of raising."""
-        timeout = self.cfg["round-timeout"] or None
+        timeout = common(self.cfg).round_timeout or None
 
         def ask(node: tuple[ClientProxy, list[int]]) -> dict[int, payload.Named]:
             proxy, pids = node

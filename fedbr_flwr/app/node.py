@@ -19,6 +19,7 @@ from flwr.client import NumPyClient
 from flwr.common import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from ..core.algorithm import ClientAlgorithm, FunctionalStep, NodeState
+from ..core.config import common
 from . import cohort, payload
 from .raycluster import NODE, worker_node
 
@@ -160,7 +161,7 @@ class CohortClient(NumPyClient):
             step, sampler = algorithm.start_fit(arrays, own_config)
             if not isinstance(step, FunctionalStep):
                 raise TypeError(
-                    f"cohort-step=vmap: strategy '{algorithm.cfg['strategy']}' built a "
+                    f"cohort-step=vmap: strategy '{common(algorithm.cfg).strategy}' built a "
                     f"{type(step).__name__}, not a FunctionalStep: set vectorised = False on its client"
                 )
             algorithms.append(algorithm)
@@ -171,7 +172,7 @@ class CohortClient(NumPyClient):
         offsets = [self.packed.offsets[pid] for pid, _, _ in parts]
         batches = PackedBatches([m.sample for m in members], offsets, self.packed.x, self.packed.y)
         finals, stats = run_members(
-            members, batches, cfg["local-steps"], cfg["precision"], capture, self.algorithm.first_step_stats
+            members, batches, common(cfg).local_steps, common(cfg).precision, capture, self.algorithm.first_step_stats
         )
         seconds = time.perf_counter() - start  # every member's fit took this long: they ran together
         results = []
@@ -219,7 +220,7 @@ COHORT_WIDE = ("partition-hash", "num-partitions")  # properties every member of
 
 def cohort_members(cfg: Mapping[str, Any], cohort_id: int, num_cohorts: int) -> list[int]:
     """The partitions cohort ``cohort_id`` of ``num_cohorts`` hosts: every num_cohorts-th, from its own id."""
-    return list(range(cohort_id, cfg["num-clients"], num_cohorts))
+    return list(range(cohort_id, common(cfg).num_clients, num_cohorts))
 
 
 def cohort_step(requested: str, device_type: str, algorithm: type[ClientAlgorithm], components: tuple = ()) -> str:
@@ -256,44 +257,44 @@ def build_client(
             '--node-config "partition-id=<i> num-partitions=<n>"'
         )
     pid = int(node["partition-id"])
-    num_partitions = int(node.get("num-partitions", cfg["num-clients"] or 0))
-    if cfg["engine"] == "cohort":
-        if not cfg["num-clients"]:
+    num_partitions = int(node.get("num-partitions", common(cfg).num_clients or 0))
+    if common(cfg).engine == "cohort":
+        if not common(cfg).num_clients:
             raise ConfigError("engine=cohort needs num-clients: the cohorts share them out")
-        if not 0 <= pid < num_partitions <= cfg["num-clients"] or cfg["cohorts"] not in (0, num_partitions):
+        if not 0 <= pid < num_partitions <= common(cfg).num_clients or common(cfg).cohorts not in (0, num_partitions):
             raise ConfigError(
-                f"engine=cohort with {cfg['num-clients']} clients and cohorts = {cfg['cohorts']}, but "
+                f"engine=cohort with {common(cfg).num_clients} clients and cohorts = {common(cfg).cohorts}, but "
                 f"this SuperNode is {pid} of {num_partitions}: start the simulation with "
                 "num-supernodes = cohorts, at most num-clients (fedbr-run does this)"
             )
-        torch.set_num_threads(cfg["client-cpus"])
+        torch.set_num_threads(common(cfg).client_cpus)
         device = use_device(cfg)
         members, packed = load_cohort_data(cfg, cohort_members(cfg, pid, num_partitions), device)
         first = next(iter(members.values()))
-        algorithm = client_class(cfg["strategy"])
-        if cfg["cohort-step"] == "graph" and device.type != "cuda":
+        algorithm = client_class(common(cfg).strategy)
+        if common(cfg).cohort_step == "graph" and device.type != "cuda":
             raise ConfigError(
                 f"cohort-step=graph replays CUDA graphs, but this cohort's device is {device}: "
                 "use cohort-step=vmap or loop"
             )
-        step = cohort_step(cfg["cohort-step"], device.type, algorithm, components_of(cfg))
+        step = cohort_step(common(cfg).cohort_step, device.type, algorithm, components_of(cfg))
         return CohortClient(
             algorithm(cfg, first, device), members, packed, vectorised=step in ("vmap", "graph"), graph=step == "graph"
         )
-    if cfg["num-clients"] and num_partitions and cfg["num-clients"] != num_partitions:
+    if common(cfg).num_clients and num_partitions and common(cfg).num_clients != num_partitions:
         raise ConfigError(
-            f"num-clients = {cfg['num-clients']} but this SuperNode was told num-partitions = "
-            f"{num_partitions}: start the federation with num-supernodes={cfg['num-clients']}"
+            f"num-clients = {common(cfg).num_clients} but this SuperNode was told num-partitions = "
+            f"{num_partitions}: start the federation with num-supernodes={common(cfg).num_clients}"
         )
-    cfg["num-clients"] = cfg["num-clients"] or num_partitions
-    if not cfg["num-clients"]:
+    cfg["num-clients"] = common(cfg).num_clients or num_partitions
+    if not common(cfg).num_clients:
         raise ConfigError("num-clients is 0 and the SuperNode has no num-partitions: set one of them")
     if node.get("data-dir"):  # this machine's copy of the dataset
         cfg["data-dir"] = str(node["data-dir"])
-    torch.set_num_threads(cfg["client-cpus"])
+    torch.set_num_threads(common(cfg).client_cpus)
     device = use_device(cfg)
     data = load_client_data(cfg, pid, device)
-    return FlowerClient(client_class(cfg["strategy"])(cfg, data, device, RecordState(state)))
+    return FlowerClient(client_class(common(cfg).strategy)(cfg, data, device, RecordState(state)))
 
 
 class ClientCache:

@@ -10,6 +10,7 @@ from typing import Any
 from flwr.common import Parameters
 from flwr.server.client_proxy import ClientProxy
 
+from ..core.config import common
 from ..core.errors import describe
 from . import cohort, payload
 from .federation import Federation
@@ -39,9 +40,9 @@ class Evaluation:
 
 
 def messages(
-    federation: Federation, common: payload.Serialised, parts: dict[int, tuple[payload.Serialised, dict[str, Any]]]
+    federation: Federation, to_all: payload.Serialised, parts: dict[int, tuple[payload.Serialised, dict[str, Any]]]
 ) -> list[tuple[ClientProxy, Parameters, dict]]:
-    """The messages that carry ``common`` plus each client's own arrays and config, in partition order."""
+    """The messages that carry ``to_all`` plus each client's own arrays and config, in partition order."""
     out = []
     for proxy, pids in federation.group(sorted(parts)):
         if federation.is_cohort(proxy):
@@ -49,13 +50,13 @@ def messages(
             out.append(
                 (
                     proxy,
-                    payload.Serialised.joined([common, *own]).to_parameters(),
+                    payload.Serialised.joined([to_all, *own]).to_parameters(),
                     cohort.join_configs({p: parts[p][1] for p in pids}),
                 )
             )
         else:
             (pid,) = pids
-            out.append((proxy, (common + parts[pid][0]).to_parameters(), parts[pid][1]))
+            out.append((proxy, (to_all + parts[pid][0]).to_parameters(), parts[pid][1]))
     return out
 
 
@@ -130,14 +131,15 @@ def reported_members(federation: Federation, proxy: ClientProxy, metrics: dict) 
 
 def describe_failure(federation: Federation, failure: Any) -> str:
     """One line (at most 500 characters) saying who failed and why: Ray's multi-line errors are folded."""
+    run = common(federation.cfg)
     if isinstance(failure, BaseException):  # Flower's legacy grid raises some errors of a reply
-        return one_line(failure_reason(describe(failure), federation.cfg["round-timeout"]))
+        return one_line(failure_reason(describe(failure), run.round_timeout))
     proxy, res = failure
     if federation.is_cohort(proxy):
         who = f"cohort of clients {cohort.join_members(federation.members_by_cid[proxy.cid])}"
     else:
         who = f"client {federation.pid_by_cid.get(proxy.cid, proxy.cid)}"
-    return one_line(f"{who}: {failure_reason(res.status.message, federation.cfg['round-timeout'])}")
+    return one_line(f"{who}: {failure_reason(res.status.message, run.round_timeout)}")
 
 
 # Flower's reasons for a reply that never came: its message or reply outlived its TTL, which round-timeout sets

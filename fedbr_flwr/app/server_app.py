@@ -13,7 +13,7 @@ from flwr.server.compat import start_grid
 from strategies.base import strategy_class
 
 from ..core.algorithm import client_class
-from ..core.config import PLACEMENT_KEYS, from_run_config
+from ..core.config import PLACEMENT_KEYS, common, from_run_config
 from ..core.errors import ConfigError
 from ..core.training import use_device
 from ..data.dataset import load_server_tests
@@ -42,6 +42,7 @@ RESUMABLE_KEYS = (
 
 
 def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], rounds_done: int) -> None:
+    run = common(cfg)
     changed = sorted(k for k in cfg if k not in RESUMABLE_KEYS and k in saved and saved[k] != cfg[k])
     if changed:
         diffs = ", ".join(f"{k} = {saved[k]!r} in the checkpoint, {cfg[k]!r} now" for k in changed)
@@ -49,9 +50,9 @@ def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], rounds_done: int
             f"cannot resume with a different config ({diffs}); only "
             f"{', '.join(k for k in RESUMABLE_KEYS if k not in ('resume', 'git-commit'))} may change"
         )
-    if cfg["num-rounds"] <= rounds_done:
+    if run.num_rounds <= rounds_done:
         raise ConfigError(
-            f"the checkpoint is at round {rounds_done} and num-rounds = {cfg['num-rounds']}: nothing "
+            f"the checkpoint is at round {rounds_done} and num-rounds = {run.num_rounds}: nothing "
             "to resume (raise num-rounds to train further)"
         )
 
@@ -60,12 +61,12 @@ def build_strategy(cfg: dict):
     out_dir = resolve_output_dir(cfg)
     cfg = {**cfg, "output-dir": str(out_dir)}
     checkpoint = None
-    if cfg["resume"]:
+    if common(cfg).resume:
         checkpoint = load_checkpoint(out_dir)
         check_resumable(checkpoint[1]["config"], cfg, int(checkpoint[1]["round"]))
-    torch.manual_seed(cfg["seed"])  # the initial model: what every client is sent in round 1
+    torch.manual_seed(common(cfg).seed)  # the initial model: what every client is sent in round 1
     device = use_device(cfg)
-    modules = {name: m.to(device) for name, m in client_class(cfg["strategy"]).build_modules(cfg).items()}
+    modules = {name: m.to(device) for name, m in client_class(common(cfg).strategy).build_modules(cfg).items()}
     server_tests = load_server_tests(cfg)
     recorder = (
         RunRecorder(cfg, out_dir)
@@ -74,7 +75,7 @@ def build_strategy(cfg: dict):
             cfg, out_dir, resume_round=int(checkpoint[1]["round"]), elapsed=float(checkpoint[1]["elapsed"])
         )
     )
-    strategy = strategy_class(cfg["strategy"])(cfg, recorder, modules, server_tests)
+    strategy = strategy_class(common(cfg).strategy)(cfg, recorder, modules, server_tests)
     if checkpoint is not None:
         strategy.resume_from(*checkpoint)
     return strategy
@@ -84,7 +85,7 @@ def check_backend(cfg: dict) -> None:
     """``backend = in-process`` asks for fedbr-run's simulation process, which runs the clients in its own
     threads (``fedbr_flwr.app.flower_adapter.choose_backend_per_run``); Flower's own (under ``flwr run``) would
     run them on Ray, and a deployment's clients are its SuperNodes: say so instead of ignoring the key."""
-    if cfg["backend"] == "in-process" and not chooses_backend_per_run():
+    if common(cfg).backend == "in-process" and not chooses_backend_per_run():
         raise ConfigError(
             "backend = in-process runs the clients in fedbr-run's own simulation process; this run is Flower's "
             "(flwr run) or a deployment: use backend = auto or ray"
@@ -98,7 +99,7 @@ def server_fn(context: Context) -> ServerAppComponents:
     done = strategy.resumed_round
     return ServerAppComponents(
         strategy=ResumedRun(strategy, done) if done else strategy,
-        config=ServerConfig(num_rounds=cfg["num-rounds"] - done, round_timeout=cfg["round-timeout"] or None),
+        config=ServerConfig(num_rounds=common(cfg).num_rounds - done, round_timeout=common(cfg).round_timeout or None),
     )
 
 

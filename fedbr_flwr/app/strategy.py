@@ -15,6 +15,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.strategy import Strategy
 
 from ..core.attack import attack_manifest, attackers_that_answered
+from ..core.config import common
 from ..core.errors import ConfigError
 from ..core.training import evaluate, load_module_arrays
 from ..data.catalog import INFO, data_folder
@@ -61,7 +62,10 @@ class FlowerStrategy(Strategy):
         self.update_dtypes: dict[str, np.dtype] | None = None  # and the dtype of each
         self.sampled: list[int] = []  # partition ids sent fit instructions this round
         self.server_metrics: dict[str, float] = {}  # what aggregate() measured this round (recorded with it)
-        self.robust_rule = RobustRule.from_config(cfg)
+        run = common(cfg)
+        self.robust_rule = RobustRule(
+            run.aggregation, run.trim_fraction, run.byzantine_clients, run.norm_bound, run.norm_bound_multiple
+        )
         self._round: dict[str, Any] = {"start": time.perf_counter(), "bytes_down": 0}  # the round's start and bytes
         self._last_train: dict[str, float] = {}
         self._server_results: dict[int, dict[str, Any]] = {}  # round -> the server-side tests' fields
@@ -80,7 +84,7 @@ class FlowerStrategy(Strategy):
             self.update_spec, self.update_dtypes = expected_updates(sent, self.returned_shapes())
         self.before_round(server_round)
         self.sampled = self.federation.sample(server_round)
-        common = payload.Serialised.from_parameters(parameters) + payload.Serialised.of(
+        to_all = payload.Serialised.from_parameters(parameters) + payload.Serialised.of(
             self.round_arrays(server_round, sent)
         )
         parts = {
@@ -88,7 +92,7 @@ class FlowerStrategy(Strategy):
             for pid in self.sampled
         }
         instructions = [
-            (p, FitIns(params, config)) for p, params, config in routing.messages(self.federation, common, parts)
+            (p, FitIns(params, config)) for p, params, config in routing.messages(self.federation, to_all, parts)
         ]
         self._round["bytes_down"] = sum(payload_bytes(ins.parameters, ins.config) for _, ins in instructions)
         return instructions
@@ -148,10 +152,10 @@ class FlowerStrategy(Strategy):
             )
             for pid in self.federation.clients_by_pid
         }
-        common = reported_payload(parameters, self.reported_arrays)
+        to_all = reported_payload(parameters, self.reported_arrays)
         return [
             (proxy, EvaluateIns(params, config))
-            for proxy, params, config in routing.messages(self.federation, common, parts)
+            for proxy, params, config in routing.messages(self.federation, to_all, parts)
         ]
 
     def aggregate_evaluate(self, server_round: int, results: list, failures: list):
@@ -179,7 +183,7 @@ class FlowerStrategy(Strategy):
             record["eval_rejected"] = rejected
         self.recorder.log_eval(record)
         self.end_round(server_round)
-        if server_round == self.cfg["num-rounds"]:
+        if server_round == common(self.cfg).num_rounds:
             self.recorder.finalize()
         return record["loss"], {"mean_acc": record["mean_acc"], "worst_acc": record["worst_acc"]}
 
@@ -231,8 +235,8 @@ def discover(strategy: FlowerStrategy, client_manager: ClientManager) -> None:
     cfg["num-clients"] = recorder.cfg["num-clients"] = num
     server_hash = check_partition(cfg, federation, recorder)
     extra = {**strategy.after_discovery(), **attack_manifest(cfg)}
-    if INFO[cfg["dataset"]].in_data_folder:  # where this machine read it (clients resolve their own)
-        extra = {"data_folder": str(data_folder(cfg["data-dir"])), **extra}
+    if INFO[common(cfg).dataset].in_data_folder:  # where this machine read it (clients resolve their own)
+        extra = {"data_folder": str(data_folder(common(cfg).data_dir)), **extra}
     recorder.write_manifest(partition_hash=server_hash, num_partitions=num, **federation.partition_stats(), **extra)
     recorder.progress.emit("start", f"{num} clients found; writing run files to {recorder.out_dir}")
 
@@ -245,12 +249,14 @@ def reported_payload(parameters: Parameters, reported_arrays: Callable[[payload.
 
 
 def is_eval_round(cfg: dict[str, Any], server_round: int) -> bool:
-    return server_round % cfg["eval-every"] == 0 or server_round == cfg["num-rounds"]
+    run = common(cfg)
+    return server_round % run.eval_every == 0 or server_round == run.num_rounds
 
 
 def is_server_test_round(cfg: dict[str, Any], server_round: int) -> bool:
     """An evaluation round in which the server also runs its own tests (``server-test-every``)."""
-    every, last = cfg["server-test-every"], server_round == cfg["num-rounds"]
+    run = common(cfg)
+    every, last = run.server_test_every, server_round == run.num_rounds
     return is_eval_round(cfg, server_round) and (not every or server_round % every == 0 or last)
 
 
@@ -288,11 +294,12 @@ def expected_updates(
 
 def too_few_updates(cfg: dict[str, Any], rule: RobustRule, valid: int) -> str | None:
     """Why a round with ``valid`` updates leaves the global model unchanged (None: it aggregates)."""
-    fewest = max(cfg["min-fit-clients"], minimum_updates(rule.name, rule.byzantine))
+    run = common(cfg)
+    fewest = max(run.min_fit_clients, minimum_updates(rule.name, rule.byzantine))
     if valid >= fewest:
         return None
     needs = "" if rule.name == "mean" else f", aggregation={rule.name} needs {fewest}"
-    return f"{valid} valid update(s), min-fit-clients = {cfg['min-fit-clients']}{needs}: the global model is unchanged"
+    return f"{valid} valid update(s), min-fit-clients = {run.min_fit_clients}{needs}: the global model is unchanged"
 
 
 def run_server_tests(tests: ServerTests, module: torch.nn.Module) -> dict[str, Any]:

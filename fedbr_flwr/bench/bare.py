@@ -12,6 +12,7 @@ import torch
 from ..app.server_app import build_strategy
 from ..core.algorithm import client_class
 from ..core.broadcast import SharedData
+from ..core.config import common
 from ..core.training import peak_memory_mb, use_device
 from ..data.dataset import load_client_data
 from ..server.updates import named_mean
@@ -40,10 +41,11 @@ def bare_loop(
     """``rounds`` rounds of the bare loop (see ``bare_loop_round_seconds``); ``on_start()`` once the clients are
     built, ``on_round(round, seconds)`` after each. Returns each round's seconds, the clients and the last
     global arrays."""
+    run = common(cfg)
     with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:  # the server's seeded initial weights
         global_arrays = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
-    client_cls = client_class(cfg["strategy"])
-    clients = [client_cls(cfg, load_client_data(cfg, pid, device), device) for pid in range(cfg["num-clients"])]
+    client_cls = client_class(run.strategy)
+    clients = [client_cls(cfg, load_client_data(cfg, pid, device), device) for pid in range(run.num_clients)]
     fit_config = bare_fit_config(cfg, clients)
     if on_start:
         on_start()
@@ -54,7 +56,7 @@ def bare_loop(
         for client in clients:
             arrays, n, _ = client.fit(global_arrays, fit_config(server_round))
             updates.append(arrays)
-            sizes.append(n if cfg["weighting"] == "samples" else 1.0)
+            sizes.append(n if run.weighting == "samples" else 1.0)
         names = [n for n in updates[0] if n in global_arrays or n.startswith(client_cls.accepts)]
         global_arrays = named_mean(updates, sizes, names)
         synchronize(device)
@@ -67,7 +69,7 @@ def bare_loop(
 def bare_fit_config(cfg: dict, clients: list | dict):
     """Fit config per round; for FedBR the pseudo-data is built once, as the strategy does at round 1.
     ``clients``: the clients' ``ClientAlgorithm`` objects by partition id (a list: ids 0, 1, ...)."""
-    if cfg["strategy"] != "fedbr":
+    if common(cfg).strategy != "fedbr":
         return lambda server_round: {"server-round": server_round}
     from pseudodata import build
     from pseudodata.mixture import load_proxy

@@ -40,7 +40,7 @@ import torch
 from ..app.raycluster import requested_address
 from ..app.server_app import build_strategy
 from ..core.algorithm import client_class
-from ..core.config import ConfigError, resolved_model
+from ..core.config import ConfigError, common, resolved_model
 from ..core.model import SplitModel
 from ..core.training import autocast, use_device
 from ..data.catalog import INFO
@@ -56,25 +56,26 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     """Seconds per local step of FedAvg, FedBR and DisTrans on the same backbone, batch and device, on
     synthetic inputs of the dataset's shape, with the config's precision and compile switches. They are
     timed in alternation and the median repeat is kept."""
+    run = common(cfg)
     from clients.distrans import DisTransClient, DisTransStep, Offset, offset_shape
     from clients.fedavg import SupervisedStep
     from clients.fedbr import FedBRClient, FedBRStep
 
     device = use_device(cfg)
-    info = INFO[cfg["dataset"]]
+    info = INFO[run.dataset]
     fedbr_cfg = {**cfg, "strategy": "fedbr"}
-    torch.manual_seed(cfg["seed"])
-    fedbr_modules = {k: m.to(device) for k, m in FedBRClient.build_modules(fedbr_cfg, cfg["compile"]).items()}
+    torch.manual_seed(run.seed)
+    fedbr_modules = {k: m.to(device) for k, m in FedBRClient.build_modules(fedbr_cfg, run.compile).items()}
     model, head = cast(SplitModel, fedbr_modules["model"]), fedbr_modules.get("head")
-    shape = (cfg["batch-size"], info.in_channels, info.image_size, info.image_size)
+    shape = (run.batch_size, info.in_channels, info.image_size, info.image_size)
     x, x_p = torch.randn(shape, device=device), torch.randn(shape, device=device)
-    y = torch.randint(0, info.num_classes, (cfg["batch-size"],), device=device)
-    y_p = torch.full((cfg["batch-size"], info.num_classes), 1.0 / info.num_classes, device=device)
+    y = torch.randint(0, info.num_classes, (run.batch_size,), device=device)
+    y_p = torch.full((run.batch_size, info.num_classes), 1.0 / info.num_classes, device=device)
     distrans_model = DisTransClient.build_model(copy.deepcopy(model), cfg).to(device)
     algorithms = {
         "fedavg": SupervisedStep(model, cfg),
         "fedbr": FedBRStep(
-            model, fedbr_cfg, FedBRClient.Settings.from_config(fedbr_cfg), head, x_p, y_p, (x, y), seed=cfg["seed"]
+            model, fedbr_cfg, FedBRClient.Settings.from_config(fedbr_cfg), head, x_p, y_p, (x, y), seed=run.seed
         ),
         "distrans": DisTransStep(
             distrans_model, Offset(offset_shape(info)).to(device), cfg, DisTransClient.Settings.from_config(cfg)
@@ -86,7 +87,7 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     def timed(algorithm, n):
         synchronize(device)
         start = time.perf_counter()
-        with autocast(device, cfg["precision"]):
+        with autocast(device, common(cfg).precision):
             for _ in range(n):
                 algorithm.update(x, y)
         synchronize(device)
@@ -102,11 +103,12 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
 
 
 def step_main(cfg: dict, steps: int, threads: int, json_path: Path | None) -> int:
+    run = common(cfg)
     t = step_seconds(cfg, steps)
     device = _device_name(cfg, threads)
     print(
-        f"fedbr-bench --step: {resolved_model(cfg)} on {cfg['dataset']}-shaped inputs, batch {cfg['batch-size']}, "
-        f"{device}, {steps} steps x 3 repeats, precision {cfg['precision']}, compile {cfg['compile']}\n"
+        f"fedbr-bench --step: {resolved_model(cfg)} on {run.dataset}-shaped inputs, batch {run.batch_size}, "
+        f"{device}, {steps} steps x 3 repeats, precision {run.precision}, compile {run.compile}\n"
     )
     print_ratio_table(
         "local step",
@@ -123,7 +125,7 @@ def step_main(cfg: dict, steps: int, threads: int, json_path: Path | None) -> in
         {
             "device": device,
             "model": resolved_model(cfg),
-            "batch_size": cfg["batch-size"],
+            "batch_size": run.batch_size,
             "fedavg_s_per_step": t["fedavg"],
             "fedbr_s_per_step": t["fedbr"],
             "ratio": t["fedbr"] / t["fedavg"],
@@ -158,7 +160,7 @@ def _fedbr_label(cfg: dict) -> str:
 
 
 def _device_name(cfg: dict, threads: int) -> str:
-    if torch.cuda.is_available() and cfg["device"] != "cpu":
+    if torch.cuda.is_available() and common(cfg).device != "cpu":
         return torch.cuda.get_device_name(0)
     return f"CPU x{threads}"
 
@@ -183,6 +185,7 @@ def flower_round_seconds(cfg: dict, rounds: int, out_dir: Path) -> tuple[list[di
 def compare(cfg: dict, rounds: int) -> dict:
     """Bare loop and both Flower engines on one config: seconds per round (medians), their ratios, the
     achieved TFLOP/s, the clients' peak memory and the bytes Flower's fit messages carry per round."""
+    run = common(cfg)
     bare, bare_memory = bare_loop_round_seconds(cfg, rounds)
     with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
         records, flower_total = flower_round_seconds(cfg, rounds, Path(tmp))
@@ -194,14 +197,14 @@ def compare(cfg: dict, rounds: int) -> dict:
     flops = fit_flops(cfg) * statistics.median(r["clients"] for r in records)
     memory_key = "client_peak_gpu_mb" if any("client_peak_gpu_mb" in r for r in records) else "client_peak_rss_mb"
     return {
-        "strategy": cfg["strategy"],
-        "dataset": cfg["dataset"],
+        "strategy": run.strategy,
+        "dataset": run.dataset,
         "model": resolved_model(cfg),
-        "clients": cfg["num-clients"],
-        "local_steps": cfg["local-steps"],
-        "batch_size": cfg["batch-size"],
-        "precision": cfg["precision"],
-        "compile": cfg["compile"],
+        "clients": run.num_clients,
+        "local_steps": run.local_steps,
+        "batch_size": run.batch_size,
+        "precision": run.precision,
+        "compile": run.compile,
         "bare_s_per_round": bare_s,
         "flower_s_per_round": flower_s,
         "ratio": flower_s / bare_s,
@@ -219,8 +222,7 @@ def compare(cfg: dict, rounds: int) -> dict:
         "cohort_peak_mb": max(r.get(memory_key, 0.0) for r in cohort_records),
         "memory": "GPU (torch reserved)" if memory_key == "client_peak_gpu_mb" else "host RSS",
         "bytes_per_round": statistics.median(r["bytes_down"] + r["bytes_up"] for r in records),
-        "flower_setup": f"{cfg['num-clients']} simulated clients, {cfg['client-cpus']} CPU / "
-        f"{cfg['client-gpus']:g} GPU each",
+        "flower_setup": f"{run.num_clients} simulated clients, {run.client_cpus} CPU / {run.client_gpus:g} GPU each",
     }
 
 
@@ -238,7 +240,7 @@ def fit_flops(cfg: dict) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     device = use_device(cfg)
-    client = client_class(cfg["strategy"])(cfg, load_client_data(cfg, 0, device), device)
+    client = client_class(common(cfg).strategy)(cfg, load_client_data(cfg, 0, device), device)
     with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
         global_arrays = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
     config = bare_fit_config(cfg, [client])(1)
@@ -251,10 +253,11 @@ def fit_flops(cfg: dict) -> float:
 def bench_cohort(cfg: dict, device: torch.device) -> tuple[Any, list[int], Callable[[int], dict], dict]:
     """One cohort holding every client of ``cfg`` on ``device`` in this process (no Flower): the cohort, its
     members' ids, the fit config of a round, and the server's initial arrays."""
+    run = common(cfg)
     from ..app.node import CohortClient
 
-    members, packed = load_cohort_data(cfg, list(range(cfg["num-clients"])), device)
-    cohort = CohortClient(client_class(cfg["strategy"])(cfg, members[0], device), members, packed)
+    members, packed = load_cohort_data(cfg, list(range(run.num_clients)), device)
+    cohort = CohortClient(client_class(run.strategy)(cfg, members[0], device), members, packed)
 
     class Member:  # what bare_fit_config asks for the RSM means
         def __init__(self, pid):
@@ -364,10 +367,11 @@ def relative_distance(updates: list[np.ndarray], reference: list[np.ndarray]) ->
 
 
 def levers_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) -> int:
+    run = common(cfg)
     device = _device_name(cfg, threads)
     print(
-        f"fedbr-bench --levers: {cfg['strategy']}, {resolved_model(cfg)} on {cfg['dataset']}, one cohort of "
-        f"{cfg['num-clients']} clients x {cfg['local-steps']} steps x batch {cfg['batch-size']}, {device}, "
+        f"fedbr-bench --levers: {run.strategy}, {resolved_model(cfg)} on {run.dataset}, one cohort of "
+        f"{run.num_clients} clients x {run.local_steps} steps x batch {run.batch_size}, {device}, "
         f"{rounds} timed rounds\n"
     )
     print(
@@ -376,7 +380,7 @@ def levers_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) ->
         flush=True,
     )
     rows = lever_rows(cfg, rounds)
-    write_json(json_path, {"device": device, "strategy": cfg["strategy"], "model": resolved_model(cfg), "rows": rows})
+    write_json(json_path, {"device": device, "strategy": run.strategy, "model": resolved_model(cfg), "rows": rows})
     return 0
 
 
@@ -409,11 +413,12 @@ def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
 
 
 def cohort_step_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) -> int:
+    run = common(cfg)
     t = cohort_step_seconds(cfg, rounds)
     device = _device_name(cfg, threads)
     print(
-        f"fedbr-bench --cohort-step: {cfg['strategy']}, {resolved_model(cfg)} on {cfg['dataset']}, one cohort of "
-        f"{cfg['num-clients']} clients x {cfg['local-steps']} steps x batch {cfg['batch-size']}, {device}, "
+        f"fedbr-bench --cohort-step: {run.strategy}, {resolved_model(cfg)} on {run.dataset}, one cohort of "
+        f"{run.num_clients} clients x {run.local_steps} steps x batch {run.batch_size}, {device}, "
         f"{rounds} timed rounds\n"
     )
     labels = {
@@ -426,9 +431,9 @@ def cohort_step_main(cfg: dict, rounds: int, threads: int, json_path: Path | Non
         json_path,
         {
             "device": device,
-            "strategy": cfg["strategy"],
+            "strategy": run.strategy,
             "model": resolved_model(cfg),
-            "clients": cfg["num-clients"],
+            "clients": run.num_clients,
             **{f"{name}_s_per_round": v for name, v in t.items()},
         },
     )
@@ -497,13 +502,13 @@ def suite_main(
     )
     rows = []
     for shape, cfg in configs:
-        print(f"  {shape} {cfg['strategy']} ...", flush=True)
+        print(f"  {shape} {common(cfg).strategy} ...", flush=True)
         try:
             row = compare(cfg, rounds)
         except RunFailed as exc:
-            print(f"fedbr-bench: error: {shape} {cfg['strategy']}: {exc}", file=sys.stderr)
+            print(f"fedbr-bench: error: {shape} {common(cfg).strategy}: {exc}", file=sys.stderr)
             return 1
-        if cfg["strategy"] == strategies[0]:  # once per shape: FedAvg, FedBR and DisTrans steps on it
+        if common(cfg).strategy == strategies[0]:  # once per shape: FedAvg, FedBR and DisTrans steps on it
             row["step_s"] = step_seconds(cfg, steps=steps)
         rows.append({"shape": shape, **row})
     print_suite_table(rows, device)
@@ -580,7 +585,7 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
     rows = []
     for label, preset in SCALE:
         cfg = cohort_config(build_config(["engine=cohort", *preset, *items]))  # so that cohort-step=... is valid
-        print(f"  {label}: {cfg['strategy']}, {cfg['cohorts']} cohort(s) ...", flush=True)
+        print(f"  {label}: {common(cfg).strategy}, {common(cfg).cohorts} cohort(s) ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
             try:
                 records, total = flower_round_seconds(cfg, rounds, Path(tmp))
@@ -591,8 +596,8 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
         rows.append(
             {
                 "case": label,
-                "strategy": cfg["strategy"],
-                "cohorts": cfg["cohorts"],
+                "strategy": common(cfg).strategy,
+                "cohorts": common(cfg).cohorts,
                 "s_per_round": statistics.median(r["seconds"] for r in records),
                 "peak_mb": max(r.get(key, 0.0) for r in records),
                 "memory": key,
@@ -731,9 +736,10 @@ def run_mode(args: argparse.Namespace, threads: int) -> int:
 
 
 def compare_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) -> int:
+    run = common(cfg)
     print(
-        f"fedbr-bench: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients x "
-        f"{cfg['local-steps']} steps x batch {cfg['batch-size']}, {rounds} timed rounds",
+        f"fedbr-bench: {run.strategy} on {run.dataset}, {run.num_clients} clients x "
+        f"{run.local_steps} steps x batch {run.batch_size}, {rounds} timed rounds",
         flush=True,
     )
     result = compare(cfg, rounds)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..app.flower_adapter import ENGINE_FRAMES
+from ..core.config import common
 
 # The issue's workload: 10 clients, all every round, 20 rounds of 10 SGD steps of 32 at lr 0.02, the small
 # CNN, the embedded data, one evaluation at the end.
@@ -305,15 +306,19 @@ def milestone_main(cfg: dict, label: str, tag: str, train: Callable) -> int:
     ``phases`` reads (``{label}: ...``, ``[{tag}] ...``) and writes the rounds' seconds to
     ``output-dir/rounds.jsonl`` (what ``steady_round_seconds`` reads). ``train(cfg, device, on_start,
     on_round)`` runs the rounds and returns the mean local-test accuracy."""
+    run = common(cfg)
     import torch
 
     from ..core.training import use_device
 
-    out = Path(cfg["output-dir"])
+    out = Path(run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count() or 1)
-    rounds = cfg["num-rounds"]
-    print(f"{label}: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients, {rounds} rounds", flush=True)
+    rounds = run.num_rounds
+    print(
+        f"{label}: {run.strategy} on {run.dataset}, {run.num_clients} clients, {rounds} rounds",
+        flush=True,
+    )
     records = []
 
     def on_round(server_round: int, seconds: float) -> None:
@@ -321,7 +326,7 @@ def milestone_main(cfg: dict, label: str, tag: str, train: Callable) -> int:
         print(f"[{tag}] round {server_round}/{rounds} | {seconds:.2f} s", flush=True)
 
     def on_start() -> None:
-        print(f"[{tag}] {cfg['num-clients']} clients built", flush=True)
+        print(f"[{tag}] {common(cfg).num_clients} clients built", flush=True)
 
     accuracy = train(cfg, use_device(cfg), on_start, on_round)
     print(f"[{tag}] evaluated : mean local-test acc {accuracy:.2%}", flush=True)
@@ -336,7 +341,7 @@ def bare_main(argv: Sequence[str]) -> int:
     def train(cfg, device, on_start, on_round) -> float:
         from .bare import bare_loop
 
-        _, clients, arrays = bare_loop(cfg, cfg["num-rounds"], device, on_start, on_round)
+        _, clients, arrays = bare_loop(cfg, common(cfg).num_rounds, device, on_start, on_round)
         return statistics.mean(client.evaluate(arrays, {})[2]["accuracy"] for client in clients)
 
     return milestone_main(build_config(argv), "bare loop", "bare", train)

@@ -44,6 +44,7 @@ except ModuleNotFoundError as exc:  # run as a script only: say what to install 
 from ..app.server_app import build_strategy
 from ..core import seeds
 from ..core.algorithm import client_class
+from ..core.config import common
 from ..core.training import BatchSampler, load_module_arrays
 from ..data.dataset import ClientData, load_client_data
 from ..launch.plan import build_config
@@ -95,9 +96,9 @@ class RoundData:
 
     def __call__(self, pid: int) -> Dataset:
         self.rounds[pid] += 1
-        seed = seeds.seed("batches", self.cfg["seed"], self.rounds[pid], pid)
-        sample = BatchSampler(self.clients[pid], self.cfg["batch-size"], seed)
-        batches = [sample() for _ in range(self.cfg["local-steps"])]
+        seed = seeds.seed("batches", common(self.cfg).seed, self.rounds[pid], pid)
+        sample = BatchSampler(self.clients[pid], common(self.cfg).batch_size, seed)
+        batches = [sample() for _ in range(common(self.cfg).local_steps)]
         return Dataset((torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])), user_id=pid)
 
 
@@ -150,20 +151,21 @@ def pfl_loop(cfg: dict, device: torch.device, on_start=None, on_round=None) -> t
     """``num-rounds`` rounds of pfl's FedAvg on this project's model and client data (see the module's
     docstring); ``on_start()`` once the clients are built, ``on_round(round, seconds)`` after each round.
     Returns pfl's trained ``PyTorchModel`` and the clients' data."""
-    rounds, n = cfg["num-rounds"], cfg["num-clients"]
+    run = common(cfg)
+    rounds, n = run.num_rounds, run.num_clients
     os.environ["PFL_PYTORCH_DEVICE"] = str(device)  # where pfl puts the model and every batch
     with tempfile.TemporaryDirectory(prefix="fedbr-pfl-") as tmp:  # the server's seeded initial weights
         initial = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
-    model = client_class(cfg["strategy"]).build_modules(cfg, cfg["compile"])["model"]
+    model = client_class(run.strategy).build_modules(cfg, run.compile)["model"]
     load_module_arrays(model, "model", initial)
     module = PflModule(model).to(device)
     pfl_model = PyTorchModel(
         module,
         local_optimizer_create=functools.partial(
-            torch.optim.SGD, momentum=cfg["momentum"], weight_decay=cfg["weight-decay"]
+            torch.optim.SGD, momentum=run.momentum, weight_decay=run.weight_decay
         ),  # a new one for every client and round, as the bare loop's step starts without momentum
         central_optimizer=torch.optim.SGD(module.parameters(), lr=1.0),  # model + mean(local - model)
-        amp_dtype=torch.bfloat16 if cfg["precision"] == "bf16" else None,
+        amp_dtype=torch.bfloat16 if run.precision == "bf16" else None,
     )
     clients = [load_client_data(cfg, pid, device) for pid in range(n)]
     data = FederatedDataset(RoundData(cfg, clients), MinimizeReuseUserSampler(list(range(n))))
@@ -171,7 +173,7 @@ def pfl_loop(cfg: dict, device: torch.device, on_start=None, on_round=None) -> t
     backend = SimulatedBackend(
         training_data=data,
         val_data=None,
-        postprocessors=[WeightByTrainingSamples(sizes)] if cfg["weighting"] == "samples" else [],
+        postprocessors=[WeightByTrainingSamples(sizes)] if run.weighting == "samples" else [],
     )  # else pfl's default: every client's update weighs 1, the bare loop's uniform weighting
     if on_start:
         on_start()
@@ -182,7 +184,7 @@ def pfl_loop(cfg: dict, device: torch.device, on_start=None, on_round=None) -> t
         backend=backend,
         model=pfl_model,
         model_train_params=NNTrainHyperParams(
-            local_batch_size=cfg["batch-size"], local_num_epochs=1, local_learning_rate=cfg["lr"]
+            local_batch_size=run.batch_size, local_num_epochs=1, local_learning_rate=run.lr
         ),  # one epoch of RoundData's dataset: exactly local-steps steps of batch-size
         callbacks=[RoundTimer(device, on_round)],
         send_metrics_to_platform=False,  # else pfl prints every iteration's metrics
@@ -204,8 +206,8 @@ def mean_local_accuracy(pfl_model: Any, clients: list[ClientData]) -> float:
 def pfl_main(argv: Sequence[str]) -> int:
     """The pfl-research variant as a process of its own (``startup.milestone_main``, as the bare loop)."""
     cfg = build_config(argv)
-    if cfg["strategy"] != "fedavg":
-        print(f"fedbr_flwr.bench.startup_pfl: runs strategy=fedavg only, not {cfg['strategy']}", file=sys.stderr)
+    if common(cfg).strategy != "fedavg":
+        print(f"fedbr_flwr.bench.startup_pfl: runs strategy=fedavg only, not {common(cfg).strategy}", file=sys.stderr)
         return 2
 
     def train(cfg, device, on_start, on_round) -> float:

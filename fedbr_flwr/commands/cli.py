@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..app.raycluster import requested_address
-from ..core.config import ConfigError, pyproject_table, schema
+from ..core.config import ConfigError, common, pyproject_table, schema
 from ..launch.launcher import PROJECT_DIR, RunFailed, RunHost, run_flower
 from ..launch.plan import build_config, prepare, resume_config, size_for_runtime, supernodes
 from ..launch.timelimit import (
@@ -180,13 +180,13 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
     if args.dry_run:
         print("\n".join(f"{k} = {v!r}" for k, v in cfg.items()))
         return 0
-    out = Path(cfg["output-dir"])
+    out = Path(common(cfg).output_dir)
     print(
-        f"fedbr-run: {cfg['strategy']} on {cfg['dataset']}, {cfg['num-clients']} clients, "
-        f"{cfg['num-rounds']} rounds -> {out}",
+        f"fedbr-run: {common(cfg).strategy} on {common(cfg).dataset}, {common(cfg).num_clients} clients, "
+        f"{common(cfg).num_rounds} rounds -> {out}",
         flush=True,
     )
-    if host is not None and requested_address(cfg["ray-address"]) != host.address:
+    if host is not None and requested_address(common(cfg).ray_address) != host.address:
         host.close()  # the run joins a cluster: the private runtime started ahead would only hold memory
     # SIGTERM must unwind like Ctrl-C so that the launcher stops the SuperLink and its children.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -194,11 +194,13 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         echo = "none" if args.quiet else "all" if args.verbose else "progress"
         watch = None
         if args.deadline is not None:
-            watch = RoundWatch(args.deadline, cfg["num-rounds"], checkpoint_round(out) if cfg["resume"] else None)
+            watch = RoundWatch(
+                args.deadline, common(cfg).num_rounds, checkpoint_round(out) if common(cfg).resume else None
+            )
         run_flower(cfg, supernodes(cfg), out, echo=echo, superlink=args.superlink, host=host, watch=watch)
     except TimeLimitReached as exc:
         print(
-            stopped_line("fedbr-run", str(out), exc.saved_round, cfg["num-rounds"], again(args, out, exc)),
+            stopped_line("fedbr-run", str(out), exc.saved_round, common(cfg).num_rounds, again(args, out, exc)),
             file=sys.stderr,
         )
         return EXIT_TIME_LIMIT

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from ..core.config import common
 from ..core.errors import ConfigError
 from ..launch import watchdog
 from ..launch.launcher import RunFailed, flower_env, free_port, stop_tree, submit_run, wait_healthy
@@ -372,12 +373,12 @@ def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -
                 )
             settings["num-clients"] = num_clients
         cfg = prepare(validate(settings), overwrite=False)
-    if cfg["engine"] == "cohort":
+    if common(cfg).engine == "cohort":
         raise ConfigError(
             "engine=cohort runs in simulation only (fedbr-run): a deployment has one client per "
             "SuperNode; drop engine=cohort (engine=clients)"
         )
-    if cfg["backend"] == "in-process":
+    if common(cfg).backend == "in-process":
         raise ConfigError(
             "backend = in-process runs simulated clients in one process (fedbr-run): a deployment's clients are "
             "its SuperNodes; drop backend"
@@ -403,9 +404,9 @@ def _check_supernodes(n: int) -> None:
 def cmd_local(args) -> int:
     _check_supernodes(args.supernodes)
     cfg = _config(args.items, args.resume, args.supernodes)
-    out = Path(cfg["output-dir"])
+    out = Path(common(cfg).output_dir)
     print(
-        f"fedbr-deploy: {cfg['strategy']} on {cfg['dataset']}, {args.supernodes} SuperNodes on 127.0.0.1"
+        f"fedbr-deploy: {common(cfg).strategy} on {common(cfg).dataset}, {args.supernodes} SuperNodes on 127.0.0.1"
         f"{' with TLS' if args.tls or args.auth else ''}{' and SuperNode auth' if args.auth else ''} -> {out}",
         flush=True,
     )
@@ -420,10 +421,10 @@ def cmd_run(args) -> int:
     home = watchdog.temp_dir("fedbr-deploy-")
     try:
         env = deploy_env(home, args.superlink, certs)
-        submit_run(cfg, env, CONNECTION, Path(cfg["output-dir"]), echo=args.echo)
+        submit_run(cfg, env, CONNECTION, Path(common(cfg).output_dir), echo=args.echo)
     finally:
         watchdog.remove_temp_dir(home)
-    return _print_result(Path(cfg["output-dir"]))
+    return _print_result(Path(common(cfg).output_dir))
 
 
 def cmd_register(args) -> int:

@@ -52,7 +52,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ..core.config import PLACEMENT_KEYS, ConfigError, load_yaml, normalise_key, parse_override, schema, unknown_key
+from ..core.config import (
+    PLACEMENT_KEYS,
+    ConfigError,
+    common,
+    load_yaml,
+    normalise_key,
+    parse_override,
+    schema,
+    unknown_key,
+)
 from ..launch.launcher import RunFailed, RunHost, run_flower
 from ..launch.plan import config_from_settings, prepare, size_for_runtime, supernodes
 from ..launch.timelimit import (
@@ -238,8 +247,8 @@ def plan(
                     raise ConfigError(f"{where} (seed {seed}): {exc}") from None
                 setting = Setting(name, tuple((k, cfg[k]) for k, _ in own))  # 1e-3 and 0.001 alike
                 cfg["output-dir"] = str(setting.folder(out, seed))
-                if cfg["output-dir"] not in folders:  # else: a cell that differs in keys this run does not use
-                    folders.add(cfg["output-dir"])
+                if common(cfg).output_dir not in folders:  # else: a cell that differs in keys this run does not use
+                    folders.add(common(cfg).output_dir)
                     jobs.append((setting, seed, cfg))
     check_cells_differ(spec.grid, [setting for setting, seed, _ in jobs if seed == seeds[0]])
     return jobs
@@ -260,13 +269,14 @@ def check_cells_differ(grid: dict[str, Factor], settings: list[Setting]) -> None
 
 def finished_with_same_config(cfg: dict[str, Any]) -> bool:
     """True if the folder holds a finished run of this config; a different run there is an error."""
-    out = Path(cfg["output-dir"])
+    run = common(cfg)
+    out = Path(run.output_dir)
     manifest, summary = out / "manifest.json", out / "summary.json"
     if not (out / "metrics.jsonl").exists():
         return False
     if not manifest.exists() or not summary.exists():
         return False  # an unfinished run: start it again
-    if json.loads(summary.read_text()).get("last_round") != cfg["num-rounds"]:
+    if json.loads(summary.read_text()).get("last_round") != run.num_rounds:
         return False  # summary.json is refreshed at every evaluation: this run stopped early
     old = json.loads(manifest.read_text())["config"]
     defaults = {k: spec.default for k, spec in schema().items()}
@@ -288,7 +298,7 @@ def resumable_round(cfg: dict[str, Any]) -> int | None:
     from ..app.server_app import check_resumable
     from ..runfiles.checkpoint import CHECKPOINT_NAME, load_checkpoint
 
-    out = Path(cfg["output-dir"])
+    out = Path(common(cfg).output_dir)
     if not (out / CHECKPOINT_NAME).exists():
         return None
     try:
@@ -317,21 +327,21 @@ def run_all(
             label = f"[{i}/{len(jobs)}] {name.label} seed {seed}"
             cfg = prepare(size_for_runtime(cfg), overwrite=True)
             if finished_with_same_config(cfg):
-                print(f"fedbr-sweep: {label}: already finished in {cfg['output-dir']}; kept", flush=True)
+                print(f"fedbr-sweep: {label}: already finished in {common(cfg).output_dir}; kept", flush=True)
                 status[(name, seed)] = "kept"
                 continue
-            where = f"{name.label} seed {seed} ({cfg['output-dir']})"
+            where = f"{name.label} seed {seed} ({common(cfg).output_dir})"
             resumed = resumable_round(cfg)
             if deadline is not None:
                 if time.time() >= deadline:
-                    raise TimeLimitReached(resumed, where, cfg["num-rounds"])
+                    raise TimeLimitReached(resumed, where, common(cfg).num_rounds)
                 cfg["checkpoint-every"] = 1  # a stop loses no finished round
             cfg["resume"] = resumed is not None
-            start = f"continues after round {resumed}" if cfg["resume"] else cfg["strategy"]
-            print(f"fedbr-sweep: {label}: {start} -> {cfg['output-dir']}", flush=True)
-            watch = None if deadline is None else RoundWatch(deadline, cfg["num-rounds"], resumed)
+            start = f"continues after round {resumed}" if common(cfg).resume else common(cfg).strategy
+            print(f"fedbr-sweep: {label}: {start} -> {common(cfg).output_dir}", flush=True)
+            watch = None if deadline is None else RoundWatch(deadline, common(cfg).num_rounds, resumed)
             try:
-                out_dir = Path(cfg["output-dir"])
+                out_dir = Path(common(cfg).output_dir)
                 if out is not None and tracking.requested(cfg):
                     tracking.label_sweep_run(
                         out_dir, out.name, str(out_dir.relative_to(out)), [name.label[:64], f"seed{seed}"]
@@ -340,14 +350,14 @@ def run_all(
                 try:
                     run_flower(cfg, supernodes(cfg), out_dir, echo=echo, host=host, watch=watch)
                 except TimeLimitReached as exc:
-                    raise TimeLimitReached(exc.saved_round, where, cfg["num-rounds"]) from None
+                    raise TimeLimitReached(exc.saved_round, where, common(cfg).num_rounds) from None
                 ok = (out_dir / "summary.json").exists()
                 problem = finished_run_problem(out_dir) if ok else "no final evaluation"
                 status[(name, seed)] = f"failed: {problem}" if problem else "ok"
             except (RunFailed, ConfigError) as exc:
                 status[(name, seed)] = f"failed: {exc}"
             except OSError as exc:  # its folder's disk filled up, say: the next runs may still fit elsewhere
-                status[(name, seed)] = f"failed: cannot write to {cfg['output-dir']}: {exc.strerror or exc}"
+                status[(name, seed)] = f"failed: cannot write to {common(cfg).output_dir}: {exc.strerror or exc}"
             print(f"fedbr-sweep: {label}: {status[(name, seed)]}", flush=True)
     return status
 
@@ -359,7 +369,7 @@ def shared_host(jobs: list[tuple[Setting, int, dict[str, Any]]]) -> Iterator[Run
     runs name different Ray clusters."""
     from ..app.raycluster import describe, requested_address
 
-    addresses = {requested_address(cfg["ray-address"]) for _, _, cfg in jobs}
+    addresses = {requested_address(common(cfg).ray_address) for _, _, cfg in jobs}
     if len(addresses) != 1:
         yield None
         return
@@ -429,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = list(dict.fromkeys(seed for _, seed, _ in jobs))
     if args.dry_run:
         for name, seed, cfg in jobs:
-            print(f"{name.label} seed {seed}: strategy={cfg['strategy']} -> {cfg['output-dir']}")
+            print(f"{name.label} seed {seed}: strategy={common(cfg).strategy} -> {common(cfg).output_dir}")
         print(f"{len(jobs)} runs ({len(names)} settings x {len(seeds)} seeds)")
         return 0
     status = {}

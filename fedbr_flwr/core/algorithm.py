@@ -32,7 +32,7 @@ from ..data.dataset import ClientData, make_partition
 from ..runfiles import codec
 from . import attack, seeds
 from .broadcast import receive_shared
-from .config import resolved_model
+from .config import common, resolved_model
 from .model import build_model
 from .registry import components_of, lookup_client, lookup_component
 from .settings import NoSettings, Settings
@@ -223,6 +223,7 @@ class LocalStep:
     def __init__(self, model: Any, cfg: dict, components: Sequence[LocalComponent] = ()):
         self.model = model
         self.cfg = cfg
+        self.clip_grad_norm = common(cfg).clip_grad_norm  # read once: step() runs every local step
         self.components = list(components)
         self.optimizer = round_sgd(model, model.parameters(), cfg)
 
@@ -233,9 +234,9 @@ class LocalStep:
         """One SGD step of the model on ``loss`` (its gradient clipped to clip-grad-norm)."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if self.cfg["clip-grad-norm"]:
+        if self.clip_grad_norm:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            clip_norm_(grads, self.cfg["clip-grad-norm"])
+            clip_norm_(grads, self.clip_grad_norm)
         self.optimizer.step()
 
     def transform(self, batch: Batch) -> Batch:
@@ -331,9 +332,9 @@ class FunctionalStep(LocalStep):
         (-loss if phase.ascent else loss).backward(inputs=[p for g in phase.groups for p in self.groups[g].values()])
         if phase.adjust:
             self.adjust_gradients(cast(list[torch.Tensor], [p.grad for p in self.groups["model"].values()]))
-        if self.cfg["clip-grad-norm"]:
+        if self.clip_grad_norm:
             grads = [p.grad for g in phase.groups for p in self.groups[g].values()]
-            clip_norm_(cast(list[torch.Tensor], grads), self.cfg["clip-grad-norm"])
+            clip_norm_(cast(list[torch.Tensor], grads), self.clip_grad_norm)
         for group in phase.groups:
             self.optimizers[group].step()
         return {k: v.detach() for k, v in stats.items()}
@@ -425,7 +426,7 @@ class ClientAlgorithm:
     @classmethod
     def build_modules(cls, cfg: dict, compile: bool = False) -> dict[str, nn.Module]:
         """{"model": ..., **extra_modules}, drawn from torch's RNG in this order (the server seeds it first)."""
-        info = INFO[cfg["dataset"]]
+        info = INFO[common(cfg).dataset]
         backbone = build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size)
         if compile:
             compile_features(backbone)
@@ -437,7 +438,7 @@ class ClientAlgorithm:
         self.bind(data, state if state is not None else MemoryState())
         self.device = torch.device(device)
         self.settings = self.Settings.from_config(cfg)
-        self.modules = {k: m.to(self.device) for k, m in self.build_modules(cfg, cfg["compile"]).items()}
+        self.modules = {k: m.to(self.device) for k, m in self.build_modules(cfg, common(cfg).compile).items()}
         # a SplitModel, or a model around one with its own features and classifier (DisTrans): duck-typed
         self.model: Any = self.modules["model"]
         self.components = self.build_components()
@@ -479,7 +480,7 @@ class ClientAlgorithm:
         """Its components, set up for this round (with the round's seed streams)."""
 
         def stream_seed(stream: str) -> int:
-            return seeds.seed(self.seed_streams.get(stream, stream), self.cfg["seed"], server_round, self.pid)
+            return seeds.seed(self.seed_streams.get(stream, stream), common(self.cfg).seed, server_round, self.pid)
 
         ctx = RoundContext(self.model, self.received, stream_seed, self.device)
         for component in self.components:
@@ -498,7 +499,7 @@ class ClientAlgorithm:
         counts = torch.bincount(self.data.y_train, minlength=self.data.num_classes).tolist()
         return {
             "partition-id": self.pid,
-            "num-partitions": self.cfg["num-clients"],
+            "num-partitions": common(self.cfg).num_clients,
             "partition-hash": phash,
             "num-train": len(self.data.y_train),
             "num-test": len(self.data.y_test),
@@ -514,20 +515,21 @@ class ClientAlgorithm:
             try:
                 load_module_arrays(module, prefix, arrays)
             except ValueError as exc:
-                raise ValueError(f"client {self.pid} ({self.cfg['strategy']}): {exc}") from None
+                raise ValueError(f"client {self.pid} ({common(self.cfg).strategy}): {exc}") from None
         own = {f"{p}/{k}" for p, m in self.modules.items() for k in m.state_dict()}
         self.received = {k: v for k, v in arrays.items() if k not in own}
         accepted = self.accepts + tuple(p for c in self.components for p in c.accepts)
         unexpected = [k for k in self.received if not k.startswith(accepted)]
         if unexpected:
             raise ValueError(
-                f"client {self.pid} ({self.cfg['strategy']}) does not take arrays {', '.join(unexpected[:5])}"
+                f"client {self.pid} ({common(self.cfg).strategy}) does not take arrays {', '.join(unexpected[:5])}"
             )
 
     def fit(self, arrays: Named, config: dict) -> tuple[Named, int, dict]:
+        run = common(self.cfg)
         step, sampler = self.start_fit(arrays, config)
         start = time.perf_counter()
-        stats = run_local_steps(step, sampler, self.cfg["local-steps"], self.cfg["precision"], self.first_step_stats)
+        stats = run_local_steps(step, sampler, run.local_steps, run.precision, self.first_step_stats)
         return self.finish_fit(step, stats, time.perf_counter() - start)
 
     def start_fit(self, arrays: Named, config: dict) -> tuple[LocalStep, BatchSampler]:
@@ -539,7 +541,7 @@ class ClientAlgorithm:
         self.fit_sent = arrays  # what a simulated attacker changes its reply from
         step = self.make_step(server_round, config)
         sampler = BatchSampler(
-            self.data, self.cfg["batch-size"], seeds.seed("batches", self.cfg["seed"], server_round, self.pid)
+            self.data, common(self.cfg).batch_size, seeds.seed("batches", common(self.cfg).seed, server_round, self.pid)
         )
         return step, sampler
 
@@ -608,7 +610,7 @@ class ClientAlgorithm:
         handlers = self.requests()
         if name not in handlers:
             raise ValueError(
-                f"client {self.pid} ({self.cfg['strategy']}) answers no request '{name}' "
+                f"client {self.pid} ({common(self.cfg).strategy}) answers no request '{name}' "
                 f"(it answers: {', '.join(['client-state', *handlers])})"
             )
         return handlers[name](config)

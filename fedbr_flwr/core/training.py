@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..data.dataset import ClientData, random_crop_flip
+from .config import common
 
 
 class BatchSampler:
@@ -123,15 +124,16 @@ def round_sgd(
     built once per (owner, parameters, hyperparameters) and reused by later rounds, which clear its
     state instead. On a CPU it is ``PlainSGD``; elsewhere ``torch.optim.SGD`` (its multi-tensor update on a GPU,
     which the CUDA-graph step captures)."""
+    run = common(cfg)
     params = list(params)
-    lr = cfg["lr"] if lr is None else lr
-    weight_decay = cfg["weight-decay"] if weight_decay is None else weight_decay
-    key = (tuple(id(p) for p in params), lr, cfg["momentum"], weight_decay)
+    lr = run.lr if lr is None else lr
+    weight_decay = run.weight_decay if weight_decay is None else weight_decay
+    key = (tuple(id(p) for p in params), lr, run.momentum, weight_decay)
     per_owner = _OPTIMIZERS.setdefault(owner, {})
     optimizer = per_owner.get(key)
     if optimizer is None:
         kind = PlainSGD if all(p.device.type == "cpu" for p in params) else torch.optim.SGD
-        optimizer = per_owner[key] = kind(params, lr=lr, momentum=cfg["momentum"], weight_decay=weight_decay)
+        optimizer = per_owner[key] = kind(params, lr=lr, momentum=run.momentum, weight_decay=weight_decay)
     optimizer.state.clear()
     return optimizer
 
@@ -296,9 +298,10 @@ def peak_memory_mb(device: torch.device | str) -> dict[str, float]:
 
 def use_device(cfg: dict) -> torch.device:
     """The config's device, with its CUDA kernel switches (``tf32``, ``cudnn-autotune``) set for this process."""
-    device = pick_device(cfg["device"])
+    run = common(cfg)
+    device = pick_device(run.device)
     if device.type == "cuda":
-        set_cuda_kernels(cfg["tf32"], cfg["cudnn-autotune"])
+        set_cuda_kernels(run.tf32, run.cudnn_autotune)
     return device
 
 

@@ -258,7 +258,7 @@ def shared_prepare_gradients(
     the last phase's gradients, the stats), each with a leading member dimension."""
     *earlier, last = template.phases
     hyper = {g: template.optimizers[g].param_groups[0] for phase in earlier for g in phase.groups}
-    clip = template.cfg["clip-grad-norm"]  # an earlier phase's gradients clipped here, per member
+    clip = template.clip_grad_norm  # an earlier phase's gradients clipped here, per member
 
     def member(params: Params, momentum: Params, inputs: Inputs):
         params, stepped, buffers, stats = dict(params), {}, {}, {}
@@ -329,7 +329,7 @@ def run_members(
             return stack([m.step.draw(*own) for m, own in zip(members, stack.split(*batches()))])
 
     momentum: Params = {}  # shares_prepare: the earlier phases' momentum buffers, from the first step on
-    clip = template.cfg["clip-grad-norm"]  # each member's gradient of a phase, clipped on its own
+    clip = template.clip_grad_norm  # each member's gradient of a phase, clipped on its own
 
     def apply(phase: Phase, grads: Params) -> None:
         """The components' adjustments of each member's slice, each member's clipping (clip-grad-norm), then

@@ -17,6 +17,7 @@ import torch
 
 from ..core import seeds
 from ..core.attack import flipped_labels, is_label_flipper
+from ..core.config import common
 from ..core.errors import ConfigError
 from ..runfiles import codec
 from .catalog import INFO, DatasetInfo, load_raw, source_folder
@@ -90,19 +91,21 @@ def normalise(x: torch.Tensor, info: DatasetInfo) -> torch.Tensor:
 
 def domain_rotation(cfg: Mapping[str, Any]) -> str:
     """How this run turns its clients' images: the dataset's rotation kind under rotate=true, else "none"."""
-    return INFO[cfg["dataset"]].rotation if cfg["rotate"] else "none"
+    run = common(cfg)
+    return INFO[run.dataset].rotation if run.rotate else "none"
 
 
 def image_angles(cfg: Mapping[str, Any], partition_id: int, n: int) -> np.ndarray:
     """Rotation of each of a client's n images under the configured domain shift."""
+    run = common(cfg)
     rotation = domain_rotation(cfg)
     if rotation == "none":
         return np.zeros(n)
     if rotation == "client":
         return np.full(n, client_angle(partition_id))
-    rng = seeds.rng("cifar-angles", cfg["seed"], partition_id)
+    rng = seeds.rng("cifar-angles", run.seed, partition_id)
     choices = ROTATION_STEP * np.arange(ROTATION_DOMAINS)
-    return rng.choice(choices, size=n, p=cifar_angle_prior(partition_id, cfg["seed"]))
+    return rng.choice(choices, size=n, p=cifar_angle_prior(partition_id, run.seed))
 
 
 # ---------------------------------------------------------------- per-client data
@@ -124,10 +127,11 @@ PARTITION_KEYS = ("num-clients", "partition", "alpha", "classes-per-client", "se
 
 
 def make_partition(cfg: Mapping[str, Any]) -> tuple[list[np.ndarray], str]:
+    run = common(cfg)
     parts = _cached_partition(
-        cfg["dataset"],
-        source_folder(cfg["dataset"], cfg["data-dir"]),
-        cfg["download"],
+        run.dataset,
+        source_folder(run.dataset, run.data_dir),
+        run.download,
         *(cfg[k] for k in PARTITION_KEYS),
     )
     return parts, partition_hash(parts)
@@ -152,13 +156,15 @@ def _cached_partition(dataset, folder, download, num_clients, method, alpha, cla
 
 
 def client_indices(cfg: Mapping[str, Any], partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+    run = common(cfg)
     parts, _ = make_partition(cfg)
-    rng = seeds.rng("client-split", cfg["seed"], partition_id)
-    return split_train_test(parts[partition_id], cfg["test-fraction"], rng)
+    rng = seeds.rng("client-split", run.seed, partition_id)
+    return split_train_test(parts[partition_id], run.test_fraction, rng)
 
 
 def one_class_per_client(cfg: Mapping[str, Any]) -> bool:
-    return cfg["partition"] == "classes" and cfg["classes-per-client"] == 1
+    run = common(cfg)
+    return run.partition == "classes" and run.classes_per_client == 1
 
 
 def other_class_test_indices(cfg: Mapping[str, Any], partition_id: int) -> np.ndarray:
@@ -166,17 +172,18 @@ def other_class_test_indices(cfg: Mapping[str, Any], partition_id: int) -> np.nd
     class per client (DisTrans' 100% heterogeneity) as many images of the other classes as its local test
     holds of its own, drawn at random without replacement from the test split (which no client trains on),
     as the DisTrans paper does, so that predicting the client's one class does not score 100%. Otherwise none."""
+    run = common(cfg)
     if not one_class_per_client(cfg):
         return np.empty(0, dtype=np.int64)
-    train, test = load_raw(cfg["dataset"], cfg["data-dir"], cfg["download"])
+    train, test = load_raw(run.dataset, run.data_dir, run.download)
     _, test_idx = client_indices(cfg, partition_id)
     others = np.flatnonzero(~np.isin(test.y, np.unique(train.y[test_idx])))
     if len(test_idx) > len(others):
         raise ConfigError(
-            f"client {partition_id}'s local test holds {len(test_idx)} images of its class but {cfg['dataset']}'s "
+            f"client {partition_id}'s local test holds {len(test_idx)} images of its class but {run.dataset}'s "
             f"test split only {len(others)} of the others: lower test-fraction"
         )
-    rng = seeds.rng("other-class-test", cfg["seed"], partition_id)
+    rng = seeds.rng("other-class-test", run.seed, partition_id)
     return np.sort(rng.choice(others, size=len(test_idx), replace=False))
 
 
@@ -185,7 +192,7 @@ def save_partition(cfg: Mapping[str, Any], path: Path) -> str:
     file (arrays ``train_<i>``, ``test_<i>``; with one class per client also ``test_others_<i>``, into the
     test split); return the partition hash."""
     arrays = {}
-    for pid in range(cfg["num-clients"]):
+    for pid in range(common(cfg).num_clients):
         arrays[f"train_{pid}"], arrays[f"test_{pid}"] = client_indices(cfg, pid)
         if one_class_per_client(cfg):
             arrays[f"test_others_{pid}"] = other_class_test_indices(cfg, pid)
@@ -196,7 +203,7 @@ def save_partition(cfg: Mapping[str, Any], path: Path) -> str:
 def partition_sizes(cfg: Mapping[str, Any]) -> dict[int, tuple[int, int]]:
     """Every client's (training, local test) sample counts, from the server's own partition."""
     sizes = {}
-    for pid in range(cfg["num-clients"]):
+    for pid in range(common(cfg).num_clients):
         train, test = client_indices(cfg, pid)
         sizes[pid] = (len(train), len(test) + len(other_class_test_indices(cfg, pid)))
     return sizes
@@ -205,11 +212,12 @@ def partition_sizes(cfg: Mapping[str, Any]) -> dict[int, tuple[int, int]]:
 def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.device | str) -> ClientData:
     """This client's train/test tensors on ``device``. The node's client cache (``fedbr_flwr.app.node``)
     keeps them with the client that uses them, for as long as it keeps that client."""
-    if not 0 <= partition_id < cfg["num-clients"]:
-        raise ConfigError(f"partition-id {partition_id} outside 0..{cfg['num-clients'] - 1}")
+    run = common(cfg)
+    if not 0 <= partition_id < run.num_clients:
+        raise ConfigError(f"partition-id {partition_id} outside 0..{run.num_clients - 1}")
     device = torch.device(device)
-    info = INFO[cfg["dataset"]]
-    train, test = load_raw(cfg["dataset"], cfg["data-dir"], cfg["download"])
+    info = INFO[run.dataset]
+    train, test = load_raw(run.dataset, run.data_dir, run.download)
     train_idx, test_idx = client_indices(cfg, partition_id)
     own = np.concatenate([train_idx, test_idx])
     images, labels = train.x[own], train.y[own]
@@ -295,19 +303,21 @@ class ServerTests:
 def load_server_tests(cfg: Mapping[str, Any]) -> ServerTests | None:
     """What ``global-test`` and ``extra-local-tests`` ask for, or None when neither is on. Neither depends
     on the number of clients, which the server learns only when the clients answer."""
-    if not cfg["global-test"] and not cfg["extra-local-tests"]:
+    run = common(cfg)
+    if not run.global_test and not run.extra_local_tests:
         return None
     return ServerTests(
-        load_global_test(cfg) if cfg["global-test"] else {},
-        load_extra_local_tests(cfg) if cfg["extra-local-tests"] else [],
+        load_global_test(cfg) if run.global_test else {},
+        load_extra_local_tests(cfg) if run.extra_local_tests else [],
     )
 
 
 def load_global_test(cfg: Mapping[str, Any]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """The balanced global test: the whole test split once per angle of ``global_test_angles`` (the 0
     degree copy unrotated), as the reference code builds its test environments."""
-    info = INFO[cfg["dataset"]]
-    _, test = load_raw(cfg["dataset"], cfg["data-dir"], cfg["download"])
+    run = common(cfg)
+    info = INFO[run.dataset]
+    _, test = load_raw(run.dataset, run.data_dir, run.download)
     images, labels = to_float(test.x), torch.from_numpy(test.y)
     return {
         angle: (normalise(rotate(images, np.full(len(labels), angle)), info), labels)
@@ -324,11 +334,12 @@ def extra_local_test_indices(labels: np.ndarray, alpha: float, seed: int) -> lis
 
 def load_extra_local_tests(cfg: Mapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The 10 extra local test sets, set k rotated by 15*k degrees (unrotated with rotate=false)."""
-    info = INFO[cfg["dataset"]]
-    _, test = load_raw(cfg["dataset"], cfg["data-dir"], cfg["download"])
+    run = common(cfg)
+    info = INFO[run.dataset]
+    _, test = load_raw(run.dataset, run.data_dir, run.download)
     sets = []
-    for k, idx in enumerate(extra_local_test_indices(test.y, cfg["alpha"], cfg["seed"])):
-        angle = client_angle(k) if cfg["rotate"] else 0.0
+    for k, idx in enumerate(extra_local_test_indices(test.y, run.alpha, run.seed)):
+        angle = client_angle(k) if run.rotate else 0.0
         sets.append(
             (normalise(rotate(to_float(test.x[idx]), np.full(len(idx), angle)), info), torch.from_numpy(test.y[idx]))
         )

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..app.raycluster import log_tail, ray_environment, requested_address
-from ..core.config import to_toml
+from ..core.config import common, to_toml
 from ..core.errors import ConfigError
 from ..runfiles import runlock
 from ..runfiles.progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower
@@ -188,10 +188,11 @@ def run_flower(
     started for), used instead of a new process (not with ``superlink``). ``watch``: a time limit's
     (``timelimit.RoundWatch``): the run is stopped, with all it started, when the watch says so, and
     TimeLimitReached is raised."""
+    run = common(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    address = requested_address(cfg["ray-address"])
+    address = requested_address(run.ray_address)
     if superlink:
-        fed = federation_config(num_supernodes, cfg["client-cpus"], cfg["client-gpus"])
+        fed = federation_config(num_supernodes, run.client_cpus, run.client_gpus)
         with runlock.hold(out_dir), local_superlink(out_dir, address) as env:
             return submit_run(
                 cfg,
@@ -294,16 +295,17 @@ class RunHost:
     def run(self, cfg: dict, num_supernodes: int, out_dir: Path, echo: str, watch: RoundWatch | None = None) -> dict:
         """One run in this host: the run's output in ``out_dir/flower.log``, its progress followed as
         there; returns once the run's last event is written (the host finishes Flower's part meanwhile)."""
+        run = common(cfg)
         for _ in range(2):  # the host may have ended after the run before: then once more, in a new one
             self.start()
             request = RunRequest(
                 run_config=str(write_run_config(cfg, out_dir)),
                 run_id=secrets.randbits(62),
                 supernodes=num_supernodes,
-                cpus=cfg["client-cpus"],
-                gpus=cfg["client-gpus"],
+                cpus=run.client_cpus,
+                gpus=run.client_gpus,
                 log=str(out_dir / "flower.log"),
-                append=bool(cfg.get("resume")),
+                append=run.resume,
                 cwd=str(out_dir),
             )
             started, result = self._run_once(request, out_dir, echo, watch)
@@ -398,7 +400,7 @@ def submit_run(
         flwr = shutil.which("flwr", path=env["PATH"]) or "flwr"
         command = [flwr, "run", str(project_dir), connection, "--run-config", str(run_config), *(extra_args or [])]
         run_id, _, finished = follow_run(
-            command + ["--stream"], env, out_dir, echo, end_at_summary, bool(cfg.get("resume")), watch=watch
+            command + ["--stream"], env, out_dir, echo, end_at_summary, common(cfg).resume, watch=watch
         )
     log_path = out_dir / "flower.log"
     if run_id is None:

@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..core.config import common
 from ..core.errors import ConfigError, quoted
 from . import jsonsafe
 from .jsonsafe import write_text_atomically
@@ -30,10 +31,11 @@ log = logging.getLogger("flwr")
 
 
 def resolve_output_dir(cfg: Mapping[str, Any]) -> Path:
-    if cfg["output-dir"]:
-        return Path(cfg["output-dir"]).expanduser().resolve()
+    run = common(cfg)
+    if run.output_dir:
+        return Path(run.output_dir).expanduser().resolve()
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return (Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}").resolve()
+    return (Path.cwd() / "runs" / f"{run.strategy}-{run.dataset}-{stamp}").resolve()
 
 
 def check_path_length(path: Path, what: str = "output-dir") -> None:
@@ -183,6 +185,7 @@ class RunRecorder:
         """A new run empties the line files; a run resumed after round ``resume_round`` keeps their lines
         up to that round (later ones were written after its checkpoint) and its clock goes on from
         ``elapsed`` seconds."""
+        run = common(cfg)
         self.cfg = dict(cfg)
         self.out_dir = out_dir
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +198,7 @@ class RunRecorder:
             else:
                 keep_rounds_up_to(p, resume_round)
         self.start = time.time() - elapsed
-        self.title = f"{cfg['strategy']} on {cfg['dataset']}"
+        self.title = f"{run.strategy} on {run.dataset}"
         self.progress = Progress(out_dir, resumed=resume_round is not None)
         # TensorBoard / W&B get exactly the records the line files get
         self.tracking = Tracking(cfg, out_dir, resume_round, warn=lambda text: self.progress.emit("warning", text))
@@ -211,7 +214,7 @@ class RunRecorder:
                 {
                     "after_round": self.resume_round,
                     "config": self.cfg,
-                    "git_commit": self.cfg.get("git-commit") or git_commit() or "unknown",
+                    "git_commit": common(self.cfg).git_commit or git_commit() or "unknown",
                     "code_hash": code_hash(),
                     "packages": package_versions(),
                     "host": host_facts(),
@@ -222,9 +225,9 @@ class RunRecorder:
             return
         manifest = {
             "config": self.cfg,
-            "git_commit": self.cfg.get("git-commit") or git_commit() or "unknown",
+            "git_commit": common(self.cfg).git_commit or git_commit() or "unknown",
             "code_hash": code_hash(),
-            "seed": self.cfg["seed"],
+            "seed": common(self.cfg).seed,
             "packages": package_versions(),
             "host": host_facts(),
             "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -241,7 +244,7 @@ class RunRecorder:
         failed += " | too few updates: model unchanged" if record.get("skipped") else ""
         self.progress.emit(
             "round",
-            f"round {record['round']}/{self.cfg['num-rounds']}{extras}{failed} | {record['seconds']:.2f} s/round",
+            f"round {record['round']}/{common(self.cfg).num_rounds}{extras}{failed} | {record['seconds']:.2f} s/round",
             round=record["round"],
         )
 
@@ -269,7 +272,7 @@ class RunRecorder:
         self._write_json("summary.json", self.summary())
 
     def summary(self) -> dict[str, Any]:
-        return summarize(read_jsonl(self.metrics_path), self.cfg["target-acc"], read_jsonl(self.rounds_path))
+        return summarize(read_jsonl(self.metrics_path), common(self.cfg).target_acc, read_jsonl(self.rounds_path))
 
     def finalize(self) -> dict[str, Any]:
         history = read_jsonl(self.metrics_path)

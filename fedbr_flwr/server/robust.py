@@ -104,13 +104,6 @@ class RobustRule:
     bound: float = 0.0  # 0: a multiple of the round's median update norm
     multiple: float = 1.0
 
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "RobustRule":
-        return cls(
-            cfg["aggregation"], cfg["trim-fraction"], cfg["byzantine-clients"], cfg["norm-bound"],
-            cfg["norm-bound-multiple"],
-        )  # fmt: skip
-
     def plan(self, updates: Sequence[Mapping[str, np.ndarray]], reference: Mapping[str, np.ndarray]) -> "RoundPlan":
         """This round's per-client decisions, from each update's arrays relative to ``reference`` (the round's
         global arrays)."""
