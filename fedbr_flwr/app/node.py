@@ -166,13 +166,13 @@ class CohortClient(NumPyClient):
                 )
             algorithms.append(algorithm)
             members.append(Member(step, sampler, snapshot(step)))
-        cfg = self.algorithm.cfg
+        run = common(self.algorithm.cfg)
         start = time.perf_counter()
         capture = cuda_graph if (self.graph if graph is None else graph) else None
         offsets = [self.packed.offsets[pid] for pid, _, _ in parts]
         batches = PackedBatches([m.sample for m in members], offsets, self.packed.x, self.packed.y)
         finals, stats = run_members(
-            members, batches, common(cfg).local_steps, common(cfg).precision, capture, self.algorithm.first_step_stats
+            members, batches, run.local_steps, run.precision, capture, self.algorithm.first_step_stats
         )
         seconds = time.perf_counter() - start  # every member's fit took this long: they ran together
         results = []
@@ -257,44 +257,46 @@ def build_client(
             '--node-config "partition-id=<i> num-partitions=<n>"'
         )
     pid = int(node["partition-id"])
-    num_partitions = int(node.get("num-partitions", common(cfg).num_clients or 0))
-    if common(cfg).engine == "cohort":
-        if not common(cfg).num_clients:
+    run = common(cfg)
+    num_partitions = int(node.get("num-partitions", run.num_clients or 0))
+    if run.engine == "cohort":
+        if not run.num_clients:
             raise ConfigError("engine=cohort needs num-clients: the cohorts share them out")
-        if not 0 <= pid < num_partitions <= common(cfg).num_clients or common(cfg).cohorts not in (0, num_partitions):
+        if not 0 <= pid < num_partitions <= run.num_clients or run.cohorts not in (0, num_partitions):
             raise ConfigError(
-                f"engine=cohort with {common(cfg).num_clients} clients and cohorts = {common(cfg).cohorts}, but "
+                f"engine=cohort with {run.num_clients} clients and cohorts = {run.cohorts}, but "
                 f"this SuperNode is {pid} of {num_partitions}: start the simulation with "
                 "num-supernodes = cohorts, at most num-clients (fedbr-run does this)"
             )
-        torch.set_num_threads(common(cfg).client_cpus)
+        torch.set_num_threads(run.client_cpus)
         device = use_device(cfg)
         members, packed = load_cohort_data(cfg, cohort_members(cfg, pid, num_partitions), device)
         first = next(iter(members.values()))
-        algorithm = client_class(common(cfg).strategy)
-        if common(cfg).cohort_step == "graph" and device.type != "cuda":
+        algorithm = client_class(run.strategy)
+        if run.cohort_step == "graph" and device.type != "cuda":
             raise ConfigError(
                 f"cohort-step=graph replays CUDA graphs, but this cohort's device is {device}: "
                 "use cohort-step=vmap or loop"
             )
-        step = cohort_step(common(cfg).cohort_step, device.type, algorithm, components_of(cfg))
+        step = cohort_step(run.cohort_step, device.type, algorithm, components_of(cfg))
         return CohortClient(
             algorithm(cfg, first, device), members, packed, vectorised=step in ("vmap", "graph"), graph=step == "graph"
         )
-    if common(cfg).num_clients and num_partitions and common(cfg).num_clients != num_partitions:
+    if run.num_clients and num_partitions and run.num_clients != num_partitions:
         raise ConfigError(
-            f"num-clients = {common(cfg).num_clients} but this SuperNode was told num-partitions = "
-            f"{num_partitions}: start the federation with num-supernodes={common(cfg).num_clients}"
+            f"num-clients = {run.num_clients} but this SuperNode was told num-partitions = "
+            f"{num_partitions}: start the federation with num-supernodes={run.num_clients}"
         )
-    cfg["num-clients"] = common(cfg).num_clients or num_partitions
-    if not common(cfg).num_clients:
+    num_clients = run.num_clients or num_partitions
+    if not num_clients:
         raise ConfigError("num-clients is 0 and the SuperNode has no num-partitions: set one of them")
+    cfg["num-clients"] = num_clients
     if node.get("data-dir"):  # this machine's copy of the dataset
         cfg["data-dir"] = str(node["data-dir"])
-    torch.set_num_threads(common(cfg).client_cpus)
+    torch.set_num_threads(run.client_cpus)
     device = use_device(cfg)
     data = load_client_data(cfg, pid, device)
-    return FlowerClient(client_class(common(cfg).strategy)(cfg, data, device, RecordState(state)))
+    return FlowerClient(client_class(run.strategy)(cfg, data, device, RecordState(state)))
 
 
 class ClientCache:

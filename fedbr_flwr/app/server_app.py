@@ -61,12 +61,13 @@ def build_strategy(cfg: dict):
     out_dir = resolve_output_dir(cfg)
     cfg = {**cfg, "output-dir": str(out_dir)}
     checkpoint = None
-    if common(cfg).resume:
+    run = common(cfg)
+    if run.resume:
         checkpoint = load_checkpoint(out_dir)
         check_resumable(checkpoint[1]["config"], cfg, int(checkpoint[1]["round"]))
-    torch.manual_seed(common(cfg).seed)  # the initial model: what every client is sent in round 1
+    torch.manual_seed(run.seed)  # the initial model: what every client is sent in round 1
     device = use_device(cfg)
-    modules = {name: m.to(device) for name, m in client_class(common(cfg).strategy).build_modules(cfg).items()}
+    modules = {name: m.to(device) for name, m in client_class(run.strategy).build_modules(cfg).items()}
     server_tests = load_server_tests(cfg)
     recorder = (
         RunRecorder(cfg, out_dir)
@@ -75,7 +76,7 @@ def build_strategy(cfg: dict):
             cfg, out_dir, resume_round=int(checkpoint[1]["round"]), elapsed=float(checkpoint[1]["elapsed"])
         )
     )
-    strategy = strategy_class(common(cfg).strategy)(cfg, recorder, modules, server_tests)
+    strategy = strategy_class(run.strategy)(cfg, recorder, modules, server_tests)
     if checkpoint is not None:
         strategy.resume_from(*checkpoint)
     return strategy
@@ -97,9 +98,10 @@ def server_fn(context: Context) -> ServerAppComponents:
     check_backend(cfg)
     strategy = build_strategy(cfg)
     done = strategy.resumed_round
+    run = common(cfg)
     return ServerAppComponents(
         strategy=ResumedRun(strategy, done) if done else strategy,
-        config=ServerConfig(num_rounds=common(cfg).num_rounds - done, round_timeout=common(cfg).round_timeout or None),
+        config=ServerConfig(num_rounds=run.num_rounds - done, round_timeout=run.round_timeout or None),
     )
 
 

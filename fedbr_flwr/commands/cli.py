@@ -180,13 +180,13 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
     if args.dry_run:
         print("\n".join(f"{k} = {v!r}" for k, v in cfg.items()))
         return 0
-    out = Path(common(cfg).output_dir)
+    run = common(cfg)
+    out = Path(run.output_dir)
     print(
-        f"fedbr-run: {common(cfg).strategy} on {common(cfg).dataset}, {common(cfg).num_clients} clients, "
-        f"{common(cfg).num_rounds} rounds -> {out}",
+        f"fedbr-run: {run.strategy} on {run.dataset}, {run.num_clients} clients, {run.num_rounds} rounds -> {out}",
         flush=True,
     )
-    if host is not None and requested_address(common(cfg).ray_address) != host.address:
+    if host is not None and requested_address(run.ray_address) != host.address:
         host.close()  # the run joins a cluster: the private runtime started ahead would only hold memory
     # SIGTERM must unwind like Ctrl-C so that the launcher stops the SuperLink and its children.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -194,13 +194,11 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         echo = "none" if args.quiet else "all" if args.verbose else "progress"
         watch = None
         if args.deadline is not None:
-            watch = RoundWatch(
-                args.deadline, common(cfg).num_rounds, checkpoint_round(out) if common(cfg).resume else None
-            )
+            watch = RoundWatch(args.deadline, run.num_rounds, checkpoint_round(out) if run.resume else None)
         run_flower(cfg, supernodes(cfg), out, echo=echo, superlink=args.superlink, host=host, watch=watch)
     except TimeLimitReached as exc:
         print(
-            stopped_line("fedbr-run", str(out), exc.saved_round, common(cfg).num_rounds, again(args, out, exc)),
+            stopped_line("fedbr-run", str(out), exc.saved_round, run.num_rounds, again(args, out, exc)),
             file=sys.stderr,
         )
         return EXIT_TIME_LIMIT

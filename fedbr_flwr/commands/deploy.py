@@ -404,9 +404,10 @@ def _check_supernodes(n: int) -> None:
 def cmd_local(args) -> int:
     _check_supernodes(args.supernodes)
     cfg = _config(args.items, args.resume, args.supernodes)
-    out = Path(common(cfg).output_dir)
+    run = common(cfg)
+    out = Path(run.output_dir)
     print(
-        f"fedbr-deploy: {common(cfg).strategy} on {common(cfg).dataset}, {args.supernodes} SuperNodes on 127.0.0.1"
+        f"fedbr-deploy: {run.strategy} on {run.dataset}, {args.supernodes} SuperNodes on 127.0.0.1"
         f"{' with TLS' if args.tls or args.auth else ''}{' and SuperNode auth' if args.auth else ''} -> {out}",
         flush=True,
     )
@@ -419,12 +420,13 @@ def cmd_run(args) -> int:
     certs = _certs_arg(args)
     cfg = _config(args.items, args.resume, None)
     home = watchdog.temp_dir("fedbr-deploy-")
+    run = common(cfg)
     try:
         env = deploy_env(home, args.superlink, certs)
-        submit_run(cfg, env, CONNECTION, Path(common(cfg).output_dir), echo=args.echo)
+        submit_run(cfg, env, CONNECTION, Path(run.output_dir), echo=args.echo)
     finally:
         watchdog.remove_temp_dir(home)
-    return _print_result(Path(common(cfg).output_dir))
+    return _print_result(Path(run.output_dir))
 
 
 def cmd_register(args) -> int:

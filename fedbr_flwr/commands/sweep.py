@@ -326,22 +326,23 @@ def run_all(
         for i, (name, seed, cfg) in enumerate(jobs, 1):
             label = f"[{i}/{len(jobs)}] {name.label} seed {seed}"
             cfg = prepare(size_for_runtime(cfg), overwrite=True)
+            run = common(cfg)  # what the changes below (resume, checkpoint-every) leave alone
             if finished_with_same_config(cfg):
-                print(f"fedbr-sweep: {label}: already finished in {common(cfg).output_dir}; kept", flush=True)
+                print(f"fedbr-sweep: {label}: already finished in {run.output_dir}; kept", flush=True)
                 status[(name, seed)] = "kept"
                 continue
-            where = f"{name.label} seed {seed} ({common(cfg).output_dir})"
+            where = f"{name.label} seed {seed} ({run.output_dir})"
             resumed = resumable_round(cfg)
             if deadline is not None:
                 if time.time() >= deadline:
-                    raise TimeLimitReached(resumed, where, common(cfg).num_rounds)
+                    raise TimeLimitReached(resumed, where, run.num_rounds)
                 cfg["checkpoint-every"] = 1  # a stop loses no finished round
             cfg["resume"] = resumed is not None
-            start = f"continues after round {resumed}" if common(cfg).resume else common(cfg).strategy
-            print(f"fedbr-sweep: {label}: {start} -> {common(cfg).output_dir}", flush=True)
-            watch = None if deadline is None else RoundWatch(deadline, common(cfg).num_rounds, resumed)
+            start = f"continues after round {resumed}" if resumed is not None else run.strategy
+            print(f"fedbr-sweep: {label}: {start} -> {run.output_dir}", flush=True)
+            watch = None if deadline is None else RoundWatch(deadline, run.num_rounds, resumed)
             try:
-                out_dir = Path(common(cfg).output_dir)
+                out_dir = Path(run.output_dir)
                 if out is not None and tracking.requested(cfg):
                     tracking.label_sweep_run(
                         out_dir, out.name, str(out_dir.relative_to(out)), [name.label[:64], f"seed{seed}"]
@@ -350,14 +351,14 @@ def run_all(
                 try:
                     run_flower(cfg, supernodes(cfg), out_dir, echo=echo, host=host, watch=watch)
                 except TimeLimitReached as exc:
-                    raise TimeLimitReached(exc.saved_round, where, common(cfg).num_rounds) from None
+                    raise TimeLimitReached(exc.saved_round, where, run.num_rounds) from None
                 ok = (out_dir / "summary.json").exists()
                 problem = finished_run_problem(out_dir) if ok else "no final evaluation"
                 status[(name, seed)] = f"failed: {problem}" if problem else "ok"
             except (RunFailed, ConfigError) as exc:
                 status[(name, seed)] = f"failed: {exc}"
             except OSError as exc:  # its folder's disk filled up, say: the next runs may still fit elsewhere
-                status[(name, seed)] = f"failed: cannot write to {common(cfg).output_dir}: {exc.strerror or exc}"
+                status[(name, seed)] = f"failed: cannot write to {run.output_dir}: {exc.strerror or exc}"
             print(f"fedbr-sweep: {label}: {status[(name, seed)]}", flush=True)
     return status
 

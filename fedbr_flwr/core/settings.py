@@ -81,6 +81,20 @@ def setting(
     return field(default=default, metadata={_KEY: (key, spec)})
 
 
+_DECLARED: dict[type, list[tuple[str, str, Key]]] = {}
+
+
+def key_and_spec(attribute: str, key: str, spec: Key) -> tuple[str, Key]:
+    """A field's run-config key: the one it names, else its attribute's name in kebab-case."""
+    return key or attribute.replace("_", "-"), spec
+
+
+def _declared(cls: type[Settings]) -> list[tuple[str, str, Key]]:
+    if cls not in _DECLARED:
+        _DECLARED[cls] = [(f.name, *key_and_spec(f.name, *f.metadata[_KEY])) for f in fields(cls)]
+    return _DECLARED[cls]
+
+
 @dataclass(frozen=True)
 class Settings:
     """Base of an algorithm's (or a component's) settings. Subclasses are frozen dataclasses of
@@ -103,20 +117,6 @@ class Settings:
     @classmethod
     def check(cls, cfg: Mapping[str, Any]) -> None:
         """Checks that involve several keys (also common ones); raise ConfigError with the fix."""
-
-
-_DECLARED: dict[type, list[tuple[str, str, Key]]] = {}
-
-
-def key_and_spec(attribute: str, key: str, spec: Key) -> tuple[str, Key]:
-    """A field's run-config key: the one it names, else its attribute's name in kebab-case."""
-    return key or attribute.replace("_", "-"), spec
-
-
-def _declared(cls: type[Settings]) -> list[tuple[str, str, Key]]:
-    if cls not in _DECLARED:
-        _DECLARED[cls] = [(f.name, *key_and_spec(f.name, *f.metadata[_KEY])) for f in fields(cls)]
-    return _DECLARED[cls]
 
 
 @dataclass(frozen=True)

@@ -208,13 +208,14 @@ class RunRecorder:
 
     def write_manifest(self, **extra: Any) -> None:
         """A resumed run keeps the manifest of its start and adds an entry under ``resumed``."""
+        run = common(self.cfg)
         if self.resume_round is not None and (self.out_dir / "manifest.json").is_file():
             manifest = json.loads((self.out_dir / "manifest.json").read_text())
             manifest.setdefault("resumed", []).append(
                 {
                     "after_round": self.resume_round,
                     "config": self.cfg,
-                    "git_commit": common(self.cfg).git_commit or git_commit() or "unknown",
+                    "git_commit": run.git_commit or git_commit() or "unknown",
                     "code_hash": code_hash(),
                     "packages": package_versions(),
                     "host": host_facts(),
@@ -225,9 +226,9 @@ class RunRecorder:
             return
         manifest = {
             "config": self.cfg,
-            "git_commit": common(self.cfg).git_commit or git_commit() or "unknown",
+            "git_commit": run.git_commit or git_commit() or "unknown",
             "code_hash": code_hash(),
-            "seed": common(self.cfg).seed,
+            "seed": run.seed,
             "packages": package_versions(),
             "host": host_facts(),
             "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
