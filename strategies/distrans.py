@@ -213,10 +213,11 @@ class DisTransStrategy(FederatedStrategy):
         return {"distrans": {"dh": dh, "offset_agg": mode, "distrans_agg_setting": s.agg}}
 
     def aggregate(self, rnd):
+        assert self.aggregator is not None  # built at discovery, before any round's answers
         offsets = {u.pid: u.arrays[OFFSET] for u in rnd.updates}
         self.returned_offsets.update(offsets)
         # an offset is no update of anything the server sent: norm-bound does not clip it
-        robust = not rnd.plan.is_mean and self.aggregator is not None and self.aggregator.mode == "avg"
+        robust = not rnd.plan.is_mean and self.aggregator.mode == "avg"
         mean = None if not robust else rnd.combine([OFFSET], clip=False)[OFFSET]
         weights = {u.pid: w for u, w in zip(rnd.updates, rnd.weights)}
         nxt, self.server_metrics = self.aggregator.update(offsets, weights, mean)

@@ -12,7 +12,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import numpy as np
 from flwr.client import NumPyClient
@@ -37,7 +37,7 @@ class RecordState(NodeState):
         key = self.prefix + key
         if key not in self.records:
             return None
-        return {name: array.numpy() for name, array in self.records[key].items()}
+        return {name: array.numpy() for name, array in cast(ArrayRecord, self.records[key]).items()}
 
     def put_arrays(self, key, arrays):
         self.records[self.prefix + key] = ArrayRecord(
