@@ -22,64 +22,37 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import seeds
-from .errors import ConfigError
-
-ATTACKS = ("none", "sign-flip", "scale", "noise", "label-flip", "collude")
+from .config import common, parse_ids
 
 Named = dict[str, np.ndarray]
 
 
-def parse_ids(text: str) -> list[int]:
-    """``attack-ids`` ("0,4,7") as partition ids."""
-    try:
-        return sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise ConfigError(f"attack-ids = '{text}' must be partition ids separated by commas, e.g. 0,4,7") from None
-
-
 def attackers(cfg: Mapping[str, Any]) -> list[int]:
     """The partition ids that attack, in order (none without an attack, or before num-clients is known)."""
-    if cfg["attack"] == "none":
+    run = common(cfg)
+    if run.attack == "none":
         return []
-    if cfg["attack-ids"]:
-        return parse_ids(cfg["attack-ids"])
-    n = cfg["num-clients"]
+    if run.attack_ids:
+        return parse_ids(run.attack_ids)
+    n = run.num_clients
     if not n:
         return []
-    count = min(cfg["attack-clients"], n)
-    return sorted(int(p) for p in seeds.rng("attackers", cfg["seed"]).choice(n, count, replace=False))
+    count = min(run.attack_clients, n)
+    return sorted(int(p) for p in seeds.rng("attackers", run.seed).choice(n, count, replace=False))
 
 
 def attack_manifest(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The manifest's record of the run's simulated attack (none without one)."""
-    if cfg["attack"] == "none":
+    run = common(cfg)
+    if run.attack == "none":
         return {}
-    kind = {"kind": cfg["attack"], "clients": attackers(cfg)}
-    return {"attack": {**kind, "factor": cfg["attack-factor"], "noise": cfg["attack-noise"]}}
+    kind = {"kind": run.attack, "clients": attackers(cfg)}
+    return {"attack": {**kind, "factor": run.attack_factor, "noise": run.attack_noise}}
 
 
 def attackers_that_answered(cfg: Mapping[str, Any], answered: set[int]) -> dict[str, Any]:
     """The rounds.jsonl record of the round's attacking clients (none without an attack)."""
-    return {} if cfg["attack"] == "none" else {"attackers": sorted(set(attackers(cfg)) & answered)}
-
-
-def check_attack(cfg: Mapping[str, Any]) -> None:
-    """One-line errors for an attack that cannot run as configured."""
-    kind, count, ids = cfg["attack"], cfg["attack-clients"], cfg["attack-ids"]
-    if kind == "none":
-        if count or ids:
-            raise ConfigError(
-                f"attack-clients / attack-ids are set but attack = none: name the attack ({', '.join(ATTACKS[1:])})"
-            )
-        return
-    if count and ids:
-        raise ConfigError("set attack-clients (how many, drawn by the seed) or attack-ids (which), not both")
-    if not count and not ids:
-        raise ConfigError(f"attack = {kind} needs the attackers: attack-clients (a count) or attack-ids (e.g. 0,4,7)")
-    n = cfg["num-clients"]
-    chosen = parse_ids(ids) if ids else []
-    if n and (count > n or any(not 0 <= p < n for p in chosen)):
-        raise ConfigError(f"the attackers ({ids or count}) must be among the {n} clients (ids 0..{n - 1})")
+    return {} if common(cfg).attack == "none" else {"attackers": sorted(set(attackers(cfg)) & answered)}
 
 
 def flipped_labels(y: Any, num_classes: int) -> Any:
@@ -88,19 +61,20 @@ def flipped_labels(y: Any, num_classes: int) -> Any:
 
 
 def is_label_flipper(cfg: Mapping[str, Any], pid: int) -> bool:
-    return cfg["attack"] == "label-flip" and pid in attackers(cfg)
+    return common(cfg).attack == "label-flip" and pid in attackers(cfg)
 
 
 def poisoned(
     reply: Named, sent: Mapping[str, np.ndarray], cfg: Mapping[str, Any], server_round: int, pid: int
 ) -> Named:
     """Client ``pid``'s reply as it sends it: changed if it attacks (see the module's doc), else as it is."""
-    kind = cfg["attack"]
+    run = common(cfg)
+    kind = run.attack
     if kind in ("none", "label-flip") or pid not in attackers(cfg):
         return reply
-    factor, sigma = cfg["attack-factor"], cfg["attack-noise"]
+    factor, sigma = run.attack_factor, run.attack_noise
     coords = (server_round,) if kind == "collude" else (server_round, pid)
-    rng = seeds.rng("attack-collusion" if kind == "collude" else "attack-noise", cfg["seed"], *coords)
+    rng = seeds.rng("attack-collusion" if kind == "collude" else "attack-noise", run.seed, *coords)
     out = dict(reply)
     for name in sorted(sent):
         if name not in reply or reply[name].dtype.kind != "f":

@@ -21,7 +21,6 @@ import yaml
 from ..data.catalog import INFO
 from ..runfiles.tracking import valid_trackers
 from ..server.robust import RULES, WEIGHTED_RULES, minimum_updates
-from .attack import ATTACKS, check_attack
 from .errors import ConfigError, quoted
 from .settings import (
     BELOW_ONE,
@@ -40,6 +39,7 @@ from .settings import (
 __all__ = ["COMMON", "CommonSettings", "ConfigError", "Key", "common", "defaults", "schema", "validate"]
 
 HALF_FRACTION = Check(lambda v: 0 <= v < 0.5, "in [0, 0.5)")
+ATTACKS = ("none", "sign-flip", "scale", "noise", "label-flip", "collude")  # attack.py runs them
 
 
 def model_names() -> tuple[str, ...]:
@@ -395,6 +395,33 @@ def _check_ownership(cfg: Mapping[str, Any], overrides: Mapping[str, Any], keys:
                 f"config key '{raw_key}' belongs to {owner} ({how_to_enable(owner)}), not to '{name}'. "
                 f"Keys of '{name}': {', '.join(valid) or 'none beyond the common ones'}"
             )
+
+
+def parse_ids(text: str) -> list[int]:
+    """``attack-ids`` ("0,4,7") as partition ids."""
+    try:
+        return sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ConfigError(f"attack-ids = '{text}' must be partition ids separated by commas, e.g. 0,4,7") from None
+
+
+def check_attack(cfg: Mapping[str, Any]) -> None:
+    """One-line errors for an attack that cannot run as configured."""
+    kind, count, ids = cfg["attack"], cfg["attack-clients"], cfg["attack-ids"]
+    if kind == "none":
+        if count or ids:
+            raise ConfigError(
+                f"attack-clients / attack-ids are set but attack = none: name the attack ({', '.join(ATTACKS[1:])})"
+            )
+        return
+    if count and ids:
+        raise ConfigError("set attack-clients (how many, drawn by the seed) or attack-ids (which), not both")
+    if not count and not ids:
+        raise ConfigError(f"attack = {kind} needs the attackers: attack-clients (a count) or attack-ids (e.g. 0,4,7)")
+    n = cfg["num-clients"]
+    chosen = parse_ids(ids) if ids else []
+    if n and (count > n or any(not 0 <= p < n for p in chosen)):
+        raise ConfigError(f"the attackers ({ids or count}) must be among the {n} clients (ids 0..{n - 1})")
 
 
 def check_batch_sizes(cfg: Mapping[str, Any]) -> None:
