@@ -33,10 +33,9 @@ class GlobalDirection(ServerComponent):
         return {f"{DELTA}/{key}": d for key, d in self.delta.items()}
 
     def after_aggregate(self, new_global):
+        run = common(self.cfg)
         self.delta = {
-            key: global_update_direction(
-                self.round_start[key], new_global[MODEL + key], common(self.cfg).lr, common(self.cfg).local_steps
-            )
+            key: global_update_direction(self.round_start[key], new_global[MODEL + key], run.lr, run.local_steps)
             for key in self.delta
         }
 

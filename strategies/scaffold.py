@@ -37,17 +37,18 @@ class ScaffoldStrategy(FederatedStrategy):
         }
 
     def aggregate(self, rnd):
+        run = common(self.cfg)
         if rnd.plan.is_mean:
             self.control = {
                 key: update_server_control(
-                    c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in rnd.updates], common(self.cfg).num_clients
+                    c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in rnd.updates], run.num_clients
                 )
                 for key, c in self.control.items()
             }
         else:
             names = [f"{CONTROL_DELTA}/{key}" for key in self.control]
             robust = rnd.combine(names, weights=[1.0] * len(rnd.updates))  # a sum over S by its math: unweighted
-            n, total = len(rnd.updates), common(self.cfg).num_clients
+            n, total = len(rnd.updates), run.num_clients
             self.control = {
                 key: update_server_control(c, [n * robust[f"{CONTROL_DELTA}/{key}"]], total)
                 for key, c in self.control.items()

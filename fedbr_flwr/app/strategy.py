@@ -235,8 +235,9 @@ def discover(strategy: FlowerStrategy, client_manager: ClientManager) -> None:
     cfg["num-clients"] = recorder.cfg["num-clients"] = num
     server_hash = check_partition(cfg, federation, recorder)
     extra = {**strategy.after_discovery(), **attack_manifest(cfg)}
-    if INFO[common(cfg).dataset].in_data_folder:  # where this machine read it (clients resolve their own)
-        extra = {"data_folder": str(data_folder(common(cfg).data_dir)), **extra}
+    run = common(cfg)
+    if INFO[run.dataset].in_data_folder:  # where this machine read it (clients resolve their own)
+        extra = {"data_folder": str(data_folder(run.data_dir)), **extra}
     recorder.write_manifest(partition_hash=server_hash, num_partitions=num, **federation.partition_stats(), **extra)
     recorder.progress.emit("start", f"{num} clients found; writing run files to {recorder.out_dir}")
 

@@ -502,13 +502,14 @@ def suite_main(
     )
     rows = []
     for shape, cfg in configs:
-        print(f"  {shape} {common(cfg).strategy} ...", flush=True)
+        strategy = common(cfg).strategy
+        print(f"  {shape} {strategy} ...", flush=True)
         try:
             row = compare(cfg, rounds)
         except RunFailed as exc:
-            print(f"fedbr-bench: error: {shape} {common(cfg).strategy}: {exc}", file=sys.stderr)
+            print(f"fedbr-bench: error: {shape} {strategy}: {exc}", file=sys.stderr)
             return 1
-        if common(cfg).strategy == strategies[0]:  # once per shape: FedAvg, FedBR and DisTrans steps on it
+        if strategy == strategies[0]:  # once per shape: FedAvg, FedBR and DisTrans steps on it
             row["step_s"] = step_seconds(cfg, steps=steps)
         rows.append({"shape": shape, **row})
     print_suite_table(rows, device)
@@ -585,7 +586,8 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
     rows = []
     for label, preset in SCALE:
         cfg = cohort_config(build_config(["engine=cohort", *preset, *items]))  # so that cohort-step=... is valid
-        print(f"  {label}: {common(cfg).strategy}, {common(cfg).cohorts} cohort(s) ...", flush=True)
+        run = common(cfg)
+        print(f"  {label}: {run.strategy}, {run.cohorts} cohort(s) ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
             try:
                 records, total = flower_round_seconds(cfg, rounds, Path(tmp))
@@ -596,8 +598,8 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
         rows.append(
             {
                 "case": label,
-                "strategy": common(cfg).strategy,
-                "cohorts": common(cfg).cohorts,
+                "strategy": run.strategy,
+                "cohorts": run.cohorts,
                 "s_per_round": statistics.median(r["seconds"] for r in records),
                 "peak_mb": max(r.get(key, 0.0) for r in records),
                 "memory": key,

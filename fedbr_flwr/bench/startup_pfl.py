@@ -96,9 +96,10 @@ class RoundData:
 
     def __call__(self, pid: int) -> Dataset:
         self.rounds[pid] += 1
-        seed = seeds.seed("batches", common(self.cfg).seed, self.rounds[pid], pid)
-        sample = BatchSampler(self.clients[pid], common(self.cfg).batch_size, seed)
-        batches = [sample() for _ in range(common(self.cfg).local_steps)]
+        run = common(self.cfg)
+        seed = seeds.seed("batches", run.seed, self.rounds[pid], pid)
+        sample = BatchSampler(self.clients[pid], run.batch_size, seed)
+        batches = [sample() for _ in range(run.local_steps)]
         return Dataset((torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])), user_id=pid)
 
 
@@ -206,8 +207,9 @@ def mean_local_accuracy(pfl_model: Any, clients: list[ClientData]) -> float:
 def pfl_main(argv: Sequence[str]) -> int:
     """The pfl-research variant as a process of its own (``startup.milestone_main``, as the bare loop)."""
     cfg = build_config(argv)
-    if common(cfg).strategy != "fedavg":
-        print(f"fedbr_flwr.bench.startup_pfl: runs strategy=fedavg only, not {common(cfg).strategy}", file=sys.stderr)
+    run = common(cfg)
+    if run.strategy != "fedavg":
+        print(f"fedbr_flwr.bench.startup_pfl: runs strategy=fedavg only, not {run.strategy}", file=sys.stderr)
         return 2
 
     def train(cfg, device, on_start, on_round) -> float:

@@ -373,12 +373,13 @@ def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -
                 )
             settings["num-clients"] = num_clients
         cfg = prepare(validate(settings), overwrite=False)
-    if common(cfg).engine == "cohort":
+    run = common(cfg)
+    if run.engine == "cohort":
         raise ConfigError(
             "engine=cohort runs in simulation only (fedbr-run): a deployment has one client per "
             "SuperNode; drop engine=cohort (engine=clients)"
         )
-    if common(cfg).backend == "in-process":
+    if run.backend == "in-process":
         raise ConfigError(
             "backend = in-process runs simulated clients in one process (fedbr-run): a deployment's clients are "
             "its SuperNodes; drop backend"

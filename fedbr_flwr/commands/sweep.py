@@ -246,9 +246,9 @@ def plan(
                     where = f"run '{name}'" + (f" in cell {cell_name(own)}" if own else "")
                     raise ConfigError(f"{where} (seed {seed}): {exc}") from None
                 setting = Setting(name, tuple((k, cfg[k]) for k, _ in own))  # 1e-3 and 0.001 alike
-                cfg["output-dir"] = str(setting.folder(out, seed))
-                if common(cfg).output_dir not in folders:  # else: a cell that differs in keys this run does not use
-                    folders.add(common(cfg).output_dir)
+                folder = cfg["output-dir"] = str(setting.folder(out, seed))
+                if folder not in folders:  # else: a cell that differs in keys this run does not use
+                    folders.add(folder)
                     jobs.append((setting, seed, cfg))
     check_cells_differ(spec.grid, [setting for setting, seed, _ in jobs if seed == seeds[0]])
     return jobs
@@ -440,7 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = list(dict.fromkeys(seed for _, seed, _ in jobs))
     if args.dry_run:
         for name, seed, cfg in jobs:
-            print(f"{name.label} seed {seed}: strategy={common(cfg).strategy} -> {common(cfg).output_dir}")
+            run = common(cfg)
+            print(f"{name.label} seed {seed}: strategy={run.strategy} -> {run.output_dir}")
         print(f"{len(jobs)} runs ({len(names)} settings x {len(seeds)} seeds)")
         return 0
     status = {}

@@ -511,19 +511,18 @@ class ClientAlgorithm:
 
     def receive(self, arrays: Named) -> None:
         """Load the modules' arrays; keep what else the server sent in ``self.received``."""
+        run = common(self.cfg)
         for prefix, module in self.modules.items():
             try:
                 load_module_arrays(module, prefix, arrays)
             except ValueError as exc:
-                raise ValueError(f"client {self.pid} ({common(self.cfg).strategy}): {exc}") from None
+                raise ValueError(f"client {self.pid} ({run.strategy}): {exc}") from None
         own = {f"{p}/{k}" for p, m in self.modules.items() for k in m.state_dict()}
         self.received = {k: v for k, v in arrays.items() if k not in own}
         accepted = self.accepts + tuple(p for c in self.components for p in c.accepts)
         unexpected = [k for k in self.received if not k.startswith(accepted)]
         if unexpected:
-            raise ValueError(
-                f"client {self.pid} ({common(self.cfg).strategy}) does not take arrays {', '.join(unexpected[:5])}"
-            )
+            raise ValueError(f"client {self.pid} ({run.strategy}) does not take arrays {', '.join(unexpected[:5])}")
 
     def fit(self, arrays: Named, config: dict) -> tuple[Named, int, dict]:
         run = common(self.cfg)
@@ -540,9 +539,8 @@ class ClientAlgorithm:
         server_round = self.fit_round = int(config["server-round"])
         self.fit_sent = arrays  # what a simulated attacker changes its reply from
         step = self.make_step(server_round, config)
-        sampler = BatchSampler(
-            self.data, common(self.cfg).batch_size, seeds.seed("batches", common(self.cfg).seed, server_round, self.pid)
-        )
+        run = common(self.cfg)
+        sampler = BatchSampler(self.data, run.batch_size, seeds.seed("batches", run.seed, server_round, self.pid))
         return step, sampler
 
     def finish_fit(self, step: LocalStep, stats: dict[str, float], seconds: float) -> tuple[Named, int, dict]:
