@@ -125,6 +125,23 @@ def test_serve_starts_ray_in_its_own_thread_for_a_run_whose_config_asks_for_ray_
     assert serve_on_ray == 0 and started == [threading.current_thread().name]
 
 
+def test_serve_reads_each_run_config_once_and_fails_a_run_whose_config_it_cannot_read(
+    tmp_path, monkeypatch, own_stdout_stderr
+):
+    ran, reads = [], []
+    serve_runs_with(monkeypatch, lambda run_config, *args: ran.append(run_config))
+    read = simulation.run_config_from
+    monkeypatch.setattr(simulation, "run_config_from", lambda path: reads.append(path) or read(path))
+    own_stdout_stderr()
+    good, bad = request(tmp_path, 1), request(tmp_path, 2)
+    Path(bad.run_config).unlink()
+    replies = io.StringIO()
+    assert simulation.serve(io.StringIO(good.line() + bad.line()), replies) == 1
+    assert ran == [{"seed": 1}] and reads.count(Path(good.run_config)) == 1
+    last = [RunReply.parse(line) for line in replies.getvalue().splitlines()][-1]
+    assert (last.run_id, last.ok) == (2, False) and last.error, last
+
+
 def test_serve_hands_no_run_to_a_process_still_running_a_client_of_the_run_before(
     tmp_path, monkeypatch, own_stdout_stderr
 ):

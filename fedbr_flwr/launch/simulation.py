@@ -97,12 +97,13 @@ def run_config_from(path: Path) -> dict[str, Any]:
     return parse_config_args([str(path)])
 
 
-def run_config_of(request: RunRequest) -> dict[str, Any]:
-    """The requested run's config; an unreadable one is {} here (its run then fails saying why)."""
+def run_config_of(request: RunRequest) -> dict[str, Any] | None:
+    """The requested run's config, read once for both the choice of Ray and the run; None where it cannot be
+    read (the run then reads it again, inside its error handling, and fails saying why)."""
     try:
         return run_config_from(Path(request.run_config))
-    except Exception:  # noqa: BLE001 - the run reads it again and reports the error
-        return {}
+    except Exception:  # noqa: BLE001 - reported by the run
+        return None
 
 
 def in_process(run_config: dict[str, Any]) -> bool:
@@ -175,9 +176,11 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
         if leftover:
             answer(replies, RunReply(request.run_id, retired=leftover))
             break
-        if not in_process(run_config_of(request)):
+        run_config = run_config_of(request)
+        if run_config is None or not in_process(run_config):
             start_ray()  # in the main thread: the processes Ray starts end with the thread that started them
-        runs.append((threading.Thread(target=run_requested, args=(request, replies, failed)), Path(request.cwd)))
+        run = threading.Thread(target=run_requested, args=(request, run_config, replies, failed))
+        runs.append((run, Path(request.cwd)))
         runs[-1][0].start()
     for run, _ in runs:
         run.join()
@@ -238,7 +241,9 @@ def wait_for_last_event(run: threading.Thread, out_dir: Path) -> None:
         run.join(0.05)
 
 
-def run_requested(request: RunRequest, replies: IO[str], failed: threading.Event) -> None:
+def run_requested(
+    request: RunRequest, run_config: dict[str, Any] | None, replies: IO[str], failed: threading.Event
+) -> None:
     """One run of ``serve``."""
     answer(replies, RunReply(request.run_id, started=True))
     output_to(Path(request.log), request.append)
@@ -247,7 +252,7 @@ def run_requested(request: RunRequest, replies: IO[str], failed: threading.Event
         os.chdir(request.cwd)
         print(STARTED.format(request.run_id, os.getpid()), flush=True)
         simulate(
-            run_config_from(Path(request.run_config)),
+            run_config if run_config is not None else run_config_from(Path(request.run_config)),
             request.run_id,
             request.supernodes,
             float(request.cpus),
