@@ -21,8 +21,8 @@ import torch
 from fedbr_flwr.app.strategy import FlowerStrategy
 from fedbr_flwr.core.algorithm import client_class
 from fedbr_flwr.core.broadcast import SharedData
-from fedbr_flwr.core.config import common
-from fedbr_flwr.core.registry import components_of, lookup_strategy, settings_of
+from fedbr_flwr.core.config import common, components_of
+from fedbr_flwr.core.registry import lookup_strategy, settings_of
 from fedbr_flwr.core.settings import NoSettings, Settings
 from fedbr_flwr.core.training import module_arrays
 from fedbr_flwr.data.dataset import ServerTests

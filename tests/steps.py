@@ -3,7 +3,7 @@
 import torch
 
 from fedbr_flwr.core.algorithm import RoundContext, component_class
-from fedbr_flwr.core.registry import components_of
+from fedbr_flwr.core.config import components_of
 
 
 def started_components(cfg, model, received=None, seed=0):

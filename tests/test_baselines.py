@@ -25,9 +25,9 @@ from clients.scaffold import ScaffoldClient, ScaffoldStep
 from clients.vhl import RealClasses, VHLSettings, VHLStep, supervised_alignment_loss, vhl_model
 from fedbr_flwr.app import payload
 from fedbr_flwr.core.algorithm import UPDATE_USED, MemoryState, component_class
-from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.core.config import ConfigError, components_of, validate
 from fedbr_flwr.core.model import build_model
-from fedbr_flwr.core.registry import algorithm_names, components_of
+from fedbr_flwr.core.registry import algorithm_names
 from fedbr_flwr.core.training import module_arrays, parameter_tensors, state_arrays
 from fedbr_flwr.data.dataset import ClientData
 from fedbr_flwr.runfiles.run_io import RunRecorder

@@ -481,7 +481,8 @@ GPU_GRAPH_CASES = ("fedavg", "fedbr", "fedbr-momentum-decay", "fedbr-bf16", "sca
 
 def test_auto_replays_a_graph_on_a_gpu_where_the_algorithms_graph_was_checked_on_one(monkeypatch):
     from fedbr_flwr.app.node import cohort_step
-    from fedbr_flwr.core.registry import algorithm_names, components_of
+    from fedbr_flwr.core.config import components_of
+    from fedbr_flwr.core.registry import algorithm_names
 
     fedbr, moon = client_class("fedbr"), client_class("moon")
     assert cohort_step("auto", "cuda", fedbr) == "graph"

@@ -244,9 +244,8 @@ def build_client(
     import torch
 
     from ..core.algorithm import client_class
-    from ..core.config import from_run_config
+    from ..core.config import components_of, from_run_config
     from ..core.errors import ConfigError
-    from ..core.registry import components_of
     from ..core.training import use_device
     from ..data.dataset import load_client_data, load_cohort_data
 

@@ -230,7 +230,7 @@ def cohort_config(cfg: dict) -> dict:
     """The same run on the cohort engine, sized as ``fedbr-run engine=cohort`` sizes it on this machine (or on
     the Ray cluster it joins: ``ray-address``)."""
     plain = {**cfg, "engine": "cohort", "cohorts": 0, "client-cpus": 1, "client-gpus": 0.0}
-    if requested_address(plain["ray-address"]):
+    if requested_address(common(plain).ray_address):
         return size_for_runtime(plain)
     return size_resources(plain, torch.cuda.is_available(), os.cpu_count() or 1, torch.cuda.device_count())
 
@@ -494,10 +494,10 @@ def suite_main(
         for shape, cfg in suite_configs(items, shapes, strategies)
     ]
     device = _device_name(configs[0][1], threads)
-    first = configs[0][1]
+    first = common(configs[0][1])
     print(
-        f"fedbr-bench --suite on {device}: {first['num-clients']} clients x {first['local-steps']} local steps, "
-        f"{rounds} timed rounds after one warm-up, precision {first['precision']}, compile {first['compile']}",
+        f"fedbr-bench --suite on {device}: {first.num_clients} clients x {first.local_steps} local steps, "
+        f"{rounds} timed rounds after one warm-up, precision {first.precision}, compile {first.compile}",
         flush=True,
     )
     rows = []

@@ -365,14 +365,15 @@ def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -
     cfg = resume_config(Path(resume), items) if resume else None
     if cfg is None:
         settings = {normalise_key(k): v for k, v in settings_from(items).items()}
+        cfg = validate(settings)
         if num_clients is not None:
-            if settings.get("num-clients", 0) not in (0, num_clients):
+            if common(cfg).num_clients not in (0, num_clients):
                 raise ConfigError(
-                    f"num-clients = {settings['num-clients']} but --supernodes {num_clients}: drop "
+                    f"num-clients = {common(cfg).num_clients} but --supernodes {num_clients}: drop "
                     "num-clients or make them equal"
                 )
-            settings["num-clients"] = num_clients
-        cfg = prepare(validate(settings), overwrite=False)
+            cfg = validate({**settings, "num-clients": num_clients})
+        cfg = prepare(cfg, overwrite=False)
     run = common(cfg)
     if run.engine == "cohort":
         raise ConfigError(

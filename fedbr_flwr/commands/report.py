@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..core.config import CommonSettings
 from ..core.errors import ConfigError
 from ..runfiles.checkpoint import checkpoint_round
 from ..runfiles.metrics import CLIENT_METRICS, format_accuracy_axes, read_jsonl, run_problem
@@ -440,10 +441,10 @@ def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
     if not (folder / "summary.json").exists() or not (folder / "manifest.json").exists():
         return None, stopped
     summary = json.loads((folder / "summary.json").read_text())
-    cfg = json.loads((folder / "manifest.json").read_text()).get("config", {})
-    if summary.get("last_round") != cfg.get("num-rounds"):
+    num_rounds = stored_settings(folder).num_rounds
+    if summary.get("last_round") != num_rounds:
         if rounds and checkpoint_round(folder) == max(rounds):  # a time limit (or Ctrl-C) paused it
-            return None, f"paused after round {max(rounds)} of {cfg.get('num-rounds')} (resumes from its checkpoint)"
+            return None, f"paused after round {max(rounds)} of {num_rounds} (resumes from its checkpoint)"
         return None, stopped
     if run_problem(summary):
         return None, "failed: no round trained"
@@ -461,14 +462,19 @@ def seed_values(out: Path, setting: Setting, seeds: list[int], metric: str) -> l
         summary, _ = seed_result(folder)
         if summary is None:
             return None
-        cfg = json.loads((folder / "manifest.json").read_text()).get("config", {})
         value = summary.get(metric)
         if value is None and metric == "rounds_to_target":
-            value = cfg["num-rounds"] + cfg.get("eval-every", 1)
+            run = stored_settings(folder)
+            value = run.num_rounds + run.eval_every
         if value is None:
             return None
         values.append(float(value))
     return values
+
+
+def stored_settings(folder: Path) -> CommonSettings:
+    """The typed common settings of the run in ``folder``, from its manifest."""
+    return CommonSettings.from_config(json.loads((folder / "manifest.json").read_text()).get("config", {}), stored=True)
 
 
 def verdict(method: list[float], baseline: list[float], spread: float, higher_is_better: bool) -> str:
@@ -630,9 +636,8 @@ def paused_runs(out: Path, names: Sequence[str | Setting], seeds: list[int]) -> 
             summary, why = seed_result(folder)
             if summary is None and why.startswith("paused"):
                 done = json.loads((folder / "summary.json").read_text())
-                num_rounds = json.loads((folder / "manifest.json").read_text())["config"]["num-rounds"]
                 minutes = (done.get("wall_time_s") or 0.0) / 60
-                where = f"at round {checkpoint_round(folder)} of {num_rounds}"
+                where = f"at round {checkpoint_round(folder)} of {stored_settings(folder).num_rounds}"
                 found.append(f"{setting.label} seed {seed} {where} ({minutes:.1f} min)")
     return found
 
@@ -676,12 +681,13 @@ SPLIT_KEYS = {"alpha": ("fedbr", "dirichlet"), "classes-per-client": ("classes",
 def shared_settings(configs: list[dict[str, Any]]) -> str:
     """The main settings every run of the table has in common, as key=value (a split's own key only
     where every run uses that split)."""
+    splits = {CommonSettings.from_config(c, stored=True).partition for c in configs}
     same = [
         k
         for k in SETTINGS_SHOWN
         if configs
         and all(k in c and c[k] == configs[0][k] for c in configs)
-        and all(c.get("partition") in SPLIT_KEYS.get(k, (c.get("partition"),)) for c in configs)
+        and splits <= set(SPLIT_KEYS.get(k, splits))
     ]
     return " ".join(
         f"{k}={json.dumps(configs[0][k]) if isinstance(configs[0][k], bool) else configs[0][k]}" for k in same

@@ -187,7 +187,7 @@ def grid_keys(grid: dict[str, Factor]) -> list[str]:
 def run_factors(name: str, settings: dict[str, Any], grid: dict[str, Factor]) -> list[str]:
     """The grid keys that apply to run ``name`` (its ``settings`` without the grid's): a key of an algorithm or
     component the run does not use (DisTrans' offset lr for FedAvg) is not crossed with it."""
-    from ..core.registry import active_owners
+    from ..core.config import active_owners
 
     if not grid:
         return []
@@ -343,7 +343,7 @@ def run_all(
             watch = None if deadline is None else RoundWatch(deadline, run.num_rounds, resumed)
             try:
                 out_dir = Path(run.output_dir)
-                if out is not None and tracking.requested(cfg):
+                if out is not None and run.tracking:
                     tracking.label_sweep_run(
                         out_dir, out.name, str(out_dir.relative_to(out)), [name.label[:64], f"seed{seed}"]
                     )

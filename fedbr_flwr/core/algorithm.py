@@ -32,9 +32,9 @@ from ..data.dataset import ClientData, make_partition
 from ..runfiles import codec
 from . import attack, seeds
 from .broadcast import receive_shared
-from .config import common, resolved_model
+from .config import common, components_of, resolved_model
 from .model import build_model
-from .registry import components_of, lookup_client, lookup_component
+from .registry import lookup_client, lookup_component
 from .settings import NoSettings, Settings
 from .training import (
     BatchSampler,

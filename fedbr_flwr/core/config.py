@@ -19,7 +19,6 @@ from typing import Any, Mapping
 import yaml
 
 from ..data.catalog import INFO
-from ..runfiles.tracking import valid_trackers
 from ..server.robust import RULES, WEIGHTED_RULES, minimum_updates
 from .errors import ConfigError, quoted
 from .settings import (
@@ -33,6 +32,7 @@ from .settings import (
     DeclaredChoices,
     Key,
     Settings,
+    names_list,
     setting,
 )
 
@@ -40,6 +40,7 @@ __all__ = ["COMMON", "CommonSettings", "ConfigError", "Key", "common", "defaults
 
 HALF_FRACTION = Check(lambda v: 0 <= v < 0.5, "in [0, 0.5)")
 ATTACKS = ("none", "sign-flip", "scale", "noise", "label-flip", "collude")  # attack.py runs them
+TRACKERS = ("tensorboard", "wandb")  # runfiles/tracking.py opens them
 
 
 def model_names() -> tuple[str, ...]:
@@ -273,7 +274,9 @@ class CommonSettings(Settings):
         "also log each round's metrics, evaluations and the config to tensorboard (the run folder's tensorboard/) "
         "and/or wandb (respects WANDB_MODE=offline), comma-separated; each needs its extra "
         '(pip install -e ".[tensorboard]", ".[wandb]"; docs/running.md)',
-        check=Check(valid_trackers, "none or a comma-separated list of: tensorboard, wandb"),
+        check=Check(
+            lambda v: set(names_list(v)) <= set(TRACKERS), f"none or a comma-separated list of: {', '.join(TRACKERS)}"
+        ),
         names=True,
     )
 
@@ -380,9 +383,41 @@ def validate(overrides: Mapping[str, Any], base: Mapping[str, Any] | None = None
     return cfg
 
 
+def components_of(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """The components a run's local steps carry: its variant's, its client's own (GroupDRO's mixup), then
+    those its host's key lists (FedBR's ``fedbr-with``), in that order."""
+    from .registry import COMPONENTS, VARIANTS, load_all, lookup_client
+
+    load_all()
+    name = cfg["strategy"]
+    built_in = (VARIANTS[name].components if name in VARIANTS else ()) + lookup_client(name).carried_components(cfg)
+    key = lookup_client(name).component_key
+    if not key:
+        return built_in
+    listed = names_list(cfg[key])
+    unknown = [c for c in listed if c not in COMPONENTS]
+    if unknown or len(set(listed)) != len(listed):
+        close = difflib.get_close_matches(unknown[0], COMPONENTS, n=1) if unknown else []
+        problem = f"names no component {', '.join(unknown)}" if unknown else "names a component twice"
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"config key '{key}' = {cfg[key]!r} {problem}.{hint} Components: {', '.join(sorted(COMPONENTS))}"
+        )
+    return built_in + listed
+
+
+def active_owners(cfg: Mapping[str, Any]) -> list[str]:
+    """The names whose keys apply to a run: its algorithm (and a variant's base), then its components."""
+    from .registry import base_of
+
+    name = cfg["strategy"]
+    owners = [name] + ([base_of(name)] if base_of(name) != name else [])
+    return list(dict.fromkeys(owners + list(components_of(cfg))))
+
+
 def _check_ownership(cfg: Mapping[str, Any], overrides: Mapping[str, Any], keys: Mapping[str, Key]) -> None:
     """A key set to a non-default value for a run that ignores it is a mistake worth stopping for."""
-    from .registry import active_owners, how_to_enable
+    from .registry import how_to_enable
 
     active = active_owners(cfg)
     for raw_key in overrides:
@@ -437,7 +472,7 @@ def check_batch_sizes(cfg: Mapping[str, Any]) -> None:
 
 
 def _check_consistency(cfg: Mapping[str, Any]) -> None:
-    from .registry import active_owners, algorithm_names, settings_of
+    from .registry import algorithm_names, settings_of
 
     names = algorithm_names()
     if cfg["strategy"] not in names:

@@ -11,15 +11,13 @@ Every module of ``clients`` and ``strategies`` is imported the first time a name
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import pkgutil
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, TypeVar
 
-from .errors import ConfigError
-from .settings import Key, NoSettings, Settings, names_list
+from .settings import Key, NoSettings, Settings
 
 T = TypeVar("T")
 DEFAULT = "fedavg"
@@ -101,19 +99,19 @@ def algorithm_names() -> list[str]:
     return sorted(set(CLIENTS) | set(STRATEGIES) | set(VARIANTS))
 
 
-def _base(name: str) -> str:
+def base_of(name: str) -> str:
     return VARIANTS[name].base if name in VARIANTS else name
 
 
 def lookup_client(name: str) -> Any:
     """The client class of algorithm ``name`` (its variant's base's; FedAvg's for a server-only algorithm)."""
     load_all()
-    return CLIENTS.get(_base(name), CLIENTS[DEFAULT])
+    return CLIENTS.get(base_of(name), CLIENTS[DEFAULT])
 
 
 def lookup_strategy(name: str) -> Any:
     load_all()
-    return STRATEGIES.get(_base(name), STRATEGIES[DEFAULT])
+    return STRATEGIES.get(base_of(name), STRATEGIES[DEFAULT])
 
 
 def lookup_component(name: str) -> Any:
@@ -124,34 +122,6 @@ def lookup_component(name: str) -> Any:
 def lookup_server_component(name: str) -> Any:
     load_all()
     return SERVER_COMPONENTS.get(name)
-
-
-def components_of(cfg: Mapping[str, Any]) -> tuple[str, ...]:
-    """The components a run's local steps carry: its variant's, its client's own (GroupDRO's mixup), then
-    those its host's key lists (FedBR's ``fedbr-with``), in that order."""
-    load_all()
-    name = cfg["strategy"]
-    built_in = (VARIANTS[name].components if name in VARIANTS else ()) + lookup_client(name).carried_components(cfg)
-    key = lookup_client(name).component_key
-    if not key:
-        return built_in
-    listed = names_list(cfg[key])
-    unknown = [c for c in listed if c not in COMPONENTS]
-    if unknown or len(set(listed)) != len(listed):
-        close = difflib.get_close_matches(unknown[0], COMPONENTS, n=1) if unknown else []
-        problem = f"names no component {', '.join(unknown)}" if unknown else "names a component twice"
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(
-            f"config key '{key}' = {cfg[key]!r} {problem}.{hint} Components: {', '.join(sorted(COMPONENTS))}"
-        )
-    return built_in + listed
-
-
-def active_owners(cfg: Mapping[str, Any]) -> list[str]:
-    """The names whose keys apply to a run: its algorithm (and a variant's base), then its components."""
-    name = cfg["strategy"]
-    owners = [name] + ([_base(name)] if _base(name) != name else [])
-    return list(dict.fromkeys(owners + list(components_of(cfg))))
 
 
 def settings_of(owner: str) -> type[Settings]:

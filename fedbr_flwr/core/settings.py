@@ -110,9 +110,15 @@ class Settings:
         return {key: replace(spec, owner=owner) for _, key, spec in cls.declared()}
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]):
-        """The typed settings of a validated config (``names`` keys become tuples)."""
-        return cls(**{attr: names_list(cfg[key]) if spec.names else cfg[key] for attr, key, spec in cls.declared()})
+    def from_config(cls, cfg: Mapping[str, Any], stored: bool = False):
+        """The typed settings of a validated config (``names`` keys become tuples); ``stored``: of a config read
+        back from a run's files, where a key it lacks (one added since) takes its default."""
+
+        def value(key: str, spec: Key) -> Any:
+            v = cfg.get(key, spec.default) if stored else cfg[key]
+            return names_list(v) if spec.names else v
+
+        return cls(**{attr: value(key, spec) for attr, key, spec in cls.declared()})
 
     @classmethod
     def check(cls, cfg: Mapping[str, Any]) -> None:

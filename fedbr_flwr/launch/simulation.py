@@ -28,6 +28,7 @@ from ..app.flower_adapter import (
     replace_dead_actors,
     run_flower_simulation,
 )
+from ..core.config import CommonSettings
 from ..core.errors import describe
 from .protocol import RunReply, RunRequest
 
@@ -108,7 +109,7 @@ def run_config_of(request: RunRequest) -> dict[str, Any] | None:
 
 def in_process(run_config: dict[str, Any]) -> bool:
     """Whether the run's clients run in this process (``backend = in-process``; fedbr-run resolves ``auto``)."""
-    return run_config.get("backend") == "in-process"
+    return CommonSettings.from_config(run_config, stored=True).backend == "in-process"
 
 
 def simulate(run_config: dict[str, Any], run_id: int, supernodes: int, cpus: float, gpus: float) -> None:

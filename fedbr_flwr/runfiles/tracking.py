@@ -18,10 +18,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
+from ..core.config import common
 from ..core.errors import ConfigError
-from ..core.settings import names_list
 
-TRACKERS = ("tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"
 TRACKING_FILE = "tracking.json"
 # metrics.jsonl fields that are no curve: the round (the step), the training means (rounds.jsonl's, logged
@@ -30,17 +29,9 @@ EVAL_NOT_SCALARS = ("round", "train", "per_client_acc")
 HPARAM_METRICS = ("eval/mean_acc", "eval/worst_acc", "eval/global_acc")
 
 
-def requested(cfg: Mapping[str, Any]) -> tuple[str, ...]:
-    return names_list(cfg.get("tracking", "none"))
-
-
-def valid_trackers(value: str) -> bool:
-    return set(names_list(value)) <= set(TRACKERS)
-
-
 def check_available(cfg: Mapping[str, Any]) -> None:
     """ConfigError, before a run starts, naming the extra to install for a tracker whose package is missing."""
-    for name in requested(cfg):
+    for name in common(cfg).tracking:
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f'tracking={name} needs the {name} extra: pip install -e ".[{name}]"')
 
@@ -198,7 +189,7 @@ class Tracking:
     ) -> None:
         self.warn = warn
         self.sinks: dict[str, Sink] = {}
-        for name in requested(cfg):
+        for name in common(cfg).tracking:
             try:
                 self.sinks[name] = OPENERS[name](cfg, Path(out_dir), resume_round)
             except Exception as exc:  # noqa: BLE001  (tracking must never fail the run)
