@@ -188,7 +188,7 @@ def test_the_loser_of_two_runs_started_at_once_into_one_folder_exits_2(capsys, t
         assert proc.stdout.readline().strip() == "held"
         return cfg
 
-    monkeypatch.setattr(cli, "prepare", prepare_then_lose_the_race)
+    monkeypatch.setattr(plan, "prepare", prepare_then_lose_the_race)
     monkeypatch.setattr(launcher, "simulate_run", lambda *a: pytest.fail("Flower started"))
     try:
         code, _, err = run_cli(capsys, f"output-dir={tmp_path / 'run'}", "num-clients=2")

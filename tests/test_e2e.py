@@ -2,6 +2,7 @@
 share, or through `flwr run` on a private local SuperLink). Every process a test starts is stopped by the
 launcher, also when the run fails; the tests check that nothing is left behind."""
 
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from fedbr_flwr.commands import cli
 from fedbr_flwr.core.config import validate
 from fedbr_flwr.launch import plan
 from fedbr_flwr.launch.launcher import RunFailed, RunHost, run_flower
+from fedbr_flwr.launch.protocol import RunPlan
 
 pytestmark = pytest.mark.e2e
 
@@ -106,7 +108,7 @@ def test_failed_run_raises_with_the_reason_and_leaves_no_process(tmp_path):
     # 3 clients configured, but only 2 SuperNodes started: the clients refuse, the run fails.
     cfg = validate({"num-clients": 3, "num-rounds": 1, "local-steps": 1, "output-dir": str(tmp_path)})
     with pytest.raises(RunFailed, match="finished:failed"):
-        run_flower(cfg, 2, tmp_path, echo="none")
+        run_flower(dataclasses.replace(RunPlan.of(cfg), supernodes=2), echo="none")
     assert "num-supernodes=3" in (tmp_path / "flower.log").read_text()
     assert flower_processes() <= before
 
@@ -356,12 +358,12 @@ def test_a_run_that_leaves_a_client_hanging_hands_the_next_run_a_new_process(tmp
     """Run B's client 1 never returns from round 2; the round times out and B completes without it, but its thread
     cannot be stopped. The next run does not start in that process (it would share its cores with the spinning
     thread): it says so in one line and runs in a new one."""
-    from fedbr_flwr.launch.plan import config_from_settings, prepare, size_for_runtime, supernodes
+    from fedbr_flwr.launch.plan import config_from_settings, plan_run
 
     def prepared(name, **settings):
         base = {"num-clients": 2, "local-steps": 1, "batch-size": 8, "global-test": False, "eval-every": 1}
         cfg = config_from_settings({**base, **settings, "output-dir": str(tmp_path / name), "backend": "in-process"})
-        return prepare(size_for_runtime(cfg), True)
+        return plan_run(cfg, True)
 
     before = flower_processes()
     runs = {
@@ -369,10 +371,10 @@ def test_a_run_that_leaves_a_client_hanging_hands_the_next_run_a_new_process(tmp
         "c": prepared("c", **{"num-rounds": 1}),
     }
     with RunHost() as host:
-        run_flower(runs["b"], supernodes(runs["b"]), tmp_path / "b", echo="none", host=host)
+        run_flower(runs["b"], echo="none", host=host)
         b_process = host.proc.pid
         capsys.readouterr()
-        run_flower(runs["c"], supernodes(runs["c"]), tmp_path / "c", echo="none", host=host)
+        run_flower(runs["c"], echo="none", host=host)
         assert host.proc.pid != b_process
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fedbr:")]
     assert len(said) == 1 and re.fullmatch(  # client 1's fit, and its final evaluation waiting for it

@@ -18,6 +18,7 @@ from fedbr_flwr.app import payload
 from fedbr_flwr.commands import cli
 from fedbr_flwr.commands.report import Setting
 from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.launch.protocol import RunPlan
 from fedbr_flwr.runfiles import run_io
 from fedbr_flwr.runfiles.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from fedbr_flwr.runfiles.metrics import plot_history, read_jsonl, summarize, summary_table
@@ -167,8 +168,9 @@ def test_a_run_with_some_rounds_without_update_names_them_and_is_a_result(tmp_pa
     assert run_io.finished_run_problem(tmp_path) is None
 
 
-def run_that_trained_nothing(cfg, nodes, out, echo, superlink=False, host=None, watch=None):
+def run_that_trained_nothing(plan, echo, superlink=False, host=None, watch=None):
     """In place of Flower: write the files of a run in which every update was rejected."""
+    cfg, out = dict(plan.config), plan.out_dir
     recorder = RunRecorder(cfg, out)
     for r in range(1, cfg["num-rounds"] + 1):
         recorder.log_round(
@@ -220,7 +222,7 @@ def test_fedbr_deploy_exits_1_when_no_round_trained(tmp_path, capsys):
 
     out = tmp_path / "run"
     cfg = validate({"num-rounds": 2, "num-clients": 2, "output-dir": str(out)})
-    run_that_trained_nothing(cfg, None, out, None)
+    run_that_trained_nothing(RunPlan.of(cfg), None)
     assert deploy._print_result(out) == 1
     captured = capsys.readouterr()
     assert captured.err.startswith("fedbr-deploy: error: no round trained") and captured.err.count("\n") == 1

@@ -15,7 +15,7 @@ from procs import flower_processes
 
 from fedbr_flwr.app import flower_adapter
 from fedbr_flwr.commands import cli
-from fedbr_flwr.launch import launcher, simulation
+from fedbr_flwr.launch import launcher, plan, simulation
 from fedbr_flwr.launch.protocol import RunReply, RunRequest
 
 EARLY_HOST = cli.early_host  # conftest.py replaces it in fast tests; these tests run it
@@ -267,12 +267,10 @@ def test_serve_answers_from_several_threads_one_whole_line_at_a_time():
 
 
 def prepared(tmp_path, name, **settings):
-    from fedbr_flwr.launch.plan import config_from_settings, prepare, size_for_runtime
+    from fedbr_flwr.launch.plan import config_from_settings, plan_run
 
     base = {"num-clients": 2, "num-rounds": 1, "local-steps": 1, "batch-size": 8, "global-test": False}
-    return prepare(
-        size_for_runtime(config_from_settings({**base, **settings, "output-dir": str(tmp_path / name)})), True
-    )
+    return plan_run(config_from_settings({**base, **settings, "output-dir": str(tmp_path / name)}), True)
 
 
 @pytest.mark.e2e
@@ -284,21 +282,20 @@ def test_a_killed_or_failed_host_is_replaced_by_a_new_one_and_none_leaves_a_proc
     from procs import flower_processes
 
     from fedbr_flwr.launch.launcher import RunFailed, RunHost, run_flower
-    from fedbr_flwr.launch.plan import supernodes
 
     before = flower_processes()
     first, second, third = (prepared(tmp_path, f"run{i}", seed=i) for i in (1, 2, 3))
-    second["lr"] = "fast"  # past the checks of fedbr-run: the ServerApp's own validation refuses it
+    second = second.with_keys({"lr": "fast"})  # past the checks of fedbr-run: the ServerApp's own validation refuses it
     hosts = []
     with RunHost() as host:
-        run_flower(first, supernodes(first), tmp_path / "run1", echo="none", host=host)
+        run_flower(first, echo="none", host=host)
         hosts.append(host.proc.pid)
         os.kill(host.proc.pid, signal.SIGKILL)
         with pytest.raises(RunFailed, match="ended as 'finished:failed': .*lr"):
-            run_flower(second, supernodes(second), tmp_path / "run2", echo="none", host=host)
+            run_flower(second, echo="none", host=host)
         hosts.append(host.proc.pid)
         assert host.proc.wait(30) == 1  # a host whose run failed ends
-        run_flower(third, supernodes(third), tmp_path / "run3", echo="none", host=host)
+        run_flower(third, echo="none", host=host)
         hosts.append(host.proc.pid)
         assert len(set(hosts)) == 3
     for i in (1, 3):
@@ -314,8 +311,8 @@ def test_fedbr_run_starts_its_simulation_process_before_checking_the_config_and_
     before = flower_processes()
     handed = []
 
-    def run_flower(cfg, nodes, out, echo, superlink=False, host=None, watch=None):
-        if cfg["ray-address"]:
+    def run_flower(run_plan, echo, superlink=False, host=None, watch=None):
+        if run_plan.settings.ray_address:
             handed.append((host, None if host.proc is None else host.proc.pid, b""))
             raise launcher.RunFailed("stopped here")
         assert host is not None and host.proc is not None and host.proc.poll() is None
@@ -329,7 +326,7 @@ def test_fedbr_run_starts_its_simulation_process_before_checking_the_config_and_
     assert host.proc is None and not Path(f"/proc/{pid}").exists()
     assert cli.main(["num-clients=2", "lr=-1", f"output-dir={tmp_path / 'refused'}"]) == 2
     assert flower_processes() == before
-    monkeypatch.setattr(cli, "size_for_runtime", lambda cfg, **_: {**cfg, "ray-address": "10.0.0.1:6379"})  # joined
+    monkeypatch.setattr(plan, "size_for_runtime", lambda cfg, **_: {**cfg, "ray-address": "10.0.0.1:6379"})  # joined
     assert cli.main(["num-clients=2", "num-rounds=1", f"output-dir={tmp_path / 'joined'}", "--quiet"]) == 1
     host, pid, _ = handed[1]  # stopped before the run, which joins the cluster, started
     assert host.proc is None and pid is None

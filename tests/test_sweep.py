@@ -130,10 +130,11 @@ def test_a_sweep_runs_each_job_in_order_then_keeps_them(tmp_path, capsys, monkey
     Every run is handed the one simulation process the sweep keeps (``launcher.RunHost``), closed at the end."""
     ran, hosts = [], []
 
-    def finished_run(cfg, supernodes, out_dir, echo, host, watch=None):
-        ran.append((cfg["strategy"], cfg["seed"], supernodes, echo, out_dir))
+    def finished_run(plan, echo, host, watch=None):
+        cfg = dict(plan.config)
+        ran.append((cfg["strategy"], cfg["seed"], plan.supernodes, echo, plan.out_dir))
         hosts.append(host)
-        fake_run(out_dir, cfg, [0.3, 0.5], last_round=cfg["num-rounds"])
+        fake_run(plan.out_dir, cfg, [0.3, 0.5], last_round=cfg["num-rounds"])
 
     closed = []
     monkeypatch.setattr(sweep.RunHost, "close", lambda self: closed.append(self))
@@ -433,10 +434,11 @@ def test_a_grid_sweep_runs_each_cell_once_then_keeps_them(tmp_path, capsys, monk
     the comparison has one row per run and cell with the factors as columns."""
     ran = []
 
-    def finished_run(cfg, supernodes, out_dir, echo, host, watch=None):
-        ran.append(out_dir)
+    def finished_run(plan, echo, host, watch=None):
+        cfg = dict(plan.config)
+        ran.append(plan.out_dir)
         accs = [0.1, 0.3 + cfg["lr"] * 10 + cfg["local-steps"] / 10]
-        fake_run(out_dir, cfg, accs, last_round=cfg["num-rounds"])
+        fake_run(plan.out_dir, cfg, accs, last_round=cfg["num-rounds"])
 
     monkeypatch.setattr(sweep.RunHost, "close", lambda self: None)
     monkeypatch.setattr(sweep, "run_flower", finished_run)

@@ -100,8 +100,8 @@ def test_fedbr_run_at_its_time_limit_exits_75_with_the_resume_command(tmp_path, 
     checkpoint after every round and handed a watch with the limit."""
     seen = {}
 
-    def stopped(cfg, nodes, out, echo, superlink=False, host=None, watch=None):
-        seen.update(cfg=cfg, watch=watch)
+    def stopped(plan, echo, superlink=False, host=None, watch=None):
+        seen.update(cfg=plan.config, watch=watch)
         raise TimeLimitReached(4)
 
     monkeypatch.setattr(cli, "run_flower", stopped)
@@ -151,8 +151,8 @@ def test_a_time_limited_sweep_resumes_unfinished_runs_and_stops_with_the_same_co
     checkpoint_of(jobs[0][2], 3)
     started = []
 
-    def stopped(cfg, nodes, out_dir, echo, host=None, watch=None):
-        started.append((cfg["resume"], cfg["checkpoint-every"], watch.saved_round))
+    def stopped(plan, echo, host=None, watch=None):
+        started.append((plan.config["resume"], plan.config["checkpoint-every"], watch.saved_round))
         raise TimeLimitReached(5)
 
     monkeypatch.setattr(sweep, "run_flower", stopped)

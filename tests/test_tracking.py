@@ -191,8 +191,8 @@ def test_a_sweep_labels_each_run_for_its_wandb_group_before_it_runs(tmp_path, mo
 
     seen = {}
 
-    def run_flower(cfg, nodes, out_dir, **kwargs):
-        seen[out_dir.relative_to(tmp_path).as_posix()] = tracking.read_state(out_dir)
+    def run_flower(plan, **kwargs):
+        seen[plan.out_dir.relative_to(tmp_path).as_posix()] = tracking.read_state(plan.out_dir)
 
     monkeypatch.setattr(sweep, "run_flower", run_flower)
     out = tmp_path / "mysweep"

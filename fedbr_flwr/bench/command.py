@@ -46,7 +46,8 @@ from ..core.training import autocast, use_device
 from ..data.catalog import INFO
 from ..data.dataset import load_client_data, load_cohort_data
 from ..launch.launcher import RunFailed, run_flower
-from ..launch.plan import build_config, size_for_runtime, size_resources, supernodes
+from ..launch.plan import build_config, size_for_runtime, size_resources
+from ..launch.protocol import RunPlan
 from ..runfiles.metrics import read_jsonl
 from ..server.recording import node_key
 from .bare import bare_fit_config, bare_loop_round_seconds, synchronize
@@ -177,7 +178,7 @@ def flower_round_seconds(cfg: dict, rounds: int, out_dir: Path) -> tuple[list[di
         "output-dir": str(out_dir),
     }
     start = time.perf_counter()
-    run_flower(cfg, supernodes(cfg), out_dir, echo="none")
+    run_flower(RunPlan.of(cfg), echo="none")
     total = time.perf_counter() - start
     return [r for r in read_jsonl(out_dir / "rounds.jsonl") if r["round"] > 1], total
 

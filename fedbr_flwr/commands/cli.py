@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ..app.raycluster import requested_address
-from ..core.config import ConfigError, common, pyproject_table, schema
+from ..core.config import ConfigError, pyproject_table, schema
 from ..launch.launcher import PROJECT_DIR, RunFailed, RunHost, run_flower
-from ..launch.plan import build_config, prepare, resume_config, size_for_runtime, supernodes
+from ..launch.plan import build_config, plan_resumed, plan_run
 from ..launch.timelimit import (
     EXIT_TIME_LIMIT,
     RoundWatch,
@@ -169,19 +169,18 @@ def early_host(args: argparse.Namespace) -> RunHost | None:
 def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
     try:
         if args.resume:
-            cfg = size_for_runtime(resume_config(Path(args.resume), args.items), superlink=args.superlink)
+            plan = plan_resumed(Path(args.resume), args.items, superlink=args.superlink)
         else:
-            cfg = prepare(size_for_runtime(build_config(args.items), superlink=args.superlink), args.overwrite)
+            plan = plan_run(build_config(args.items), args.overwrite, superlink=args.superlink)
         if args.deadline is not None:
-            cfg["checkpoint-every"] = 1  # a stop loses no finished round
+            plan = plan.with_keys({"checkpoint-every": 1})  # a stop loses no finished round
     except ConfigError as exc:
         print(f"fedbr-run: error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print("\n".join(f"{k} = {v!r}" for k, v in cfg.items()))
+        print("\n".join(f"{k} = {v!r}" for k, v in plan.config.items()))
         return 0
-    run = common(cfg)
-    out = Path(run.output_dir)
+    run, out = plan.settings, plan.out_dir
     print(
         f"fedbr-run: {run.strategy} on {run.dataset}, {run.num_clients} clients, {run.num_rounds} rounds -> {out}",
         flush=True,
@@ -195,7 +194,7 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         watch = None
         if args.deadline is not None:
             watch = RoundWatch(args.deadline, run.num_rounds, checkpoint_round(out) if run.resume else None)
-        run_flower(cfg, supernodes(cfg), out, echo=echo, superlink=args.superlink, host=host, watch=watch)
+        run_flower(plan, echo=echo, superlink=args.superlink, host=host, watch=watch)
     except TimeLimitReached as exc:
         print(
             stopped_line("fedbr-run", str(out), exc.saved_round, run.num_rounds, again(args, out, exc)),

@@ -50,7 +50,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from ..core.config import (
     PLACEMENT_KEYS,
@@ -63,7 +63,7 @@ from ..core.config import (
     unknown_key,
 )
 from ..launch.launcher import RunFailed, RunHost, run_flower
-from ..launch.plan import config_from_settings, prepare, size_for_runtime, supernodes
+from ..launch.plan import config_from_settings, plan_run
 from ..launch.timelimit import (
     EXIT_TIME_LIMIT,
     RoundWatch,
@@ -267,7 +267,7 @@ def check_cells_differ(grid: dict[str, Factor], settings: list[Setting]) -> None
             raise ConfigError(f"grid values that read the same would share a run folder ({listed}): list each once")
 
 
-def finished_with_same_config(cfg: dict[str, Any]) -> bool:
+def finished_with_same_config(cfg: Mapping[str, Any]) -> bool:
     """True if the folder holds a finished run of this config; a different run there is an error."""
     run = common(cfg)
     out = Path(run.output_dir)
@@ -292,7 +292,7 @@ def finished_with_same_config(cfg: dict[str, Any]) -> bool:
     return True
 
 
-def resumable_round(cfg: dict[str, Any]) -> int | None:
+def resumable_round(cfg: Mapping[str, Any]) -> int | None:
     """The round of the checkpoint in the run's folder when the run can continue from it (``fedbr-run --resume``);
     None when there is none, or it is of other settings (then the run starts again, and a line says why)."""
     from ..app.server_app import check_resumable
@@ -325,31 +325,31 @@ def run_all(
     with contextlib.nullcontext(None) if isolated else shared_host(jobs) as host:
         for i, (name, seed, cfg) in enumerate(jobs, 1):
             label = f"[{i}/{len(jobs)}] {name.label} seed {seed}"
-            cfg = prepare(size_for_runtime(cfg), overwrite=True)
-            run = common(cfg)  # what the changes below (resume, checkpoint-every) leave alone
-            if finished_with_same_config(cfg):
-                print(f"fedbr-sweep: {label}: already finished in {run.output_dir}; kept", flush=True)
+            plan = plan_run(cfg, overwrite=True)
+            run, out_dir = plan.settings, plan.out_dir  # what the changes below (resume, checkpoint-every) leave alone
+            if finished_with_same_config(plan.config):
+                print(f"fedbr-sweep: {label}: already finished in {out_dir}; kept", flush=True)
                 status[(name, seed)] = "kept"
                 continue
-            where = f"{name.label} seed {seed} ({run.output_dir})"
-            resumed = resumable_round(cfg)
+            where = f"{name.label} seed {seed} ({out_dir})"
+            resumed = resumable_round(plan.config)
+            changes: dict[str, Any] = {"resume": resumed is not None}
             if deadline is not None:
                 if time.time() >= deadline:
                     raise TimeLimitReached(resumed, where, run.num_rounds)
-                cfg["checkpoint-every"] = 1  # a stop loses no finished round
-            cfg["resume"] = resumed is not None
+                changes["checkpoint-every"] = 1  # a stop loses no finished round
+            plan = plan.with_keys(changes)
             start = f"continues after round {resumed}" if resumed is not None else run.strategy
-            print(f"fedbr-sweep: {label}: {start} -> {run.output_dir}", flush=True)
+            print(f"fedbr-sweep: {label}: {start} -> {out_dir}", flush=True)
             watch = None if deadline is None else RoundWatch(deadline, run.num_rounds, resumed)
             try:
-                out_dir = Path(run.output_dir)
                 if out is not None and run.tracking:
                     tracking.label_sweep_run(
                         out_dir, out.name, str(out_dir.relative_to(out)), [name.label[:64], f"seed{seed}"]
                     )
                 echo = "none" if quiet else "progress"
                 try:
-                    run_flower(cfg, supernodes(cfg), out_dir, echo=echo, host=host, watch=watch)
+                    run_flower(plan, echo=echo, host=host, watch=watch)
                 except TimeLimitReached as exc:
                     raise TimeLimitReached(exc.saved_round, where, run.num_rounds) from None
                 ok = (out_dir / "summary.json").exists()
@@ -358,7 +358,7 @@ def run_all(
             except (RunFailed, ConfigError) as exc:
                 status[(name, seed)] = f"failed: {exc}"
             except OSError as exc:  # its folder's disk filled up, say: the next runs may still fit elsewhere
-                status[(name, seed)] = f"failed: cannot write to {run.output_dir}: {exc.strerror or exc}"
+                status[(name, seed)] = f"failed: cannot write to {out_dir}: {exc.strerror or exc}"
             print(f"fedbr-sweep: {label}: {status[(name, seed)]}", flush=True)
     return status
 

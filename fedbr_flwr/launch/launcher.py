@@ -20,7 +20,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from ..app.raycluster import log_tail, ray_environment, requested_address
 from ..core.config import common, to_toml
@@ -28,7 +28,7 @@ from ..core.errors import ConfigError
 from ..runfiles import runlock
 from ..runfiles.progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower
 from . import watchdog
-from .protocol import RunReply, RunRequest
+from .protocol import RunPlan, RunReply, RunRequest
 from .timelimit import RoundWatch, TimeLimitReached
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
@@ -171,16 +171,14 @@ def federation_config(num_supernodes: int, cpus: float, gpus: float) -> str:
 
 
 def run_flower(
-    cfg: dict,
-    num_supernodes: int,
-    out_dir: Path,
+    plan: RunPlan,
     project_dir: Path = PROJECT_DIR,
     echo: str = "progress",
     superlink: bool = False,
     host: "RunHost | None" = None,
     watch: RoundWatch | None = None,
 ) -> dict:
-    """Run the app with ``cfg`` as a Flower simulation of ``num_supernodes`` nodes and wait for it: in one
+    """Run the app as ``plan`` says, a Flower simulation of its SuperNodes, and wait for it: in one
     simulation process (``fedbr_flwr.launch.simulation``: Flower's simulation entry point, as ``flwr run`` would start
     it), or with ``superlink``, through ``flwr run`` on a fresh local simulation SuperLink. Returns the run's
     final status record; raises RunFailed when the run did not complete. ``echo``: see ``submit_run``.
@@ -188,14 +186,14 @@ def run_flower(
     started for), used instead of a new process (not with ``superlink``). ``watch``: a time limit's
     (``timelimit.RoundWatch``): the run is stopped, with all it started, when the watch says so, and
     TimeLimitReached is raised."""
-    run = common(cfg)
+    run, out_dir = plan.settings, plan.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     address = requested_address(run.ray_address)
     if superlink:
-        fed = federation_config(num_supernodes, run.client_cpus, run.client_gpus)
+        fed = federation_config(plan.supernodes, run.client_cpus, run.client_gpus)
         with runlock.hold(out_dir), local_superlink(out_dir, address) as env:
             return submit_run(
-                cfg,
+                plan.config,
                 env,
                 "local",
                 out_dir,
@@ -207,17 +205,15 @@ def run_flower(
             )
     with runlock.hold(out_dir):
         if host is not None and host.address == address:
-            return host.run(cfg, num_supernodes, out_dir, echo, watch)
-        return simulate_run(cfg, num_supernodes, out_dir, address, echo, watch)
+            return host.run(plan, echo, watch)
+        return simulate_run(plan, address, echo, watch)
 
 
-def simulate_run(
-    cfg: dict, num_supernodes: int, out_dir: Path, address: str | None, echo: str, watch: RoundWatch | None = None
-) -> dict:
+def simulate_run(plan: RunPlan, address: str | None, echo: str, watch: RoundWatch | None = None) -> dict:
     """``run_flower`` in a simulation process of its own (a ``RunHost`` for one run), on a private Ray runtime or
     the cluster at ``address``."""
     with RunHost(address) as host:
-        return host.run(cfg, num_supernodes, out_dir, echo, watch)
+        return host.run(plan, echo, watch)
 
 
 class RunHost:
@@ -292,16 +288,16 @@ class RunHost:
         finally:  # also when reading fails (bytes that are no text): whoever waits must learn the end
             replies.put(None)  # the process has ended, or nothing more can be read from it
 
-    def run(self, cfg: dict, num_supernodes: int, out_dir: Path, echo: str, watch: RoundWatch | None = None) -> dict:
-        """One run in this host: the run's output in ``out_dir/flower.log``, its progress followed as
+    def run(self, plan: RunPlan, echo: str, watch: RoundWatch | None = None) -> dict:
+        """One run in this host: the run's output in its folder's flower.log, its progress followed as
         there; returns once the run's last event is written (the host finishes Flower's part meanwhile)."""
-        run = common(cfg)
+        run, out_dir = plan.settings, plan.out_dir
         for _ in range(2):  # the host may have ended after the run before: then once more, in a new one
             self.start()
             request = RunRequest(
-                run_config=str(write_run_config(cfg, out_dir)),
+                run_config=str(write_run_config(plan.config, out_dir)),
                 run_id=secrets.randbits(62),
-                supernodes=num_supernodes,
+                supernodes=plan.supernodes,
                 cpus=run.client_cpus,
                 gpus=run.client_gpus,
                 log=str(out_dir / "flower.log"),
@@ -365,14 +361,14 @@ class RunHost:
         )
 
 
-def write_run_config(cfg: dict, out_dir: Path) -> Path:
+def write_run_config(cfg: Mapping[str, Any], out_dir: Path) -> Path:
     path = out_dir / "run_config.toml"
     path.write_text(to_toml(cfg))
     return path
 
 
 def submit_run(
-    cfg: dict,
+    cfg: Mapping[str, Any],
     env: dict[str, str],
     connection: str,
     out_dir: Path,

@@ -1,9 +1,9 @@
 """The run plan: what a simulated run will be on this machine, decided before Flower starts. Its config from
 experiment files and ``key=value`` overrides (``build_config``) or from a stopped run's checkpoint
 (``resume_config``); its resources sized for the runtime it will use, this machine or a joined Ray cluster
-(``size_for_runtime``: cohorts, each client's cores and GPU share, the ``backend``); its SuperNodes
-(``supernodes``); and its run folder checked and its partition built (``prepare``). fedbr-run, fedbr-sweep,
-fedbr-deploy and the benchmarks plan their runs here."""
+(``size_for_runtime``: cohorts, each client's cores and GPU share, the ``backend``); and its run folder checked
+and its partition built (``prepare``). ``plan_run`` and ``plan_resumed`` make the frozen ``RunPlan`` that
+everything after reads. fedbr-run, fedbr-sweep, fedbr-deploy and the benchmarks plan their runs here."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ..runfiles.run_io import check_output_dir, check_path_length, git_commit
 from ..runfiles.runlock import check_free
 from ..runfiles.tracking import check_available
 from .launcher import PROJECT_DIR
+from .protocol import RunPlan
 
 DEFAULT_SIMULATED_CLIENTS = 10
 MAX_CLIENTS_PER_GPU = 4
@@ -164,9 +165,14 @@ def ray_needed_because(cfg: dict[str, Any], superlink: bool, cluster: bool) -> s
     return ""
 
 
-def supernodes(cfg: dict[str, Any]) -> int:
-    """The simulated SuperNodes: one per client, or one per cohort (engine=cohort)."""
-    return cfg["cohorts"] if cfg["engine"] == "cohort" else cfg["num-clients"]
+def plan_run(cfg: dict[str, Any], overwrite: bool, superlink: bool = False) -> RunPlan:
+    """The plan of a new run of ``cfg`` (validated): sized for its runtime, its folder and partition checked."""
+    return RunPlan.of(prepare(size_for_runtime(cfg, superlink=superlink), overwrite))
+
+
+def plan_resumed(out_dir: Path, items: Sequence[str], superlink: bool = False) -> RunPlan:
+    """The plan that continues the run in ``out_dir`` from its checkpoint (``resume_config``)."""
+    return RunPlan.of(size_for_runtime(resume_config(out_dir, items), superlink=superlink))
 
 
 def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:

@@ -1,13 +1,41 @@
-"""What ``launcher.RunHost`` and the simulation process (``simulation.serve``) say to each other: a request per
-run on the process's stdin, and replies on its stdout, one JSON object a line, typed on both sides."""
+"""The launch layer's types: the plan a simulated run is made once from (``RunPlan``), and what ``launcher.RunHost``
+and the simulation process (``simulation.serve``) say to each other: a request per run on the process's stdin, and
+replies on its stdout, one JSON object a line, typed on both sides."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
-from typing import Any, TypeVar, get_args, get_type_hints
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping, TypeVar, get_args, get_type_hints
+
+from ..core.config import CommonSettings, common
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A simulated run as it will be on this machine, made once by ``launch.plan`` (``plan_run``, ``plan_resumed``):
+    its config, read-only, with the backend, the cohorts and each client's cores and GPU share resolved, and its
+    run folder checked (the config is what travels to Flower); its typed ``settings``; its simulated SuperNodes
+    (one per client, or one per cohort with engine=cohort); its run folder."""
+
+    config: Mapping[str, Any]
+    settings: CommonSettings
+    supernodes: int
+    out_dir: Path
+
+    @classmethod
+    def of(cls, cfg: Mapping[str, Any]) -> RunPlan:
+        run = common(cfg)
+        nodes = run.cohorts if run.engine == "cohort" else run.num_clients
+        return cls(MappingProxyType(dict(cfg)), run, nodes, Path(run.output_dir))
+
+    def with_keys(self, keys: Mapping[str, Any]) -> RunPlan:
+        """The plan with ``keys`` changed: what a time limit or a continued run changes (checkpoint-every, resume)."""
+        return RunPlan.of({**self.config, **keys})
 
 
 @dataclass(frozen=True)
