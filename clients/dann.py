@@ -132,7 +132,8 @@ class DANNClient(ClientAlgorithm):
         run = common(cfg)
         if not run.num_clients:
             raise ConfigError("DANN's discriminator has one output per client: set num-clients")
-        return {"discriminator": build_discriminator(model.feature_dim, cfg["dann-hidden"], run.num_clients)}
+        hidden = DANNSettings.from_config(cfg).hidden
+        return {"discriminator": build_discriminator(model.feature_dim, hidden, run.num_clients)}
 
     def make_step(self, server_round: int, config: dict) -> DANNStep:
         discriminator = self.modules["discriminator"].train()

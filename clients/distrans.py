@@ -177,7 +177,7 @@ class DisTransClient(ClientAlgorithm):
 
     @classmethod
     def build_model(cls, backbone, cfg):
-        return DoubleInputModel.from_backbone(backbone, cfg["distrans-alpha"])
+        return DoubleInputModel.from_backbone(backbone, DisTransSettings.from_config(cfg).alpha)
 
     @classmethod
     def returned_shapes(cls, model, cfg):

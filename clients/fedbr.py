@@ -115,17 +115,17 @@ class FedBRSettings(Settings):
 
     @classmethod
     def check(cls, cfg):
-        run = common(cfg)
-        if not cfg["fedbr-balance"] and not cfg["fedbr-contrastive"]:
+        run, own = common(cfg), cls.from_config(cfg)
+        if not own.balance and not own.contrastive:
             raise ConfigError(
                 "fedbr-balance and fedbr-contrastive are both false: that is FedAvg "
                 "(use strategy=fedavg, or strategy=mixup for the Mixup backbone)"
             )
-        if not cfg["fedbr-contrastive"] and not cfg["fedbr-max-step"]:
+        if not own.contrastive and not own.max_step:
             raise ConfigError("fedbr-max-step = false only applies with fedbr-contrastive = true")
-        if cfg["fedbr-contrastive"] and cfg["pseudo-size"] not in (0, run.batch_size):
+        if own.contrastive and own.pseudo_size not in (0, run.batch_size):
             raise ConfigError(
-                f"pseudo-size = {cfg['pseudo-size']} but batch-size = {run.batch_size}: component 2 "
+                f"pseudo-size = {own.pseudo_size} but batch-size = {run.batch_size}: component 2 "
                 "pairs pseudo-samples with local samples one to one, so they must be equal "
                 "(pseudo-size = 0 follows batch-size)"
             )

@@ -51,7 +51,7 @@ class FederatedStrategy(FlowerStrategy):
     ):
         self.client_class = client_class(common(cfg).strategy)
         super().__init__(cfg, recorder, bool(self.client_class.state_keys))
-        self.settings = settings_of(self.name).from_config(cfg)
+        self.settings: Any = settings_of(self.name).from_config(cfg)  # its own class: read by each strategy file
         self.modules = modules  # the global model (and FedBR's head, DANN's discriminator), as clients build them
         self.model = modules["model"]
         self.server_tests = server_tests  # what the server evaluates the global model on (None: nothing)

@@ -197,7 +197,7 @@ class LocalComponent:
 
     def __init__(self, cfg: dict):
         self.cfg = cfg
-        self.settings = self.Settings.from_config(cfg)
+        self.settings: Any = self.Settings.from_config(cfg)  # its own class: read by each algorithm file
 
     def start_round(self, ctx: RoundContext) -> None:
         """Per-round set-up before the first step (a teacher copy, the server's direction, a sampler)."""
@@ -437,7 +437,7 @@ class ClientAlgorithm:
         self.cfg = cfg
         self.bind(data, state if state is not None else MemoryState())
         self.device = torch.device(device)
-        self.settings = self.Settings.from_config(cfg)
+        self.settings: Any = self.Settings.from_config(cfg)  # its own class: read by each algorithm file
         self.modules = {k: m.to(self.device) for k, m in self.build_modules(cfg, common(cfg).compile).items()}
         # a SplitModel, or a model around one with its own features and classifier (DisTrans): duck-typed
         self.model: Any = self.modules["model"]

@@ -10,7 +10,7 @@ key holds a list of names, written ``a,b`` (YAML lists are joined), ``none`` for
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,9 @@ def _declared(cls: type[Settings]) -> list[tuple[str, str, Key]]:
     return _DECLARED[cls]
 
 
+S = TypeVar("S", bound="Settings")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Base of an algorithm's (or a component's) settings. Subclasses are frozen dataclasses of
@@ -110,7 +113,7 @@ class Settings:
         return {key: replace(spec, owner=owner) for _, key, spec in cls.declared()}
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], stored: bool = False):
+    def from_config(cls: type[S], cfg: Mapping[str, Any], stored: bool = False) -> S:
         """The typed settings of a validated config (``names`` keys become tuples); ``stored``: of a config read
         back from a run's files, where a key it lacks (one added since) takes its default."""
 
