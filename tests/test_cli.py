@@ -74,6 +74,21 @@ def test_gpu_fraction_is_chosen_when_cuda_is_present():
     assert cfg["client-gpus"] == 0.0
 
 
+def test_a_run_plan_is_made_once_read_only_and_changed_only_into_a_new_plan(tmp_path):
+    out = tmp_path / "run"
+    clients = plan.plan_run(plan.build_config(["num-clients=3", f"output-dir={out}"]), overwrite=False)
+    assert (clients.supernodes, clients.out_dir, clients.settings.backend) == (3, out, "in-process")
+    with pytest.raises(TypeError):
+        clients.config["lr"] = 1.0  # type: ignore[index]
+    stopped = clients.with_keys({"checkpoint-every": 1})
+    assert stopped.settings.checkpoint_every == stopped.config["checkpoint-every"] == 1
+    assert clients.settings.checkpoint_every != 1
+    cohorts = plan.plan_run(
+        plan.build_config(["engine=cohort", "cohorts=2", "num-clients=6", f"output-dir={tmp_path / 'c'}"]), False
+    )
+    assert cohorts.supernodes == 2
+
+
 def test_too_many_cpus_per_client_is_refused():
     with pytest.raises(ConfigError, match="cores"):
         plan.size_resources(plan.build_config(["client-cpus=64"]), cuda_available=False, cpu_count=2)
