@@ -299,6 +299,18 @@ def test_common_reads_every_common_key_typed_and_refuses_a_config_without_one():
         common({key: value for key, value in cfg.items() if key != "num-clients"})
 
 
+def test_a_stored_config_gives_the_keys_it_lacks_their_defaults():
+    """A run's manifest from before a key was added: that key reads as its default, names as a tuple."""
+    old = {"num-rounds": 40, "tracking": "tensorboard,wandb"}
+    run = CommonSettings.from_config(old, stored=True)
+    assert (run.num_rounds, run.tracking, run.eval_every) == (
+        40,
+        ("tensorboard", "wandb"),
+        COMMON["eval-every"].default,
+    )
+    assert run.backend == COMMON["backend"].default
+
+
 def test_a_common_key_is_its_fields_name_in_kebab_case():
     assert [key for _, key, _ in CommonSettings.declared()] == list(COMMON)
     assert all(key == attribute.replace("_", "-") for attribute, key, _ in CommonSettings.declared())
