@@ -27,6 +27,6 @@ class FedMixStrategy(FederatedStrategy):
         y = np.concatenate([answers[pid]["y"] for pid in pids]).astype(np.float32)
         self.recorder.progress.emit(
             "info",
-            f"FedMix: {len(x)} mean samples (M = {self.cfg['fedmix-m']}) from {len(pids)} clients, sent to each once",
+            f"FedMix: {len(x)} mean samples (M = {self.settings.m}) from {len(pids)} clients, sent to each once",
         )
         return x, y

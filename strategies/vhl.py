@@ -68,7 +68,7 @@ class VHLStrategy(FederatedStrategy):
             info.num_classes,
             info.in_channels,
             info.image_size,
-            self.cfg["vhl-size"],
+            self.settings.size,
             seeds.seed("vhl-data", run.seed),
         )
         self.recorder.progress.emit(
