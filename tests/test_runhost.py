@@ -76,7 +76,7 @@ def test_serve_runs_each_request_with_its_output_in_its_log_then_stops_after_a_f
 ):
     ran = []
 
-    def fake_simulate(run_config, run_id, supernodes, cpus, gpus):
+    def fake_simulate(run_config, run_id, supernodes, cpus, gpus, clients_here):
         ran.append((run_config, run_id, supernodes, cpus, gpus, os.getcwd()))
         print(f"output of run {run_id}", flush=True)
         if run_id == 2:
@@ -109,9 +109,12 @@ def test_serve_starts_ray_in_its_own_thread_for_a_run_whose_config_asks_for_ray_
     tmp_path, monkeypatch, own_stdout_stderr
 ):
     """Where a run's clients run is its run config's ``backend`` (decided once by the run plan); the request
-    does not carry it a second time."""
-    serve_runs_with(monkeypatch, lambda *args: None)
+    does not carry it a second time, and the process reads it once, for both Ray and the run."""
+    here, reads = [], []
+    serve_runs_with(monkeypatch, lambda *args: here.append(args[-1]))
     started = []
+    read = simulation.in_process
+    monkeypatch.setattr(simulation, "in_process", lambda run_config: reads.append(1) or read(run_config))
     monkeypatch.setattr(simulation, "start_ray", lambda: started.append(threading.current_thread().name))
     monkeypatch.setattr(simulation, "ray_likely", lambda: False)  # nothing started ahead of the requests
     own_stdout_stderr()
@@ -123,6 +126,7 @@ def test_serve_starts_ray_in_its_own_thread_for_a_run_whose_config_asks_for_ray_
     assert serve_in_process == 0 and started == []
     serve_on_ray = simulation.serve(io.StringIO(requests[1].line()), io.StringIO())
     assert serve_on_ray == 0 and started == [threading.current_thread().name]
+    assert here == [True, False] and len(reads) == 2
 
 
 def test_serve_reads_each_run_config_once_and_fails_a_run_whose_config_it_cannot_read(
@@ -154,7 +158,7 @@ def test_serve_hands_no_run_to_a_process_still_running_a_client_of_the_run_befor
     def hung_client(message, context):
         release.wait(30)
 
-    def fake_simulate(run_config, run_id, supernodes, cpus, gpus):
+    def fake_simulate(run_config, run_id, supernodes, cpus, gpus, clients_here):
         ran.append(run_id)
         backend = InProcessBackend({"client_resources": {"num_cpus": 1}})
         backend.build(lambda: hung_client)

@@ -112,12 +112,13 @@ def in_process(run_config: dict[str, Any]) -> bool:
     return CommonSettings.from_config(run_config, stored=True).backend == "in-process"
 
 
-def simulate(run_config: dict[str, Any], run_id: int, supernodes: int, cpus: float, gpus: float) -> None:
+def simulate(
+    run_config: dict[str, Any], run_id: int, supernodes: int, cpus: float, gpus: float, clients_here: bool
+) -> None:
     """Run the app once through Flower's simulation entry point, as ``flwr-simulation`` does: on Ray, or with the
-    clients in this process (``in_process``)."""
+    clients in this process (``clients_here``: the run config's ``backend``, read once by ``serve``)."""
     choose_backend_per_run()
     dispatch_messages_promptly()
-    clients_here = in_process(run_config)
     if clients_here:
         import_both_sides()
     else:
@@ -178,9 +179,10 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
             answer(replies, RunReply(request.run_id, retired=leftover))
             break
         run_config = run_config_of(request)
-        if run_config is None or not in_process(run_config):
+        clients_here = run_config is not None and in_process(run_config)
+        if not clients_here:
             start_ray()  # in the main thread: the processes Ray starts end with the thread that started them
-        run = threading.Thread(target=run_requested, args=(request, run_config, replies, failed))
+        run = threading.Thread(target=run_requested, args=(request, run_config, clients_here, replies, failed))
         runs.append((run, Path(request.cwd)))
         runs[-1][0].start()
     for run, _ in runs:
@@ -243,7 +245,11 @@ def wait_for_last_event(run: threading.Thread, out_dir: Path) -> None:
 
 
 def run_requested(
-    request: RunRequest, run_config: dict[str, Any] | None, replies: IO[str], failed: threading.Event
+    request: RunRequest,
+    run_config: dict[str, Any] | None,
+    clients_here: bool,
+    replies: IO[str],
+    failed: threading.Event,
 ) -> None:
     """One run of ``serve``."""
     answer(replies, RunReply(request.run_id, started=True))
@@ -258,6 +264,7 @@ def run_requested(
             request.supernodes,
             float(request.cpus),
             float(request.gpus),
+            clients_here,
         )
     except BaseException as exc:  # noqa: BLE001 - also Flower's sys.exit: say so, then end
         traceback.print_exc()
