@@ -15,6 +15,7 @@ from flwr.clientapp.client_app import ClientAppException
 from fedbr_flwr.app import flower_adapter, server_app
 from fedbr_flwr.app.inprocess import IN_PROCESS, InProcessBackend, worker_threads
 from fedbr_flwr.commands import cli
+from fedbr_flwr.core.config import RESUMABLE_KEYS
 from fedbr_flwr.core.errors import ConfigError
 from fedbr_flwr.launch import plan, simulation
 
@@ -70,7 +71,7 @@ def test_a_deployment_and_flowers_own_simulation_refuse_in_process(capsys, tmp_p
 
 
 def test_the_backend_may_change_when_a_run_resumes():
-    assert "backend" in server_app.RESUMABLE_KEYS
+    assert "backend" in RESUMABLE_KEYS
 
 
 def test_as_many_threads_as_clients_fit_in_the_cores():

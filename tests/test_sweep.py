@@ -108,6 +108,7 @@ def test_a_finished_run_is_kept_where_only_the_data_folder_or_the_engine_changed
     (name, seed, cfg), *_ = sweep.plan(write(tmp_path), [], tmp_path / "out", None)
     fake_run(tmp_path / "out" / "FedAvg" / "seed0", cfg, [0.1], last_round=cfg["num-rounds"])
     moved = {**cfg, "data-dir": "/elsewhere", "engine": "cohort", "cohort-step": "loop", "backend": "ray"}
+    moved.update({"client-gpus": 0.5, "ray-address": "10.0.0.1:6379", "checkpoint-every": 3, "tracking": "wandb"})
     assert moved["engine"] != cfg["engine"] and sweep.finished_with_same_config(moved)
     with pytest.raises(ConfigError, match="different settings \\(lr\\)"):
         sweep.finished_with_same_config({**moved, "lr": 0.5})

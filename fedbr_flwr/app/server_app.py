@@ -13,7 +13,7 @@ from flwr.server.compat import start_grid
 from strategies.base import strategy_class
 
 from ..core.algorithm import client_class
-from ..core.config import PLACEMENT_KEYS, common, from_run_config
+from ..core.config import RESUMABLE_KEYS, common, from_run_config
 from ..core.errors import ConfigError
 from ..core.training import use_device
 from ..data.dataset import load_server_tests
@@ -22,23 +22,6 @@ from ..runfiles.checkpoint import load_checkpoint
 from ..runfiles.run_io import RunRecorder, resolve_output_dir
 from .checkpointing import ResumedRun
 from .flower_adapter import chooses_backend_per_run, receive_replies_promptly
-
-# keys a resumed run may change (the run folder and dataset may have moved; resources differ); any other
-# must equal the checkpoint's
-RESUMABLE_KEYS = (
-    "num-rounds",
-    "checkpoint-every",
-    "round-timeout",
-    "min-fit-clients",
-    "eval-every",
-    "output-dir",
-    *PLACEMENT_KEYS,  # where the data and the clients are (data-dir, engine, backend, ...)
-    "client-gpus",
-    "ray-address",
-    "resume",
-    "git-commit",
-    "tracking",
-)
 
 
 def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], rounds_done: int) -> None:

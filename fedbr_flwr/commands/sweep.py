@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ..core.config import (
-    PLACEMENT_KEYS,
+    NO_EFFECT_KEYS,
     ConfigError,
     common,
     load_yaml,
@@ -77,7 +77,6 @@ from ..runfiles.run_io import check_path_length, finished_run_problem
 from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 
 # may differ between machines or sessions (a time-limited session checkpoints every round) with the same results
-VOLATILE_KEYS = ("output-dir", "git-commit", "client-gpus", "ray-address", "checkpoint-every", "tracking")
 
 
 def sweep_title(path: str) -> str | None:
@@ -282,8 +281,7 @@ def finished_with_same_config(cfg: Mapping[str, Any]) -> bool:
     defaults = {k: spec.default for k, spec in schema().items()}
     # a key the run's version did not have yet: that run behaved as the key's default does (new keys keep the
     # old behaviour by default), so a sweep continued after an upgrade keeps its finished runs
-    free = VOLATILE_KEYS + PLACEMENT_KEYS
-    differs = sorted(k for k in cfg if k not in free and (old[k] if k in old else defaults.get(k)) != cfg[k])
+    differs = sorted(k for k in cfg if k not in NO_EFFECT_KEYS and (old[k] if k in old else defaults.get(k)) != cfg[k])
     if differs:
         raise ConfigError(
             f"{out} holds a finished run with different settings ({', '.join(differs)}); "

@@ -215,6 +215,7 @@ class CommonSettings(Settings):
         0.0,
         "GPU share per simulated client; the CLI picks one when CUDA is present",
         check=UNIT_INTERVAL,
+        placement=True,
     )
     backend: str = common_key(
         "auto",
@@ -230,6 +231,7 @@ class CommonSettings(Settings):
         "simulation: the running Ray cluster to join (host:port of its head, or auto for the one `ray start` "
         "left on this machine); empty: the RAY_ADDRESS environment variable if set, else a private Ray runtime "
         "(local forces that)",
+        placement=True,
     )
     # faults and checkpoints
     min_fit_clients: int = common_key(
@@ -289,9 +291,13 @@ def common(cfg: Mapping[str, Any]) -> CommonSettings:
     return CommonSettings.from_config(cfg)
 
 
-# where a run's data and clients are, not what it computes (``Key.placement``): a resumed run, or a sweep's
-# finished run, may differ in them
+# where a run's data and clients are, not what it computes (``Key.placement``)
 PLACEMENT_KEYS = tuple(name for name, key in COMMON.items() if key.placement)
+# ... and the keys that only record or report it: a sweep keeps a finished run that differs in these only
+NO_EFFECT_KEYS = (*PLACEMENT_KEYS, "output-dir", "git-commit", "checkpoint-every", "tracking")
+# a run continued from its checkpoint (fedbr-run --resume) may differ in these too: it may run longer, evaluate
+# on another schedule or wait for other clients; any other key must equal the checkpoint's
+RESUMABLE_KEYS = (*NO_EFFECT_KEYS, "num-rounds", "round-timeout", "min-fit-clients", "eval-every", "resume")
 
 # keys of earlier versions: what replaced them
 REPLACED = {

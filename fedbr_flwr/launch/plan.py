@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..app.raycluster import Cluster
-from ..core.config import ConfigError, check_sampling, defaults, load_yaml, parse_override, validate
+from ..core.config import RESUMABLE_KEYS, ConfigError, check_sampling, defaults, load_yaml, parse_override, validate
 from ..runfiles.run_io import check_output_dir, check_path_length, git_commit
 from ..runfiles.runlock import check_free
 from ..runfiles.tracking import check_available
@@ -58,7 +58,7 @@ def config_from_settings(settings: dict[str, Any]) -> dict[str, Any]:
 def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
     """The config of the run in ``out_dir`` (from its checkpoint), with ``resume`` on and the overrides
     a resumed run may take (num-rounds, checkpoint-every, ...); anything else stops with a message."""
-    from ..app.server_app import RESUMABLE_KEYS, check_resumable
+    from ..app.server_app import check_resumable
     from ..runfiles.checkpoint import load_checkpoint
 
     check_path_length(out_dir, "--resume")
