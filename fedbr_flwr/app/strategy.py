@@ -105,20 +105,7 @@ class FlowerStrategy(Strategy):
         accepted, rejected = self._screen(server_round, answers)
         missing = sorted(set(self.sampled) - {a.pid for a in answers})
         self.server_metrics = {}
-        plan = RoundPlan(self.robust_rule)
-        problem = too_few_updates(self.cfg, self.robust_rule, len(accepted))
-        skipped = problem is not None
-        if problem is not None:
-            self.recorder.progress.emit("error", f"round {server_round}: {problem}", round=server_round)
-            self.latest = self.sent if self.sent is not None else self.latest
-        else:
-            sent = self.sent if self.sent is not None else self.latest or self.initial_arrays()  # no configure_fit
-            if not plan.is_mean:
-                plan = self.robust_rule.plan([u.arrays for u in accepted], sent)
-            weights = self.aggregation_weights(accepted)
-            self.latest = self.aggregate(AggregationRound(server_round, sent, accepted, weights, plan))
-            self.after_aggregate(self.latest)
-            self.checkpointer.updates_used(server_round, [u.pid for u in accepted])
+        plan, skipped = aggregate_accepted(self, server_round, accepted)
         record = round_record(
             server_round,
             accepted,
@@ -225,6 +212,28 @@ class FlowerStrategy(Strategy):
             self.checkpointer.answered(update.pid)
         self._warn(server_round, [f"update of client {r['partition']} rejected: {r['reason']}" for r in rejected])
         return accepted, rejected
+
+
+def aggregate_accepted(
+    strategy: FlowerStrategy, server_round: int, accepted: list[ClientUpdate]
+) -> tuple[RoundPlan, bool]:
+    """The round's aggregation of the ``accepted`` updates into ``strategy.latest`` (its robust rule's plan), or
+    the global model left unchanged where they are too few (then True: the round was skipped)."""
+    plan = RoundPlan(strategy.robust_rule)
+    problem = too_few_updates(strategy.cfg, strategy.robust_rule, len(accepted))
+    if problem is not None:
+        strategy.recorder.progress.emit("error", f"round {server_round}: {problem}", round=server_round)
+        strategy.latest = strategy.sent if strategy.sent is not None else strategy.latest
+        return plan, True
+    # no configure_fit before it: the latest arrays, else the initial ones
+    sent = strategy.sent if strategy.sent is not None else strategy.latest or strategy.initial_arrays()
+    if not plan.is_mean:
+        plan = strategy.robust_rule.plan([u.arrays for u in accepted], sent)
+    weights = strategy.aggregation_weights(accepted)
+    strategy.latest = strategy.aggregate(AggregationRound(server_round, sent, accepted, weights, plan))
+    strategy.after_aggregate(strategy.latest)
+    strategy.checkpointer.updates_used(server_round, [u.pid for u in accepted])
+    return plan, False
 
 
 def discover(strategy: FlowerStrategy, client_manager: ClientManager) -> None:
