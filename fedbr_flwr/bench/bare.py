@@ -71,19 +71,17 @@ def bare_fit_config(cfg: dict, clients: list | dict):
     ``clients``: the clients' ``ClientAlgorithm`` objects by partition id (a list: ids 0, 1, ...)."""
     if common(cfg).strategy != "fedbr":
         return lambda server_round: {"server-round": server_round}
+    from clients.fedbr import FedBRSettings
     from pseudodata import build
     from pseudodata.mixture import load_proxy
 
     by_pid = dict(enumerate(clients)) if isinstance(clients, list) else clients
-    proxy = load_proxy(cfg) if cfg["pseudo-data"] == "mixture" else None
+    own = FedBRSettings.from_config(cfg)
+    proxy = load_proxy(cfg) if own.pseudo_data == "mixture" else None
 
     def collect(counts, version):
-        return [
-            by_pid[pid].answer({"request": "rsm-means", "count": n, "pseudo-m": cfg["pseudo-m"], "version": version})[
-                "means"
-            ]
-            for pid, n in counts.items()
-        ]
+        request = {"request": "rsm-means", "pseudo-m": own.pseudo_m, "version": version}
+        return [by_pid[pid].answer({**request, "count": n})["means"] for pid, n in counts.items()]
 
     shared = SharedData("pseudo")
     shared.publish(*build(cfg, 1, sorted(by_pid), collect, proxy), 1)

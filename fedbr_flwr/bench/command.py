@@ -118,7 +118,7 @@ def step_main(cfg: dict, steps: int, threads: int, json_path: Path | None) -> in
         [
             ("FedAvg", t["fedavg"]),
             (f"FedBR ({_fedbr_label(cfg)})", t["fedbr"]),
-            (f"DisTrans ({cfg['distrans-update']})", t["distrans"]),
+            (f"DisTrans ({_distrans_label(cfg)})", t["distrans"]),
         ],
     )
     write_json(
@@ -150,14 +150,23 @@ def write_json(path: Path | None, payload: dict) -> None:
 
 
 def _fedbr_label(cfg: dict) -> str:
-    parts = [cfg["pseudo-data"]]
-    if not cfg["fedbr-balance"]:
+    from clients.fedbr import FedBRSettings
+
+    own = FedBRSettings.from_config(cfg)
+    parts = [own.pseudo_data]
+    if not own.balance:
         parts.append("no component 1")
-    if not cfg["fedbr-contrastive"]:
+    if not own.contrastive:
         parts.append("no component 2")
-    elif not cfg["fedbr-max-step"]:
+    elif not own.max_step:
         parts.append("no max step")
     return ", ".join(parts)
+
+
+def _distrans_label(cfg: dict) -> str:
+    from clients.distrans import DisTransSettings
+
+    return DisTransSettings.from_config(cfg).update
 
 
 def _device_name(cfg: dict, threads: int) -> str:
