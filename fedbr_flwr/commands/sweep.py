@@ -76,8 +76,6 @@ from ..runfiles import runlock, tracking
 from ..runfiles.run_io import check_path_length, finished_run_problem
 from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 
-# may differ between machines or sessions (a time-limited session checkpoints every round) with the same results
-
 
 def sweep_title(path: str) -> str | None:
     """The ``title`` of the file's sweep block (what its results-page section is called), if it has one."""
