@@ -30,17 +30,17 @@ from fedbr_flwr.core.errors import ConfigError
 from fedbr_flwr.core.losses import soft_cross_entropy
 from fedbr_flwr.core.model import SplitModel
 from fedbr_flwr.core.registry import register_client
-from fedbr_flwr.core.settings import NON_NEGATIVE, POSITIVE, Settings, setting
+from fedbr_flwr.core.settings import NON_NEGATIVE, Settings, setting
 from fedbr_flwr.core.training import frozen_copy, round_sgd
 from fedbr_flwr.data.catalog import INFO
-from pseudodata import pseudo_size
+from pseudodata import PseudoDataSettings, pseudo_size
 from pseudodata.mixture import mix
 from pseudodata.rsm import sample_means
 
 
 @dataclass(frozen=True)
-class FedBRSettings(Settings):
-    """The defaults are the authors'."""
+class FedBROwnSettings(Settings):
+    """FedBR's keys beside the pseudo-data's. The defaults are the authors'."""
 
     lam: float = setting(
         "fedbr-lambda", 1.0, "weight of component 1, the balancing loss on pseudo-data", check=NON_NEGATIVE
@@ -80,38 +80,12 @@ class FedBRSettings(Settings):
         "(paper Table 3): fedcm, feddecorr, fedntd, mixup (the Mixup backbone), fedprox",
         names=True,
     )
-    pseudo_data: str = setting(
-        "pseudo-data",
-        "rsm",
-        "FedBR pseudo-data: rsm (means of M samples of one client) or "
-        "mixture (means of a public proxy dataset mixed with K local samples each step)",
-        choices=("rsm", "mixture"),
-    )
-    pseudo_size: int = setting(
-        "pseudo-size",
-        0,
-        "pseudo-samples B; 0 = batch-size (component 2 pairs them with the local batch)",
-        check=NON_NEGATIVE,
-    )
-    pseudo_m: int = setting(
-        "pseudo-m", 10, "local (RSM) or proxy (mixture) samples averaged into one pseudo-sample", check=POSITIVE
-    )
-    mixture_k: int = setting(
-        "mixture-k", 1, "local samples mixed into each pseudo-sample per step (mixture)", check=NON_NEGATIVE
-    )
-    proxy_dataset: str = setting(
-        "proxy-dataset",
-        "auto",
-        "public dataset for mixture pseudo-data, read from "
-        "the data folder; auto: cifar100 for cifar10, cifar10 for cifar100, mnist5k for MNIST",
-        choices=("auto", *INFO),
-    )
-    pseudo_refresh: str = setting(
-        "pseudo-refresh",
-        "once",
-        "send the pseudo-data once (at round 1) or rebuild it every round",
-        choices=("once", "every-round"),
-    )
+
+
+@dataclass(frozen=True)
+class FedBRSettings(PseudoDataSettings, FedBROwnSettings):
+    """FedBR's keys, then the pseudo-data's (``pseudodata.PseudoDataSettings``, which reads them there): a
+    dataclass lists its bases' fields from the last base to the first."""
 
     @classmethod
     def check(cls, cfg):

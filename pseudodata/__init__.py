@@ -8,15 +8,55 @@ client and strategy files move them (a named request for the RSM means, a broadc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
 from fedbr_flwr.core.config import common
+from fedbr_flwr.core.settings import NON_NEGATIVE, POSITIVE, Settings, setting
 from fedbr_flwr.data.catalog import INFO
 
 if TYPE_CHECKING:
     import torch
+
+
+@dataclass(frozen=True)
+class PseudoDataSettings(Settings):
+    """The pseudo-data's keys, read here; FedBR's settings (clients/fedbr.py) take them over."""
+
+    pseudo_data: str = setting(
+        "pseudo-data",
+        "rsm",
+        "FedBR pseudo-data: rsm (means of M samples of one client) or "
+        "mixture (means of a public proxy dataset mixed with K local samples each step)",
+        choices=("rsm", "mixture"),
+    )
+    pseudo_size: int = setting(
+        "pseudo-size",
+        0,
+        "pseudo-samples B; 0 = batch-size (component 2 pairs them with the local batch)",
+        check=NON_NEGATIVE,
+    )
+    pseudo_m: int = setting(
+        "pseudo-m", 10, "local (RSM) or proxy (mixture) samples averaged into one pseudo-sample", check=POSITIVE
+    )
+    mixture_k: int = setting(
+        "mixture-k", 1, "local samples mixed into each pseudo-sample per step (mixture)", check=NON_NEGATIVE
+    )
+    proxy_dataset: str = setting(
+        "proxy-dataset",
+        "auto",
+        "public dataset for mixture pseudo-data, read from "
+        "the data folder; auto: cifar100 for cifar10, cifar10 for cifar100, mnist5k for MNIST",
+        choices=("auto", *INFO),
+    )
+    pseudo_refresh: str = setting(
+        "pseudo-refresh",
+        "once",
+        "send the pseudo-data once (at round 1) or rebuild it every round",
+        choices=("once", "every-round"),
+    )
 
 
 def uniform_labels(count: int, num_classes: int) -> np.ndarray:
@@ -26,14 +66,13 @@ def uniform_labels(count: int, num_classes: int) -> np.ndarray:
 
 def pseudo_size(cfg: Mapping[str, Any]) -> int:
     """B: the pseudo-batch size (pseudo-size, or the batch size when 0)."""
-    return cfg["pseudo-size"] or common(cfg).batch_size
+    return PseudoDataSettings.from_config(cfg).pseudo_size or common(cfg).batch_size
 
 
 def proxy_dataset(cfg: Mapping[str, Any]) -> str:
     """Mixture's public dataset: proxy-dataset, or by the run's dataset when 'auto'."""
-    if cfg["proxy-dataset"] != "auto":
-        return cfg["proxy-dataset"]
-    return INFO[common(cfg).dataset].proxy
+    name = PseudoDataSettings.from_config(cfg).proxy_dataset
+    return name if name != "auto" else INFO[common(cfg).dataset].proxy
 
 
 def build(
@@ -51,15 +90,15 @@ def build(
 
     from .rsm import allot, assemble, sample_means
 
-    size = pseudo_size(cfg)
-    if cfg["pseudo-data"] == "rsm":
+    size, own = pseudo_size(cfg), PseudoDataSettings.from_config(cfg)
+    if own.pseudo_data == "rsm":
         counts = {pid: n for pid, n in sorted(allot(size, partition_ids, run.seed, version).items()) if n > 0}
         x = assemble(collect_means(counts, version))
     else:
         if proxy is None:
             raise ValueError("mixture pseudo-data needs the proxy dataset")
         generator = seeds.torch_generator("mixture-means", run.seed, version)
-        x = sample_means(proxy, size, cfg["pseudo-m"], generator).numpy()
+        x = sample_means(proxy, size, own.pseudo_m, generator).numpy()
     if len(x) != size:
         raise RuntimeError(f"pseudo-data has {len(x)} samples, {size} were asked for")
     return x, uniform_labels(size, INFO[run.dataset].num_classes)

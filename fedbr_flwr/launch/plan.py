@@ -216,9 +216,10 @@ def check_resume_key(out: Path) -> None:
 def check_proxy_dataset(cfg: dict[str, Any]) -> None:
     """Mixture pseudo-data reads a public proxy dataset on the server: a missing one stops the command now,
     before Flower starts, with the dataset's own message (read once here; the server reads it again)."""
-    if cfg["pseudo-data"] != "mixture":
+    from pseudodata import PseudoDataSettings, proxy_dataset
+
+    if PseudoDataSettings.from_config(cfg).pseudo_data != "mixture":
         return
-    from pseudodata import proxy_dataset
 
     from ..data.catalog import load_raw
 
