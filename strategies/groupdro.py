@@ -2,31 +2,16 @@
 p_i <- p_i exp(eta loss_i) for every client that answered (loss_i: the training loss of its first local
 step, at the global model it received, as in the authors' code: ``first-loss``, which its client, FedAvg's
 otherwise, reports), then p is normalised, and the round's models are averaged with weights p_i.
-Its settings are declared here (``groupdro-mixup``, which its client reads: train on Mixup batches)."""
+Its settings (``groupdro-eta``, ``groupdro-mixup``) are declared by its client, which reads the second."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
 from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_strategy
-from fedbr_flwr.core.settings import NON_NEGATIVE, Settings, setting
 
 from .base import FederatedStrategy
-
-
-@dataclass(frozen=True)
-class GroupDROSettings(Settings):
-    eta: float = setting(
-        "groupdro-eta", 0.01, "GroupDRO: server weight step p_i <- p_i exp(eta loss_i)", check=NON_NEGATIVE
-    )
-    mixup: bool = setting(
-        "groupdro-mixup",
-        True,
-        "GroupDRO: train (and weigh clients) on Mixup batches, as the FedBR authors' code; false: plain cross-entropy",
-    )
 
 
 class ClientWeights:
@@ -44,7 +29,6 @@ class ClientWeights:
 
 @register_strategy("groupdro")
 class GroupDROStrategy(FederatedStrategy):
-    Settings = GroupDROSettings
     required_metrics = ("first-loss",)
 
     def __init__(self, cfg, recorder, modules, server_tests):
