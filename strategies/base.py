@@ -39,7 +39,7 @@ class FederatedStrategy(FlowerStrategy):
     """FedAvg's behaviour: the global arrays are the (uniform or sample-weighted) mean of the returned ones."""
 
     name = ""  # set by register_strategy
-    # an algorithm whose settings only its server reads declares them here (GroupDRO)
+    # an algorithm whose settings only its server reads may declare them here instead of in its client
     Settings: type[Settings] = NoSettings
 
     def __init__(

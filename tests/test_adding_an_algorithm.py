@@ -199,20 +199,29 @@ def test_feddyn_runs_and_resumes_like_an_uninterrupted_run(tmp_path):
 SERVER_ONLY = {
     "strategies/myavgm.py": '''"""FedAvgM's server (Hsu et al. 2019): the sent model plus a momentum of the updates."""
 
+from dataclasses import dataclass
+
 from fedbr_flwr.core.registry import register_strategy
+from fedbr_flwr.core.settings import Settings, setting
 
 from .base import FederatedStrategy
 
 
+@dataclass(frozen=True)
+class MyAvgMSettings(Settings):  # read by the server only, so declared here
+    momentum: float = setting("myavgm-momentum", 0.9, "FedAvgM: server momentum")
+
+
 @register_strategy("myavgm")
 class MyAvgMStrategy(FederatedStrategy):
+    Settings = MyAvgMSettings
     velocity = None
 
     def aggregate(self, rnd):
         mean = super().aggregate(rnd)
         step = {name: mean[name] - rnd.sent[name] for name in mean}
         if self.velocity is not None:
-            step = {name: 0.9 * self.velocity[name] + step[name] for name in step}
+            step = {name: self.settings.momentum * self.velocity[name] + step[name] for name in step}
         self.velocity = step
         return {name: (rnd.sent[name] + step[name]).astype(mean[name].dtype) for name in mean}
 '''
@@ -227,11 +236,21 @@ def test_a_server_only_algorithm_is_one_strategy_file_on_fedavgs_client(tmp_path
         finals = {}
         for name in ("fedavg", "myavgm"):
             for rounds in (1, 2):
-                cfg = validate({**settings, "strategy": name, "num-rounds": rounds})
-                strategy, _, proxies = in_process_federation(cfg, tmp_path / f"{name}{rounds}")
-                finals[name, rounds] = payload.from_parameters(run_rounds(strategy, proxies, rounds))
+                finals[name, rounds] = final_arrays({**settings, "strategy": name, "num-rounds": rounds}, tmp_path)
+        without = {**settings, "strategy": "myavgm", "num-rounds": 2, "myavgm-momentum": 0.0}  # its strategy's key
+        finals["myavgm", "no momentum"] = final_arrays(without, tmp_path)
+        with pytest.raises(ConfigError, match="belongs to myavgm"):
+            validate({"strategy": "fedavg", "myavgm-momentum": 0.5})
 
-    def same(rounds):  # sent + (mean - sent) rounds differently from the mean in float32: 1e-6 apart
-        return all(np.allclose(a, finals["myavgm", rounds][k], atol=1e-6) for k, a in finals["fedavg", rounds].items())
+    def same(rounds, theirs=None):  # sent + (mean - sent) rounds differently from the mean in float32: 1e-6 apart
+        mine = finals["myavgm", theirs or rounds]
+        return all(np.allclose(a, mine[k], atol=1e-6) for k, a in finals["fedavg", rounds].items())
 
     assert same(1) and not same(2)  # no momentum yet in round 1; round 2 adds 0.9 of round 1's step
+    assert same(2, "no momentum")  # the key its strategy file declares reaches it
+
+
+def final_arrays(settings, tmp_path):
+    cfg = validate(settings)
+    strategy, _, proxies = in_process_federation(cfg, tmp_path / f"run{len(list(tmp_path.iterdir()))}")
+    return payload.from_parameters(run_rounds(strategy, proxies, cfg["num-rounds"]))
