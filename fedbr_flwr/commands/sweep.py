@@ -321,20 +321,20 @@ def run_all(
     with contextlib.nullcontext(None) if isolated else shared_host(jobs) as host:
         for i, (name, seed, cfg) in enumerate(jobs, 1):
             label = f"[{i}/{len(jobs)}] {name.label} seed {seed}"
-            plan = plan_run(cfg, overwrite=True)
-            run, out_dir = plan.settings, plan.out_dir  # what the changes below (resume, checkpoint-every) leave alone
-            if finished_with_same_config(plan.config):
+            run_plan = plan_run(cfg, overwrite=True)
+            run, out_dir = run_plan.settings, run_plan.out_dir  # what the changes below (resume, ...) leave alone
+            if finished_with_same_config(run_plan.config):
                 print(f"fedbr-sweep: {label}: already finished in {out_dir}; kept", flush=True)
                 status[(name, seed)] = "kept"
                 continue
             where = f"{name.label} seed {seed} ({out_dir})"
-            resumed = resumable_round(plan.config)
+            resumed = resumable_round(run_plan.config)
             changes: dict[str, Any] = {"resume": resumed is not None}
             if deadline is not None:
                 if time.time() >= deadline:
                     raise TimeLimitReached(resumed, where, run.num_rounds)
                 changes["checkpoint-every"] = 1  # a stop loses no finished round
-            plan = plan.with_keys(changes)
+            run_plan = run_plan.with_keys(changes)
             start = f"continues after round {resumed}" if resumed is not None else run.strategy
             print(f"fedbr-sweep: {label}: {start} -> {out_dir}", flush=True)
             watch = None if deadline is None else RoundWatch(deadline, run.num_rounds, resumed)
@@ -345,7 +345,7 @@ def run_all(
                     )
                 echo = "none" if quiet else "progress"
                 try:
-                    run_flower(plan, echo=echo, host=host, watch=watch)
+                    run_flower(run_plan, echo=echo, host=host, watch=watch)
                 except TimeLimitReached as exc:
                     raise TimeLimitReached(exc.saved_round, where, run.num_rounds) from None
                 ok = (out_dir / "summary.json").exists()
