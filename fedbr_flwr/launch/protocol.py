@@ -38,8 +38,33 @@ class RunPlan:
         return RunPlan.of({**self.config, **keys})
 
 
+class JsonLine:
+    """A message of the protocol, one JSON object a line."""
+
+    def line(self) -> str:
+        return json.dumps(asdict(self)) + "\n"  # type: ignore[call-overload]
+
+    @classmethod
+    def parse(cls: type[T], line: str) -> T:
+        """``cls`` from one line; ValueError for a line that is not one (no JSON object, a field missing or of
+        another type). Fields ``cls`` does not have are left out."""
+        data = json.loads(line)
+        if not isinstance(data, dict):
+            raise ValueError(f"not a {cls.__name__}: {line[:80]!r}")
+        hints = get_type_hints(cls)
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data}  # type: ignore[arg-type]
+        for name, value in values.items():
+            allowed = get_args(hints[name]) or (hints[name],)
+            if not isinstance(value, allowed + ((int,) if float in allowed else ())):
+                raise ValueError(f"not a {cls.__name__}: {name} = {value!r}")
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ValueError(f"not a {cls.__name__}: {exc}") from exc
+
+
 @dataclass(frozen=True)
-class RunRequest:
+class RunRequest(JsonLine):
     """One run for the simulation process: its run-config file, Flower's run id, the simulated SuperNodes and
     each one's resources, the file its output goes to (``append``: a resumed run's), the folder it runs in
     (the run folder). Where its clients run is the run config's ``backend``, decided once by the run plan."""
@@ -53,16 +78,9 @@ class RunRequest:
     append: bool
     cwd: str
 
-    def line(self) -> str:
-        return as_line(self)
-
-    @classmethod
-    def parse(cls, line: str) -> RunRequest:
-        return from_line(cls, line)
-
 
 @dataclass(frozen=True)
-class RunReply:
+class RunReply(JsonLine):
     """The process's word on run ``run_id``: it started; or Flower's part of it ended (``ok``, and ``error``
     where it failed); or the process takes no more runs and ends (``retired``: why)."""
 
@@ -76,32 +94,3 @@ class RunReply:
     def last(self) -> bool:
         """Whether nothing more will come about this run."""
         return self.ok is not None or bool(self.retired)
-
-    def line(self) -> str:
-        return as_line(self)
-
-    @classmethod
-    def parse(cls, line: str) -> RunReply:
-        return from_line(cls, line)
-
-
-def as_line(message: Any) -> str:
-    return json.dumps(asdict(message)) + "\n"
-
-
-def from_line(cls: type[T], line: str) -> T:
-    """``cls`` from one line; ValueError for a line that is not one (no JSON object, a field missing or of
-    another type). Fields ``cls`` does not have are left out."""
-    data = json.loads(line)
-    if not isinstance(data, dict):
-        raise ValueError(f"not a {cls.__name__}: {line[:80]!r}")
-    hints = get_type_hints(cls)
-    values = {f.name: data[f.name] for f in fields(cls) if f.name in data}  # type: ignore[arg-type]
-    for name, value in values.items():
-        allowed = get_args(hints[name]) or (hints[name],)
-        if not isinstance(value, allowed + ((int,) if float in allowed else ())):
-            raise ValueError(f"not a {cls.__name__}: {name} = {value!r}")
-    try:
-        return cls(**values)
-    except TypeError as exc:
-        raise ValueError(f"not a {cls.__name__}: {exc}") from exc
