@@ -46,6 +46,11 @@ def tree(pid: int) -> dict[int, int]:
     return {p: table[p][2] for p in out if p in table}
 
 
+def descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid``."""
+    return sorted(with_descendants({pid}, proc_table()) - {pid})
+
+
 def alive(pids: dict[int, int]) -> list[int]:
     """Those of ``pids`` (pid -> start time) still alive (a reused pid does not count)."""
     return [p for p, start in pids.items() if (info := proc_stat(p)) is not None and info[2] == start]

@@ -14,10 +14,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from procs import descendants
 
 from fedbr_flwr.commands import deploy
 from fedbr_flwr.core.config import ConfigError, validate
-from fedbr_flwr.launch.launcher import _alive, descendants, stop_tree, submit_run
+from fedbr_flwr.launch.launcher import _alive, stop_tree, submit_run
 from fedbr_flwr.launch.plan import prepare
 from fedbr_flwr.runfiles.checkpoint import load_checkpoint
 from fedbr_flwr.runfiles.metrics import read_jsonl

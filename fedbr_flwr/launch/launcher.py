@@ -46,38 +46,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (Linux /proc)."""
-    return sorted(watchdog.with_descendants({pid}, watchdog.proc_table()) - {pid})
-
-
-def process_tree(pid: int, table: dict[int, tuple[int, int, int]] | None = None) -> list[int]:
-    """``pid``, its descendants, and the members of sessions they lead (whose parent may have died first), in
-    ``table`` (``watchdog.proc_table``; read now when not given)."""
-    table = watchdog.proc_table() if table is None else table
-    return [pid, *sorted(watchdog.with_sessions({pid}, table) - {pid})]
-
-
 def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     """SIGTERM a process and everything it started (also children that left its session, and the members of
     sessions its descendants lead, whose parent may have died first), then SIGKILL whatever of them is still
     alive after ``grace_s``, with whatever they started meanwhile, until none is left."""
     table = watchdog.proc_table()
-    pids = process_tree(proc.pid, table)
+    pids = [proc.pid, *sorted(watchdog.with_sessions({proc.pid}, table) - {proc.pid})]
     roots = {pid: (table[pid][2], table[pid][1] == pid) for pid in pids if pid in table}  # start time, leader
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
     deadline = time.time() + grace_s
     while time.time() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.1)
     watchdog.kill_all(roots)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
     watchdog.unwatch(proc.pid)
 
 
@@ -172,7 +156,6 @@ def federation_config(num_supernodes: int, cpus: float, gpus: float) -> str:
 
 def run_flower(
     plan: RunPlan,
-    project_dir: Path = PROJECT_DIR,
     echo: str = "progress",
     superlink: bool = False,
     host: "RunHost | None" = None,
@@ -197,7 +180,6 @@ def run_flower(
                 env,
                 "local",
                 out_dir,
-                project_dir,
                 echo,
                 ["--federation-config", fed],
                 end_at_summary=True,
@@ -230,7 +212,6 @@ class RunHost:
         self.address = address
         self.proc: subprocess.Popen | None = None
         self.replies: queue.Queue[RunReply | None] = queue.Queue()
-        self.reader: threading.Thread | None = None
         self.home: Path | None = None
 
     def __enter__(self) -> "RunHost":
@@ -250,11 +231,8 @@ class RunHost:
     def start(self) -> "RunHost":
         """Start the process now, where it is not running: it imports what a run needs (and starts Ray where a
         run will likely use it) while the caller prepares the run."""
-        if self.proc is None or self.proc.poll() is not None:
-            self._start()
-        return self
-
-    def _start(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         self.close()
         self.home = watchdog.temp_dir("fedbr-flwr-home-")  # Flower writes nothing outside it
         env = {**flower_env(self.home), **ray_environment(self.address)}
@@ -271,12 +249,12 @@ class RunHost:
                 start_new_session=True,
             )
         self.follow_replies()
+        return self
 
     def follow_replies(self) -> None:
         """Read the process's replies into ``self.replies`` in a thread of their own, None at its end."""
         self.replies = queue.Queue()
-        self.reader = threading.Thread(target=self._read_replies, args=(self.proc, self.replies), daemon=True)
-        self.reader.start()
+        threading.Thread(target=self._read_replies, args=(self.proc, self.replies), daemon=True).start()
 
     @staticmethod
     def _read_replies(proc: subprocess.Popen, replies: queue.Queue) -> None:
@@ -319,14 +297,12 @@ class RunHost:
         assert self.proc is not None and self.proc.stdin is not None
         run_id, finished, started = request.run_id, threading.Event(), False
 
-        mark_finished = also_watched(set_at_summary(finished), watch)
         log = LogFollower(out_dir / "flower.log", _print_log_line) if echo == "all" else contextlib.nullcontext()
-        with log, Follower(out_dir / PROGRESS_FILE, _print if echo == "progress" else None, on_event=mark_finished):
-            try:
+        write = _print if echo == "progress" else None
+        with log, Follower(out_dir / PROGRESS_FILE, write, on_event=run_events(finished, watch)):
+            with contextlib.suppress(OSError):  # the host has ended; its end is also in the replies
                 self.proc.stdin.write(request.line())
                 self.proc.stdin.flush()
-            except OSError:  # the host has ended; its end is also in the replies
-                pass
             reply: RunReply | None = RunReply(run_id)
             while not finished.is_set():
                 if watch is not None and watch.at_deadline():
@@ -372,7 +348,6 @@ def submit_run(
     env: dict[str, str],
     connection: str,
     out_dir: Path,
-    project_dir: Path = PROJECT_DIR,
     echo: str = "progress",
     extra_args: list[str] | None = None,
     end_at_summary: bool = False,
@@ -385,16 +360,16 @@ def submit_run(
     the ServerApp writes: this machine must see the run folder), "all" (Flower's whole log, which also
     reaches a remote submitter) or "none"; the whole log is always in ``out_dir/flower.log`` (appended to
     when the run resumes)."""
-    if not (project_dir / "pyproject.toml").is_file():
+    if not (PROJECT_DIR / "pyproject.toml").is_file():
         raise ConfigError(
-            f"no pyproject.toml in {project_dir}: fedbr-run needs the project checkout "
+            f"no pyproject.toml in {PROJECT_DIR}: fedbr-run needs the project checkout "
             "installed with `pip install -e .`"
         )
     with runlock.hold(out_dir):  # this process writes run_config.toml and flower.log
         out_dir.mkdir(parents=True, exist_ok=True)
         run_config = write_run_config(cfg, out_dir)
         flwr = shutil.which("flwr", path=env["PATH"]) or "flwr"
-        command = [flwr, "run", str(project_dir), connection, "--run-config", str(run_config), *(extra_args or [])]
+        command = [flwr, "run", str(PROJECT_DIR), connection, "--run-config", str(run_config), *(extra_args or [])]
         run_id, _, finished = follow_run(
             command + ["--stream"], env, out_dir, echo, end_at_summary, common(cfg).resume, watch=watch
         )
@@ -437,9 +412,9 @@ def follow_run(
         finished = threading.Event()
         follow: Any = contextlib.nullcontext()
         if echo == "progress" or end_at_summary or watch is not None:
-            mark_finished = set_at_summary(finished) if end_at_summary else None
             write = _print if echo == "progress" else None
-            follow = Follower(out_dir / PROGRESS_FILE, write, on_event=also_watched(mark_finished, watch))
+            on_event = run_events(finished if end_at_summary else None, watch)
+            follow = Follower(out_dir / PROGRESS_FILE, write, on_event=on_event)
         if end_at_summary:
             threading.Thread(target=stop_when_finished, args=(proc, finished), daemon=True).start()
         if watch is not None:
@@ -465,28 +440,17 @@ def follow_run(
     return run_id, proc.returncode, finished.is_set()
 
 
-def set_at_summary(finished: threading.Event) -> Callable[[dict], None]:
-    """A progress-event callback (``Follower``'s ``on_event``) that sets ``finished`` at the run's last event,
-    once every run file is complete."""
+def run_events(finished: threading.Event | None, watch: RoundWatch | None) -> Callable[[dict], None]:
+    """A progress-event callback (``Follower``'s ``on_event``) that sets ``finished`` (where given) at the run's
+    last event, once every run file is complete, and tells the time limit's ``watch`` (where given)."""
 
-    def mark_finished(event: dict) -> None:
-        if event.get("kind") == SUMMARY_EVENT:
+    def on_event(event: dict) -> None:
+        if finished is not None and event.get("kind") == SUMMARY_EVENT:
             finished.set()
+        if watch is not None:
+            watch.on_event(event)
 
-    return mark_finished
-
-
-def also_watched(on_event: Callable[[dict], None] | None, watch: RoundWatch | None) -> Callable[[dict], None] | None:
-    """A progress-event callback that calls ``on_event`` and the time limit's ``watch`` (either may be None)."""
-    if watch is None:
-        return on_event
-
-    def both(event: dict) -> None:
-        if on_event is not None:
-            on_event(event)
-        watch.on_event(event)
-
-    return both
+    return on_event
 
 
 def stop_when_watched(proc: subprocess.Popen, finished: threading.Event, watch: RoundWatch) -> None:
