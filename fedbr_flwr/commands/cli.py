@@ -234,11 +234,10 @@ def again(args: argparse.Namespace, out: Path, stop: TimeLimitReached) -> str:
     has none, the command that started it, into the same folder."""
     superlink = ["--superlink"] if args.superlink else []
     if stop.saved_round is not None:
-        command = ["fedbr-run", "--resume", str(out), "--time-limit", args.time_limit, *superlink]
+        start = ["--resume", str(out)]
     else:
-        command = ["fedbr-run", *args.items, f"output-dir={out}", "--overwrite", "--time-limit", args.time_limit]
-        command += superlink
-    return shlex.join(command)
+        start = [*args.items, f"output-dir={out}", "--overwrite"]
+    return shlex.join(["fedbr-run", *start, "--time-limit", args.time_limit, *superlink])
 
 
 def stopped_run(out: Path) -> str:

@@ -102,11 +102,7 @@ class RoundWatch:
 def stopped_line(command: str, where: str, saved_round: int | None, num_rounds: int, again: str) -> str:
     """The line a command prints when its time limit stopped it: where it stopped and how to continue."""
     if saved_round is None:
-        return (
-            f"{command}: time limit reached before the first round of {where} ended (no checkpoint); "
-            f"continue with: {again}"
-        )
-    return (
-        f"{command}: time limit reached after round {saved_round} of {num_rounds} in {where} (checkpoint saved); "
-        f"continue with: {again}"
-    )
+        when = f"before the first round of {where} ended (no checkpoint)"
+    else:
+        when = f"after round {saved_round} of {num_rounds} in {where} (checkpoint saved)"
+    return f"{command}: time limit reached {when}; continue with: {again}"
