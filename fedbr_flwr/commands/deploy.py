@@ -63,37 +63,40 @@ def make_certificates(out: Path, hosts: Sequence[str], supernodes: int, days: in
 
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
-    valid = dict(
-        not_valid_before=now - datetime.timedelta(minutes=5), not_valid_after=now + datetime.timedelta(days=days)
-    )
 
-    def cert(subject, issuer, public_key, signing_key, extensions):
-        builder = (
+    def cert(subject, issuer, public_key, signing_key, extension, critical):
+        return (
             x509.CertificateBuilder()
             .subject_name(subject)
             .issuer_name(issuer)
             .public_key(public_key)
             .serial_number(x509.random_serial_number())
-            .not_valid_before(valid["not_valid_before"])
-            .not_valid_after(valid["not_valid_after"])
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(extension, critical=critical)
+            .sign(signing_key, hashes.SHA256())
         )
-        for ext, critical in extensions:
-            builder = builder.add_extension(ext, critical=critical)
-        return builder.sign(signing_key, hashes.SHA256())
+
+    def alt_name(host: str):
+        try:
+            return x509.IPAddress(ipaddress.ip_address(host))
+        except ValueError:
+            return x509.DNSName(host)
 
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedbr-flwr CA")])
     ca_cert = cert(
-        ca_name, ca_name, ca_key.public_key(), ca_key, [(x509.BasicConstraints(ca=True, path_length=None), True)]
+        ca_name, ca_name, ca_key.public_key(), ca_key, x509.BasicConstraints(ca=True, path_length=None), True
     )
     server_key = ec.generate_private_key(ec.SECP384R1())
-    names = [x509.IPAddress(ipaddress.ip_address(h)) if _is_ip(h) else x509.DNSName(h) for h in hosts]
+    names = [alt_name(h) for h in hosts]
     server_cert = cert(
         x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]),
         ca_name,
         server_key.public_key(),
         ca_key,
-        [(x509.SubjectAlternativeName(names), False)],
+        x509.SubjectAlternativeName(names),
+        False,
     )
     pem = serialization.Encoding.PEM
     write_private(
@@ -111,14 +114,6 @@ def make_certificates(out: Path, hosts: Sequence[str], supernodes: int, days: in
         )
         keys.append(path)
     return keys
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
 
 
 def check_certs(certs: Path, server: bool) -> None:
