@@ -76,49 +76,40 @@ def factors_of(settings: list[Setting]) -> list[str]:
 
 HEADLINES = ("best5", "best")  # a sweep file's headline: the FedBR paper's mean of the best 5, or the DisTrans
 # paper's best evaluation (shown first, beside the best-5 figures)
-BEST_COLUMNS = [
-    ("best_mean_acc", "best_mean_acc", "mean acc, best eval (%)", "pct"),
-    ("best_pooled_acc", "best_pooled_acc", "pooled acc, best eval (%)", "pct"),
-]
 
 
 @dataclass(frozen=True)
 class Figure:
-    """A figure of a run's summary as the tables show it; ``key`` None: computed from the curves."""
+    """A figure of a run's summary as the tables show it (its key there: ``column``; last_fifth_move is computed
+    from the curves)."""
 
     column: str
-    key: str | None
     label: str
     kind: str  # pct, points, rounds or seconds
     decidable: bool  # a sweep's rule may decide on it
 
 
 UNITS = {"pct": " (%)", "points": " (points)", "seconds": " (s)", "rounds": ""}
+BEST_FIGURES = [
+    Figure("best_mean_acc", "mean acc, best eval", "pct", False),
+    Figure("best_pooled_acc", "pooled acc, best eval", "pct", False),
+]
 
 
 def summary_figures() -> list[Figure]:
     """The tables' columns, in order: each client metric's best 5 and (``final_column``) final figure, then
     the server's tests, the rounds to the target, the last fifth's move and the wall time."""
-    best5 = [Figure(f"{n}_best5", f"{n}_best5", f"{m.label}, best 5", "pct", True) for n, m in CLIENT_METRICS.items()]
-    final = [
-        Figure(f"final_{n}", f"final_{n}", f"final {m.label}", "pct", True)
-        for n, m in CLIENT_METRICS.items()
-        if m.final_column
-    ]
+    best5 = [Figure(f"{n}_best5", f"{m.label}, best 5", "pct", True) for n, m in CLIENT_METRICS.items()]
+    final = [Figure(f"final_{n}", f"final {m.label}", "pct", True) for n, m in CLIENT_METRICS.items() if m.final_column]
     return [
         *best5,
         *final,
-        Figure("global_acc_best5", "global_acc_best5", "global test, best 5", "pct", True),
-        Figure("global_worst_acc_best5", "global_worst_acc_best5", "global test worst angle, best 5", "pct", False),
-        Figure("rounds_to_target", "rounds_to_target", "rounds to target", "rounds", True),
-        Figure("last_fifth_move", None, "move in last fifth", "points", False),
-        Figure("wall_time_s", "wall_time_s", "wall time", "seconds", False),
+        Figure("global_acc_best5", "global test, best 5", "pct", True),
+        Figure("global_worst_acc_best5", "global test worst angle, best 5", "pct", False),
+        Figure("rounds_to_target", "rounds to target", "rounds", True),
+        Figure("last_fifth_move", "move in last fifth", "points", False),
+        Figure("wall_time_s", "wall time", "seconds", False),
     ]
-
-
-def table_columns() -> list[tuple[str, str | None, str, str]]:
-    """(csv column, summary key, markdown header, kind) of every figure."""
-    return [(f.column, f.key, f.label + UNITS[f.kind], f.kind) for f in summary_figures()]
 
 
 def decidable() -> dict[str, tuple[str, str, bool]]:
@@ -137,9 +128,8 @@ def _stats(values: list[float | None]) -> tuple[float | None, float | None, int]
     return statistics.fmean(present), statistics.stdev(present) if len(present) > 1 else 0.0, len(present)
 
 
-def seed_curves(out: Path, name: str | Setting, seeds: list[int], key: str) -> dict[int, list[float]]:
+def seed_curves(out: Path, setting: Setting, seeds: list[int], key: str) -> dict[int, list[float]]:
     """Round -> the run's ``key`` (a fraction) in each seed that evaluated that round."""
-    (setting,) = as_settings([name])
     curves: dict[int, list[float]] = {}
     for seed in seeds:
         for rec in read_jsonl(setting.folder(out, seed) / "metrics.jsonl"):
@@ -164,7 +154,7 @@ def compare(
     every column, and each seed's mean accuracy (best 5). Columns no run has are left out of the markdown table,
     and so is pooled accuracy where it equals the mean accuracy in every row (equal-sized local test sets). With
     ``headline="best"`` the best (maximum) evaluation's accuracies come first (DisTrans' tables)."""
-    columns = (BEST_COLUMNS if headline == "best" else []) + table_columns()
+    columns = (BEST_FIGURES if headline == "best" else []) + summary_figures()
     settings = as_settings(names)
     factors = factors_of(settings)
     rows = []
@@ -182,18 +172,18 @@ def compare(
         row["seeds"] = len(summaries)  # the finished seeds, which every figure of the row is over
         row["not_finished"] = "; ".join(f"seed {seed} {why}" for seed, why in failed.items())
         num_rounds = max((s.get("last_round") or 0 for s in summaries.values()), default=0)
-        for column, key, _, _ in columns:
-            if key is None:  # last_fifth_move: of the mean curve over seeds, so no spread
+        for f in columns:
+            if f.column == "last_fifth_move":  # of the mean curve over seeds, so no spread
                 move = last_fifth_move(seed_curves(out, setting, list(summaries), "mean_acc"), num_rounds)
-                row[column], row[f"{column}_std"], row[f"{column}_n"] = move, 0.0, int(move is not None)
-                continue
-            mean, std, n = _stats([s.get(key) for s in summaries.values()])
-            row[column], row[f"{column}_std"], row[f"{column}_n"] = mean, std, n
+                stats: tuple[float | None, float | None, int] = move, 0.0, int(move is not None)
+            else:
+                stats = _stats([s.get(f.column) for s in summaries.values()])
+            row[f.column], row[f"{f.column}_std"], row[f"{f.column}_n"] = stats
         row["mean_acc_best5_per_seed"] = " / ".join(per_seed_cell(summaries.get(s), failed.get(s, "")) for s in seeds)
         rows.append(row)
-    shown = [c for c in columns if _shown(rows, c[0])]
+    shown = [f for f in columns if _shown(rows, f.column)]
     header = ["run", *factors, "seeds"] + [
-        h.replace("rounds to target", f"rounds to {100 * (target or 0):.0f}%") for _, _, h, _ in shown
+        (f.label + UNITS[f.kind]).replace("rounds to target", f"rounds to {100 * (target or 0):.0f}%") for f in shown
     ]
     per_seed = len(seeds) > 1
     if per_seed:
@@ -204,7 +194,7 @@ def compare(
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for row in rows:
         values = ["-" if row[k] is None else format_value(row[k]) for k in factors]
-        cells = [row["run"], *values, str(row["seeds"])] + [_cell(row, column, kind) for column, _, _, kind in shown]
+        cells = [row["run"], *values, str(row["seeds"])] + [_cell(row, f.column, f.kind) for f in shown]
         if per_seed:
             cells.append(row["mean_acc_best5_per_seed"] or "-")
         if failures:
@@ -287,7 +277,7 @@ def plot_comparison(out: Path, names: Sequence[str | Setting], seeds: list[int],
         return
     fig, (ax_mean, ax_worst) = plt.subplots(1, 2, figsize=(11.0, 4.6), sharey=True)
     colours = plt.get_cmap("tab20" if len(names) > 10 else "tab10").colors  # type: ignore[attr-defined]
-    for i, setting in enumerate(as_settings(names)):
+    for i, setting in enumerate(settings):
         name = setting.label
         mean_curves = seed_curves(out, setting, seeds, "mean_acc")
         worst_curves = seed_curves(out, setting, seeds, "worst_acc")
@@ -617,35 +607,24 @@ def replace_section(text: str, key: str, section: str) -> str:
     return head + block + (after[1:] if after.startswith("\n") else after)
 
 
-def _manifests(out: Path, names: Sequence[str | Setting], seeds: list[int]) -> list[dict[str, Any]]:
-    found = []
-    for setting in as_settings(names):
-        for seed in seeds:
-            path = setting.folder(out, seed) / "manifest.json"
-            if path.exists() and (path.parent / "summary.json").exists():
-                found.append(json.loads(path.read_text()))
-    return found
-
-
-def paused_runs(out: Path, names: Sequence[str | Setting], seeds: list[int]) -> list[str]:
-    """Each run a time limit paused, as "<run> seed <seed> at round <r> of <n> (<minutes> min)"."""
-    found = []
+def _manifests_and_paused(
+    out: Path, names: Sequence[str | Setting], seeds: list[int]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The manifests of the runs with a summary, and each run a time limit paused, as "<run> seed <seed> at
+    round <r> of <n> (<minutes> min)"."""
+    manifests, paused = [], []
     for setting in as_settings(names):
         for seed in seeds:
             folder = setting.folder(out, seed)
+            if (folder / "manifest.json").exists() and (folder / "summary.json").exists():
+                manifests.append(json.loads((folder / "manifest.json").read_text()))
             summary, why = seed_result(folder)
             if summary is None and why.startswith("paused"):
                 done = json.loads((folder / "summary.json").read_text())
                 minutes = (done.get("wall_time_s") or 0.0) / 60
                 where = f"at round {checkpoint_round(folder)} of {stored_settings(folder).num_rounds}"
-                found.append(f"{setting.label} seed {seed} {where} ({minutes:.1f} min)")
-    return found
-
-
-def run_pieces(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """The run's start and each resumed piece (with its own commit and, since pieces record it, machine):
-    a run continued elsewhere ran on every one of them."""
-    return [manifest, *manifest.get("resumed", [])]
+                paused.append(f"{setting.label} seed {seed} {where} ({minutes:.1f} min)")
+    return manifests, paused
 
 
 def describe_machine(host: dict[str, Any]) -> str:
@@ -708,9 +687,10 @@ def report_section(
     """The section of ``key``: title, command, provenance (commit, machine, dates, wall time), the table
     over ``seeds`` (headed by ``headline``'s figures) and the plot (``plot``: its path relative to the page);
     with a ``rule``, its decisions and their heatmap (``decisions_plot(plot)``)."""
-    manifests = _manifests(out, names, seeds)
+    manifests, paused = _manifests_and_paused(out, names, seeds)
     table, rows = compare(out, names, seeds, headline)
-    pieces = [piece for m in manifests for piece in run_pieces(m)]
+    # the run's start and each resumed piece (with its own commit and, since pieces record it, machine)
+    pieces = [piece for m in manifests for piece in (m, *m.get("resumed", []))]
     commits = sorted(
         {
             str(m.get("git_commit", "unknown"))[:7]
@@ -734,7 +714,7 @@ def report_section(
         f"{' to '.join(dict.fromkeys([days[0], days[-1]])) if days else '-'}; wall time {sum(walls) / 60:.1f} min "
         "(the runs' own clocks, from the server's start to the last evaluation; Flower's start-up is not counted)",
         f"- settings of every run: `{shared_settings([m['config'] for m in manifests if 'config' in m])}`",
-        *paused_line(paused_runs(out, names, seeds)),
+        *paused_line(paused),
         '- mean ± standard deviation over seeds; "move in last fifth": max - min of the mean curve over the '
         "last fifth of the rounds (under 2 points: levelled off)",
         "",
