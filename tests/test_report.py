@@ -165,7 +165,7 @@ def test_the_distrans_files_evaluate_every_round_and_lead_with_the_best():
     files = sorted((Path(__file__).resolve().parents[1] / "experiments").glob("distrans_*.yaml"))
     assert len(files) == 4
     for path in files:
-        assert load_yaml(path)["eval-every"] == 1 and sweep.sweep_headline(str(path)) == "best", path.name
+        assert load_yaml(path)["eval-every"] == 1 and sweep.load_sweep(str(path)).headline == "best", path.name
 
 
 def test_the_comparison_plot_holds_a_mean_and_a_worst_client_panel(tmp_path, monkeypatch):

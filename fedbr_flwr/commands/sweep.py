@@ -48,7 +48,7 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -76,20 +76,6 @@ from ..runfiles import runlock, tracking
 from ..runfiles.run_io import check_path_length, finished_run_problem
 from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 
-
-def sweep_title(path: str) -> str | None:
-    """The ``title`` of the file's sweep block (what its results-page section is called), if it has one."""
-    sweep = load_yaml(path).get("sweep")
-    return sweep.get("title") if isinstance(sweep, dict) else None
-
-
-def sweep_headline(path: str) -> str:
-    """The ``headline`` of the file's sweep block: ``best5`` (default, the FedBR paper's mean of the best 5
-    evaluations) or ``best`` (the DisTrans paper's best evaluation, shown first in its tables)."""
-    sweep = load_yaml(path).get("sweep")
-    return str(sweep.get("headline", "best5")) if isinstance(sweep, dict) else "best5"
-
-
 SWEEP_KEYS = ("seeds", "runs", "title", "headline", "grid", "decide")
 Factor = list[dict[str, Any]]  # a grid factor's values, each as the config keys it sets
 NOT_FACTORS = ("seed", "output-dir", "git-commit", "strategy")  # the seeds, the runs and the sweep set these
@@ -98,13 +84,17 @@ NOT_FACTORS = ("seed", "output-dir", "git-commit", "strategy")  # the seeds, the
 @dataclass(frozen=True)
 class SweepFile:
     """A sweep file: its shared settings, seeds, runs (name: settings), grid (factor: its values, each the
-    config keys it sets; crossed with every run that uses the keys) and decision rule (None: no ``decide``)."""
+    config keys it sets; crossed with every run that uses the keys), decision rule (None: no ``decide``), title
+    (what its results-page section is called) and headline (``best5``, the FedBR paper's mean of the best 5
+    evaluations, or ``best``, the DisTrans paper's best evaluation, shown first in its tables)."""
 
     base: dict[str, Any]
     seeds: list[int]
     runs: dict[str, dict[str, Any]]
-    grid: dict[str, Factor] = field(default_factory=dict)
-    rule: Rule | None = None
+    grid: dict[str, Factor]
+    rule: Rule | None
+    title: str | None
+    headline: str
 
 
 def load_sweep(path: str) -> SweepFile:
@@ -134,7 +124,7 @@ def load_sweep(path: str) -> SweepFile:
         raise ConfigError(f"{path}: run names must differ in their letters and digits: {', '.join(runs)}")
     grid = load_grid(sweep.get("grid", {}), path)
     rule = Rule.from_block(sweep["decide"], list(runs), f"{path}: 'sweep.decide'") if "decide" in sweep else None
-    return SweepFile(data, seeds, runs, grid, rule)
+    return SweepFile(data, seeds, runs, grid, rule, sweep.get("title"), sweep.get("headline", "best5"))
 
 
 def load_grid(grid: Any, path: str) -> dict[str, Factor]:
@@ -375,13 +365,6 @@ def shared_host(jobs: list[tuple[Setting, int, dict[str, Any]]]) -> Iterator[Run
         yield host
 
 
-def report_command(argv: Sequence[str] | None) -> str:
-    """The command that makes the sweep's runs and its report, as a user would type it (without the
-    switches that only skip work: --table-only, --quiet)."""
-    args = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--table-only", "--quiet")]
-    return shlex.join(["fedbr-sweep", *args])
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedbr-sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -420,10 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
-    parser = build_parser()
-    args = parser.parse_intermixed_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_intermixed_args(argv)
     out = (args.out or Path("runs") / Path(args.file).stem).expanduser()
-    again = shlex.join(["fedbr-sweep", *(sys.argv[1:] if argv is None else argv)])
+    again = shlex.join(["fedbr-sweep", *argv])
+    # the report's command, as a user would type it: without the switches that only skip work
+    report_command = shlex.join(["fedbr-sweep", *(a for a in argv if a not in ("--table-only", "--quiet"))])
     try:
         deadline = None if args.time_limit is None else stop_deadline(started, parse_duration(args.time_limit))
         check_path_length(out, "--out")
@@ -465,16 +450,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 143
     # the command-line overrides say what the file alone does not
-    title = " ".join([sweep_title(args.file) or Path(args.file).stem, *args.overrides])
-    headline = sweep_headline(args.file)
-    rule = load_sweep(args.file).rule
-    table = write_comparison(out, names, seeds, title, rule, headline)
+    spec = load_sweep(args.file)
+    title = " ".join([spec.title or Path(args.file).stem, *args.overrides])
+    rule = spec.rule
+    table = write_comparison(out, names, seeds, title, rule, spec.headline)
     print("\n" + table)
     print(f"comparison: {out / 'comparison.md'}, comparison.csv, comparison.png" + (", decisions.png" if rule else ""))
     if args.report:
         try:
             write_report(
-                args.report, Path(args.file).stem, title, report_command(argv), out, names, seeds, rule, headline
+                args.report, Path(args.file).stem, title, report_command, out, names, seeds, rule, spec.headline
             )
         except (ConfigError, OSError) as exc:
             print(f"fedbr-sweep: error: cannot write the report to {args.report}: {exc}", file=sys.stderr)
