@@ -23,6 +23,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def initial_arrays(cfg: dict) -> dict:
+    """The server's seeded initial weights (its strategy built on a throw-away output-dir)."""
+    with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
+        return build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
+
+
 def bare_loop_round_seconds(cfg: dict, rounds: int) -> tuple[list[float], float]:
     """The reference: every client's ``fit`` (the same local-step code Flower calls) one after
     another in this process, then the same averaging; no messages, no processes. What a client returns
@@ -42,8 +48,7 @@ def bare_loop(
     built, ``on_round(round, seconds)`` after each. Returns each round's seconds, the clients and the last
     global arrays."""
     run = common(cfg)
-    with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:  # the server's seeded initial weights
-        global_arrays = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
+    global_arrays = initial_arrays(cfg)
     client_cls = client_class(run.strategy)
     clients = [client_cls(cfg, load_client_data(cfg, pid, device), device) for pid in range(run.num_clients)]
     fit_config = bare_fit_config(cfg, clients)

@@ -32,13 +32,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 import torch
 
 from ..app.raycluster import requested_address
-from ..app.server_app import build_strategy
 from ..core.algorithm import client_class
 from ..core.config import ConfigError, common, resolved_model
 from ..core.model import SplitModel
@@ -50,7 +50,7 @@ from ..launch.plan import build_config, size_for_runtime, size_resources
 from ..launch.protocol import RunPlan
 from ..runfiles.metrics import read_jsonl
 from ..server.recording import node_key
-from .bare import bare_fit_config, bare_loop_round_seconds, synchronize
+from .bare import bare_fit_config, bare_loop_round_seconds, initial_arrays, synchronize
 
 
 def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
@@ -104,6 +104,8 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
 
 
 def step_main(cfg: dict, steps: int, threads: int, json_path: Path | None) -> int:
+    from clients.distrans import DisTransSettings
+
     run = common(cfg)
     t = step_seconds(cfg, steps)
     device = _device_name(cfg, threads)
@@ -118,7 +120,7 @@ def step_main(cfg: dict, steps: int, threads: int, json_path: Path | None) -> in
         [
             ("FedAvg", t["fedavg"]),
             (f"FedBR ({_fedbr_label(cfg)})", t["fedbr"]),
-            (f"DisTrans ({_distrans_label(cfg)})", t["distrans"]),
+            (f"DisTrans ({DisTransSettings.from_config(cfg).update})", t["distrans"]),
         ],
     )
     write_json(
@@ -161,12 +163,6 @@ def _fedbr_label(cfg: dict) -> str:
     elif not own.max_step:
         parts.append("no max step")
     return ", ".join(parts)
-
-
-def _distrans_label(cfg: dict) -> str:
-    from clients.distrans import DisTransSettings
-
-    return DisTransSettings.from_config(cfg).update
 
 
 def _device_name(cfg: dict, threads: int) -> str:
@@ -251,8 +247,7 @@ def fit_flops(cfg: dict) -> float:
 
     device = use_device(cfg)
     client = client_class(common(cfg).strategy)(cfg, load_client_data(cfg, 0, device), device)
-    with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
-        global_arrays = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
+    global_arrays = initial_arrays(cfg)
     config = bare_fit_config(cfg, [client])(1)
     counter = FlopCounterMode(display=False)
     with counter:
@@ -269,17 +264,10 @@ def bench_cohort(cfg: dict, device: torch.device) -> tuple[Any, list[int], Calla
     members, packed = load_cohort_data(cfg, list(range(run.num_clients)), device)
     cohort = CohortClient(client_class(run.strategy)(cfg, members[0], device), members, packed)
 
-    class Member:  # what bare_fit_config asks for the RSM means
-        def __init__(self, pid):
-            self.pid = pid
-
-        def answer(self, config):
-            return cohort.member(self.pid).answer(config)
-
-    config_of = bare_fit_config(cfg, {pid: Member(pid) for pid in members})
-    with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
-        arrays = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
-    return cohort, list(members), config_of, arrays
+    # what bare_fit_config asks for the RSM means; member(pid) rebinds the one algorithm, so it is asked per call
+    asked = {pid: SimpleNamespace(answer=lambda config, pid=pid: cohort.member(pid).answer(config)) for pid in members}
+    config_of = bare_fit_config(cfg, asked)
+    return cohort, list(members), config_of, initial_arrays(cfg)
 
 
 # The GPU speed levers, each against strict fp32. Besides config keys, a lever may set "step" (the cohort's step
@@ -722,22 +710,16 @@ def run_mode(args: argparse.Namespace, threads: int) -> int:
         )
     if args.scale:
         return scale_main(args.items, args.rounds, threads, args.json)
-    if args.sweep_startup:
-        from .startup import sweep_main
+    from .startup import default_variants, round_profile_main, startup_main, sweep_main
 
-        build_config(args.items)
+    cfg = build_config(args.items)  # a bad key stops here, not in the first run
+    if args.sweep_startup:
         return sweep_main(args.items, args.sweep_startup, args.json)
     if args.round_profile:
-        from .startup import round_profile_main
-
-        build_config(args.items)
         return round_profile_main(args.items, args.json)
     if args.startup:
-        from .startup import default_variants, startup_main
-
-        build_config(args.items)  # a bad key stops here, not in the first run
         return startup_main(args.items, args.startup, default_variants(), args.json)
-    cfg = size_resources(build_config(args.items), torch.cuda.is_available(), threads)
+    cfg = size_resources(cfg, torch.cuda.is_available(), threads)
     if args.step:  # reads no files (synthetic inputs of the dataset's shapes)
         return step_main(cfg, args.steps, threads, args.json)
     if args.cohort_step:

@@ -17,7 +17,6 @@ import functools
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Sequence
 
@@ -41,14 +40,13 @@ except ModuleNotFoundError as exc:  # run as a script only: say what to install 
         f"fedbr_flwr.bench.startup_pfl: {exc}; install pfl-research: pip install -e '.[pfl]' (or 'pfl[pytorch]==0.6.0')"
     ) from None
 
-from ..app.server_app import build_strategy
 from ..core import seeds
 from ..core.algorithm import client_class
 from ..core.config import common
 from ..core.training import BatchSampler, load_module_arrays
 from ..data.dataset import ClientData, load_client_data
 from ..launch.plan import build_config
-from .bare import synchronize
+from .bare import initial_arrays, synchronize
 from .startup import milestone_main
 
 
@@ -155,8 +153,7 @@ def pfl_loop(cfg: dict, device: torch.device, on_start=None, on_round=None) -> t
     run = common(cfg)
     rounds, n = run.num_rounds, run.num_clients
     os.environ["PFL_PYTORCH_DEVICE"] = str(device)  # where pfl puts the model and every batch
-    with tempfile.TemporaryDirectory(prefix="fedbr-pfl-") as tmp:  # the server's seeded initial weights
-        initial = build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
+    initial = initial_arrays(cfg)  # the server's seeded initial weights
     model = client_class(run.strategy).build_modules(cfg, run.compile)["model"]
     load_module_arrays(model, "model", initial)
     module = PflModule(model).to(device)
