@@ -104,11 +104,8 @@ class DANNStep(FunctionalStep):
         self.discriminator = discriminator
         self.weight = weight
         self.domain = domain
-        self.groups = {"model": dict(model.named_parameters()), "discriminator": dict(discriminator.named_parameters())}
-        self.optimizers = {
-            "model": self.optimizer,
-            "discriminator": round_sgd(discriminator, discriminator.parameters(), cfg),
-        }
+        self.groups["discriminator"] = dict(discriminator.named_parameters())
+        self.optimizers["discriminator"] = round_sgd(discriminator, discriminator.parameters(), cfg)
         self.phases = [Phase(("model", "discriminator"), self.loss)]
 
     def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:

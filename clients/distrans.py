@@ -139,11 +139,8 @@ class DisTransStep(FunctionalStep):
     def __init__(self, model: DoubleInputModel, offset: Offset, cfg: dict, settings: DisTransSettings):
         super().__init__(model, cfg)  # SGD on the model at the common lr
         self.offset = offset
-        self.groups = {"model": dict(model.named_parameters()), "offset": {"t": offset.t}}
-        self.optimizers = {
-            "model": self.optimizer,
-            "offset": round_sgd(offset, offset.parameters(), cfg, lr=settings.offset_lr, weight_decay=0.0),
-        }
+        self.groups["offset"] = {"t": offset.t}
+        self.optimizers["offset"] = round_sgd(offset, offset.parameters(), cfg, lr=settings.offset_lr, weight_decay=0.0)
         if settings.update == "alternating":
             self.phases = [Phase(("offset",), self.offset_loss), Phase(("model",), self.loss)]
         else:

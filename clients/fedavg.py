@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from fedbr_flwr.core.algorithm import Batch, ClientAlgorithm, FunctionalStep, Phase, StepView, call
+from fedbr_flwr.core.algorithm import Batch, ClientAlgorithm, FunctionalStep, StepView, call
 from fedbr_flwr.core.registry import register_client
 
 
 class SupervisedStep(FunctionalStep):
     """Cross-entropy of classifier(features(x)) plus the components' terms; one SGD step on all of it."""
-
-    def __init__(self, model, cfg, components=()):
-        super().__init__(model, cfg, components)
-        self.groups = {"model": dict(model.named_parameters())}
-        self.optimizers = {"model": self.optimizer}
-        self.phases = [Phase(("model",), self.loss, adjust=True)]
 
     def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.transform(Batch(x, y)).tensors()

@@ -208,8 +208,6 @@ class FedBRStep(FunctionalStep):
         self.head = head
         self.global_features: nn.Module | None = None
         self.z_g_fixed: torch.Tensor | None = None
-        self.groups = {"model": dict(model.named_parameters())}
-        self.optimizers = {"model": self.optimizer}
         self.prepare_groups = ("model",)
         self.phases = [Phase(("model",), self.min_loss, adjust=True)]
         if settings.contrastive:

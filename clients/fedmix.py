@@ -13,7 +13,7 @@ import torch
 from torch.nn import functional as F
 
 from fedbr_flwr.core import seeds
-from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
+from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, call
 from fedbr_flwr.core.config import common
 from fedbr_flwr.core.losses import soft_cross_entropy
 from fedbr_flwr.core.registry import register_client
@@ -96,9 +96,6 @@ class FedMixStep(FunctionalStep):
         self.lam = lam
         self.generator = torch.Generator(device=mean_x.device)
         self.generator.manual_seed(seed)
-        self.groups = {"model": dict(model.named_parameters())}
-        self.optimizers = {"model": self.optimizer}
-        self.phases = [Phase(("model",), self.loss)]
 
     def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         idx = torch.randint(0, len(self.mean_y), (len(y),), device=self.mean_y.device, generator=self.generator)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
+from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, call
 from fedbr_flwr.core.model import SplitModel
 from fedbr_flwr.core.registry import register_client
 from fedbr_flwr.core.settings import NON_NEGATIVE, POSITIVE, Settings, setting
@@ -74,9 +74,6 @@ class MoonStep(FunctionalStep):
             for name, t in [*self.previous_features.named_parameters(), *self.previous_features.named_buffers()]
         }
         self.mu, self.tau = settings.mu, settings.tau
-        self.groups = {"model": dict(model.named_parameters())}
-        self.optimizers = {"model": self.optimizer}
-        self.phases = [Phase(("model",), self.loss)]
 
     def constants(self) -> dict[str, torch.Tensor]:
         return self.previous

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedbr_flwr.core import seeds
-from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, Phase, call
+from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, call
 from fedbr_flwr.core.config import common
 from fedbr_flwr.core.model import SplitModel
 from fedbr_flwr.core.registry import register_client
@@ -93,9 +93,6 @@ class VHLStep(FunctionalStep):
         self.num_classes = model.classifier.out_features // 2
         self.generator = torch.Generator(device=virtual_x.device)
         self.generator.manual_seed(seed)
-        self.groups = {"model": dict(model.named_parameters())}
-        self.optimizers = {"model": self.optimizer}
-        self.phases = [Phase(("model",), self.loss)]
 
     def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         """The local batch and a virtual batch of its size ("x_v", "y_v")."""

@@ -230,15 +230,6 @@ class LocalStep:
     def update(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def step(self, loss: torch.Tensor) -> None:
-        """One SGD step of the model on ``loss`` (its gradient clipped to clip-grad-norm)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.clip_grad_norm:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            clip_norm_(grads, self.clip_grad_norm)
-        self.optimizer.step()
-
     def transform(self, batch: Batch) -> Batch:
         for component in self.components:
             batch = component.transform(batch)
@@ -277,8 +268,10 @@ class Phase:
 class FunctionalStep(LocalStep):
     """A local step written as pure functions of named tensors, which is what lets a cohort step all its
     clients at once (``fedbr_flwr.core.vectorised`` vmaps the same functions over a leading client dimension).
-    A subclass sets ``self.groups`` ({group: {name: live parameter}}, "model" first) and
-    ``self.optimizers`` ({group: its SGD}) and defines:
+    Its parameter groups are ``self.groups`` ({group: {name: live parameter}}, "model" first) with
+    ``self.optimizers`` ({group: its SGD}): by default the model's alone, under the model's SGD, in one phase on
+    ``loss`` (whose gradients the components adjust). A subclass may add groups and set its own ``phases``, and
+    defines:
 
     * ``draw(x, y) -> inputs``: one step's tensors for this client. Every random draw happens here, from
       the client's own seeded streams, never inside ``loss``;
@@ -300,6 +293,15 @@ class FunctionalStep(LocalStep):
     optimizers: dict[str, Optimiser]
     prepare_groups: tuple[str, ...] = ()
     per_member_state: tuple[str, ...] = ()
+
+    def __init__(self, model: Any, cfg: dict, components: Sequence[LocalComponent] = ()):
+        super().__init__(model, cfg, components)
+        self.groups = {"model": dict(model.named_parameters())}
+        self.optimizers = {"model": self.optimizer}
+        self.phases = [Phase(("model",), self.loss, adjust=True)]
+
+    def loss(self, params: Params, inputs: Inputs, shared: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
 
     def draw(self, x: torch.Tensor, y: torch.Tensor) -> Inputs:
         return {"x": x, "y": y}
