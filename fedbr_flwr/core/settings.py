@@ -10,6 +10,7 @@ key holds a list of names, written ``a,b`` (YAML lists are joined), ``none`` for
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from functools import cache
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 
@@ -81,20 +82,6 @@ def setting(
     return field(default=default, metadata={_KEY: (key, spec)})
 
 
-_DECLARED: dict[type, list[tuple[str, str, Key]]] = {}
-
-
-def key_and_spec(attribute: str, key: str, spec: Key) -> tuple[str, Key]:
-    """A field's run-config key: the one it names, else its attribute's name in kebab-case."""
-    return key or attribute.replace("_", "-"), spec
-
-
-def _declared(cls: type[Settings]) -> list[tuple[str, str, Key]]:
-    if cls not in _DECLARED:
-        _DECLARED[cls] = [(f.name, *key_and_spec(f.name, *f.metadata[_KEY])) for f in fields(cls)]
-    return _DECLARED[cls]
-
-
 S = TypeVar("S", bound="Settings")
 
 
@@ -104,9 +91,11 @@ class Settings:
     ``setting(...)`` fields, and may override ``check`` for checks across keys."""
 
     @classmethod
+    @cache
     def declared(cls) -> list[tuple[str, str, Key]]:
-        """(attribute, key, Key) of every field, in declaration order (read once per class)."""
-        return _declared(cls)
+        """(attribute, key, Key) of every field, in declaration order (read once per class); a field's key is
+        the one it names, else its attribute's name in kebab-case."""
+        return [(f.name, f.metadata[_KEY][0] or f.name.replace("_", "-"), f.metadata[_KEY][1]) for f in fields(cls)]
 
     @classmethod
     def keys(cls, owner: str | None) -> dict[str, Key]:
