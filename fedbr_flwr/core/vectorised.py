@@ -147,22 +147,15 @@ def differing_attribute(want, got, path: str, skipped: tuple[str, ...] = (), dep
             dict([*want.named_parameters(), *want.named_buffers()]),
             dict([*got.named_parameters(), *got.named_buffers()]),
         )
+    if isinstance(want, (list, tuple)):  # compared as {index: item}
+        if len(want) != len(got):
+            return path
+        want, got = dict(enumerate(want)), dict(enumerate(got))
     if isinstance(want, dict):
         if list(want) != list(got):
             return path
         return next(
             (d for k in want if (d := differing_attribute(want[k], got[k], f"{path}[{k!r}]", depth=depth)) is not None),
-            None,
-        )
-    if isinstance(want, (list, tuple)):
-        if len(want) != len(got):
-            return path
-        return next(
-            (
-                d
-                for i, (w, g) in enumerate(zip(want, got))
-                if (d := differing_attribute(w, g, f"{path}[{i}]", depth=depth)) is not None
-            ),
             None,
         )
     if isinstance(want, types.MethodType):
