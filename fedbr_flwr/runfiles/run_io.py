@@ -209,31 +209,14 @@ class RunRecorder:
     def write_manifest(self, **extra: Any) -> None:
         """A resumed run keeps the manifest of its start and adds an entry under ``resumed``."""
         run = common(self.cfg)
+        code = {"config": self.cfg, "git_commit": run.git_commit or git_commit() or "unknown", "code_hash": code_hash()}
+        machine = {"packages": package_versions(), "host": host_facts()}
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         if self.resume_round is not None and (self.out_dir / "manifest.json").is_file():
             manifest = json.loads((self.out_dir / "manifest.json").read_text())
-            manifest.setdefault("resumed", []).append(
-                {
-                    "after_round": self.resume_round,
-                    "config": self.cfg,
-                    "git_commit": run.git_commit or git_commit() or "unknown",
-                    "code_hash": code_hash(),
-                    "packages": package_versions(),
-                    "host": host_facts(),
-                    "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                }
-            )
-            self._write_json("manifest.json", manifest)
-            return
-        manifest = {
-            "config": self.cfg,
-            "git_commit": run.git_commit or git_commit() or "unknown",
-            "code_hash": code_hash(),
-            "seed": run.seed,
-            "packages": package_versions(),
-            "host": host_facts(),
-            "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            **extra,
-        }
+            manifest.setdefault("resumed", []).append({"after_round": self.resume_round, **code, **machine, "utc": now})
+        else:
+            manifest = {**code, "seed": run.seed, **machine, "started_utc": now, **extra}
         self._write_json("manifest.json", manifest)
 
     def log_round(self, record: dict[str, Any]) -> None:
