@@ -41,6 +41,7 @@ class FederatedStrategy(FlowerStrategy):
     name = ""  # set by register_strategy
     # an algorithm whose settings only its server reads may declare them here instead of in its client
     Settings: type[Settings] = NoSettings
+    shared_name = ""  # the data it broadcasts to every client, if any (FedBR: "pseudo"): ``self.shared``
 
     def __init__(
         self,
@@ -57,7 +58,7 @@ class FederatedStrategy(FlowerStrategy):
         self.server_tests = server_tests  # what the server evaluates the global model on (None: nothing)
         initial = self.initial_arrays()
         self.global_names = list(initial)
-        self.shared: SharedData | None = None  # data broadcast to every client (set by FedBR, FedMix, VHL)
+        self.shared = SharedData(self.shared_name) if self.shared_name else None  # FedBR's, FedMix's, VHL's
         self.components = [cls(cfg, initial) for name in components_of(cfg) if (cls := server_component_class(name))]
 
     @property

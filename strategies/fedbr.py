@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedbr_flwr.core.broadcast import SharedData
 from fedbr_flwr.core.registry import register_strategy
 from pseudodata import build as build_pseudo_data
 from pseudodata.mixture import load_proxy
@@ -26,9 +25,10 @@ from .base import FederatedStrategy
 
 @register_strategy("fedbr")
 class FedBRStrategy(FederatedStrategy):
+    shared_name = "pseudo"
+
     def __init__(self, cfg, recorder, modules, server_tests):
         super().__init__(cfg, recorder, modules, server_tests)
-        self.shared = SharedData("pseudo")
         self.proxy: torch.Tensor | None = None  # the public proxy dataset (mixture), loaded once
 
     def shared_is_stale(self, server_round: int) -> bool:

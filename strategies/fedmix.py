@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedbr_flwr.core.broadcast import SharedData
 from fedbr_flwr.core.registry import register_strategy
 
 from .base import FederatedStrategy
@@ -14,9 +13,7 @@ from .base import FederatedStrategy
 
 @register_strategy("fedmix")
 class FedMixStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, modules, server_tests):
-        super().__init__(cfg, recorder, modules, server_tests)
-        self.shared = SharedData("fedmix")
+    shared_name = "fedmix"
 
     def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
         pids = sorted(self.federation.clients_by_pid)

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from fedbr_flwr.core import seeds
-from fedbr_flwr.core.broadcast import SharedData
 from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_strategy
 from fedbr_flwr.data.catalog import INFO
@@ -57,9 +56,7 @@ def virtual_data(
 
 @register_strategy("vhl")
 class VHLStrategy(FederatedStrategy):
-    def __init__(self, cfg, recorder, modules, server_tests):
-        super().__init__(cfg, recorder, modules, server_tests)
-        self.shared = SharedData("vhl")
+    shared_name = "vhl"
 
     def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
         run = common(self.cfg)
