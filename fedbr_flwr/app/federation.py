@@ -41,16 +41,13 @@ class Federation:
     def discovered(self) -> bool:
         return bool(self.clients_by_pid)
 
-    def discover(
-        self, client_manager: ClientManager, timeout_s: float | None = None, say: Callable[[str], None] | None = None
-    ) -> None:
+    def discover(self, client_manager: ClientManager, say: Callable[[str], None]) -> None:
         """Ask every node for its partition id once, so that sampling and per-client metrics are keyed by
         partition and a mis-configured federation stops with a clear message. Nodes that are already
         connected answer first, so a wrong federation size fails at once instead of after the wait for
         nodes that may still be starting (deployment). While it waits, ``say`` hears how many are there
         every ``WAIT_NOTICE_S``."""
-        timeout_s = DISCOVERY_TIMEOUT_S if timeout_s is None else timeout_s
-        say = say or (lambda text: log.info("[fedbr] %s", text))
+        timeout_s = DISCOVERY_TIMEOUT_S
         expected = common(self.cfg).num_clients
         start = time.monotonic()
         hashes = set()
