@@ -76,12 +76,11 @@ def bare_fit_config(cfg: dict, clients: list | dict):
     ``clients``: the clients' ``ClientAlgorithm`` objects by partition id (a list: ids 0, 1, ...)."""
     if common(cfg).strategy != "fedbr":
         return lambda server_round: {"server-round": server_round}
-    from clients.fedbr import FedBRSettings
-    from pseudodata import build
+    from pseudodata import PseudoDataSettings, build
     from pseudodata.mixture import load_proxy
 
     by_pid = dict(enumerate(clients)) if isinstance(clients, list) else clients
-    own = FedBRSettings.from_config(cfg)
+    own = PseudoDataSettings.from_config(cfg)
     proxy = load_proxy(cfg) if own.pseudo_data == "mixture" else None
 
     def collect(counts, version):
