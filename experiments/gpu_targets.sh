@@ -63,8 +63,8 @@ if [[ $parts == *" 5 "* ]]; then
   measure suite fedbr-bench --suite --shapes rotmnist-cnn "${paper[@]}" --rounds 5 --json "$out/suite.json"
 fi
 
-# 6. the speed levers (tf32, cudnn-autotune, bf16) against strict fp32, one cohort in process: s/round and how far
-#    each moves the first round's updates
+# 6. the speed levers (tf32, cudnn-autotune, bf16, cohort-conv=matmul) against strict fp32, one cohort in process:
+#    s/round and how far each moves the first round's updates
 if [[ $parts == *" 6 "* ]]; then
   for strategy in fedavg fedbr; do
     measure "levers-$strategy" fedbr-bench --levers "${paper[@]}" "strategy=$strategy" --rounds 3 \

@@ -588,6 +588,77 @@ def test_every_built_in_algorithm_is_vectorised():
     assert all(client_class(name).vectorised for name in algorithm_names())
 
 
+@pytest.mark.parametrize("stride, bias", [(1, True), (2, False)])
+def test_a_matmul_convolution_under_vmap_is_each_members_own_convolution(stride, bias):
+    """cohort-conv=matmul: for each member, the output and the gradients (weights, bias, input) of the matmul
+    convolution equal those of that member's own F.conv2d, to rounding; strided and without bias too."""
+    from torch import nn
+    from torch.nn import functional as F
+
+    from fedbr_flwr.core.vectorised import MatmulConv2d, convolutions_as, stacked
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 5, 3, stride=stride, padding=1, bias=bias)
+    states = [{k: torch.randn_like(v) for k, v in conv.named_parameters()} for _ in range(2)]
+    x = torch.randn(2, 4, 3, 9, 9)
+
+    def loss(state, x):
+        out = torch.func.functional_call(conv, state, (x,))
+        return (out * out.detach().sin()).sum(), out
+
+    def own_loss(state, x):
+        out = F.conv2d(x, state["weight"], state.get("bias"), stride, 1)
+        return (out * out.detach().sin()).sum(), out
+
+    with convolutions_as("matmul", [conv]):
+        assert type(conv) is MatmulConv2d
+        (got_state, got_x), got_out = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1), has_aux=True))(
+            stacked(states), x
+        )
+    assert type(conv) is nn.Conv2d
+    for i, state in enumerate(states):
+        (want_state, want_x), want_out = torch.func.grad(own_loss, argnums=(0, 1), has_aux=True)(state, x[i])
+        assert torch.allclose(got_out[i], want_out, rtol=1e-5, atol=1e-4)  # values of order 1-10
+        assert torch.allclose(got_x[i], want_x, rtol=1e-5, atol=1e-4)
+        for name in want_state:
+            assert torch.allclose(got_state[name][i], want_state[name], rtol=1e-5, atol=1e-4), name
+
+
+def test_matmul_convolutions_are_swapped_back_after_an_error_and_an_unknown_kind_is_refused():
+    from torch import nn
+
+    from fedbr_flwr.core.vectorised import convolutions_as
+
+    conv = nn.Conv2d(1, 2, 3)
+    with pytest.raises(RuntimeError, match="boom"):
+        with convolutions_as("matmul", [nn.Sequential(conv), conv]):  # the same layer twice: swapped once
+            raise RuntimeError("boom")
+    assert type(conv) is nn.Conv2d
+    with pytest.raises(ValueError, match="grouped or matmul"):
+        with convolutions_as("im2col", [conv]):
+            pass
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedbr", "distrans-nn", "moon"])
+def test_matmul_convolutions_train_as_grouped_ones(name, tmp_path):
+    """3 free-running rounds with cohort-conv=matmul land where vmap's grouped convolutions do, to rounding
+    (they sum in another order, so not bit for bit: which also shows the key reaches the step). MOON's
+    previous model is a module of its step's own, which is swapped too."""
+    settings = CASES[name]
+    start = federation(settings, "vmap", tmp_path / "start", rounds=0)["global"]
+    grouped = federation(settings, "vmap", tmp_path / "grouped")["global"]
+    matmul = federation({**settings, "cohort-conv": "matmul"}, "vmap", tmp_path / "matmul")["global"]
+    assert 0 < update_difference(matmul, grouped, start) < 1e-3
+
+
+def test_matmul_convolutions_are_refused_where_no_step_is_vmapped():
+    message = "cohort-conv=matmul batches the convolutions of a vmapped cohort step"
+    for cfg in ({"cohort-conv": "matmul"}, {"cohort-conv": "matmul", "engine": "cohort", "cohort-step": "loop"}):
+        with pytest.raises(ConfigError, match=message):
+            validate(cfg)
+    validate({"cohort-conv": "matmul", "engine": "cohort", "cohort-step": "vmap"})
+
+
 def test_cohort_step_vmap_is_refused_where_it_cannot_apply(monkeypatch):
     with pytest.raises(ConfigError, match="needs engine=cohort"):
         validate({"cohort-step": "vmap"})
@@ -637,10 +708,12 @@ def test_members_are_evaluated_at_once_as_each_alone_with_its_own_state_and_test
     xs = [torch.randn(n, 1, 28, 28, generator=g) for n in (5, 9)]
     ys = [torch.randint(0, 10, (n,), generator=g) for n in (5, 9)]
     together = evaluate_members(model, states, xs, ys, batch_size=4)
-    for state, x, y, (loss, acc) in zip(states, xs, ys, together):
+    matmul = evaluate_members(model, states, xs, ys, batch_size=4, conv="matmul")  # cohort-conv=matmul
+    for state, x, y, (loss, acc), (matmul_loss, matmul_acc) in zip(states, xs, ys, together, matmul):
         load_module_state(model, state)
         alone_loss, alone_acc = evaluate(model, x, y)
         assert loss == pytest.approx(alone_loss, rel=1e-5) and acc == alone_acc
+        assert matmul_loss == pytest.approx(alone_loss, rel=1e-5) and matmul_acc == alone_acc
     assert together[0] != together[1]
 
 

@@ -172,7 +172,7 @@ class CohortClient(NumPyClient):
         offsets = [self.packed.offsets[pid] for pid, _, _ in parts]
         batches = PackedBatches([m.sample for m in members], offsets, self.packed.x, self.packed.y)
         finals, stats = run_members(
-            members, batches, run.local_steps, run.precision, capture, self.algorithm.first_step_stats
+            members, batches, run.local_steps, run.precision, capture, self.algorithm.first_step_stats, run.cohort_conv
         )
         seconds = time.perf_counter() - start  # every member's fit took this long: they ran together
         results = []
@@ -199,7 +199,11 @@ class CohortClient(NumPyClient):
                 algorithms.append(algorithm)
                 states.append(module_state(predictor))
             scores = evaluate_members(
-                predictor, states, [a.data.x_test for a in algorithms], [a.data.y_test for a in algorithms]
+                predictor,
+                states,
+                [a.data.x_test for a in algorithms],
+                [a.data.y_test for a in algorithms],
+                conv=common(self.algorithm.cfg).cohort_conv,
             )
             for i, algorithm, state, (loss, acc) in zip(group, algorithms, states, scores):
                 load_module_state(algorithm.eval_module(), state)  # its own predictor again (DisTrans: its offset)

@@ -283,6 +283,8 @@ LEVERS: dict[str, dict[str, Any]] = {
     "cudnn autotune": {"tf32": False, "cudnn-autotune": True},
     "tf32 + autotune (the defaults)": {"tf32": True, "cudnn-autotune": True},
     "bf16 + autotune": {"tf32": True, "cudnn-autotune": True, "precision": "bf16"},
+    "strict fp32, matmul convolutions": {**STRICT, "cohort-conv": "matmul"},
+    "tf32 + autotune, matmul convolutions": {"tf32": True, "cudnn-autotune": True, "cohort-conv": "matmul"},
     "strict fp32, vmap step": {**STRICT, "step": "vmap"},
     "strict fp32, vmap step, again": {**STRICT, "step": "vmap"},
     "strict fp32, deterministic algorithms": {**STRICT, "deterministic": True},
@@ -655,8 +657,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--levers",
         action="store_true",
-        help="one cohort holding all clients, in process: the GPU speed levers (tf32, cudnn-autotune, bf16) against "
-        "strict fp32, s/round and how far each moves the update",
+        help="one cohort holding all clients, in process: the GPU speed levers (tf32, cudnn-autotune, bf16, "
+        "cohort-conv=matmul) against strict fp32, s/round and how far each moves the update",
     )
     parser.add_argument(
         "--scale",

@@ -207,6 +207,14 @@ class CommonSettings(Settings):
         choices=("auto", "loop", "vmap", "graph"),
         placement=True,
     )
+    cohort_conv: str = common_key(
+        "grouped",
+        "engine=cohort with a vmapped step (cohort-step=vmap or graph): how the clients' convolutions are "
+        "batched: grouped (vmap's own, one grouped convolution), matmul (each client's weights times its "
+        "unfolded input patches, batched matrix products); the same up to rounding (docs/engines.md)",
+        choices=("grouped", "matmul"),
+        placement=True,
+    )
     # simulation resources (used by the CLI; recorded in the manifest)
     client_cpus: int = common_key(
         1, "CPU cores per simulated client (also its torch threads)", check=POSITIVE, placement=True
@@ -504,6 +512,11 @@ def check_cohort_step(cfg: Mapping[str, Any]) -> None:
     from .registry import lookup_client
 
     step = cfg["cohort-step"]
+    if cfg["cohort-conv"] != "grouped" and (step == "loop" or cfg["engine"] != "cohort"):
+        raise ConfigError(
+            f"cohort-conv={cfg['cohort-conv']} batches the convolutions of a vmapped cohort step: it needs "
+            "engine=cohort and cohort-step=vmap, graph or auto"
+        )
     if step not in ("vmap", "graph"):
         return
     if cfg["engine"] != "cohort":

@@ -21,15 +21,19 @@ graph (``cuda_graph``: vmapped gradients, the components' adjustments and the SG
 other K - 1 replay it with each step's draws copied into the captured step's input buffers. The graph
 is captured again each round, as the members and their tensors change.
 
+``cohort-conv=matmul`` computes the members' convolutions as batched matrix products instead of the grouped
+convolutions vmap makes of them (``MatmulConv2d``, swapped in for the step by ``convolutions_as``).
+
 ``evaluate_members`` evaluates every member's local test set at once the same way: each member's
 predictor state (the global model; DisTrans: with that member's offset) vmapped over padded test sets, in
 groups of members with test sets of similar length and a bounded number of images (``evaluation_groups``)."""
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -297,11 +301,13 @@ def run_members(
     precision: str = "fp32",
     capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None,
     first: tuple[str, ...] = (),
+    conv: str = "grouped",
 ) -> tuple[list[Params], list[dict[str, float]]]:
     """K local steps of every member at once: each member's trained groups (views into the stacked
     tensors) and its diagnostics averaged over the steps, as ``run_local_steps`` gives one client.
     ``batches`` (``PackedBatches``): every member's batch of a step at once, as each member's ``sample`` draws it.
-    ``first``: diagnostics also reported as of the first step (``StepStats``).
+    ``first``: diagnostics also reported as of the first step (``StepStats``). ``conv``: how the members'
+    convolutions are batched (``convolutions_as``).
 
     ``capture`` (``cuda_graph``, cohort-step=graph): the first step runs on fixed input buffers and is
     captured; the other K - 1 replay it, each after copying its freshly drawn inputs into those buffers."""
@@ -357,7 +363,7 @@ def run_members(
             out.update(stats)
         return out
 
-    with modules_in(module_dtype(precision)):
+    with modules_in(module_dtype(precision)), convolutions_as(conv, step_modules(template)):
         if capture is None:
             for _ in range(steps):
                 round_stats.add(step({**draw(), **constants}))
@@ -370,6 +376,49 @@ def run_members(
                 round_stats.add(replay())
     finals = [{g: {n: t[i] for n, t in ps.items()} for g, ps in params.items()} for i in range(len(members))]
     return finals, round_stats.of_members(len(members))
+
+
+class MatmulConv2d(nn.Conv2d):
+    """A Conv2d computed as its weight matrix times its input's unfolded patches (``cohort-conv=matmul``):
+    under vmap one batched matrix product over the members, where ``F.conv2d`` becomes a grouped convolution.
+    The same parameters, buffers and state dict as the Conv2d whose class it replaces."""
+
+    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.padding_mode != "zeros" or isinstance(self.padding, str) or self.groups != 1:
+            return super()._conv_forward(input, weight, bias)
+        height, width = (
+            (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+            for size, pad, dilation, kernel, stride in zip(
+                input.shape[-2:], self.padding, self.dilation, self.kernel_size, self.stride
+            )
+        )
+        patches = F.unfold(input, self.kernel_size, self.dilation, self.padding, self.stride)
+        out = weight.flatten(1) @ patches
+        if bias is not None:
+            out = out + bias[:, None]
+        return out.view(*out.shape[:-1], height, width)
+
+
+@contextlib.contextmanager
+def convolutions_as(conv: str, modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Within: the plain Conv2d layers of ``modules`` computed as ``conv`` says: "grouped" (unchanged: vmap
+    makes the members' convolutions one grouped convolution) or "matmul" (``MatmulConv2d``)."""
+    if conv not in ("grouped", "matmul"):
+        raise ValueError(f"cohort-conv must be grouped or matmul, got {conv!r}")
+    layers = {id(m): m for module in modules for m in module.modules() if type(m) is nn.Conv2d}
+    swapped = list(layers.values()) if conv == "matmul" else []
+    for layer in swapped:
+        layer.__class__ = MatmulConv2d
+    try:
+        yield
+    finally:
+        for layer in swapped:
+            layer.__class__ = nn.Conv2d
+
+
+def step_modules(step: FunctionalStep) -> list[nn.Module]:
+    """The modules a step's functions call (its model, MOON's previous features, ...)."""
+    return [value for value in vars(step).values() if isinstance(value, nn.Module)]
 
 
 @torch.no_grad()
@@ -467,9 +516,11 @@ def evaluate_members(
     xs: list[torch.Tensor],
     ys: list[torch.Tensor],
     batch_size: int = 512,
+    conv: str = "grouped",
 ) -> list[tuple[float, float]]:
     """(mean cross-entropy, accuracy) of ``module`` with each member's state on that member's test set,
-    every member at once: the test sets are padded to the longest and the padding is masked out."""
+    every member at once: the test sets are padded to the longest and the padding is masked out; ``conv`` as
+    in ``run_members``."""
     module.eval()
     count = max(len(y) for y in ys)
     x = torch.stack([F.pad(x, (0, 0) * (x.dim() - 1) + (0, count - len(x))) for x in xs])
@@ -480,7 +531,8 @@ def evaluate_members(
     loss = torch.zeros(len(ys), device=y.device)
     correct = torch.zeros(len(ys), device=y.device, dtype=torch.long)
     for start in range(0, count, batch_size):
-        logits = forward(state, x[:, start : start + batch_size])
+        with convolutions_as(conv, [module]):
+            logits = forward(state, x[:, start : start + batch_size])
         target, mask = y[:, start : start + batch_size], real[:, start : start + batch_size]
         each = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
         loss += (each * mask).sum(dim=1)
