@@ -4,15 +4,18 @@
 # and full MNIST (MNIST/raw/) under DATA_DIR:
 #   bash experiments/gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]
 # ROUNDS: of the end-to-end runs (default 100; the paper runs 1000). PARTS: which of the numbered parts
-# below to run (default "1 2 3 4 5 6"), e.g. "2 3" to split the work over several sessions or calls.
-# A part that fails is recorded in OUT/failures.txt and the others still run.
+# below to run (default "1 2 3 4 5 6 7"), e.g. "2 3" to split the work over several sessions or calls.
+# A part that fails is recorded in OUT/failures.txt and the others still run. EXTRA (environment): key=value
+# settings appended to the commands that take the paper's settings (parts 2, 3, 5, 6 and 7), e.g.
+# EXTRA="model=cnn-small device=cpu" to try the script on a CPU.
 set -uo pipefail
 data=${1:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]}
 out=${2:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]}
 rounds=${3:-100}
-parts=" ${4:-1 2 3 4 5 6} "
+parts=" ${4:-1 2 3 4 5 6 7} "
 mkdir -p "$out"
-paper=(dataset=mnist "data-dir=$data" num-clients=10 local-steps=50 batch-size=64 lr=0.001)
+read -r -a extra <<< "${EXTRA:-}"
+paper=(dataset=mnist "data-dir=$data" num-clients=10 local-steps=50 batch-size=64 lr=0.001 "${extra[@]}")
 
 measure() {  # measure NAME COMMAND...: its output into OUT/NAME.txt, its last lines on the terminal
   local name=$1
@@ -70,4 +73,36 @@ if [[ $parts == *" 6 "* ]]; then
     measure "levers-$strategy" fedbr-bench --levers "${paper[@]}" "strategy=$strategy" --rounds 3 \
       --json "$out/levers-$strategy.json"
   done
+fi
+
+# 7. several runs sharing the GPU: FedBR through Flower as the campaign runs it (engine=cohort, evaluation every
+#    2 rounds; 20 rounds), one run alone, then two seeds at once: the wall time of each command, the median
+#    seconds of the rounds' training (rounds.jsonl), and the pair's throughput against one run's
+if [[ $parts == *" 7 "* ]]; then
+  shared=(experiments/fedavg_rotmnist.yaml strategy=fedbr engine=cohort eval-every=2 num-rounds=20 "${paper[@]}" --quiet)
+  median_round() {
+    python -c 'import json, statistics, sys; print(statistics.median(json.loads(l)["seconds"] for l in open(sys.argv[1])))' \
+      "$1"
+  }
+  start=$SECONDS
+  measure share-alone fedbr-run "${shared[@]}" "output-dir=$out/share-alone"
+  alone=$((SECONDS - start))
+  start=$SECONDS
+  pids=()
+  for seed in 0 1; do
+    fedbr-run "${shared[@]}" "seed=$seed" "output-dir=$out/share-pair-$seed" > "$out/share-pair-$seed.txt" 2>&1 &
+    pids+=($!)
+  done
+  for seed in 0 1; do
+    wait "${pids[$seed]}" || echo "share-pair-$seed: exit $?" | tee -a "$out/failures.txt"
+  done
+  pair=$((SECONDS - start))
+  {
+    echo "one run alone: ${alone} s, median round $(median_round "$out/share-alone/rounds.jsonl") s"
+    for seed in 0 1; do
+      echo "seed $seed of the pair: median round $(median_round "$out/share-pair-$seed/rounds.jsonl") s"
+    done
+    echo "the pair: ${pair} s; throughput against one run alone, by whole commands (start-up included):" \
+      "$(python -c "print(round(2 * $alone / max($pair, 1), 2))")x"
+  } | tee "$out/share.txt"
 fi
