@@ -4,15 +4,15 @@
 # and full MNIST (MNIST/raw/) under DATA_DIR:
 #   bash experiments/gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]
 # ROUNDS: of the end-to-end runs (default 100; the paper runs 1000). PARTS: which of the numbered parts
-# below to run (default "1 2 3 4 5 6 7"), e.g. "2 3" to split the work over several sessions or calls.
+# below to run (default "1 2 3 4 5 6 7 8"), e.g. "2 3" to split the work over several sessions or calls.
 # A part that fails is recorded in OUT/failures.txt and the others still run. EXTRA (environment): key=value
-# settings appended to the commands that take the paper's settings (parts 2, 3, 5, 6 and 7), e.g.
+# settings appended to the commands that take the paper's settings (parts 2, 3, 5, 6, 7 and 8), e.g.
 # EXTRA="model=cnn-small device=cpu" to try the script on a CPU.
 set -uo pipefail
 data=${1:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]}
 out=${2:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]}
 rounds=${3:-100}
-parts=" ${4:-1 2 3 4 5 6 7} "
+parts=" ${4:-1 2 3 4 5 6 7 8} "
 mkdir -p "$out"
 read -r -a extra <<< "${EXTRA:-}"
 paper=(dataset=mnist "data-dir=$data" num-clients=10 local-steps=50 batch-size=64 lr=0.001 "${extra[@]}")
@@ -105,4 +105,15 @@ if [[ $parts == *" 7 "* ]]; then
     echo "the pair: ${pair} s; throughput against one run alone, by whole commands (start-up included):" \
       "$(python -c "print(round(2 * $alone / max($pair, 1), 2))")x"
   } | tee "$out/share.txt"
+fi
+
+# 8. where a round's GPU time goes: the kernels of one FedAvg and one FedBR round (vmap step) under torch's
+#    profiler, with vmap's grouped convolutions and with cohort-conv=matmul
+if [[ $parts == *" 8 "* ]]; then
+  for strategy in fedavg fedbr; do
+    for conv in grouped matmul; do
+      measure "kernels-$strategy-$conv" fedbr-bench --kernels "${paper[@]}" "strategy=$strategy" engine=cohort \
+        "cohort-conv=$conv" --json "$out/kernels-$strategy-$conv.json"
+    done
+  done
 fi

@@ -90,6 +90,25 @@ def test_the_levers_leave_a_cpu_run_bit_identical_except_bf16(capsys, tmp_path):
     assert not torch.are_deterministic_algorithms_enabled()
 
 
+def test_kernels_lists_where_a_rounds_time_goes_and_sees_the_matmul_convolutions(monkeypatch, capsys, tmp_path):
+    """--kernels on a CPU: the operators by their own time, most first, summing to the busy time; with
+    cohort-conv=matmul the convolutions are unfolded (im2col) and no convolution's backward runs."""
+    monkeypatch.setattr(bench, "KERNEL_ROWS", 1000)  # every operator
+    items = ["device=cpu", "num-clients=2", "local-steps=2", "batch-size=4", "model=cnn-small", "engine=cohort"]
+    operators = {}
+    for conv in ("grouped", "matmul"):
+        out = tmp_path / f"{conv}.json"
+        assert bench.main(["--kernels", "--json", str(out), *items, "cohort-step=vmap", f"cohort-conv={conv}"]) == 0
+        figures = json.loads(out.read_text())
+        seconds = [row["seconds"] for row in figures["rows"]]
+        assert seconds == sorted(seconds, reverse=True) and sum(seconds) == pytest.approx(figures["busy_s"])
+        assert 0 < figures["busy_s"] and 0 < figures["wall_s"]
+        operators[conv] = {row["operator"] for row in figures["rows"]}
+    assert "aten::convolution_backward" in operators["grouped"] and "aten::im2col" not in operators["grouped"]
+    assert "aten::convolution_backward" not in operators["matmul"] and "aten::im2col" in operators["matmul"]
+    assert "| operator or kernel (its own device time) |" in capsys.readouterr().out
+
+
 def test_cohort_step_benchmark_without_its_dataset_stops_with_a_message(capsys, tmp_path):
     assert (
         bench.main(
@@ -109,6 +128,7 @@ def test_cohort_step_benchmark_without_its_dataset_stops_with_a_message(capsys, 
         "--step",
         "--cohort-step",
         "--levers",
+        "--kernels",
         "--startup=1",
         "--sweep-startup=1",
         "--round-profile",

@@ -12,6 +12,7 @@ both engines (``engine=clients``: a Flower node per client; ``engine=cohort``: a
     fedbr-bench --step dataset=cifar10 model=vgg11  # synthetic inputs of the dataset's shape
     fedbr-bench --cohort-step experiments/fedavg_rotmnist5k.yaml model=cnn-small   # a cohort: loop vs vmap
     fedbr-bench --levers dataset=mnist num-clients=10 local-steps=50 batch-size=64  # GPU levers vs strict fp32
+    fedbr-bench --kernels dataset=mnist num-clients=10 local-steps=50 batch-size=64  # where a round's time goes
 
 Round 1 is a warm-up on both sides (Flower: Ray and actor start, data loading, compilation) and is
 not timed. Evaluation and checkpoints are off on both sides except Flower's final evaluation, which
@@ -384,6 +385,75 @@ def levers_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) ->
     return 0
 
 
+KERNEL_ROWS = 15  # the operators listed by --kernels; the rest are summed in one row
+
+
+def kernel_rows(cfg: dict) -> tuple[list[dict], float, float]:
+    """Where one round's device time goes: one cohort of every client in process, with the ``vmap`` step (the
+    graph step's kernels are the same, but a replayed graph is not traced kernel by kernel), a warm-up round,
+    then one round under torch's profiler. The operators by their own time on the device (on a GPU the
+    kernels, on a CPU the operators' CPU time), most first, with the round's wall seconds and the device's
+    busy seconds (the sum of those times)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = use_device(cfg)
+    cohort, members, config_of, arrays = bench_cohort(cfg, device)
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+    cohort.fit_together([(pid, arrays, config_of(1)) for pid in members], graph=False)
+    synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as profiler:
+        cohort.fit_together([(pid, arrays, config_of(2)) for pid in members], graph=False)
+        synchronize(device)
+    wall = time.perf_counter() - start
+    events = [
+        (event.key, event.count, (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / 1e6)
+        for event in profiler.key_averages()
+    ]
+    events = sorted((e for e in events if e[2] > 0), key=lambda e: e[2], reverse=True)
+    busy = sum(seconds for _, _, seconds in events)
+    rows = [{"operator": key, "calls": calls, "seconds": seconds} for key, calls, seconds in events[:KERNEL_ROWS]]
+    rest = events[KERNEL_ROWS:]
+    if rest:
+        rows.append(
+            {
+                "operator": f"the other {len(rest)}",
+                "calls": sum(e[1] for e in rest),
+                "seconds": busy - sum(r["seconds"] for r in rows),
+            }
+        )
+    return rows, wall, busy
+
+
+def kernels_main(cfg: dict, threads: int, json_path: Path | None) -> int:
+    run = common(cfg)
+    device = _device_name(cfg, threads)
+    rows, wall, busy = kernel_rows(cfg)
+    print(
+        f"fedbr-bench --kernels: {run.strategy}, {resolved_model(cfg)} on {run.dataset}, one cohort of "
+        f"{run.num_clients} clients x {run.local_steps} steps x batch {run.batch_size}, {device}, vmap step, "
+        f"cohort-conv={run.cohort_conv}\n"
+        f"one round under the profiler: {wall:.3f} s of wall time, the device busy {busy:.3f} s of it "
+        f"({busy / wall:.0%})\n\n"
+        "| operator or kernel (its own device time) | calls | seconds | share of the busy time |\n|---|---|---|---|"
+    )
+    for row in rows:
+        print(f"| {row['operator'][:90]} | {row['calls']} | {row['seconds']:.4f} | {row['seconds'] / busy:.1%} |")
+    write_json(
+        json_path,
+        {
+            "device": device,
+            "strategy": run.strategy,
+            "model": resolved_model(cfg),
+            "wall_s": wall,
+            "busy_s": busy,
+            "rows": rows,
+        },
+    )
+    return 0
+
+
 def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
     """One cohort holding all the clients, in this process (no Flower): seconds per round of fitting every
     client with ``cohort-step=loop`` (one after another), with ``vmap`` (all at once) and, on CUDA, with
@@ -661,6 +731,12 @@ def build_parser() -> argparse.ArgumentParser:
         "cohort-conv=matmul) against strict fp32, s/round and how far each moves the update",
     )
     parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="one cohort holding all clients, in process, one round under torch's profiler: the operators (on a "
+        "GPU the kernels) that take the device's time, and how busy the device is",
+    )
+    parser.add_argument(
         "--scale",
         action="store_true",
         help="engine=cohort with 100 clients at fraction-fit 0.1 and 1000 at 0.01: s/round and peak memory",
@@ -728,6 +804,8 @@ def run_mode(args: argparse.Namespace, threads: int) -> int:
         return cohort_step_main(cfg, args.rounds, threads, args.json)
     if args.levers:
         return levers_main(cfg, args.rounds, threads, args.json)
+    if args.kernels:
+        return kernels_main(cfg, threads, args.json)
     return compare_main(cfg, args.rounds, threads, args.json)
 
 
