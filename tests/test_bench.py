@@ -109,6 +109,12 @@ def test_kernels_lists_where_a_rounds_time_goes_and_sees_the_matmul_convolutions
     assert "| operator or kernel (its own device time) |" in capsys.readouterr().out
 
 
+def test_kernels_without_any_device_time_stop_with_a_message(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "kernel_rows", lambda cfg: ([], 1.0, 0.0))  # a GPU whose profiler saw no kernels
+    assert bench.main(["--kernels", "device=cpu"]) == 1
+    assert "the profiler recorded no time on the device" in capsys.readouterr().err
+
+
 def test_cohort_step_benchmark_without_its_dataset_stops_with_a_message(capsys, tmp_path):
     assert (
         bench.main(

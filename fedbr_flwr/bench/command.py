@@ -394,6 +394,7 @@ def kernel_rows(cfg: dict) -> tuple[list[dict], float, float]:
     then one round under torch's profiler. The operators by their own time on the device (on a GPU the
     kernels, on a CPU the operators' CPU time), most first, with the round's wall seconds and the device's
     busy seconds (the sum of those times)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     device = use_device(cfg)
@@ -407,9 +408,12 @@ def kernel_rows(cfg: dict) -> tuple[list[dict], float, float]:
         cohort.fit_together([(pid, arrays, config_of(2)) for pid in members], graph=False)
         synchronize(device)
     wall = time.perf_counter() - start
+    # on a GPU only the device's own events (kernels, copies): an operator's "self" device time may repeat
+    # its kernels' (pytorch issue 60783)
     events = [
         (event.key, event.count, (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / 1e6)
         for event in profiler.key_averages()
+        if not on_gpu or (event.device_type == DeviceType.CUDA and not event.is_user_annotation)
     ]
     events = sorted((e for e in events if e[2] > 0), key=lambda e: e[2], reverse=True)
     busy = sum(seconds for _, _, seconds in events)
@@ -430,6 +434,12 @@ def kernels_main(cfg: dict, threads: int, json_path: Path | None) -> int:
     run = common(cfg)
     device = _device_name(cfg, threads)
     rows, wall, busy = kernel_rows(cfg)
+    if not rows:
+        print(
+            "fedbr-bench: error: the profiler recorded no time on the device (on a GPU: is CUPTI there?)",
+            file=sys.stderr,
+        )
+        return 1
     print(
         f"fedbr-bench --kernels: {run.strategy}, {resolved_model(cfg)} on {run.dataset}, one cohort of "
         f"{run.num_clients} clients x {run.local_steps} steps x batch {run.batch_size}, {device}, vmap step, "
