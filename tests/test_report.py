@@ -135,6 +135,28 @@ def test_a_run_continued_on_another_machine_names_every_piece_s_commit_and_machi
     assert f"- commit: abc1234, fed9876; machine: {machines}\n" in section
 
 
+def test_settings_that_differ_between_runs_or_pieces_are_named_with_their_values(tmp_path):
+    """A run resumed on another engine, beside a run that used one throughout: engine is not a setting of
+    every run, and the settings line says which values it took; settings alike everywhere are not named."""
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.5, 0.6], cfg={"engine": "clients"})
+    fake_run(out / "B" / "seed0", [0.5, 0.6], cfg={"engine": "cohort"})
+    section = report.report_section("k", "t", "cmd", out, ["A", "B"], [0], "results/k.png")
+    assert "- settings of every run: `dataset=mnist5k model=lenet rotate=true num-rounds=4 lr=0.05`; " in section
+    assert "differing between runs or their pieces: `engine` (clients, cohort)\n" in section
+    manifest_path = out / "B" / "seed0" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["config"]["engine"] = "clients"  # B too started on engine=clients, and went on on cohort
+    manifest["resumed"] = [{"after_round": 2, "config": {**manifest["config"], "engine": "cohort", "lr": 0.05}}]
+    manifest_path.write_text(json.dumps(manifest))
+    section = report.report_section("k", "t", "cmd", out, ["A", "B"], [0], "results/k.png")
+    assert "differing between runs or their pieces: `engine` (clients, cohort)\n" in section
+    fake_run(out / "A" / "seed0", [0.5, 0.6], cfg={"engine": "cohort"})
+    fake_run(out / "B" / "seed0", [0.5, 0.6], cfg={"engine": "cohort"})
+    section = report.report_section("k", "t", "cmd", out, ["A", "B"], [0], "results/k.png")
+    assert "engine=cohort`\n" in section and "differing" not in section
+
+
 def test_pooled_accuracy_is_shown_only_where_it_differs_from_the_mean(tmp_path):
     out = tmp_path / "out"
     fake_run(out / "A" / "seed0", [0.5, 0.6], pooled=0.55)

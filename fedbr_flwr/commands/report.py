@@ -668,9 +668,18 @@ def shared_settings(configs: list[dict[str, Any]]) -> str:
         and all(k in c and c[k] == configs[0][k] for c in configs)
         and splits <= set(SPLIT_KEYS.get(k, splits))
     ]
-    return " ".join(
-        f"{k}={json.dumps(configs[0][k]) if isinstance(configs[0][k], bool) else configs[0][k]}" for k in same
-    )
+    return " ".join(f"{k}={setting_value(configs[0][k])}" for k in same)
+
+
+def setting_value(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+def differing_settings(configs: list[dict[str, Any]]) -> str:
+    """The main settings that differ between the runs, or between the pieces of a resumed run, each with its
+    values in order of first appearance, as "`engine` (clients, cohort)"; empty where none differs."""
+    values = {k: list(dict.fromkeys(setting_value(c[k]) for c in configs if k in c)) for k in SETTINGS_SHOWN}
+    return ", ".join(f"`{k}` ({', '.join(v)})" for k, v in values.items() if len(v) > 1)
 
 
 def report_section(
@@ -713,7 +722,7 @@ def report_section(
         f"- runs: {runs} ({len(names)} settings x seeds {', '.join(map(str, seeds))}), started "
         f"{' to '.join(dict.fromkeys([days[0], days[-1]])) if days else '-'}; wall time {sum(walls) / 60:.1f} min "
         "(the runs' own clocks, from the server's start to the last evaluation; Flower's start-up is not counted)",
-        f"- settings of every run: `{shared_settings([m['config'] for m in manifests if 'config' in m])}`",
+        settings_line([piece["config"] for piece in pieces if "config" in piece]),
         *paused_line(paused),
         '- mean ± standard deviation over seeds; "move in last fifth": max - min of the mean curve over the '
         "last fifth of the rounds (under 2 points: levelled off)",
@@ -726,6 +735,13 @@ def report_section(
         heatmap = f"![{title}: {rule.method} − {rule.baseline}]({decisions_plot(plot)})"
         lines += ["", f"### {rule.method} against {rule.baseline}", "", decisions, heatmap]
     return "\n".join(lines) + "\n"
+
+
+def settings_line(configs: list[dict[str, Any]]) -> str:
+    differing = differing_settings(configs)
+    return f"- settings of every run: `{shared_settings(configs)}`" + (
+        f"; differing between runs or their pieces: {differing}" if differing else ""
+    )
 
 
 def paused_line(paused: list[str]) -> list[str]:
