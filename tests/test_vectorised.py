@@ -642,8 +642,8 @@ def test_matmul_convolutions_are_swapped_back_after_an_error_and_an_unknown_kind
 @pytest.mark.parametrize("name", ["fedavg", "fedbr", "distrans-nn", "moon"])
 def test_matmul_convolutions_train_as_grouped_ones(name, tmp_path):
     """3 free-running rounds with cohort-conv=matmul land where vmap's grouped convolutions do, to rounding
-    (they sum in another order, so not bit for bit: which also shows the key reaches the step). MOON's
-    previous model is a module of its step's own, which is swapped too."""
+    (they sum in another order, so not bit for bit: which also shows the key reaches the step). MOON's step
+    also runs its previous model's features, DisTrans' its double-input model."""
     settings = CASES[name]
     start = federation(settings, "vmap", tmp_path / "start", rounds=0)["global"]
     grouped = federation(settings, "vmap", tmp_path / "grouped")["global"]
