@@ -404,13 +404,15 @@ GRAPH_CASES = {
     )
 }
 GRAPH_CASES["fedbr-bf16"] = {**CASES["fedbr"], "precision": "bf16"}
+GRAPH_CASES.update({f"{name}-matmul": {**CASES[name], "cohort-conv": "matmul"} for name in ("fedavg", "fedbr")})
 
 
 @pytest.mark.parametrize("name", sorted(GRAPH_CASES))
 def test_a_replayed_step_on_fixed_input_buffers_trains_as_the_vmapped_step(name, tmp_path, monkeypatch):
     """cohort-step=graph's bookkeeping, without CUDA: the first step on the input buffers, the others after
     copying their own draws into them (MOON's constants, SCAFFOLD's and FedCM's adjustments, FedBR's two
-    phases with the head's momentum, DisTrans' alternation), bit for bit what cohort-step=vmap computes."""
+    phases with the head's momentum, DisTrans' alternation, the matmul convolutions), bit for bit what
+    cohort-step=vmap computes."""
     import functools
 
     from fedbr_flwr.app import node
@@ -476,7 +478,16 @@ def test_a_step_input_that_changes_shape_stops_a_captured_step():
 
 
 # the cases run on a GPU below; an algorithm among them may set graph_checked_on_gpu (cohort-step=auto: graph)
-GPU_GRAPH_CASES = ("fedavg", "fedbr", "fedbr-momentum-decay", "fedbr-bf16", "scaffold", "distrans-alternating-auto")
+GPU_GRAPH_CASES = (
+    "fedavg",
+    "fedbr",
+    "fedbr-momentum-decay",
+    "fedbr-bf16",
+    "scaffold",
+    "distrans-alternating-auto",
+    "fedavg-matmul",
+    "fedbr-matmul",
+)
 
 
 def test_auto_replays_a_graph_on_a_gpu_where_the_algorithms_graph_was_checked_on_one(monkeypatch):
