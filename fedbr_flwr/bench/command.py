@@ -166,6 +166,15 @@ def _fedbr_label(cfg: dict) -> str:
     return ", ".join(parts)
 
 
+def cohort_header(mode: str, cfg: dict, device: str) -> str:
+    """The first line of a mode that runs one cohort in process: what it runs, and where."""
+    run = common(cfg)
+    return (
+        f"fedbr-bench --{mode}: {run.strategy}, {resolved_model(cfg)} on {run.dataset}, one cohort of "
+        f"{run.num_clients} clients x {run.local_steps} steps x batch {run.batch_size}, {device}"
+    )
+
+
 def _device_name(cfg: dict, threads: int) -> str:
     if torch.cuda.is_available() and common(cfg).device != "cpu":
         return torch.cuda.get_device_name(0)
@@ -370,11 +379,7 @@ def relative_distance(updates: list[np.ndarray], reference: list[np.ndarray]) ->
 def levers_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) -> int:
     run = common(cfg)
     device = _device_name(cfg, threads)
-    print(
-        f"fedbr-bench --levers: {run.strategy}, {resolved_model(cfg)} on {run.dataset}, one cohort of "
-        f"{run.num_clients} clients x {run.local_steps} steps x batch {run.batch_size}, {device}, "
-        f"{rounds} timed rounds\n"
-    )
+    print(f"{cohort_header('levers', cfg, device)}, {rounds} timed rounds\n")
     print(
         "| lever | s/round (median) | update's distance from strict fp32 (again, nudged: from the row before) |\n"
         "|---|---|---|",
@@ -424,7 +429,7 @@ def kernel_rows(cfg: dict) -> tuple[list[dict], float, float]:
             {
                 "operator": f"the other {len(rest)}",
                 "calls": sum(e[1] for e in rest),
-                "seconds": busy - sum(r["seconds"] for r in rows),
+                "seconds": sum(e[2] for e in rest),
             }
         )
     return rows, wall, busy
@@ -441,9 +446,7 @@ def kernels_main(cfg: dict, threads: int, json_path: Path | None) -> int:
         )
         return 1
     print(
-        f"fedbr-bench --kernels: {run.strategy}, {resolved_model(cfg)} on {run.dataset}, one cohort of "
-        f"{run.num_clients} clients x {run.local_steps} steps x batch {run.batch_size}, {device}, vmap step, "
-        f"cohort-conv={run.cohort_conv}\n"
+        f"{cohort_header('kernels', cfg, device)}, vmap step, cohort-conv={run.cohort_conv}\n"
         f"one round under the profiler: {wall:.3f} s of wall time, the device busy {busy:.3f} s of it "
         f"({busy / wall:.0%})\n\n"
         "| operator or kernel (its own device time) | calls | seconds | share of the busy time |\n|---|---|---|---|"
@@ -496,11 +499,7 @@ def cohort_step_main(cfg: dict, rounds: int, threads: int, json_path: Path | Non
     run = common(cfg)
     t = cohort_step_seconds(cfg, rounds)
     device = _device_name(cfg, threads)
-    print(
-        f"fedbr-bench --cohort-step: {run.strategy}, {resolved_model(cfg)} on {run.dataset}, one cohort of "
-        f"{run.num_clients} clients x {run.local_steps} steps x batch {run.batch_size}, {device}, "
-        f"{rounds} timed rounds\n"
-    )
+    print(f"{cohort_header('cohort-step', cfg, device)}, {rounds} timed rounds\n")
     labels = {
         "loop": "loop (clients one after another)",
         "vmap": "vmap (all clients at once)",
