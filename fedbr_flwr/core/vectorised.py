@@ -530,11 +530,11 @@ def evaluate_members(
     state = stacked(states)
     loss = torch.zeros(len(ys), device=y.device)
     correct = torch.zeros(len(ys), device=y.device, dtype=torch.long)
-    for start in range(0, count, batch_size):
-        with convolutions_as(conv, [module]):
+    with convolutions_as(conv, [module]):
+        for start in range(0, count, batch_size):
             logits = forward(state, x[:, start : start + batch_size])
-        target, mask = y[:, start : start + batch_size], real[:, start : start + batch_size]
-        each = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
-        loss += (each * mask).sum(dim=1)
-        correct += ((logits.argmax(dim=2) == target) & mask).sum(dim=1)
+            target, mask = y[:, start : start + batch_size], real[:, start : start + batch_size]
+            each = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
+            loss += (each * mask).sum(dim=1)
+            correct += ((logits.argmax(dim=2) == target) & mask).sum(dim=1)
     return [(float(s) / max(len(t), 1), float(c) / max(len(t), 1)) for s, c, t in zip(loss, correct, ys)]
