@@ -62,9 +62,6 @@ def test_the_campaign_in_pieces_ends_with_the_records_of_uninterrupted_runs(tmp_
     piece 2 continues it to its end, starts FedBR and is sent SIGTERM after FedBR's round-2 checkpoint (exit
     143); piece 3 continues FedBR to its end (exit 0). Each line names the command that continues; no Flower
     process is left; the records equal in-process runs' that never stopped."""
-    from fakes import in_process_federation, records_without_timing, run_rounds
-    from test_golden import close_json
-
     before = flower_processes()
     out = tmp_path / "campaign"
     argv = [*campaign_args()[:-2], "0", "--out", str(out), "--time-limit", "10m", "--quiet", *TINY]
@@ -77,28 +74,76 @@ def test_the_campaign_in_pieces_ends_with_the_records_of_uninterrupted_runs(tmp_
             os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends; the sweep's handler unwinds the run
 
     monkeypatch.setattr(timelimit.RoundWatch, "on_event", terminate_in_fedbr)
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        codes = []
-        for _ in range(3):
-            codes.append(sweep.main(argv))
-            assert flower_processes() <= before
-    finally:
-        signal.signal(signal.SIGTERM, handler)
+    codes = pieces(argv, 3, before)
     err = capsys.readouterr().err
     again = f"continue with: fedbr-sweep {' '.join(argv)}"
     assert codes == [75, 143, 0], err
     assert f"time limit reached after round 3 of 4 in FedAvg seed 0 ({out / 'FedAvg' / 'seed0'})" in err
     assert "fedbr-sweep: stopped by SIGTERM; finished runs and the last checkpoint" in err and err.count(again) == 2
 
-    jobs = sweep.plan(argv[0], TINY, out, ["FedAvg", "FedBR"], [0])
-    for (setting, _, cfg), resumed_after in zip(jobs, (3, 2)):
+    resumed = records_equal_uninterrupted_runs(argv[0], TINY, out, tmp_path)
+    assert resumed == [[3], [2]]
+    assert "| FedBR | 1 |" in (out / "comparison.md").read_text()
+
+
+def pieces(argv, count, before):
+    """The exit codes of ``count`` pieces of the same sweep command, each leaving no Flower process behind
+    (SIGTERM's handler restored afterwards)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        codes = []
+        for _ in range(count):
+            codes.append(sweep.main(argv))
+            assert flower_processes() <= before
+        return codes
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+def records_equal_uninterrupted_runs(path, overrides, out, tmp_path):
+    """Check that the FedAvg and FedBR seed-0 runs in ``out`` recorded what in-process runs that never stopped
+    record; the rounds after which each was resumed."""
+    from fakes import in_process_federation, records_without_timing, run_rounds
+    from test_golden import close_json
+
+    resumed = []
+    for setting, _, cfg in sweep.plan(path, overrides, out, ["FedAvg", "FedBR"], [0]):
         folder = out / setting.run / "seed0"
-        manifest = json.loads((folder / "manifest.json").read_text())
-        assert [r["after_round"] for r in manifest["resumed"]] == [resumed_after]
+        resumed.append([r["after_round"] for r in json.loads((folder / "manifest.json").read_text())["resumed"]])
         strategy, _, proxies = in_process_federation(cfg, tmp_path / setting.run)
         run_rounds(strategy, proxies, cfg["num-rounds"])
         for name in ("rounds.jsonl", "metrics.jsonl"):
             want = records_without_timing(tmp_path / setting.run / name)
             close_json(records_without_timing(folder / name), want, f"{setting.run}/{name}", exact=False)
-    assert "| FedBR | 1 |" in (out / "comparison.md").read_text()
+    return resumed
+
+
+@pytest.mark.e2e
+def test_the_campaign_with_two_runs_at_once_stops_on_sigterm_and_continues_exactly(tmp_path, capsys, monkeypatch):
+    """The campaign's command with --jobs 2 (tiny config, one seed, 10 rounds): FedAvg and FedBR go at once, each
+    in a simulation process of its own, each progress line naming its run. SIGTERM once both have checkpointed
+    round 2 stops both (exit 143, no Flower process left); the same command continues both to their end (exit 0),
+    and their records equal those of in-process runs that never stopped."""
+    import threading
+
+    before = flower_processes()
+    out = tmp_path / "campaign"
+    tiny = [*TINY, "num-rounds=10"]
+    argv = [*campaign_args()[:-2], "0", "--out", str(out), "--time-limit", "10m", "--jobs", "2", *tiny]
+    on_event, lock, past_round_2 = timelimit.RoundWatch.on_event, threading.Lock(), set()
+
+    def terminate_once_both_past_round_2(watch, event):
+        on_event(watch, event)
+        if event.get("kind") == "checkpoint" and event.get("round") == 2:
+            with lock:
+                past_round_2.add(id(watch))
+                if len(past_round_2) == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(timelimit.RoundWatch, "on_event", terminate_once_both_past_round_2)
+    codes = pieces(argv, 2, before)
+    captured = capsys.readouterr()
+    assert codes == [143, 0], captured.err
+    assert "[1/2] FedAvg seed 0: [fedbr] round 1" in captured.out and "[2/2] FedBR seed 0: [fedbr]" in captured.out
+    resumed = records_equal_uninterrupted_runs(argv[0], tiny, out, tmp_path)
+    assert [len(r) == 1 and 2 <= r[0] < 10 for r in resumed] == [True, True]

@@ -511,3 +511,144 @@ def test_a_second_sweep_into_the_same_out_stops_at_once_and_writes_nothing(tmp_p
         assert sorted(p.name for p in out.iterdir()) == [".fedbr-sweep.lock"]
     finally:
         holder.communicate("", timeout=30)
+
+
+class RunsAtOnce:
+    """A stand-in for ``run_flower`` in sweeps with --jobs: each run waits until two runs have been in progress at
+    once (``hold``: until its watch stops it, as the launcher's loop would), then stops at the time limit after
+    round ``stop_at[seed]`` or writes a finished run's files. It records which runs were in progress at once and
+    the host and watch each was handed."""
+
+    def __init__(self, stop_at=None, hold=False):
+        import threading
+
+        self.lock, self.hold, self.stop_at = threading.Lock(), hold, stop_at or {}
+        self.running, self.most, self.hosts, self.watches, self.ran = set(), 0, {}, {}, []
+
+    def __call__(self, plan, echo, host, watch=None):
+        import time
+
+        cfg = dict(plan.config)
+        key = (cfg["strategy"], cfg["seed"])
+        with self.lock:
+            self.running.add(key)
+            self.most = max(self.most, len(self.running))
+            self.hosts[key], self.watches[key] = host, watch
+            self.ran.append(key)
+        try:
+            if callable(echo):
+                echo("[fedbr] round 1: a progress line")
+            while self.hold or self.most < 2:
+                if watch.stop.is_set():
+                    raise sweep.TimeLimitReached(watch.saved_round)
+                time.sleep(0.01)
+            if cfg["seed"] in self.stop_at:
+                raise sweep.TimeLimitReached(self.stop_at[cfg["seed"]])
+            fake_run(plan.out_dir, cfg, [0.3, 0.5], last_round=cfg["num-rounds"])
+        finally:
+            with self.lock:
+                self.running.discard(key)
+
+
+FOUR_SEEDS = SWEEP.replace("[0, 1]", "[0, 1, 2, 3]").replace(
+    "    FedBR no max: {strategy: fedbr, fedbr-max-step: false}\n", ""
+)
+
+
+def test_a_sweep_with_jobs_runs_that_many_at_once_each_in_a_process_of_its_own(tmp_path, capsys, monkeypatch):
+    """--jobs 2 over four runs: two go at once, each worker hands its runs one simulation process of its own
+    (closed at the end), every run's progress line names it, and the table and the statuses are those of the
+    sweep's order; run again, every run is kept."""
+    fake, closed = RunsAtOnce(), []
+    monkeypatch.setattr(sweep.RunHost, "close", lambda self: closed.append(self))
+    monkeypatch.setattr(sweep, "run_flower", fake)
+    path, out = write(tmp_path, FOUR_SEEDS), tmp_path / "out"
+    assert sweep.main([path, "--out", str(out), "--jobs", "2"]) == 0
+    assert fake.most == 2 and sorted(fake.ran) == [("fedavg", s) for s in range(4)]
+    hosts = set(map(id, fake.hosts.values()))
+    assert len(hosts) == 2 and sorted(map(id, closed)) == sorted(hosts)
+    printed = capsys.readouterr().out
+    assert "[2/4] FedAvg seed 1: [fedbr] round 1: a progress line" in printed
+    assert printed.count(": ok\n") == 4 and "| FedAvg | 4 |" in (out / "comparison.md").read_text()
+    assert sweep.main([path, "--out", str(out), "--jobs", "2"]) == 0
+    assert len(fake.ran) == 4 and capsys.readouterr().out.count("already finished") == 4
+
+
+def test_runs_at_once_stop_at_the_time_limit_start_no_other_and_each_says_where(tmp_path, capsys, monkeypatch):
+    """Seeds 0 and 1 go at once and each stops at the time limit (after rounds 3 and 5); seeds 2 and 3 never
+    start. One line per stopped run, in the sweep's order, exit 75."""
+    fake = RunsAtOnce(stop_at={0: 3, 1: 5})
+    monkeypatch.setattr(sweep, "run_flower", fake)
+    monkeypatch.setattr(sweep, "shared_host", lambda jobs: __import__("contextlib").nullcontext(None))
+    path, out = write(tmp_path, FOUR_SEEDS), tmp_path / "out"
+    argv = [path, "--out", str(out), "--jobs", "2", "--time-limit", "1h", "--quiet"]
+    assert sweep.main(argv) == 75
+    assert sorted(fake.ran) == [("fedavg", 0), ("fedavg", 1)]
+    err = capsys.readouterr().err.strip().splitlines()
+    folder = out.resolve() / "FedAvg"
+    assert err == [
+        f"fedbr-sweep: time limit reached after round {r} of 1 in FedAvg seed {s} ({folder / f'seed{s}'}) "
+        f"(checkpoint saved); continue with: fedbr-sweep {' '.join(argv)}"
+        for s, r in ((0, 3), (1, 5))
+    ]
+
+
+def test_sigterm_stops_every_run_in_progress_at_once_and_starts_no_other(tmp_path, capsys, monkeypatch):
+    """SIGTERM reaches the main thread while two runs go at once: both are stopped through their watches (the
+    launcher then stops their processes), the other two never start, and the sweep exits 143."""
+    import os
+    import signal
+    import threading
+
+    fake = RunsAtOnce(hold=True)
+    monkeypatch.setattr(sweep, "run_flower", fake)
+    monkeypatch.setattr(sweep, "shared_host", lambda jobs: __import__("contextlib").nullcontext(None))
+
+    def terminate_when_both_run():
+        while len(fake.running) < 2:
+            threading.Event().wait(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_when_both_run, daemon=True).start()
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        code = sweep.main([write(tmp_path, FOUR_SEEDS), "--out", str(tmp_path / "out"), "--jobs", "2", "--quiet"])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert code == 143 and sorted(fake.ran) == [("fedavg", 0), ("fedavg", 1)] and not fake.running
+    assert all(w.stop.is_set() for w in fake.watches.values())
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+
+
+def test_an_error_in_one_of_the_runs_at_once_stops_the_others_and_exits_2(tmp_path, capsys, monkeypatch):
+    """Seed 1's folder holds a finished run of other settings (a ConfigError in its worker): the run in progress
+    beside it is stopped, no other starts, and the sweep stops with that one line, exit 2."""
+    import time
+
+    fake, check = RunsAtOnce(hold=True), sweep.finished_with_same_config
+
+    def after_seed_0_started(cfg):
+        while cfg["seed"] == 1 and not fake.running:
+            time.sleep(0.01)
+        return check(cfg)
+
+    monkeypatch.setattr(sweep, "run_flower", fake)
+    monkeypatch.setattr(sweep, "finished_with_same_config", after_seed_0_started)
+    monkeypatch.setattr(sweep, "shared_host", lambda jobs: __import__("contextlib").nullcontext(None))
+    path, out = write(tmp_path, FOUR_SEEDS), tmp_path / "out"
+    (_, _, cfg) = sweep.plan(path, [], out.resolve(), None)[1]
+    fake_run(out / "FedAvg" / "seed1", {**cfg, "lr": 0.5}, [0.3])
+    (out / "FedAvg" / "seed1" / "summary.json").write_text(json.dumps({"last_round": cfg["num-rounds"]}))
+    assert sweep.main([path, "--out", str(out), "--jobs", "2", "--quiet"]) == 2
+    assert fake.ran == [("fedavg", 0)] and fake.watches[("fedavg", 0)].stop.is_set()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a finished run with different settings (lr)" in err[0]
+
+
+@pytest.mark.parametrize("jobs", ["0", "-2"])
+def test_jobs_below_one_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, jobs):
+    out = tmp_path / "out"
+    assert sweep.main([write(tmp_path), "--out", str(out), "--jobs", jobs]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"fedbr-sweep: error: --jobs {jobs}: give how many runs may go at once, 1 or more"]
+    assert not out.exists()

@@ -33,6 +33,8 @@ after every round, the run in progress stops after the last round that fits, and
 in a grid one row per run and cell) goes to <out>/comparison.md, .csv and .png, with a decide rule its
 verdict per cell below it and as decisions.png; with --report PAGE also into the file's section of a
 markdown results page, with its command, commit, machine and wall time (fedbr_flwr/commands/report.py).
+``--jobs N`` runs up to N runs at the same time, each in a simulation process of its own (for a GPU that one
+run leaves partly idle; each run still sizes itself for the whole machine).
 Exit codes: 0 every run finished, 1 some run failed (the others still ran), 2 bad configuration, 75 the time
 limit stopped it, 130 Ctrl-C, 143 SIGTERM (75 and 143 print the command that continues the sweep).
 """
@@ -44,11 +46,13 @@ import contextlib
 import itertools
 import json
 import math
+import queue
 import shlex
 import signal
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -62,7 +66,7 @@ from ..core.config import (
     schema,
     unknown_key,
 )
-from ..launch.launcher import RunFailed, RunHost, run_flower
+from ..launch.launcher import Echo, RunFailed, RunHost, run_flower
 from ..launch.plan import config_from_settings, plan_run
 from ..launch.timelimit import (
     EXIT_TIME_LIMIT,
@@ -78,6 +82,7 @@ from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_compa
 
 SWEEP_KEYS = ("seeds", "runs", "title", "headline", "grid", "decide")
 Factor = list[dict[str, Any]]  # a grid factor's values, each as the config keys it sets
+Job = tuple[Setting, int, dict[str, Any]]  # a run of the sweep: its setting (run and grid cell), seed and config
 NOT_FACTORS = ("seed", "output-dir", "git-commit", "strategy")  # the seeds, the runs and the sweep set these
 
 
@@ -203,7 +208,7 @@ def cells(grid: dict[str, Factor]) -> list[tuple[tuple[str, Any], ...]]:
 
 def plan(
     path: str, overrides: Sequence[str], out: Path, only: Sequence[str] | None, seeds: Sequence[int] | None = None
-) -> list[tuple[Setting, int, dict[str, Any]]]:
+) -> list[Job]:
     """Every (setting: run name and grid cell, seed, validated config), seed by seed, cell by cell, run by run;
     or a ConfigError before anything runs."""
     spec = load_sweep(path)
@@ -220,7 +225,7 @@ def plan(
     unused = [key for key in grid_keys(spec.grid) if not any(key in f for f in factors.values())]
     if unused:
         raise ConfigError(f"{path}: grid key(s) {', '.join(unused)} apply to none of the runs {', '.join(runs)}")
-    jobs: list[tuple[Setting, int, dict[str, Any]]] = []
+    jobs: list[Job] = []
     folders = set()
     for seed in seeds:
         for cell in cells(spec.grid):
@@ -291,66 +296,179 @@ def resumable_round(cfg: Mapping[str, Any]) -> int | None:
         _, header = load_checkpoint(out)
         check_resumable(header["config"], {**cfg, "resume": True}, int(header["round"]))
     except ConfigError as exc:
-        print(f"fedbr-sweep: {out}: its checkpoint cannot continue this run ({exc}); starting it again", flush=True)
+        say(f"fedbr-sweep: {out}: its checkpoint cannot continue this run ({exc}); starting it again")
         return None
     return int(header["round"])
 
 
+class RunsStopped(Exception):
+    """Runs of a sweep that ran at once (``--jobs``) stopped at the time limit: each one's TimeLimitReached,
+    in the sweep's order."""
+
+    def __init__(self, stops: list[TimeLimitReached]):
+        super().__init__(f"{len(stops)} run(s) stopped at the time limit")
+        self.stops = stops
+
+
+@dataclass
+class SweepRuns:
+    """What a sweep's runs share: how many there are, whether their progress is printed, the time limit
+    (``deadline``, ``time.time()``'s clock; None: none) and the sweep's folder (each run's W&B group where
+    tracking is on). With runs at once (``at_once``) each progress line names its run, and each run has a watch
+    that ``halt`` can stop."""
+
+    total: int
+    quiet: bool
+    deadline: float | None
+    out: Path | None
+    at_once: bool = False
+    halted: bool = False
+    watches: set[RoundWatch] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self, i: int, job: Job, host: RunHost | None) -> str:
+        """Run job ``i`` (1-based) unless it is finished, continuing it from its checkpoint; its status.
+        TimeLimitReached (``where``: this run) when the limit stops it or leaves no time to start it."""
+        name, seed, cfg = job
+        label = f"[{i}/{self.total}] {name.label} seed {seed}"
+        run_plan = plan_run(cfg, overwrite=True)
+        run, out_dir = run_plan.settings, run_plan.out_dir  # what the changes below (resume, ...) leave alone
+        if finished_with_same_config(run_plan.config):
+            say(f"fedbr-sweep: {label}: already finished in {out_dir}; kept")
+            return "kept"
+        where = f"{name.label} seed {seed} ({out_dir})"
+        resumed = resumable_round(run_plan.config)
+        changes: dict[str, Any] = {"resume": resumed is not None}
+        if self.deadline is not None:
+            if time.time() >= self.deadline:
+                raise TimeLimitReached(resumed, where, run.num_rounds)
+            changes["checkpoint-every"] = 1  # a stop loses no finished round
+        run_plan = run_plan.with_keys(changes)
+        limit = math.inf if self.deadline is None else self.deadline
+        watch = self.watch(RoundWatch(limit, run.num_rounds, resumed), where)
+        start = f"continues after round {resumed}" if resumed is not None else run.strategy
+        say(f"fedbr-sweep: {label}: {start} -> {out_dir}")
+        try:
+            if self.out is not None and run.tracking:
+                tracking.label_sweep_run(
+                    out_dir, self.out.name, str(out_dir.relative_to(self.out)), [name.label[:64], f"seed{seed}"]
+                )
+            echo: Echo = (
+                "none" if self.quiet else (lambda text: say(f"{label}: {text}")) if self.at_once else "progress"
+            )
+            try:
+                run_flower(run_plan, echo=echo, host=host, watch=watch)
+            except TimeLimitReached as exc:
+                raise TimeLimitReached(exc.saved_round, where, run.num_rounds) from None
+            ok = (out_dir / "summary.json").exists()
+            problem = finished_run_problem(out_dir) if ok else "no final evaluation"
+            status = f"failed: {problem}" if problem else "ok"
+        except (RunFailed, ConfigError) as exc:
+            status = f"failed: {exc}"
+        except OSError as exc:  # its folder's disk filled up, say: the next runs may still fit elsewhere
+            status = f"failed: cannot write to {out_dir}: {exc.strerror or exc}"
+        finally:
+            with self.lock:
+                self.watches.discard(watch)
+        say(f"fedbr-sweep: {label}: {status}")
+        return status
+
+    def watch(self, watch: RoundWatch, where: str) -> RoundWatch | None:
+        """The run's watch: the time limit's, and with runs at once (where ``halt`` may stop it) always one;
+        TimeLimitReached where the sweep is halted."""
+        with self.lock:
+            if self.halted:
+                raise TimeLimitReached(watch.saved_round, where, watch.num_rounds)
+            if not self.at_once:
+                return None if self.deadline is None else watch
+            self.watches.add(watch)
+        return watch
+
+    def halt(self) -> None:
+        """Stop every run in progress now, as the time limit does at its deadline, and start no other."""
+        with self.lock:
+            self.halted = True
+            for watch in self.watches:
+                watch.stop.set()
+
+
+def say(text: str) -> None:
+    """One line on stdout, written whole (runs at once print from their own threads)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def run_all(
-    jobs: list[tuple[Setting, int, dict[str, Any]]],
+    jobs: list[Job],
     quiet: bool,
     isolated: bool = False,
     deadline: float | None = None,
     out: Path | None = None,
+    at_once: int = 1,
 ) -> dict[tuple[Setting, int], str]:
     """Run each job not finished yet, continuing those with a checkpoint; the status of each. ``deadline``
     (``time.time()``'s clock): the time limit every run shares, at which the sweep stops with
     TimeLimitReached (``where``: the run in progress). ``out``, the sweep's folder, is each run's W&B group
-    where tracking is on."""
-    status = {}
+    where tracking is on. ``at_once``: how many runs go at the same time (``run_at_once``)."""
+    if at_once > 1 and len(jobs) > 1:
+        return run_at_once(jobs, SweepRuns(len(jobs), quiet, deadline, out, at_once=True), at_once, isolated)
+    runs = SweepRuns(len(jobs), quiet, deadline, out)
     with contextlib.nullcontext(None) if isolated else shared_host(jobs) as host:
-        for i, (name, seed, cfg) in enumerate(jobs, 1):
-            label = f"[{i}/{len(jobs)}] {name.label} seed {seed}"
-            run_plan = plan_run(cfg, overwrite=True)
-            run, out_dir = run_plan.settings, run_plan.out_dir  # what the changes below (resume, ...) leave alone
-            if finished_with_same_config(run_plan.config):
-                print(f"fedbr-sweep: {label}: already finished in {out_dir}; kept", flush=True)
-                status[(name, seed)] = "kept"
-                continue
-            where = f"{name.label} seed {seed} ({out_dir})"
-            resumed = resumable_round(run_plan.config)
-            changes: dict[str, Any] = {"resume": resumed is not None}
-            if deadline is not None:
-                if time.time() >= deadline:
-                    raise TimeLimitReached(resumed, where, run.num_rounds)
-                changes["checkpoint-every"] = 1  # a stop loses no finished round
-            run_plan = run_plan.with_keys(changes)
-            start = f"continues after round {resumed}" if resumed is not None else run.strategy
-            print(f"fedbr-sweep: {label}: {start} -> {out_dir}", flush=True)
-            watch = None if deadline is None else RoundWatch(deadline, run.num_rounds, resumed)
-            try:
-                if out is not None and run.tracking:
-                    tracking.label_sweep_run(
-                        out_dir, out.name, str(out_dir.relative_to(out)), [name.label[:64], f"seed{seed}"]
-                    )
-                echo = "none" if quiet else "progress"
-                try:
-                    run_flower(run_plan, echo=echo, host=host, watch=watch)
-                except TimeLimitReached as exc:
-                    raise TimeLimitReached(exc.saved_round, where, run.num_rounds) from None
-                ok = (out_dir / "summary.json").exists()
-                problem = finished_run_problem(out_dir) if ok else "no final evaluation"
-                status[(name, seed)] = f"failed: {problem}" if problem else "ok"
-            except (RunFailed, ConfigError) as exc:
-                status[(name, seed)] = f"failed: {exc}"
-            except OSError as exc:  # its folder's disk filled up, say: the next runs may still fit elsewhere
-                status[(name, seed)] = f"failed: cannot write to {out_dir}: {exc.strerror or exc}"
-            print(f"fedbr-sweep: {label}: {status[(name, seed)]}", flush=True)
-    return status
+        return {(name, seed): runs.run(i, (name, seed, cfg), host) for i, (name, seed, cfg) in enumerate(jobs, 1)}
+
+
+def run_at_once(jobs: list[Job], runs: SweepRuns, workers: int, isolated: bool) -> dict[tuple[Setting, int], str]:
+    """``run_all`` with up to ``workers`` runs at the same time, each worker a thread with a simulation process
+    of its own (``shared_host``) that takes the next job when its run ends. A run stopped by the time limit
+    starts no new one, and the sweep raises RunsStopped once the others have ended or been stopped too. On
+    SIGTERM or Ctrl-C (in the main thread) every run in progress is stopped, with its last checkpoint kept."""
+    pending: queue.SimpleQueue[tuple[int, Job]] = queue.SimpleQueue()
+    for item in enumerate(jobs, 1):
+        pending.put(item)
+    status: dict[int, str] = {}
+    stops: dict[int, TimeLimitReached] = {}
+    errors: list[BaseException] = []
+
+    def work(done: threading.Event) -> None:
+        try:
+            with contextlib.nullcontext(None) if isolated else shared_host(jobs) as host:
+                while not (runs.halted or stops or errors):
+                    try:
+                        i, job = pending.get_nowait()
+                    except queue.Empty:
+                        return
+                    try:
+                        status[i] = runs.run(i, job, host)
+                    except TimeLimitReached as exc:
+                        stops[i] = exc
+        except BaseException as exc:  # noqa: BLE001 - raised in the main thread once the other runs have ended
+            errors.append(exc)
+            runs.halt()
+        finally:
+            done.set()
+
+    # each worker says when it is done: a Thread.join interrupted by a signal can mark a live thread ended (3.11)
+    ended = [threading.Event() for _ in range(min(workers, len(jobs)))]
+    for done in ended:
+        threading.Thread(target=work, args=(done,), daemon=True).start()
+    try:
+        for done in ended:
+            while not done.wait(0.2):
+                pass
+    except BaseException:  # SIGTERM's SystemExit or Ctrl-C: stop the runs in progress, then go on unwinding
+        runs.halt()
+        for done in ended:
+            done.wait()
+        raise
+    if errors:
+        raise errors[0]
+    if stops:
+        raise RunsStopped([stops[i] for i in sorted(stops)])
+    return {(jobs[i - 1][0], jobs[i - 1][1]): status[i] for i in sorted(status)}
 
 
 @contextlib.contextmanager
-def shared_host(jobs: list[tuple[Setting, int, dict[str, Any]]]) -> Iterator[RunHost | None]:
+def shared_host(jobs: list[Job]) -> Iterator[RunHost | None]:
     """One simulation process for the sweep's runs (``launcher.RunHost``): the second and later runs start on
     the first's imports, Ray runtime and client processes. None (each run a process of its own) when the
     runs name different Ray clusters."""
@@ -385,6 +503,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the command that continues (this same command: it resumes the unfinished run and keeps finished ones)",
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run up to N runs at the same time, each in a simulation process of its own (for a GPU that one run "
+        "leaves partly idle); their progress lines name their run",
+    )
+    parser.add_argument(
         "--isolated",
         action="store_true",
         help="each run in a process of its own, with a Ray runtime and client processes of its own (by default "
@@ -411,6 +537,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report_command = shlex.join(["fedbr-sweep", *(a for a in argv if a not in ("--table-only", "--quiet"))])
     try:
         deadline = None if args.time_limit is None else stop_deadline(started, parse_duration(args.time_limit))
+        if args.jobs < 1:
+            raise ConfigError(f"--jobs {args.jobs}: give how many runs may go at once, 1 or more")
         check_path_length(out, "--out")
         out = out.resolve()
         jobs = plan(args.file, args.overrides, out, args.only, args.seeds)
@@ -430,12 +558,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
             with runlock.hold(out, "sweep"):
-                status = run_all(jobs, args.quiet, args.isolated, deadline, out)
+                status = run_all(jobs, args.quiet, args.isolated, deadline, out, args.jobs)
         except ConfigError as exc:
             print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
             return 2
-        except TimeLimitReached as exc:
-            print(stopped_line("fedbr-sweep", exc.where, exc.saved_round, exc.num_rounds, again), file=sys.stderr)
+        except (TimeLimitReached, RunsStopped) as exc:
+            for stop in exc.stops if isinstance(exc, RunsStopped) else [exc]:
+                print(
+                    stopped_line("fedbr-sweep", stop.where, stop.saved_round, stop.num_rounds, again), file=sys.stderr
+                )
             return EXIT_TIME_LIMIT
         except KeyboardInterrupt:
             print(f"fedbr-sweep: interrupted; finished runs are kept in {out}", file=sys.stderr)

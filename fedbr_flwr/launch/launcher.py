@@ -36,6 +36,9 @@ SUPERLINK_START_TIMEOUT_S = 60
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
+Echo = str | Callable[[str], None]  # "progress", "all", "none", or where each progress line goes
+
+
 class RunFailed(RuntimeError):
     pass
 
@@ -156,7 +159,7 @@ def federation_config(num_supernodes: int, cpus: float, gpus: float) -> str:
 
 def run_flower(
     plan: RunPlan,
-    echo: str = "progress",
+    echo: Echo = "progress",
     superlink: bool = False,
     host: "RunHost | None" = None,
     watch: RoundWatch | None = None,
@@ -191,7 +194,7 @@ def run_flower(
         return simulate_run(plan, address, echo, watch)
 
 
-def simulate_run(plan: RunPlan, address: str | None, echo: str, watch: RoundWatch | None = None) -> dict:
+def simulate_run(plan: RunPlan, address: str | None, echo: Echo, watch: RoundWatch | None = None) -> dict:
     """``run_flower`` in a simulation process of its own (a ``RunHost`` for one run), on a private Ray runtime or
     the cluster at ``address``."""
     with RunHost(address) as host:
@@ -266,7 +269,7 @@ class RunHost:
         finally:  # also when reading fails (bytes that are no text): whoever waits must learn the end
             replies.put(None)  # the process has ended, or nothing more can be read from it
 
-    def run(self, plan: RunPlan, echo: str, watch: RoundWatch | None = None) -> dict:
+    def run(self, plan: RunPlan, echo: Echo, watch: RoundWatch | None = None) -> dict:
         """One run in this host: the run's output in its folder's flower.log, its progress followed as
         there; returns once the run's last event is written (the host finishes Flower's part meanwhile)."""
         run, out_dir = plan.settings, plan.out_dir
@@ -292,14 +295,13 @@ class RunHost:
         raise RunFailed(f"the simulation process ended before the run started: {log_tail(self.home / 'host.log')}")
 
     def _run_once(
-        self, request: RunRequest, out_dir: Path, echo: str, watch: RoundWatch | None = None
+        self, request: RunRequest, out_dir: Path, echo: Echo, watch: RoundWatch | None = None
     ) -> tuple[bool, dict]:
         assert self.proc is not None and self.proc.stdin is not None
         run_id, finished, started = request.run_id, threading.Event(), False
 
         log = LogFollower(out_dir / "flower.log", _print_log_line) if echo == "all" else contextlib.nullcontext()
-        write = _print if echo == "progress" else None
-        with log, Follower(out_dir / PROGRESS_FILE, write, on_event=run_events(finished, watch)):
+        with log, Follower(out_dir / PROGRESS_FILE, progress_writer(echo), on_event=run_events(finished, watch)):
             with contextlib.suppress(OSError):  # the host has ended; its end is also in the replies
                 self.proc.stdin.write(request.line())
                 self.proc.stdin.flush()
@@ -348,7 +350,7 @@ def submit_run(
     env: dict[str, str],
     connection: str,
     out_dir: Path,
-    echo: str = "progress",
+    echo: Echo = "progress",
     extra_args: list[str] | None = None,
     end_at_summary: bool = False,
     watch: RoundWatch | None = None,
@@ -357,9 +359,9 @@ def submit_run(
     wait for it; return the run's final status record from ``flwr ls`` (``end_at_summary``: once the ServerApp
     has written its last event, stop Flower and count the run completed without asking). Raises RunFailed when the run
     did not complete. ``echo``: "progress" (the run's events, followed in ``out_dir/progress.jsonl``, which
-    the ServerApp writes: this machine must see the run folder), "all" (Flower's whole log, which also
-    reaches a remote submitter) or "none"; the whole log is always in ``out_dir/flower.log`` (appended to
-    when the run resumes)."""
+    the ServerApp writes: this machine must see the run folder; or a function that takes each of those lines),
+    "all" (Flower's whole log, which also reaches a remote submitter) or "none"; the whole log is always in
+    ``out_dir/flower.log`` (appended to when the run resumes)."""
     if not (PROJECT_DIR / "pyproject.toml").is_file():
         raise ConfigError(
             f"no pyproject.toml in {PROJECT_DIR}: fedbr-run needs the project checkout "
@@ -388,7 +390,7 @@ def follow_run(
     command: list[str],
     env: dict[str, str],
     out_dir: Path,
-    echo: str,
+    echo: Echo,
     end_at_summary: bool,
     append: bool,
     watch: RoundWatch | None = None,
@@ -411,10 +413,9 @@ def follow_run(
         run_id = None
         finished = threading.Event()
         follow: Any = contextlib.nullcontext()
-        if echo == "progress" or end_at_summary or watch is not None:
-            write = _print if echo == "progress" else None
+        if progress_writer(echo) or end_at_summary or watch is not None:
             on_event = run_events(finished if end_at_summary else None, watch)
-            follow = Follower(out_dir / PROGRESS_FILE, write, on_event=on_event)
+            follow = Follower(out_dir / PROGRESS_FILE, progress_writer(echo), on_event=on_event)
         if end_at_summary:
             threading.Thread(target=stop_when_finished, args=(proc, finished), daemon=True).start()
         if watch is not None:
@@ -476,6 +477,11 @@ def stop_when_finished(proc: subprocess.Popen, finished: threading.Event, grace_
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         stop_tree(proc, grace_s=0.5)
+
+
+def progress_writer(echo: Echo) -> Callable[[str], None] | None:
+    """Where ``echo`` sends a run's progress lines (None: nowhere)."""
+    return echo if callable(echo) else _print if echo == "progress" else None
 
 
 def _print_log_line(line: str) -> None:
