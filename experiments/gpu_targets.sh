@@ -75,35 +75,29 @@ if [[ $parts == *" 6 "* ]]; then
   done
 fi
 
-# 7. several runs sharing the GPU: FedBR through Flower as the campaign runs it (engine=cohort, evaluation every
-#    2 rounds; 20 rounds), one run alone, then two seeds at once: the wall time of each command, the median
-#    seconds of the rounds' training (rounds.jsonl), and the pair's throughput against one run's
+# 7. several runs sharing the GPU: two FedBR seeds of the campaign's sweep (engine=cohort, evaluation every 2
+#    rounds; 20 rounds), one after another in one simulation process, then at once (--jobs 2, a process each):
+#    the wall time of each sweep, the median seconds of the rounds (rounds.jsonl), and the throughput of runs at once
 if [[ $parts == *" 7 "* ]]; then
-  shared=(experiments/fedavg_rotmnist.yaml strategy=fedbr engine=cohort eval-every=2 num-rounds=20 "${paper[@]}" --quiet)
+  shared=(experiments/table1_rotmnist.yaml engine=cohort num-rounds=20 "${paper[@]}" --only FedBR --seeds 0 1 --quiet)
   median_round() {
     python -c 'import json, statistics, sys; print(statistics.median(json.loads(l)["seconds"] for l in open(sys.argv[1])))' \
       "$1"
   }
   start=$SECONDS
-  measure share-alone fedbr-run "${shared[@]}" "output-dir=$out/share-alone"
-  alone=$((SECONDS - start))
+  measure share-one-by-one fedbr-sweep "${shared[@]}" --out "$out/share-one-by-one"
+  one_by_one=$((SECONDS - start))
   start=$SECONDS
-  pids=()
-  for seed in 0 1; do
-    fedbr-run "${shared[@]}" "seed=$seed" "output-dir=$out/share-pair-$seed" > "$out/share-pair-$seed.txt" 2>&1 &
-    pids+=($!)
-  done
-  for seed in 0 1; do
-    wait "${pids[$seed]}" || echo "share-pair-$seed: exit $?" | tee -a "$out/failures.txt"
-  done
-  pair=$((SECONDS - start))
+  measure share-at-once fedbr-sweep "${shared[@]}" --jobs 2 --out "$out/share-at-once"
+  at_once=$((SECONDS - start))
   {
-    echo "one run alone: ${alone} s, median round $(median_round "$out/share-alone/rounds.jsonl") s"
-    for seed in 0 1; do
-      echo "seed $seed of the pair: median round $(median_round "$out/share-pair-$seed/rounds.jsonl") s"
+    for mode in one-by-one at-once; do
+      for seed in 0 1; do
+        echo "$mode, seed $seed: median round $(median_round "$out/share-$mode/FedBR/seed$seed/rounds.jsonl") s"
+      done
     done
-    echo "the pair: ${pair} s; throughput against one run alone, by whole commands (start-up included):" \
-      "$(python -c "print(round(2 * $alone / max($pair, 1), 2))")x"
+    echo "one after another: ${one_by_one} s; at once (--jobs 2): ${at_once} s; throughput of runs at once:" \
+      "$(python -c "print(round($one_by_one / max($at_once, 1), 2))")x"
   } | tee "$out/share.txt"
 fi
 
