@@ -81,7 +81,7 @@ fi
 if [[ $parts == *" 7 "* ]]; then
   shared=(experiments/table1_rotmnist.yaml engine=cohort num-rounds=20 "${paper[@]}" --only FedBR --seeds 0 1 --quiet)
   median_round() {
-    python -c 'import json, statistics, sys; print(statistics.median(json.loads(l)["seconds"] for l in open(sys.argv[1])))' \
+    python -c 'import json, statistics, sys; print(round(statistics.median(json.loads(l)["seconds"] for l in open(sys.argv[1])), 3))' \
       "$1"
   }
   start=$SECONDS
