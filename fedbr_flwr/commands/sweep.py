@@ -314,8 +314,8 @@ class RunsStopped(Exception):
 class SweepRuns:
     """What a sweep's runs share: how many there are, whether their progress is printed, the time limit
     (``deadline``, ``time.time()``'s clock; None: none) and the sweep's folder (each run's W&B group where
-    tracking is on). With runs at once (``at_once``) each progress line names its run, and each run has a watch
-    that ``halt`` can stop."""
+    tracking is on). Each run has a watch (``timelimit.RoundWatch``, without a deadline where there is no limit)
+    that ``halt`` can stop; with runs at once (``at_once``) each progress line names its run."""
 
     total: int
     quiet: bool
@@ -344,8 +344,11 @@ class SweepRuns:
                 raise TimeLimitReached(resumed, where, run.num_rounds)
             changes["checkpoint-every"] = 1  # a stop loses no finished round
         run_plan = run_plan.with_keys(changes)
-        limit = math.inf if self.deadline is None else self.deadline
-        watch = self.watch(RoundWatch(limit, run.num_rounds, resumed), where)
+        watch = RoundWatch(math.inf if self.deadline is None else self.deadline, run.num_rounds, resumed)
+        with self.lock:  # from here on ``halt`` stops this run
+            if self.halted:
+                raise TimeLimitReached(resumed, where, run.num_rounds)
+            self.watches.add(watch)
         start = f"continues after round {resumed}" if resumed is not None else run.strategy
         say(f"fedbr-sweep: {label}: {start} -> {out_dir}")
         try:
@@ -372,17 +375,6 @@ class SweepRuns:
                 self.watches.discard(watch)
         say(f"fedbr-sweep: {label}: {status}")
         return status
-
-    def watch(self, watch: RoundWatch, where: str) -> RoundWatch | None:
-        """The run's watch: the time limit's, and with runs at once (where ``halt`` may stop it) always one;
-        TimeLimitReached where the sweep is halted."""
-        with self.lock:
-            if self.halted:
-                raise TimeLimitReached(watch.saved_round, where, watch.num_rounds)
-            if not self.at_once:
-                return None if self.deadline is None else watch
-            self.watches.add(watch)
-        return watch
 
     def halt(self) -> None:
         """Stop every run in progress now, as the time limit does at its deadline, and start no other."""
