@@ -567,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if exc.code != 143:
                 raise
             print(
-                f"fedbr-sweep: stopped by SIGTERM; finished runs and the last checkpoint of the run in progress are "
+                f"fedbr-sweep: stopped by SIGTERM; finished runs and the last checkpoint of each run in progress are "
                 f"kept in {out}; continue with: {again}",
                 file=sys.stderr,
             )
