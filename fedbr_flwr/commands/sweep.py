@@ -1,4 +1,4 @@
-"""``fedbr-sweep``: several runs x seeds, one after another, then one comparison table and plot.
+"""``fedbr-sweep``: several runs x seeds, one after another (or several at once), then one comparison table and plot.
 
     fedbr-sweep experiments/table1_rotmnist5k.yaml
     fedbr-sweep experiments/table4_rotmnist5k.yaml num-rounds=10 --only FedAvg FedBR --out runs/t4
