@@ -3,11 +3,13 @@
 # protocol and metric (experiments/table1_rotmnist.yaml). It runs for at most MINUTES (default 14), then stops
 # after the last round that fits, leaving every run's state in campaigns/table1 (CAMPAIGN_OUT: another folder);
 # the same command continues. Exit 0: the campaign is complete; 75: a piece ended, run it again. Further
-# arguments go to fedbr-sweep (data-dir=..., or a later --seeds). docs/reproducing.md says what to commit.
+# arguments go to fedbr-sweep (data-dir=..., --jobs 2 for two runs at once, or a later --seeds).
+# docs/reproducing.md says what to commit.
 # engine=cohort: on one GPU the 10 clients step together (cohort-step=auto: a CUDA graph), 0.63x the time of a
 # round of engine=clients for FedBR and 0.66x for FedAvg (docs/benchmarks.md); FedAvg seed 0's first 512 rounds
 # ran on engine=clients, which a resumed run may change.
 #   experiments/campaign_table1.sh 14 data-dir=/data
+#   experiments/campaign_table1.sh 14 --jobs 2 data-dir=/data
 set -u
 minutes="${1:-14}"
 shift $(($# > 0 ? 1 : 0))
