@@ -538,9 +538,11 @@ class RunsAtOnce:
         try:
             if callable(echo):
                 echo("[fedbr] round 1: a progress line")
+            give_up = time.monotonic() + 20  # a sweep that never stops its runs fails rather than hangs
             while self.hold or self.most < 2:
                 if watch.stop.is_set():
                     raise sweep.TimeLimitReached(watch.saved_round)
+                assert time.monotonic() < give_up, f"run {key} was never stopped"
                 time.sleep(0.01)
             if cfg["seed"] in self.stop_at:
                 raise sweep.TimeLimitReached(self.stop_at[cfg["seed"]])
