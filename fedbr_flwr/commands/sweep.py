@@ -66,7 +66,7 @@ from ..core.config import (
     schema,
     unknown_key,
 )
-from ..launch.launcher import Echo, RunFailed, RunHost, run_flower
+from ..launch.launcher import Echo, RunFailed, RunHost, print_line, run_flower
 from ..launch.plan import config_from_settings, plan_run
 from ..launch.timelimit import (
     EXIT_TIME_LIMIT,
@@ -296,7 +296,7 @@ def resumable_round(cfg: Mapping[str, Any]) -> int | None:
         _, header = load_checkpoint(out)
         check_resumable(header["config"], {**cfg, "resume": True}, int(header["round"]))
     except ConfigError as exc:
-        say(f"fedbr-sweep: {out}: its checkpoint cannot continue this run ({exc}); starting it again")
+        print_line(f"fedbr-sweep: {out}: its checkpoint cannot continue this run ({exc}); starting it again")
         return None
     return int(header["round"])
 
@@ -334,7 +334,7 @@ class SweepRuns:
         run_plan = plan_run(cfg, overwrite=True)
         run, out_dir = run_plan.settings, run_plan.out_dir  # what the changes below (resume, ...) leave alone
         if finished_with_same_config(run_plan.config):
-            say(f"fedbr-sweep: {label}: already finished in {out_dir}; kept")
+            print_line(f"fedbr-sweep: {label}: already finished in {out_dir}; kept")
             return "kept"
         where = f"{name.label} seed {seed} ({out_dir})"
         resumed = resumable_round(run_plan.config)
@@ -350,14 +350,14 @@ class SweepRuns:
                 raise TimeLimitReached(resumed, where, run.num_rounds)
             self.watches.add(watch)
         start = f"continues after round {resumed}" if resumed is not None else run.strategy
-        say(f"fedbr-sweep: {label}: {start} -> {out_dir}")
+        print_line(f"fedbr-sweep: {label}: {start} -> {out_dir}")
         try:
             if self.out is not None and run.tracking:
                 tracking.label_sweep_run(
                     out_dir, self.out.name, str(out_dir.relative_to(self.out)), [name.label[:64], f"seed{seed}"]
                 )
             echo: Echo = (
-                "none" if self.quiet else (lambda text: say(f"{label}: {text}")) if self.at_once else "progress"
+                "none" if self.quiet else (lambda text: print_line(f"{label}: {text}")) if self.at_once else "progress"
             )
             try:
                 run_flower(run_plan, echo=echo, host=host, watch=watch)
@@ -373,7 +373,7 @@ class SweepRuns:
         finally:
             with self.lock:
                 self.watches.discard(watch)
-        say(f"fedbr-sweep: {label}: {status}")
+        print_line(f"fedbr-sweep: {label}: {status}")
         return status
 
     def halt(self) -> None:
@@ -382,12 +382,6 @@ class SweepRuns:
             self.halted = True
             for watch in self.watches:
                 watch.stop.set()
-
-
-def say(text: str) -> None:
-    """One line on stdout, written whole (runs at once print from their own threads)."""
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
 
 
 def run_all(

@@ -413,9 +413,10 @@ def follow_run(
         run_id = None
         finished = threading.Event()
         follow: Any = contextlib.nullcontext()
-        if progress_writer(echo) or end_at_summary or watch is not None:
+        write = progress_writer(echo)
+        if write or end_at_summary or watch is not None:
             on_event = run_events(finished if end_at_summary else None, watch)
-            follow = Follower(out_dir / PROGRESS_FILE, progress_writer(echo), on_event=on_event)
+            follow = Follower(out_dir / PROGRESS_FILE, write, on_event=on_event)
         if end_at_summary:
             threading.Thread(target=stop_when_finished, args=(proc, finished), daemon=True).start()
         if watch is not None:
@@ -481,14 +482,15 @@ def stop_when_finished(proc: subprocess.Popen, finished: threading.Event, grace_
 
 def progress_writer(echo: Echo) -> Callable[[str], None] | None:
     """Where ``echo`` sends a run's progress lines (None: nowhere)."""
-    return echo if callable(echo) else _print if echo == "progress" else None
+    return echo if callable(echo) else print_line if echo == "progress" else None
 
 
 def _print_log_line(line: str) -> None:
-    _print(ANSI_ESCAPE.sub("", line).rstrip("\n"))
+    print_line(ANSI_ESCAPE.sub("", line).rstrip("\n"))
 
 
-def _print(text: str) -> None:
+def print_line(text: str) -> None:
+    """One line on stdout, written whole (runs of a sweep at once print from their own threads)."""
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
 
