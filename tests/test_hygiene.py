@@ -50,6 +50,56 @@ def test_the_codec_round_trips_named_arrays_without_pickle(tmp_path):
         codec.decode(codec.encode({"o": np.array([{"a": 1}], dtype=object)}))
 
 
+# A process that imports only the codec: np.load waits while another thread is inside a parse, and 4 threads
+# decoding among reference cycles (whose finalizers, run by the GC inside a parse, make CPython switch threads
+# there) at the finest thread switching raise nothing. Without the guard, the wait fails at once and the
+# decoding raises about one "AST constructor recursion depth mismatch" per run on CPython 3.11.
+DECODING_IN_THREADS = """
+import sys, threading
+import numpy as np
+from fedbr_flwr.runfiles import codec
+
+payload = codec.encode({"w": np.arange(6, dtype=np.float32).reshape(2, 3)})
+done = threading.Event()
+with codec._ast_lock:
+    threading.Thread(target=lambda: (codec.decode(payload), done.set())).start()
+    waited = not done.wait(0.3)
+assert done.wait(5) and waited, "a decode did not wait for another thread's parse"
+
+class Cycle:
+    def __del__(self):
+        sum(range(100))
+
+def decode_among_cycles(errors):
+    for _ in range(3000):
+        try:
+            codec.decode(payload)
+        except SystemError as exc:
+            errors.append(exc)
+        for _ in range(10):
+            a, b = Cycle(), Cycle()
+            a.other, b.other = b, a
+
+sys.setswitchinterval(1e-6)
+errors = []
+threads = [threading.Thread(target=decode_among_cycles, args=(errors,)) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+assert errors == [], errors
+"""
+
+
+def test_importing_the_codec_lets_threads_decode_arrays_without_the_ast_race():
+    """CPython 3.11's AST converter keeps its recursion depth per interpreter, and numpy parses each array
+    header with ast: the server's parallel requests for the clients' state lost one client's state from a
+    checkpoint, and a resumed run then differed from an uninterrupted one."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", DECODING_IN_THREADS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 # ---------------------------------------------------------------- named payloads
 
 

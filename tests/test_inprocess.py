@@ -3,11 +3,8 @@
 ``flower_adapter.choose_backend_per_run``);
 ``auto`` picks it where it can run. The runs themselves, against the Ray backend, are in test_e2e.py."""
 
-import io
-import sys
 import threading
 
-import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.clientapp.client_app import ClientAppException
@@ -179,51 +176,3 @@ def test_the_backend_counts_the_client_calls_that_have_not_returned():
     release.set()
     call.join(10)
     assert clients_running() == before  # also after a call that raised
-
-
-def read_headers(raw: bytes, times: int, errors: list) -> None:
-    """np.load ``times`` over (it parses the array's header with ast), among reference cycles whose finalizers
-    run Python code when the GC collects them: what makes CPython switch threads inside a parse."""
-
-    class Cycle:
-        def __del__(self):
-            sum(range(100))
-
-    for _ in range(times):
-        try:
-            np.load(io.BytesIO(raw))
-        except SystemError as exc:
-            errors.append(exc)
-        for _ in range(10):
-            a, b = Cycle(), Cycle()
-            a.other, b.other = b, a
-
-
-def test_clients_in_threads_decode_arrays_without_the_ast_race():
-    """Flower decodes a message's arrays with np.load, which parses each header with ast; CPython 3.11's AST
-    converter keeps its recursion depth per interpreter, so two threads parsing at once failed one of them
-    ("AST constructor recursion depth mismatch": a cohort dropped out of round 26 of a results run). With the
-    in-process backend built, a thread's np.load waits while another thread parses, and 4 threads reading
-    headers at the finest thread switching raise nothing (without the guard about 2 errors are expected)."""
-    import fedbr_flwr.app.inprocess as inprocess
-
-    InProcessBackend({"client_resources": {"num_cpus": 1}})
-    buffer = io.BytesIO()
-    np.save(buffer, np.arange(6, dtype=np.float32).reshape(2, 3))
-    raw = buffer.getvalue()
-    done = threading.Event()
-    with inprocess._ast_lock:  # another thread is inside a parse
-        reader = threading.Thread(target=lambda: (np.load(io.BytesIO(raw)), done.set()))
-        reader.start()
-        assert not done.wait(0.3)
-    assert done.wait(5)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        errors: list = []
-        threads = [threading.Thread(target=read_headers, args=(raw, 3000, errors)) for _ in range(4)]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
-    finally:
-        sys.setswitchinterval(interval)
-    assert errors == []

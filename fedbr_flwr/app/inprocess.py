@@ -3,9 +3,7 @@ instead of Ray's processes (``fedbr_flwr.app.flower_adapter.choose_backend_per_r
 
 from __future__ import annotations
 
-import ast
 import copy
-import functools
 import os
 import threading
 from typing import Callable
@@ -16,35 +14,13 @@ from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
 from flwr.server.superlink.fleet.vce.backend import Backend, BackendConfig
 
 from ..core.errors import describe
+from ..runfiles.codec import serialize_ast_parsing
 from .raycluster import OUTSIDE_RAY
 
 IN_PROCESS = "in_process"  # the backend config's key that asks for it (Flower's keys use "_")
 
 _running: set[int] = set()  # the threads now inside a ClientApp call of this backend
 _running_lock = threading.Lock()
-
-
-_ast_lock = threading.RLock()  # re-entrant: a finalizer the GC runs inside a parse may parse too
-
-
-def serialize_ast_parsing() -> None:
-    """Make this process's ``ast.parse`` calls take turns. CPython 3.11 keeps the AST converter's recursion depth
-    per interpreter, not per thread, so two threads parsing at once can fail one of them with "SystemError: AST
-    constructor recursion depth mismatch". numpy parses every array header it reads that way, and Flower decodes
-    each message's arrays with numpy, so with clients in threads a cohort's fit failed and its clients dropped
-    out of a round (it moved a results table). The wrapper is installed once; an uncontended lock costs well
-    under a microsecond, against milliseconds of decoding."""
-    if getattr(ast.parse, "serialized_by_fedbr", False):
-        return
-    parse = ast.parse
-
-    @functools.wraps(parse)
-    def serialized_parse(*args, **kwargs):
-        with _ast_lock:
-            return parse(*args, **kwargs)
-
-    serialized_parse.serialized_by_fedbr = True  # type: ignore[attr-defined]
-    ast.parse = serialized_parse  # type: ignore[assignment]
 
 
 def clients_running() -> int:

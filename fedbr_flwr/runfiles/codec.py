@@ -4,13 +4,42 @@ server's requests, the checkpoint, and every .npz file a run writes."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import io
+import threading
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
 
 from .jsonsafe import write_atomically
+
+_ast_lock = threading.RLock()  # re-entrant: a finalizer the GC runs inside a parse may parse too
+
+
+def serialize_ast_parsing() -> None:
+    """Make this process's ``ast.parse`` calls take turns. CPython 3.11 keeps the AST converter's recursion depth
+    per interpreter, not per thread, so two threads parsing at once can fail one of them with "SystemError: AST
+    constructor recursion depth mismatch". numpy parses every array header it reads that way, and arrays are
+    decoded in threads: the server asks its clients for their state in parallel (a client's state went missing
+    from a checkpoint), and Flower decodes messages in its worker threads (a cohort dropped out of a round). So
+    importing this codec installs the guard, once per process; an uncontended lock costs well under a
+    microsecond, against milliseconds of decoding."""
+    if getattr(ast.parse, "serialized_by_fedbr", False):
+        return
+    parse = ast.parse
+
+    @functools.wraps(parse)
+    def serialized_parse(*args, **kwargs):
+        with _ast_lock:
+            return parse(*args, **kwargs)
+
+    serialized_parse.serialized_by_fedbr = True  # type: ignore[attr-defined]
+    ast.parse = serialized_parse  # type: ignore[assignment]
+
+
+serialize_ast_parsing()
 
 
 def encode(arrays: Mapping[str, np.ndarray], compressed: bool = False) -> bytes:
