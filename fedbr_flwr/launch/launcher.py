@@ -266,7 +266,9 @@ class RunHost:
             for line in proc.stdout:
                 with contextlib.suppress(ValueError):  # a line that is no reply (a library printing on stdout)
                     replies.put(RunReply.parse(line))
-        finally:  # also when reading fails (bytes that are no text): whoever waits must learn the end
+        except UnicodeDecodeError:  # bytes that are no text: nothing more can be read, and the waiter is told
+            pass
+        finally:  # whoever waits must learn the end, whatever ended the reading
             replies.put(None)  # the process has ended, or nothing more can be read from it
 
     def run(self, plan: RunPlan, echo: Echo, watch: RoundWatch | None = None) -> dict:
