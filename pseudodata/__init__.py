@@ -82,8 +82,9 @@ def build(
     collect_means: Callable[[dict[int, int], int], list[np.ndarray]],
     proxy: torch.Tensor | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The pseudo-batch (x, uniform labels) of one version. RSM: ``collect_means({pid: count}, version)`` must
-    return each listed client's means, in the order of the mapping (partition order). Mixture: B means
+    """The pseudo-batch (x, uniform labels) of one version. RSM: ``collect_means({pid: count}, version)``
+    returns the means of the listed clients that sent usable ones, in the order of the mapping (partition
+    order); the share of a client left out is filled by repeating the others' (``assemble``). Mixture: B means
     of M samples of ``proxy``, seeded by (seed, version)."""
     run = common(cfg)
     from fedbr_flwr.core import seeds
@@ -93,12 +94,10 @@ def build(
     size, own = pseudo_size(cfg), PseudoDataSettings.from_config(cfg)
     if own.pseudo_data == "rsm":
         counts = {pid: n for pid, n in sorted(allot(size, partition_ids, run.seed, version).items()) if n > 0}
-        x = assemble(collect_means(counts, version))
+        x = assemble(collect_means(counts, version), size)
     else:
         if proxy is None:
             raise ValueError("mixture pseudo-data needs the proxy dataset")
         generator = seeds.torch_generator("mixture-means", run.seed, version)
         x = sample_means(proxy, size, own.pseudo_m, generator).numpy()
-    if len(x) != size:
-        raise RuntimeError(f"pseudo-data has {len(x)} samples, {size} were asked for")
     return x, uniform_labels(size, INFO[run.dataset].num_classes)

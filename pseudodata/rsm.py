@@ -38,9 +38,12 @@ def sample_means(x: torch.Tensor, count: int, m: int, generator: torch.Generator
     return x[idx].mean(dim=1)
 
 
-def assemble(means: list[np.ndarray]) -> np.ndarray:
-    """The pseudo-batch: the clients' means in the order given (the server passes partition order)."""
+def assemble(means: list[np.ndarray], size: int) -> np.ndarray:
+    """The pseudo-batch of ``size``: the clients' means in the order given (the server passes partition order).
+    Where clients were left out (their answers could not be used), the means that came are repeated from the
+    first on until there are ``size``: component 2 pairs every sample of a batch with one of them."""
     parts = [np.asarray(part, dtype=np.float32) for part in means if len(part)]
     if not parts:
-        raise ValueError("no client returned pseudo-data means")
-    return np.concatenate(parts)
+        raise RuntimeError("no client sent pseudo-data means that can be used (the lines above say why)")
+    x = np.concatenate(parts)
+    return x if len(x) >= size else np.resize(x, (size, *x.shape[1:]))

@@ -16,7 +16,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_strategy
+from fedbr_flwr.data.catalog import INFO
+from fedbr_flwr.server.updates import inputs_problem
 from pseudodata import build as build_pseudo_data
 from pseudodata.mixture import load_proxy
 
@@ -50,10 +53,14 @@ class FedBRStrategy(FederatedStrategy):
         return x, y
 
     def collect_rsm(self, counts: dict[int, int], version: int) -> list[np.ndarray]:
-        """Ask each client for its share of the means (a named request), in parallel."""
+        """Ask each client for its share of the means (a named request), in parallel; the means of those whose
+        answer holds as many images of the dataset's shape and range as were asked for."""
         args = {pid: {"count": n, "pseudo-m": self.settings.pseudo_m, "version": version} for pid, n in counts.items()}
-        answers = self.federation.request("rsm-means", args, version, "its pseudo-data means")
-        for pid, arrays in answers.items():
-            if len(arrays["means"]) != counts[pid]:
-                raise RuntimeError(f"client {pid} sent {len(arrays['means'])} means, {counts[pid]} were asked for")
-        return [answers[pid]["means"] for pid in counts]
+        info = INFO[common(self.cfg).dataset]
+        shape = (info.in_channels, info.image_size, info.image_size)
+
+        def means_problem(pid: int, arrays: dict[str, np.ndarray]) -> str | None:
+            return inputs_problem(arrays.get("means"), (counts[pid], *shape), info.input_range())
+
+        answers = self.federation.request("rsm-means", args, version, "its pseudo-data means", means_problem)
+        return [answers[pid]["means"] for pid in counts if pid in answers]

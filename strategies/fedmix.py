@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_strategy
+from fedbr_flwr.data.catalog import INFO
+from fedbr_flwr.server.updates import inputs_problem, soft_labels_problem
 
 from .base import FederatedStrategy
 
@@ -17,13 +20,29 @@ class FedMixStrategy(FederatedStrategy):
 
     def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
         pids = sorted(self.federation.clients_by_pid)
+        info = INFO[common(self.cfg).dataset]
+        shape = (None, info.in_channels, info.image_size, info.image_size)
+
+        def mean_data_problem(pid: int, arrays: dict[str, np.ndarray]) -> str | None:
+            x = arrays.get("x")
+            problem = inputs_problem(x, shape, info.input_range())
+            if problem is not None or x is None:
+                return problem
+            return soft_labels_problem(arrays.get("y"), len(x), info.num_classes)
+
         answers = self.federation.request(
-            "fedmix-means", {pid: {"version": server_round} for pid in pids}, server_round, "its mean data"
+            "fedmix-means",
+            {pid: {"version": server_round} for pid in pids},
+            server_round,
+            "its mean data",
+            mean_data_problem,
         )
-        x = np.concatenate([answers[pid]["x"] for pid in pids]).astype(np.float32)
-        y = np.concatenate([answers[pid]["y"] for pid in pids]).astype(np.float32)
+        if not answers:
+            raise RuntimeError("no client sent mean data that can be used (the lines above say why)")
+        x = np.concatenate([answers[pid]["x"] for pid in pids if pid in answers]).astype(np.float32)
+        y = np.concatenate([answers[pid]["y"] for pid in pids if pid in answers]).astype(np.float32)
         self.recorder.progress.emit(
             "info",
-            f"FedMix: {len(x)} mean samples (M = {self.settings.m}) from {len(pids)} clients, sent to each once",
+            f"FedMix: {len(x)} mean samples (M = {self.settings.m}) from {len(answers)} clients, sent to each once",
         )
         return x, y

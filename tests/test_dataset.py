@@ -405,3 +405,20 @@ def test_a_new_catalogue_entry_is_all_the_data_layer_needs(monkeypatch):
 def test_an_unknown_dataset_stops_with_one_line_naming_the_known_ones():
     with pytest.raises(ConfigError, match="unknown dataset 'digits'. Valid: mnist5k, mnist, cifar10"):
         load_raw("digits")
+
+
+@pytest.mark.parametrize("dataset", ["mnist5k", "synthetic", "cifar10"])
+def test_every_normalised_training_image_lies_within_the_datasets_input_range(dataset, tmp_path, monkeypatch):
+    """The server refuses pseudo-data means and mean data outside ``input_range`` (a mean of images lies
+    within it): the clients' own images, rotated and normalised, must never fall outside."""
+    settings = {"dataset": dataset, "num-clients": 2, "rotate": True}
+    if dataset == "cifar10":
+        write_cifar(tmp_path, "cifar10", per_file=20)
+        trust_cifar(monkeypatch, tmp_path, "cifar10")
+        settings.update({"data-dir": str(tmp_path), "download": "never", "partition": "iid"})
+    cfg = validate(settings)
+    low, high = (np.array(bound).reshape(1, -1, 1, 1) for bound in INFO[dataset].input_range())
+    for pid in range(2):
+        x = load_client_data(cfg, pid, "cpu").x_train.numpy()
+        assert (x >= low - 1e-6).all() and (x <= high + 1e-6).all()
+        assert x.min() < low.max() + 0.05 and x.max() > high.min() - 0.05  # both ends are reached, nearly

@@ -349,3 +349,81 @@ def test_an_exception_without_a_message_still_says_what_happened():
     backend.build(lambda: app)
     with pytest.raises(Exception, match="Message: MemoryError: out of memory$"):
         backend.process_message(None, None)
+
+
+# ---------------------------------------------------------------- answers to the server's requests
+
+
+def federation_with_one_bad_answer(tmp_path, strategy, request, bad, **extra):
+    """An in-process federation of 3 clients (real data, CPU) whose client 1 answers ``request`` with
+    ``bad(its honest answer)``."""
+    from test_checkpoint import run_cfg
+
+    from fakes import in_process_federation
+
+    server, algorithms, proxies = in_process_federation(run_cfg(strategy, **extra), tmp_path)
+    honest = algorithms[1].answer
+    algorithms[1].answer = lambda config: bad(honest(config)) if config.get("request") == request else honest(config)
+    return server, proxies
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (lambda a: {"means": np.full_like(a["means"], np.nan)}, "outside the images' range (or NaN)"),
+        (lambda a: {"means": np.full_like(a["means"], 1e30)}, "outside the images' range"),
+        (lambda a: {"means": a["means"][:, :, :3]}, "inputs of shape"),
+        (lambda a: {"means": a["means"][:1]}, "inputs of shape"),
+        (lambda a: {"other": a["means"]}, "inputs of type NoneType"),
+    ],
+    ids=["nan", "huge", "shape", "count", "missing"],
+)
+def test_pseudo_data_means_that_cannot_be_used_are_left_out_and_the_honest_clients_train(tmp_path, caplog, bad, reason):
+    """One client's NaN or huge means in the shared pseudo-data made every client's update NaN (each rejected,
+    every round); a missing or misshapen answer raised out of the server."""
+    from fakes import run_rounds
+
+    server, proxies = federation_with_one_bad_answer(tmp_path, "fedbr", "rsm-means", bad)
+    run_rounds(server, proxies, 2)
+    assert "client 1 sent its pseudo-data means that cannot be used (" in caplog.text and reason in caplog.text
+    assert "rejected" not in caplog.text  # every fit was averaged in
+    x, _ = server.shared_data().arrays
+    assert len(x) == 8 and np.isfinite(x).all()  # batch-size 8: client 1's share repeats the others' means
+    rounds = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    assert [(r["clients"], r["failures"], np.isfinite(r["train"]["loss"])) for r in rounds] == [(3, 0, True)] * 2
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (lambda a: {**a, "x": np.full_like(a["x"], np.nan)}, "outside the images' range (or NaN)"),
+        (lambda a: {"x": a["x"]}, "labels of shape ?"),
+        (lambda a: {**a, "y": a["y"] * 2}, "labels that are not class probabilities"),
+    ],
+    ids=["nan", "no-labels", "labels"],
+)
+def test_fedmix_mean_data_that_cannot_be_used_is_left_out(tmp_path, caplog, bad, reason):
+    from fakes import run_rounds
+
+    server, proxies = federation_with_one_bad_answer(tmp_path, "fedmix", "fedmix-means", bad)
+    run_rounds(server, proxies, 1)
+    assert "client 1 sent its mean data that cannot be used (" in caplog.text and reason in caplog.text
+    x, y = server.shared_data().arrays
+    assert np.isfinite(x).all() and np.allclose(y.sum(axis=1), 1.0)
+    assert "rejected" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [(lambda a: {}, "no 'state' array of bytes"), (lambda a: {"state": np.frombuffer(b"x" * 9, np.uint8)}, "decode")],
+    ids=["missing", "garbage"],
+)
+def test_a_client_state_that_cannot_be_kept_leaves_the_state_it_sent_last(tmp_path, caplog, bad, reason):
+    """A missing 'state' raised out of the checkpoint (a KeyError ended the run); bytes that are no named arrays
+    were kept, for the client to fail on after a resume."""
+    from fakes import run_rounds
+
+    server, proxies = federation_with_one_bad_answer(tmp_path, "scaffold", "client-state", bad)
+    run_rounds(server, proxies, 2)  # checkpoint-every 2
+    assert "client 1 sent its state for the checkpoint that cannot be used (" in caplog.text and reason in caplog.text
+    assert sorted(server.checkpointer.client_states) == [0, 2]

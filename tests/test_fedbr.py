@@ -316,9 +316,12 @@ def test_rsm_allotment_gives_exactly_b_means_spread_evenly():
     assert sum(few.values()) == 3 and max(few.values()) == 1
 
 
-def test_assemble_keeps_the_given_order():
+def test_assemble_keeps_the_given_order_and_repeats_the_means_that_came_for_those_left_out():
     parts = [np.zeros((2, 1)), np.ones((0, 1)), np.full((1, 1), 2.0)]
-    np.testing.assert_array_equal(assemble(parts).ravel(), [0, 0, 2])
+    np.testing.assert_array_equal(assemble(parts, 3).ravel(), [0, 0, 2])
+    np.testing.assert_array_equal(assemble(parts, 5).ravel(), [0, 0, 2, 0, 0])  # a client's 2 means did not come
+    with pytest.raises(RuntimeError, match="no client sent pseudo-data means"):
+        assemble([np.ones((0, 1))], 3)
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
@@ -427,7 +430,7 @@ def make_fedbr_strategy(tmp_path, num_clients=3, **overrides):
     )
     torch.manual_seed(0)
     strategy = FedBRStrategy(cfg, RunRecorder(cfg, tmp_path), FedBRClient.build_modules(cfg), None)
-    clients = [FedBRClient(cfg, client_data(pid, offset=10.0 * pid), "cpu") for pid in range(num_clients)]
+    clients = [FedBRClient(cfg, client_data(pid, offset=1.0 * pid), "cpu") for pid in range(num_clients)]
     strategy.federation.clients_by_pid = {c.pid: ClientProxyOf(c) for c in clients}
     return strategy, clients
 
@@ -437,7 +440,7 @@ def test_server_assembles_rsm_from_each_clients_means_in_partition_order(tmp_pat
     strategy.refresh_shared_data(1)
     x, y = strategy.shared.arrays
     assert x.shape == (8, 1, 28, 28) and np.allclose(y, 1.0 / C)
-    owner = np.round(x.mean(axis=(1, 2, 3)) / 10.0).astype(int)  # each mean sits at its client's offset
+    owner = np.round(x.mean(axis=(1, 2, 3))).astype(int)  # each mean sits at its client's offset
     counts = allot(8, [0, 1, 2], 0, 1)
     assert owner.tolist() == [pid for pid in range(3) for _ in range(counts[pid])]
     requests = [p.requests for p in strategy.federation.clients_by_pid.values()]

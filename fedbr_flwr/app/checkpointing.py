@@ -112,13 +112,14 @@ class Checkpointer:
         )
 
     def collect_client_states(self) -> None:
-        """Ask every client for its own state; a client that cannot answer keeps the state it last sent."""
+        """Ask every client for its own state; a client that cannot answer, or answers with bytes that are no
+        named arrays, keeps the state it last sent."""
         answers = self.federation.request(
             "client-state",
             {pid: self.config_for(pid) for pid in self.federation.clients_by_pid},
             0,
             "its state for the checkpoint",
-            required=False,
+            state_problem,
         )
         for pid, arrays in answers.items():
             self.client_states[pid] = arrays["state"].tobytes()
@@ -191,3 +192,16 @@ class ResumedRun(Strategy):
         if server_round == 0:  # Flower's evaluation before its first round: the checkpoint's round, done already
             return None
         return self.strategy.evaluate(server_round + self.offset, parameters)
+
+
+def state_problem(pid: int, arrays: Named) -> str | None:
+    """Why a client's answer to the 'client-state' request cannot be kept: no 'state' array of bytes that
+    decode as named arrays (what the client restores them from after a resume)."""
+    state = arrays.get("state")
+    if not isinstance(state, np.ndarray) or state.dtype != np.uint8 or state.ndim != 1:
+        return "no 'state' array of bytes"
+    try:
+        codec.decode(state.tobytes())
+    except Exception as exc:  # noqa: BLE001 - any failure to decode is the reason
+        return f"its state does not decode: {type(exc).__name__}: {str(exc)[:120]}"
+    return None

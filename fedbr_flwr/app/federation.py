@@ -21,6 +21,7 @@ from ..data.partition import heterogeneity_from_counts
 from . import cohort, payload
 
 log = logging.getLogger("flwr")
+AnswerCheck = Callable[[int, payload.Named], str | None]  # why a client's answer may not be used, or None
 DISCOVERY_TIMEOUT_S = 600
 WAIT_NOTICE_S = 10.0  # how often a discovery that waits says so
 
@@ -159,11 +160,12 @@ class Federation:
         return {"class_counts": counts.tolist(), "distributional_heterogeneity": heterogeneity_from_counts(counts)}
 
     def request(
-        self, name: str, args: dict[int, dict[str, Any]], group: int, what: str, required: bool = True
+        self, name: str, args: dict[int, dict[str, Any]], group: int, what: str, check: AnswerCheck | None = None
     ) -> dict[int, payload.Named]:
         """Send each listed client the named request ``name`` with its arguments, in parallel; return the
-        arrays each answered. ``what`` names them in errors. With ``required=False`` a client that fails
-        is logged and left out instead of raising."""
+        arrays of each client that answered with arrays that may be used (``check``: why a client's arrays
+        may not be, or None). ``what`` names them in the line logged for each client left out: one that
+        failed, sent no named arrays, no answer of its own, or arrays ``check`` refuses. No answer raises."""
         timeout = common(self.cfg).round_timeout or None
 
         def ask(node: tuple[ClientProxy, list[int]]) -> dict[int, payload.Named]:
@@ -175,13 +177,18 @@ class Federation:
                 if res.status.code.value != 0:
                     raise RuntimeError(res.status.message)
                 arrays = payload.from_parameters(res.parameters)
-                return cohort.by_member(arrays)[1] if self.is_cohort(proxy) else {pids[0]: arrays}
+                answers = cohort.by_member(arrays)[1] if self.is_cohort(proxy) else {pids[0]: arrays}
             except Exception as exc:  # the node's ClientApp raised, or sent no named arrays: its message says why
-                error = RuntimeError(f"client {cohort.join_members(pids)} could not send {what}: {exc}")
-                if required:
-                    raise error from None
-                log.warning("[fedbr] %s", error)
+                log.warning("[fedbr] client %s could not send %s: %s", cohort.join_members(pids), what, exc)
                 return {}
+            usable = {}
+            for pid in pids:
+                problem = "no answer of its own" if pid not in answers else check(pid, answers[pid]) if check else None
+                if problem is None:
+                    usable[pid] = answers[pid]
+                else:
+                    log.warning("[fedbr] client %d sent %s that cannot be used (%s): left out", pid, what, problem)
+            return usable
 
         nodes = self.group(list(args))
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(nodes)))) as pool:

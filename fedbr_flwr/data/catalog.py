@@ -307,6 +307,13 @@ class DatasetInfo:
     in_data_folder: bool = True  # read from the data folder (else built in)
     augment: bool = False  # random crop (pad 4) and horizontal flip on every training batch
 
+    def input_range(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The lowest and highest value of each channel of a normalised image (pixels 0 and 1): every input a
+        client computes from its images (a mean of them, a mix of two) lies within them."""
+        low = tuple((0.0 - m) / s for m, s in zip(self.mean, self.std))
+        high = tuple((1.0 - m) / s for m, s in zip(self.mean, self.std))
+        return low, high
+
 
 INFO = {
     "mnist5k": DatasetInfo(

@@ -102,6 +102,35 @@ def update_problem(
     return None
 
 
+def inputs_problem(
+    x: Any, shape: tuple[int | None, ...], input_range: tuple[Sequence[float], Sequence[float]]
+) -> str | None:
+    """Why arrays a client sent as model inputs for every client (its pseudo-data means, FedMix's mean data)
+    must not be used: not a float array, another ``shape`` (None: any length), or a value outside the
+    normalised images' ``input_range`` (per channel; NaN and Inf included). One such value in the shared
+    inputs would derail every client's training."""
+    if not isinstance(x, np.ndarray) or x.dtype.kind != "f":
+        return f"inputs of type {getattr(x, 'dtype', type(x).__name__)}, not floats"
+    if x.ndim != len(shape) or any(want is not None and got != want for got, want in zip(x.shape, shape)):
+        return f"inputs of shape {tuple(x.shape)}, expected {tuple('any' if n is None else n for n in shape)}"
+    low, high = (np.asarray(bound, dtype=np.float64).reshape(1, -1, *([1] * (x.ndim - 2))) for bound in input_range)
+    slack = 1e-4 * (high - low)  # the rounding of a float32 mean
+    inside = (x >= low - slack) & (x <= high + slack)  # False for NaN
+    if not inside.all():
+        return f"{int((~inside).sum())} input values outside the images' range (or NaN)"
+    return None
+
+
+def soft_labels_problem(y: Any, count: int, num_classes: int) -> str | None:
+    """Why labels sent with such inputs must not be used: not ``count`` rows of ``num_classes`` class
+    probabilities (each in [0, 1], each row summing to 1)."""
+    if not isinstance(y, np.ndarray) or y.dtype.kind != "f" or y.shape != (count, num_classes):
+        return f"labels of shape {getattr(y, 'shape', '?')}, expected ({count}, {num_classes}) class probabilities"
+    if not (np.all((y >= 0) & (y <= 1)) and np.allclose(y.sum(axis=1), 1.0, atol=1e-3)):
+        return "labels that are not class probabilities (each in [0, 1], summing to 1)"
+    return None
+
+
 def count_problem(n: Any, known: int | None, what: str) -> str | None:
     """Why a reported sample count is not believable: not a whole number, below 1, or above the
     ``known`` size of the client's partition (None: not known)."""
