@@ -14,6 +14,7 @@ from fedbr_flwr.commands.report import Setting
 from fedbr_flwr.core.config import validate
 from fedbr_flwr.runfiles.run_io import RunRecorder
 from fedbr_flwr.server.updates import update_problem
+from pseudodata.rsm import allot
 from strategies.fedavg import FedAvgStrategy
 from strategies.scaffold import ScaffoldStrategy
 
@@ -388,7 +389,9 @@ def test_pseudo_data_means_that_cannot_be_used_are_left_out_and_the_honest_clien
     assert "client 1 sent its pseudo-data means that cannot be used (" in caplog.text and reason in caplog.text
     assert "rejected" not in caplog.text  # every fit was averaged in
     x, _ = server.shared_data().arrays
-    assert len(x) == 8 and np.isfinite(x).all()  # batch-size 8: client 1's share repeats the others' means
+    came = 8 - allot(8, [0, 1, 2], 0, 1)[1]  # batch-size 8 means, but client 1's share did not come
+    assert len(x) == 8 and np.isfinite(x).all()
+    np.testing.assert_array_equal(x[came:], x[: 8 - came])  # in its place, the means that came, from the first
     rounds = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [(r["clients"], r["failures"], np.isfinite(r["train"]["loss"])) for r in rounds] == [(3, 0, True)] * 2
 
