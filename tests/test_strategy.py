@@ -102,6 +102,39 @@ def test_discovery_fails_at_once_when_nodes_were_told_another_size(tmp_path, mon
         strategy.configure_fit(1, payload.to_parameters({}), manager)
 
 
+class PropertiesProxy(FakeProxy):
+    """A node whose properties are a real node's with ``changed`` over them."""
+
+    def __init__(self, cid, pid, changed):
+        super().__init__(cid, pid)
+        self.changed = changed
+
+    def get_properties(self, ins, timeout, group_id):
+        return GetPropertiesRes(
+            Status(Code.OK, ""), {**super().get_properties(ins, timeout, group_id).properties, **self.changed}
+        )
+
+
+@pytest.mark.parametrize(
+    "changed, reason",
+    [
+        ({"partition-id": "abc"}, "invalid literal for int"),
+        ({"class-counts": "1,x"}, "invalid literal for int"),
+        ({"class-counts": "-5" + ",3" * 9}, "are not 10 counts >= 0"),
+        ({"class-counts": "1,2"}, "are not 10 counts >= 0"),
+        ({"partition-hash": None}, "partition-hash None is not a string"),
+    ],
+    ids=["partition-id", "class-counts-text", "negative-count", "two-counts", "no-hash"],
+)
+def test_a_node_whose_partition_cannot_be_read_stops_discovery_with_one_message(tmp_path, changed, reason):
+    """These raised a bare ValueError or TypeError that named no node (or, for counts, went into DisTrans' DH)."""
+    strategy, manager = make_strategy(tmp_path, [FakeProxy("a", 0), PropertiesProxy("b", 1, changed)])
+    with pytest.raises(
+        ConfigError, match=f"SuperNode b reported its partition in properties that cannot be read .*{reason}"
+    ):
+        strategy.configure_fit(1, payload.to_parameters({}), manager)
+
+
 def test_discovery_saves_the_partition_and_its_hash(tmp_path):
     strategy, manager = make_strategy(tmp_path, [FakeProxy("a", 1), FakeProxy("b", 0), FakeProxy("c", 2)])
     strategy.configure_fit(1, payload.to_parameters({}), manager)

@@ -17,6 +17,7 @@ from flwr.server.client_proxy import ClientProxy
 from ..core import seeds
 from ..core.config import common, sampled_per_round
 from ..core.errors import ConfigError
+from ..data.catalog import INFO
 from ..data.partition import heterogeneity_from_counts
 from . import cohort, payload
 
@@ -56,7 +57,7 @@ class Federation:
             nodes = client_manager.all()
             new = [p for cid, p in nodes.items() if cid not in self.pid_by_cid and cid not in self.members_by_cid]
             for proxy, props in _ask_partitions(new):
-                hashes.add(self._add(proxy, props, expected))
+                hashes.add(read_partition(self._add, proxy, props, expected))
             num = len(self.clients_by_pid)
             if num >= (expected or 1):
                 break
@@ -103,14 +104,14 @@ class Federation:
             self.pid_by_cid[proxy.cid] = int(props["partition-id"])
             self._add_client(proxy, int(props["partition-id"]), props.get("class-counts"))
             self._add_sizes(int(props["partition-id"]), props)
-        return props["partition-hash"]
+        return partition_hash(props)
 
     def _add_client(self, proxy: ClientProxy, pid: int, class_counts: str | None) -> None:
         if pid in self.clients_by_pid:
             raise ConfigError(f"two SuperNodes claim partition-id {pid}: give each a distinct one")
         self.clients_by_pid[pid] = proxy
         if class_counts is not None:
-            self.class_counts[pid] = np.array(str(class_counts).split(","), dtype=np.int64)
+            self.class_counts[pid] = read_class_counts(class_counts, pid, INFO[common(self.cfg).dataset].num_classes)
 
     def _add_sizes(self, pid: int, props: dict) -> None:
         try:
@@ -181,18 +182,53 @@ class Federation:
             except Exception as exc:  # the node's ClientApp raised, or sent no named arrays: its message says why
                 log.warning("[fedbr] client %s could not send %s: %s", cohort.join_members(pids), what, exc)
                 return {}
-            usable = {}
-            for pid in pids:
-                problem = "no answer of its own" if pid not in answers else check(pid, answers[pid]) if check else None
-                if problem is None:
-                    usable[pid] = answers[pid]
-                else:
-                    log.warning("[fedbr] client %d sent %s that cannot be used (%s): left out", pid, what, problem)
-            return usable
+            return usable_answers(answers, pids, what, check)
 
         nodes = self.group(list(args))
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(nodes)))) as pool:
             return {pid: arrays for answered in pool.map(ask, nodes) for pid, arrays in answered.items()}
+
+
+def usable_answers(
+    answers: dict[int, payload.Named], pids: list[int], what: str, check: AnswerCheck | None
+) -> dict[int, payload.Named]:
+    """The answers of ``pids`` that ``check`` lets through; a line for each client left out."""
+    usable = {}
+    for pid in pids:
+        problem = "no answer of its own" if pid not in answers else check(pid, answers[pid]) if check else None
+        if problem is None:
+            usable[pid] = answers[pid]
+        else:
+            log.warning("[fedbr] client %d sent %s that cannot be used (%s): left out", pid, what, problem)
+    return usable
+
+
+def read_partition(add: Callable[[ClientProxy, dict, int], str], proxy: ClientProxy, props: dict, expected: int) -> str:
+    """``add`` a node's partition, with properties it cannot read (another app version, a broken node) one clear
+    message."""
+    try:
+        return add(proxy, props, expected)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"SuperNode {proxy.cid} reported its partition in properties that cannot be read "
+            f"({type(exc).__name__}: {exc}): check that it runs this version of the app"
+        ) from None
+
+
+def partition_hash(props: dict) -> str:
+    if not isinstance(props["partition-hash"], str):
+        raise TypeError(f"partition-hash {props['partition-hash']!r} is not a string")
+    return props["partition-hash"]
+
+
+def read_class_counts(text: Any, pid: int, classes: int) -> np.ndarray:
+    """A client's reported training samples per class ("12,0,7,..."): ``classes`` whole numbers >= 0."""
+    counts = np.array(str(text).split(","), dtype=np.int64)
+    if len(counts) != classes or (counts < 0).any():
+        raise ValueError(f"class-counts {text!r} of client {pid} are not {classes} counts >= 0")
+    return counts
 
 
 def wait_for_nodes(client_manager: ClientManager, count: int, timeout_s: float, poll_s: float = 0.2) -> bool:
