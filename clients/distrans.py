@@ -117,14 +117,10 @@ class WithOffset(nn.Module):
         return self.model(x, self.t)
 
 
-def offset_shape(info: DatasetInfo) -> tuple[int, int, int]:
-    return info.in_channels, info.image_size, info.image_size
-
-
 def initial_offset(info: DatasetInfo, seed: int) -> np.ndarray:
     """uniform[0, 1) image, normalised like the data (SPEC section 3)."""
     generator = torch.Generator().manual_seed(seed)
-    u = torch.rand((1, *offset_shape(info)), generator=generator)
+    u = torch.rand((1, *info.image_shape), generator=generator)
     return normalise(u, info)[0].numpy()
 
 
@@ -178,7 +174,7 @@ class DisTransClient(ClientAlgorithm):
 
     @classmethod
     def returned_shapes(cls, model, cfg):
-        return {OFFSET: offset_shape(INFO[common(cfg).dataset])}
+        return {OFFSET: INFO[common(cfg).dataset].image_shape}
 
     @classmethod
     def with_offset(cls, model: DoubleInputModel, t: torch.Tensor) -> nn.Module:
@@ -188,7 +184,7 @@ class DisTransClient(ClientAlgorithm):
     def __init__(self, cfg, data, device, state=None):
         super().__init__(cfg, data, device, state)
         self.info = INFO[common(cfg).dataset]
-        self.offset = Offset(offset_shape(self.info)).to(self.device)
+        self.offset = Offset(self.info.image_shape).to(self.device)
         self.fresh_offset = False
         self.start_offset: np.ndarray | None = None
 

@@ -19,7 +19,7 @@ import torch
 from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_strategy
 from fedbr_flwr.data.catalog import INFO
-from fedbr_flwr.server.updates import inputs_problem
+from fedbr_flwr.server.updates import images_problem
 from pseudodata import build as build_pseudo_data
 from pseudodata.mixture import load_proxy
 
@@ -57,10 +57,9 @@ class FedBRStrategy(FederatedStrategy):
         answer holds as many images of the dataset's shape and range as were asked for."""
         args = {pid: {"count": n, "pseudo-m": self.settings.pseudo_m, "version": version} for pid, n in counts.items()}
         info = INFO[common(self.cfg).dataset]
-        shape = (info.in_channels, info.image_size, info.image_size)
 
         def means_problem(pid: int, arrays: dict[str, np.ndarray]) -> str | None:
-            return inputs_problem(arrays.get("means"), (counts[pid], *shape), info.input_range())
+            return images_problem(arrays.get("means"), counts[pid], info)
 
         answers = self.federation.request("rsm-means", args, version, "its pseudo-data means", means_problem)
         return [answers[pid]["means"] for pid in counts if pid in answers]

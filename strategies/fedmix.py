@@ -9,7 +9,7 @@ import numpy as np
 from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_strategy
 from fedbr_flwr.data.catalog import INFO
-from fedbr_flwr.server.updates import inputs_problem, soft_labels_problem
+from fedbr_flwr.server.updates import images_problem, soft_labels_problem
 
 from .base import FederatedStrategy
 
@@ -21,11 +21,10 @@ class FedMixStrategy(FederatedStrategy):
     def make_shared_data(self, server_round: int) -> tuple[np.ndarray, np.ndarray]:
         pids = sorted(self.federation.clients_by_pid)
         info = INFO[common(self.cfg).dataset]
-        shape = (None, info.in_channels, info.image_size, info.image_size)
 
         def mean_data_problem(pid: int, arrays: dict[str, np.ndarray]) -> str | None:
             x = arrays.get("x")
-            problem = inputs_problem(x, shape, info.input_range())
+            problem = images_problem(x, None, info)
             if problem is not None or x is None:
                 return problem
             return soft_labels_problem(arrays.get("y"), len(x), info.num_classes)

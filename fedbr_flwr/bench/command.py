@@ -59,7 +59,7 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     synthetic inputs of the dataset's shape, with the config's precision and compile switches. They are
     timed in alternation and the median repeat is kept."""
     run = common(cfg)
-    from clients.distrans import DisTransClient, DisTransStep, Offset, offset_shape
+    from clients.distrans import DisTransClient, DisTransStep, Offset
     from clients.fedavg import SupervisedStep
     from clients.fedbr import FedBRClient, FedBRStep
 
@@ -69,7 +69,7 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
     torch.manual_seed(run.seed)
     fedbr_modules = {k: m.to(device) for k, m in FedBRClient.build_modules(fedbr_cfg, run.compile).items()}
     model, head = cast(SplitModel, fedbr_modules["model"]), fedbr_modules.get("head")
-    shape = (run.batch_size, info.in_channels, info.image_size, info.image_size)
+    shape = (run.batch_size, *info.image_shape)
     x, x_p = torch.randn(shape, device=device), torch.randn(shape, device=device)
     y = torch.randint(0, info.num_classes, (run.batch_size,), device=device)
     y_p = torch.full((run.batch_size, info.num_classes), 1.0 / info.num_classes, device=device)
@@ -80,7 +80,7 @@ def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
             model, fedbr_cfg, FedBRClient.Settings.from_config(fedbr_cfg), head, x_p, y_p, (x, y), seed=run.seed
         ),
         "distrans": DisTransStep(
-            distrans_model, Offset(offset_shape(info)).to(device), cfg, DisTransClient.Settings.from_config(cfg)
+            distrans_model, Offset(info.image_shape).to(device), cfg, DisTransClient.Settings.from_config(cfg)
         ),
     }
     model.train()

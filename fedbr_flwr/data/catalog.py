@@ -307,6 +307,11 @@ class DatasetInfo:
     in_data_folder: bool = True  # read from the data folder (else built in)
     augment: bool = False  # random crop (pad 4) and horizontal flip on every training batch
 
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of one image."""
+        return self.in_channels, self.image_size, self.image_size
+
     def input_range(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The lowest and highest value of each channel of a normalised image (pixels 0 and 1): every input a
         client computes from its images (a mean of them, a mix of two) lies within them."""

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..core.errors import quoted
+from ..data.catalog import DatasetInfo
 
 Named = dict[str, np.ndarray]
 # bookkeeping, not averaged (nor are "*-version")
@@ -102,18 +103,17 @@ def update_problem(
     return None
 
 
-def inputs_problem(
-    x: Any, shape: tuple[int | None, ...], input_range: tuple[Sequence[float], Sequence[float]]
-) -> str | None:
+def images_problem(x: Any, count: int | None, info: DatasetInfo) -> str | None:
     """Why arrays a client sent as model inputs for every client (its pseudo-data means, FedMix's mean data)
-    must not be used: not a float array, another ``shape`` (None: any length), or a value outside the
-    normalised images' ``input_range`` (per channel; NaN and Inf included). One such value in the shared
-    inputs would derail every client's training."""
+    must not be used: not a float array, not ``count`` images of ``info``'s shape (None: any number), or a
+    value outside the range of its normalised images (per channel; NaN and Inf included). One such value in
+    the shared inputs would derail every client's training."""
     if not isinstance(x, np.ndarray) or x.dtype.kind != "f":
         return f"inputs of type {getattr(x, 'dtype', type(x).__name__)}, not floats"
+    shape = (count, *info.image_shape)
     if x.ndim != len(shape) or any(want is not None and got != want for got, want in zip(x.shape, shape)):
         return f"inputs of shape {tuple(x.shape)}, expected {tuple('any' if n is None else n for n in shape)}"
-    low, high = (np.asarray(bound, dtype=np.float64).reshape(1, -1, *([1] * (x.ndim - 2))) for bound in input_range)
+    low, high = (np.asarray(bound, dtype=np.float64).reshape(1, -1, 1, 1) for bound in info.input_range())
     slack = 1e-4 * (high - low)  # the rounding of a float32 mean
     inside = (x >= low - slack) & (x <= high + slack)  # False for NaN
     if not inside.all():
