@@ -165,9 +165,11 @@ def test_a_killed_run_resumed_from_its_checkpoint_ends_like_an_uninterrupted_one
         (["local", "num-clients=3", "--supernodes", "2"], "num-clients = 3 but --supernodes 2"),
     ],
 )
-def test_deploy_command_errors_are_one_clear_message(capsys, args, message):
+def test_deploy_command_errors_are_one_clear_message(capsys, monkeypatch, tmp_path, args, message):
+    monkeypatch.chdir(tmp_path)  # where the state and run folders would go by default
     assert deploy.main(args) == 2
     assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_certificates_name_the_hosts_and_node_keys_are_openssh(tmp_path):

@@ -582,9 +582,11 @@ def _foreground(deployment: Deployment, hint=None) -> int:
 def cmd_superlink(args) -> int:
     certs = _certs_arg(args, server=True)
     state = Path(args.state_dir).resolve()
+    env = process_env(state / "flwr-home")
+    command = superlink_command(env, args.host, args.port, certs, args.auth, state)  # checks before writing
     state.mkdir(parents=True, exist_ok=True)
-    dep = Deployment(process_env(state / "flwr-home"), state)
-    dep.start("superlink", superlink_command(dep.env, args.host, args.port, certs, args.auth, state))
+    dep = Deployment(env, state)
+    dep.start("superlink", command)
     return _foreground(dep)
 
 
