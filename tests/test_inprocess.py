@@ -148,13 +148,15 @@ def test_a_client_in_process_records_this_machine_as_where_it_ran_even_beside_a_
 
     from fedbr_flwr.app.raycluster import worker_node
 
-    context = types.SimpleNamespace(get_node_id=lambda: "ray-node-1")
+    actor = {"id": None}  # the driver: a sweep's simulation process that ran a run on Ray before
+    context = types.SimpleNamespace(get_node_id=lambda: "ray-node-1", get_actor_id=lambda: actor["id"])
     fake_ray = types.SimpleNamespace(is_initialized=lambda: True, get_runtime_context=lambda: context)
-    monkeypatch.setitem(sys.modules, "ray", fake_ray)  # a sweep's process that ran a run on Ray before
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
     backend = InProcessBackend({"client_resources": {"num_cpus": 1}})
     backend.build(lambda: lambda message, context: worker_node())
     assert backend.process_message(MESSAGE, context_with_state(0))[0] == socket.gethostname()
-    assert worker_node() == "ray-node-1"  # a Ray actor's, or the driver's
+    actor["id"] = "a1"  # a client in a Ray actor
+    assert worker_node() == "ray-node-1"
 
 
 def test_the_backend_counts_the_client_calls_that_have_not_returned():

@@ -15,7 +15,6 @@ from flwr.server.superlink.fleet.vce.backend import Backend, BackendConfig
 
 from ..core.errors import describe
 from ..runfiles.codec import serialize_ast_parsing
-from .raycluster import OUTSIDE_RAY
 
 IN_PROCESS = "in_process"  # the backend config's key that asks for it (Flower's keys use "_")
 
@@ -70,7 +69,6 @@ class InProcessBackend(Backend):
         if self.app_fn is None:
             raise ValueError("build() the backend before it processes messages")
         own = copy.deepcopy(context)
-        outside = OUTSIDE_RAY.set(True)  # where the client ran: this machine, whatever Ray this process has
         with _running_lock:
             _running.add(threading.get_ident())
         try:
@@ -80,7 +78,6 @@ class InProcessBackend(Backend):
         except Exception as exc:  # as an actor reports it: Flower's engine makes it the node's error reply
             raise ClientAppException(describe(exc)) from exc
         finally:
-            OUTSIDE_RAY.reset(outside)
             with _running_lock:
                 _running.discard(threading.get_ident())
         return reply, own

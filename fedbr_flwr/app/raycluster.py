@@ -8,7 +8,6 @@ anything: Ray places Flower's actors across the cluster's nodes."""
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
 import socket
@@ -121,17 +120,15 @@ def log_tail(path: Path, chars: int = 500) -> str:
         return "(no output)"
 
 
-# set around a client's message by the in-process backend: the client runs outside Ray, whatever this process's
-# Ray runtime (a sweep's simulation process keeps one from an earlier run)
-OUTSIDE_RAY: contextvars.ContextVar[bool] = contextvars.ContextVar("outside_ray", default=False)
-
-
 def worker_node() -> str:
-    """The Ray node this process runs on (its node id), or outside Ray this machine's host name: where a
-    client's work ran, as the run files record it."""
+    """Where a client's work ran, as the run files record it: in a Ray actor, its node's id; elsewhere this
+    machine's host name. A client in the simulation process itself (``backend = in-process``) is not in an
+    actor, also where the process has a Ray runtime (a sweep's keeps one from an earlier run)."""
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized() and not OUTSIDE_RAY.get():
-        return ray.get_runtime_context().get_node_id()
+    if ray is not None and ray.is_initialized():
+        context = ray.get_runtime_context()
+        if context.get_actor_id() is not None:
+            return context.get_node_id()
     return socket.gethostname()
 
 
