@@ -25,12 +25,14 @@ def run_flower_simulation(
     run_config: dict[str, Any],
     project_dir: Path,
     supernodes: int,
-    backend_config: dict[str, Any],
+    client_resources: dict[str, Any],
+    in_process: bool,
     server_app_attr: str,
     client_app_attr: str,
 ) -> None:
-    """One run through Flower's simulation entry point, as ``flwr-simulation`` starts it. Flower's public
-    ``run_simulation`` cannot take a run config; its private ``_run_simulation`` can."""
+    """One run through Flower's simulation entry point, as ``flwr-simulation`` starts it, with the clients on
+    Ray or in this process (``in_process``: ``choose_backend_per_run``). Flower's public ``run_simulation``
+    cannot take a run config; its private ``_run_simulation`` can."""
     from flwr.app import Context, RecordDict
     from flwr.common.config import get_fused_config_from_dir
     from flwr.simulation.run_simulation import _run_simulation
@@ -38,6 +40,9 @@ def run_flower_simulation(
     from flwr.supercore.run import Run
     from flwr.supercore.telemetry import EventType
 
+    from .inprocess import IN_PROCESS
+
+    choose_backend_per_run()
     run = Run.create_empty(run_id=run_id)
     run.override_config = run_config
     run.primary_task_id = run_id
@@ -50,7 +55,7 @@ def run_flower_simulation(
         server_app_attr=server_app_attr,
         client_app_attr=client_app_attr,
         backend_name="ray",
-        backend_config=backend_config,
+        backend_config={"client_resources": client_resources, "init_args": {}, IN_PROCESS: {"on": in_process}},
         app_dir=str(project_dir),
         run=run,
         server_app_context=context,

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import IO, Any, Iterator, Sequence
 
 from ..app.flower_adapter import (
-    choose_backend_per_run,
     dispatch_messages_promptly,
     keep_actors_between_runs,
     replace_dead_actors,
@@ -117,24 +116,15 @@ def simulate(
 ) -> None:
     """Run the app once through Flower's simulation entry point, as ``flwr-simulation`` does: on Ray, or with the
     clients in this process (``clients_here``: the run config's ``backend``, read once by ``serve``)."""
-    choose_backend_per_run()
     dispatch_messages_promptly()
     if clients_here:
         import_both_sides()
     else:
         start_ray()
-    from ..app.inprocess import IN_PROCESS
     from .launcher import PROJECT_DIR
 
-    run_flower_simulation(
-        run_id,
-        run_config,
-        PROJECT_DIR,
-        supernodes,
-        {"client_resources": {"num_cpus": cpus, "num_gpus": gpus}, "init_args": {}, IN_PROCESS: {"on": clients_here}},
-        SERVER_APP,
-        CLIENT_APP,
-    )
+    resources = {"num_cpus": cpus, "num_gpus": gpus}
+    run_flower_simulation(run_id, run_config, PROJECT_DIR, supernodes, resources, clients_here, SERVER_APP, CLIENT_APP)
 
 
 def output_to(log: Path, append: bool) -> None:
@@ -159,7 +149,7 @@ def serve(requests: IO[str], replies: IO[str]) -> int:
     does a process still running a client of the run before (``leftover_clients``): it answers the next
     request ``retired`` (why) and ends."""
     replace_dead_actors()
-    keep_actors_between_runs()  # before each run's simulate() chooses its backend (choose_backend_per_run)
+    keep_actors_between_runs()  # before each run chooses its backend (flower_adapter.choose_backend_per_run)
     # as the process starts (fedbr-run starts it before checking the run's configuration): Ray where a run will
     # likely use it, else only the imports
     if ray_likely():
