@@ -458,3 +458,30 @@ def test_a_host_whose_replies_cannot_be_read_ends_the_wait_instead_of_hanging(tm
     host.close()
     assert not alive, "the wait on a host whose replies cannot be read did not end"
     assert outcome["r"] == (False, {})
+
+
+def test_a_host_whose_replies_have_ended_is_replaced_even_before_it_exits(monkeypatch):
+    """A killed host's stdout ends a moment before the process can be reaped. A run asked for in that moment
+    once found the host alive, waited on replies whose end its reader had already given, and hung forever:
+    the next start replaces a host whose replies have ended, alive or not."""
+    import subprocess
+
+    host = launcher.RunHost()
+    code = "import os, time; os.close(1); time.sleep(60)"  # no more replies, and not exited
+    host.proc = old = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    host.follow_replies()
+    assert host.replies_ended.wait(20) and host.replies.get(timeout=1) is None
+    started = []
+
+    def spawn(command, **kwargs):
+        started.append(command)
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs)
+
+    monkeypatch.setattr(launcher.watchdog, "spawn", spawn)
+    try:
+        host.start()
+        assert started and host.proc is not old
+        assert old.wait(10) is not None  # the old process was stopped with all it started
+    finally:
+        host.close()
+        old.kill()

@@ -215,6 +215,7 @@ class RunHost:
         self.address = address
         self.proc: subprocess.Popen | None = None
         self.replies: queue.Queue[RunReply | None] = queue.Queue()
+        self.replies_ended = threading.Event()  # the process's stdout has ended: it can answer no request
         self.home: Path | None = None
 
     def __enter__(self) -> "RunHost":
@@ -234,7 +235,9 @@ class RunHost:
     def start(self) -> "RunHost":
         """Start the process now, where it is not running: it imports what a run needs (and starts Ray where a
         run will likely use it) while the caller prepares the run."""
-        if self.proc is not None and self.proc.poll() is None:
+        # a process whose replies have ended may not have exited yet (a SIGKILL, the out-of-memory killer):
+        # it can take no run, and its reader has already given the end of its replies
+        if self.proc is not None and self.proc.poll() is None and not self.replies_ended.is_set():
             return self
         self.close()
         self.home = watchdog.temp_dir("fedbr-flwr-home-")  # Flower writes nothing outside it
@@ -256,11 +259,13 @@ class RunHost:
 
     def follow_replies(self) -> None:
         """Read the process's replies into ``self.replies`` in a thread of their own, None at its end."""
-        self.replies = queue.Queue()
-        threading.Thread(target=self._read_replies, args=(self.proc, self.replies), daemon=True).start()
+        self.replies, self.replies_ended = queue.Queue(), threading.Event()
+        reader = threading.Thread(target=self._read_replies, args=(self.proc, self.replies, self.replies_ended))
+        reader.daemon = True
+        reader.start()
 
     @staticmethod
-    def _read_replies(proc: subprocess.Popen, replies: queue.Queue) -> None:
+    def _read_replies(proc: subprocess.Popen, replies: queue.Queue, ended: threading.Event) -> None:
         assert proc.stdout is not None
         try:
             for line in proc.stdout:
@@ -269,6 +274,7 @@ class RunHost:
         except UnicodeDecodeError:  # bytes that are no text: nothing more can be read, and the waiter is told
             pass
         finally:  # whoever waits must learn the end, whatever ended the reading
+            ended.set()
             replies.put(None)  # the process has ended, or nothing more can be read from it
 
     def run(self, plan: RunPlan, echo: Echo, watch: RoundWatch | None = None) -> dict:
