@@ -13,7 +13,7 @@ from flwr.server.compat import start_grid
 from strategies.base import strategy_class
 
 from ..core.algorithm import client_class
-from ..core.config import RESUMABLE_KEYS, common, from_run_config
+from ..core.config import CHANGEABLE_ON_RESUME, RESUMABLE_KEYS, common, from_run_config
 from ..core.errors import ConfigError
 from ..core.training import use_device
 from ..data.dataset import load_server_tests
@@ -29,10 +29,7 @@ def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], rounds_done: int
     changed = sorted(k for k in cfg if k not in RESUMABLE_KEYS and k in saved and saved[k] != cfg[k])
     if changed:
         diffs = ", ".join(f"{k} = {saved[k]!r} in the checkpoint, {cfg[k]!r} now" for k in changed)
-        raise ConfigError(
-            f"cannot resume with a different config ({diffs}); only "
-            f"{', '.join(k for k in RESUMABLE_KEYS if k not in ('resume', 'git-commit'))} may change"
-        )
+        raise ConfigError(f"cannot resume with a different config ({diffs}); only {CHANGEABLE_ON_RESUME} may change")
     if run.num_rounds <= rounds_done:
         raise ConfigError(
             f"the checkpoint is at round {rounds_done} and num-rounds = {run.num_rounds}: nothing "

@@ -306,6 +306,8 @@ NO_EFFECT_KEYS = (*PLACEMENT_KEYS, "output-dir", "git-commit", "checkpoint-every
 # a run continued from its checkpoint (fedbr-run --resume) may differ in these too: it may run longer, evaluate
 # on another schedule or wait for other clients; any other key must equal the checkpoint's
 RESUMABLE_KEYS = (*NO_EFFECT_KEYS, "num-rounds", "round-timeout", "min-fit-clients", "eval-every", "resume")
+# ... as a resume's messages name them (the two that fedbr-run --resume sets itself left out)
+CHANGEABLE_ON_RESUME = ", ".join(k for k in RESUMABLE_KEYS if k not in ("resume", "git-commit"))
 
 # keys of earlier versions: what replaced them
 REPLACED = {

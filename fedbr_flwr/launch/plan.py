@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..app.raycluster import Cluster
-from ..core.config import RESUMABLE_KEYS, ConfigError, check_sampling, defaults, load_yaml, parse_override, validate
+from ..core.config import (
+    CHANGEABLE_ON_RESUME,
+    ConfigError,
+    check_sampling,
+    defaults,
+    load_yaml,
+    parse_override,
+    validate,
+)
 from ..runfiles.run_io import check_output_dir, check_path_length, git_commit
 from ..runfiles.runlock import check_free
 from ..runfiles.tracking import check_available
@@ -71,7 +79,7 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
         if "=" not in item or item.endswith((".yaml", ".yml")):
             raise ConfigError(
                 f"--resume takes the config from {out_dir}'s checkpoint; give only key=value overrides "
-                f"of {', '.join(k for k in RESUMABLE_KEYS if k not in ('resume', 'git-commit'))}"
+                f"of {CHANGEABLE_ON_RESUME}"
             )
         key, value = parse_override(item)
         overrides[key] = value
