@@ -460,17 +460,31 @@ def test_a_host_whose_replies_cannot_be_read_ends_the_wait_instead_of_hanging(tm
     assert outcome["r"] == (False, {})
 
 
-def test_a_host_whose_replies_have_ended_is_replaced_even_before_it_exits(monkeypatch):
-    """A killed host's stdout ends a moment before the process can be reaped. A run asked for in that moment
-    once found the host alive, waited on replies whose end its reader had already given, and hung forever:
-    the next start replaces a host whose replies have ended, alive or not."""
+# a process that takes no more runs but has not exited: its stdout closed (a SIGKILL's, a moment before the
+# process can be reaped), or it answered a run with a failure and hangs on its way out
+CLOSED_STDOUT = "import os, time; os.close(1); time.sleep(60)"
+FAILED_RUN = (
+    "import json, sys, time; run = json.loads(sys.stdin.readline())['run_id']; "
+    "print(json.dumps({'run_id': run, 'started': True}), flush=True); "
+    "print(json.dumps({'run_id': run, 'ok': False, 'error': 'boom'}), flush=True); time.sleep(60)"
+)
+
+
+@pytest.mark.parametrize("code", [CLOSED_STDOUT, FAILED_RUN], ids=["stdout-closed", "run-failed"])
+def test_a_host_that_takes_no_more_runs_is_replaced_even_before_it_exits(monkeypatch, tmp_path, code):
+    """A run asked for of such a process once found it alive, and waited forever: on replies whose end the
+    reader had already given to the run before, or from a process that no longer reads its requests. The next
+    start replaces it, alive or not, and stops it."""
     import subprocess
 
     host = launcher.RunHost()
-    code = "import os, time; os.close(1); time.sleep(60)"  # no more replies, and not exited
-    host.proc = old = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "bufsize": 1}
+    host.proc = old = subprocess.Popen([sys.executable, "-c", code], **pipes)
     host.follow_replies()
-    assert host.replies_ended.wait(20) and host.replies.get(timeout=1) is None
+    if code == FAILED_RUN:
+        with pytest.raises(launcher.RunFailed, match="boom"):
+            host._run_once(request(tmp_path, 7), tmp_path, "none")
+    assert host.no_more_runs.wait(20) and old.poll() is None
     started = []
 
     def spawn(command, **kwargs):

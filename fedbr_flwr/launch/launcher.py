@@ -215,7 +215,8 @@ class RunHost:
         self.address = address
         self.proc: subprocess.Popen | None = None
         self.replies: queue.Queue[RunReply | None] = queue.Queue()
-        self.replies_ended = threading.Event()  # the process's stdout has ended: it can answer no request
+        # the process takes no more runs: its replies have ended, or it said it ends (a failed run, retired)
+        self.no_more_runs = threading.Event()
         self.home: Path | None = None
 
     def __enter__(self) -> "RunHost":
@@ -235,9 +236,9 @@ class RunHost:
     def start(self) -> "RunHost":
         """Start the process now, where it is not running: it imports what a run needs (and starts Ray where a
         run will likely use it) while the caller prepares the run."""
-        # a process whose replies have ended may not have exited yet (a SIGKILL, the out-of-memory killer):
-        # it can take no run, and its reader has already given the end of its replies
-        if self.proc is not None and self.proc.poll() is None and not self.replies_ended.is_set():
+        # such a process may not have exited yet: a SIGKILL's stdout closes a moment before the process can be
+        # reaped, and one whose run failed may take long to end (or never, where a thread of it hangs)
+        if self.proc is not None and self.proc.poll() is None and not self.no_more_runs.is_set():
             return self
         self.close()
         self.home = watchdog.temp_dir("fedbr-flwr-home-")  # Flower writes nothing outside it
@@ -259,8 +260,8 @@ class RunHost:
 
     def follow_replies(self) -> None:
         """Read the process's replies into ``self.replies`` in a thread of their own, None at its end."""
-        self.replies, self.replies_ended = queue.Queue(), threading.Event()
-        reader = threading.Thread(target=self._read_replies, args=(self.proc, self.replies, self.replies_ended))
+        self.replies, self.no_more_runs = queue.Queue(), threading.Event()
+        reader = threading.Thread(target=self._read_replies, args=(self.proc, self.replies, self.no_more_runs))
         reader.daemon = True
         reader.start()
 
@@ -270,7 +271,10 @@ class RunHost:
         try:
             for line in proc.stdout:
                 with contextlib.suppress(ValueError):  # a line that is no reply (a library printing on stdout)
-                    replies.put(RunReply.parse(line))
+                    reply = RunReply.parse(line)
+                    if reply.retired or reply.ok is False:  # the process ends after these (simulation.serve)
+                        ended.set()
+                    replies.put(reply)
         except UnicodeDecodeError:  # bytes that are no text: nothing more can be read, and the waiter is told
             pass
         finally:  # whoever waits must learn the end, whatever ended the reading
