@@ -499,3 +499,36 @@ def test_a_host_that_takes_no_more_runs_is_replaced_even_before_it_exits(monkeyp
     finally:
         host.close()
         old.kill()
+
+
+def test_a_host_that_stops_answering_mid_run_but_does_not_exit_fails_the_run_instead_of_hanging(monkeypatch, tmp_path):
+    """The run started, then the process's output ended while the process went on (a thread of it hanging):
+    the run fails, saying so, once the process has had EXIT_GRACE_S to exit, and the process is stopped."""
+    import subprocess
+
+    monkeypatch.setattr(launcher, "EXIT_GRACE_S", 0.5)
+    code = (
+        "import json, os, sys, time; run = json.loads(sys.stdin.readline())['run_id']; "
+        "print(json.dumps({'run_id': run, 'started': True}), flush=True); os.close(1); time.sleep(60)"
+    )
+    host = launcher.RunHost()
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "bufsize": 1}
+    host.proc = proc = subprocess.Popen([sys.executable, "-c", code], **pipes)
+    host.follow_replies()
+    outcome = {}
+
+    def run_once():
+        try:
+            host._run_once(request(tmp_path, 7), tmp_path, "none")
+        except launcher.RunFailed as exc:
+            outcome["error"] = str(exc)
+
+    waiting = threading.Thread(target=run_once)
+    waiting.start()
+    waiting.join(timeout=20)
+    alive = waiting.is_alive()
+    host.close()
+    proc.kill()
+    assert not alive, "the wait on a process that stopped answering did not end"
+    assert "the simulation process stopped answering, and was stopped 0.5 s later" in outcome["error"]
+    assert proc.wait(10) is not None

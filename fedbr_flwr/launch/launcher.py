@@ -201,6 +201,9 @@ def simulate_run(plan: RunPlan, address: str | None, echo: Echo, watch: RoundWat
         return host.run(plan, echo, watch)
 
 
+EXIT_GRACE_S = 10.0  # how long a simulation process whose replies have ended may take to exit
+
+
 class RunHost:
     """The simulation process every simulated run goes to (``python -m fedbr_flwr.launch.simulation``): one run
     (``simulate_run``), or one run after another (fedbr-run's early start, a sweep), on one Ray runtime (private,
@@ -306,6 +309,16 @@ class RunHost:
         assert self.home is not None
         raise RunFailed(f"the simulation process ended before the run started: {log_tail(self.home / 'host.log')}")
 
+    def _how_it_ended(self) -> str:
+        """How the process ended, once its replies have: it has exited, or is about to; one that still runs
+        after ``EXIT_GRACE_S`` (its output closed, a thread of it hanging) is stopped with all it started."""
+        assert self.proc is not None
+        try:
+            return how_it_ended(self.proc.wait(timeout=EXIT_GRACE_S))
+        except subprocess.TimeoutExpired:
+            self.close()
+            return f"stopped answering, and was stopped {EXIT_GRACE_S:g} s later"
+
     def _run_once(
         self, request: RunRequest, out_dir: Path, echo: Echo, watch: RoundWatch | None = None
     ) -> tuple[bool, dict]:
@@ -341,9 +354,8 @@ class RunHost:
         if reply and reply.ok:
             raise RunFailed(f"run {run_id} ended without its last event; see {log_path}")
         if reply is None:
-            code = self.proc.wait()
             raise RunFailed(
-                f"run {run_id}: the simulation process {how_it_ended(code)}{last_error(log_path)}; see {log_path}; "
+                f"run {run_id}: the simulation process {self._how_it_ended()}{last_error(log_path)}; see {log_path}; "
                 f"continue from the last checkpoint with `fedbr-run --resume {out_dir}`"
             )
         raise RunFailed(
@@ -520,10 +532,15 @@ def how_it_ended(code: int) -> str:
 
 
 def last_error(log_path: Path) -> str:
-    """The last line of the Flower log that names an error, to show beside 'the run failed'."""
+    """The last line of the Flower log that names an error, to show beside 'the run failed' ("" where there is
+    none, or no log: a process that ended before it opened one)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return ""
     lines = [
         ANSI_ESCAPE.sub("", ln).strip()
-        for ln in log_path.read_text(errors="replace").splitlines()
+        for ln in text.splitlines()
         if re.search(r"Error|Exception", ln) and "Traceback" not in ln
     ]
     return f": {lines[-1][:500]}" if lines else ""
