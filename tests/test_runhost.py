@@ -437,24 +437,48 @@ def fake_actor_pool(monkeypatch, alive: list[bool], new_starts: bool):
     return pool, (*actors, new)
 
 
+def fake_host(code: str) -> launcher.RunHost:
+    """A RunHost whose process is ``python -c code``, its replies followed as a real one's."""
+    import subprocess
+
+    host = launcher.RunHost()
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "bufsize": 1}
+    host.proc = subprocess.Popen([sys.executable, "-c", code], **pipes)
+    host.follow_replies()
+    return host
+
+
+def run_once_in_thread(host: launcher.RunHost, tmp_path: Path, timeout_s: float = 20) -> tuple[bool, dict]:
+    """Ask ``host`` for one run in a thread: whether that thread still waits after ``timeout_s``, and what
+    the run returned (``r``) or the RunFailed it raised (``error``)."""
+    outcome: dict = {}
+
+    def run_once() -> None:
+        try:
+            outcome["r"] = host._run_once(request(tmp_path, 7), tmp_path, "none")
+        except launcher.RunFailed as exc:
+            outcome["error"] = str(exc)
+
+    waiting = threading.Thread(target=run_once)
+    waiting.start()
+    waiting.join(timeout=timeout_s)
+    return waiting.is_alive(), outcome
+
+
+# the start of a fake host that takes one run: it reads the request and answers that the run started
+ANSWER_STARTED = (
+    "import json, os, sys, time; run = json.loads(sys.stdin.readline())['run_id']; "
+    "print(json.dumps({'run_id': run, 'started': True}), flush=True); "
+)
+
+
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_host_whose_replies_cannot_be_read_ends_the_wait_instead_of_hanging(tmp_path):
     """A reply that is no text (a byte no UTF-8 has) once ended the reader thread without word, and the
     sweep waited on the run forever: the wait ends, the run counted as not started, and the host is replaced.
     The reader stops without a traceback on the terminal (an exception out of its thread)."""
-    import subprocess
-
-    host = launcher.RunHost()
-    code = "import sys; sys.stdin.readline(); sys.stdout.buffer.write(b'\\xff\\xfe\\n'); sys.stdout.flush()"
-    host.proc = subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
-    )
-    host.follow_replies()
-    outcome = {}
-    waiting = threading.Thread(target=lambda: outcome.update(r=host._run_once(request(tmp_path, 7), tmp_path, "none")))
-    waiting.start()
-    waiting.join(timeout=20)
-    alive = waiting.is_alive()
+    host = fake_host("import sys; sys.stdin.readline(); sys.stdout.buffer.write(b'\\xff\\xfe\\n'); sys.stdout.flush()")
+    alive, outcome = run_once_in_thread(host, tmp_path)
     host.close()
     assert not alive, "the wait on a host whose replies cannot be read did not end"
     assert outcome["r"] == (False, {})
@@ -464,9 +488,7 @@ def test_a_host_whose_replies_cannot_be_read_ends_the_wait_instead_of_hanging(tm
 # process can be reaped), or it answered a run with a failure and hangs on its way out
 CLOSED_STDOUT = "import os, time; os.close(1); time.sleep(60)"
 FAILED_RUN = (
-    "import json, sys, time; run = json.loads(sys.stdin.readline())['run_id']; "
-    "print(json.dumps({'run_id': run, 'started': True}), flush=True); "
-    "print(json.dumps({'run_id': run, 'ok': False, 'error': 'boom'}), flush=True); time.sleep(60)"
+    ANSWER_STARTED + "print(json.dumps({'run_id': run, 'ok': False, 'error': 'boom'}), flush=True); time.sleep(60)"
 )
 
 
@@ -477,10 +499,8 @@ def test_a_host_that_takes_no_more_runs_is_replaced_even_before_it_exits(monkeyp
     start replaces it, alive or not, and stops it."""
     import subprocess
 
-    host = launcher.RunHost()
-    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "bufsize": 1}
-    host.proc = old = subprocess.Popen([sys.executable, "-c", code], **pipes)
-    host.follow_replies()
+    host = fake_host(code)
+    old = host.proc
     if code == FAILED_RUN:
         with pytest.raises(launcher.RunFailed, match="boom"):
             host._run_once(request(tmp_path, 7), tmp_path, "none")
@@ -504,29 +524,10 @@ def test_a_host_that_takes_no_more_runs_is_replaced_even_before_it_exits(monkeyp
 def test_a_host_that_stops_answering_mid_run_but_does_not_exit_fails_the_run_instead_of_hanging(monkeypatch, tmp_path):
     """The run started, then the process's output ended while the process went on (a thread of it hanging):
     the run fails, saying so, once the process has had EXIT_GRACE_S to exit, and the process is stopped."""
-    import subprocess
-
     monkeypatch.setattr(launcher, "EXIT_GRACE_S", 0.5)
-    code = (
-        "import json, os, sys, time; run = json.loads(sys.stdin.readline())['run_id']; "
-        "print(json.dumps({'run_id': run, 'started': True}), flush=True); os.close(1); time.sleep(60)"
-    )
-    host = launcher.RunHost()
-    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "bufsize": 1}
-    host.proc = proc = subprocess.Popen([sys.executable, "-c", code], **pipes)
-    host.follow_replies()
-    outcome = {}
-
-    def run_once():
-        try:
-            host._run_once(request(tmp_path, 7), tmp_path, "none")
-        except launcher.RunFailed as exc:
-            outcome["error"] = str(exc)
-
-    waiting = threading.Thread(target=run_once)
-    waiting.start()
-    waiting.join(timeout=20)
-    alive = waiting.is_alive()
+    host = fake_host(ANSWER_STARTED + "os.close(1); time.sleep(60)")
+    proc = host.proc
+    alive, outcome = run_once_in_thread(host, tmp_path)
     host.close()
     proc.kill()
     assert not alive, "the wait on a process that stopped answering did not end"
