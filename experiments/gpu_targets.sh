@@ -8,6 +8,8 @@
 # A part that fails is recorded in OUT/failures.txt and the others still run. EXTRA (environment): key=value
 # settings appended to the commands that take the paper's settings (parts 2, 3, 5, 6, 7 and 8), e.g.
 # EXTRA="model=cnn-small device=cpu" to try the script on a CPU.
+# Parts take minutes each (docs/benchmarks.md gives their wall times on one H100): in a short GPU slot, run only
+# the parts that fit before what must run after them.
 set -uo pipefail
 data=${1:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]}
 out=${2:?usage: gpu_targets.sh DATA_DIR OUT [ROUNDS [PARTS]]}
