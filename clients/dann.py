@@ -122,6 +122,8 @@ class DANNStep(FunctionalStep):
 @register_client("dann")
 class DANNClient(ClientAlgorithm):
     vectorised = True
+    # torch.compile cannot trace an autograd.Function under vmap (torch 2.14: pytorch issue 129845)
+    compiles_vectorised = False
     Settings = DANNSettings
 
     @classmethod

@@ -172,7 +172,14 @@ class CohortClient(NumPyClient):
         offsets = [self.packed.offsets[pid] for pid, _, _ in parts]
         batches = PackedBatches([m.sample for m in members], offsets, self.packed.x, self.packed.y)
         finals, stats = run_members(
-            members, batches, run.local_steps, run.precision, capture, self.algorithm.first_step_stats, run.cohort_conv
+            members,
+            batches,
+            run.local_steps,
+            run.precision,
+            capture,
+            self.algorithm.first_step_stats,
+            run.cohort_conv,
+            compile=run.compile,
         )
         seconds = time.perf_counter() - start  # every member's fit took this long: they ran together
         results = []
@@ -227,14 +234,17 @@ def cohort_members(cfg: Mapping[str, Any], cohort_id: int, num_cohorts: int) -> 
     return list(range(cohort_id, common(cfg).num_clients, num_cohorts))
 
 
-def cohort_step(requested: str, device_type: str, algorithm: type[ClientAlgorithm], components: tuple = ()) -> str:
+def cohort_step(
+    requested: str, device_type: str, algorithm: type[ClientAlgorithm], components: tuple = (), compile: bool = False
+) -> str:
     """The step a cohort runs: ``requested``, or for ``auto`` on a GPU the CUDA-graph step where this very
     algorithm, with no components, has had its graph checked on one (faster than vmap there:
-    docs/benchmarks.md), else vmap where it has a vectorised step; ``auto`` on a CPU, where vmap's grouped
-    convolutions run slower, loops. A subclass or a component changes the step, so the check is not inherited."""
+    docs/benchmarks.md), else vmap where it has a vectorised step (that compiles, with ``compile``); ``auto``
+    on a CPU, where vmap's grouped convolutions run slower, loops. A subclass or a component changes the step,
+    so the check is not inherited."""
     if requested != "auto":
         return requested
-    if device_type != "cuda" or not algorithm.vectorised:
+    if device_type != "cuda" or not algorithm.vectorised or (compile and not algorithm.compiles_vectorised):
         return "loop"
     checked = vars(algorithm).get("graph_checked_on_gpu", False) and not components
     return "graph" if checked else "vmap"
@@ -281,7 +291,7 @@ def build_client(
                 f"cohort-step=graph replays CUDA graphs, but this cohort's device is {device}: "
                 "use cohort-step=vmap or loop"
             )
-        step = cohort_step(run.cohort_step, device.type, algorithm, components_of(cfg))
+        step = cohort_step(run.cohort_step, device.type, algorithm, components_of(cfg), run.compile)
         return CohortClient(
             algorithm(cfg, first, device), members, packed, vectorised=step in ("vmap", "graph"), graph=step == "graph"
         )

@@ -394,6 +394,7 @@ class ClientAlgorithm:
     component_key: str | None = None  # the setting that lists components to carry (FedBR: fedbr-with)
     seed_streams: dict[str, str] = {}  # a component's stream -> this algorithm's (FedBR: mixup -> fedbr-mixup)
     vectorised = False  # set True when make_step returns a FunctionalStep, which a cohort can vmap (cohort-step)
+    compiles_vectorised = True  # False where torch.compile cannot trace its vmapped step (compile=true)
     # set True on the class once its CUDA-graph step has run on a GPU and matched vmap (tests/test_vectorised.py's
     # GPU test): cohort-step=auto then replays it as a graph there, without components (node.cohort_step)
     graph_checked_on_gpu = False

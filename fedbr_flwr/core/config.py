@@ -123,7 +123,8 @@ class CommonSettings(Settings):
     )
     compile: bool = common_key(
         False,
-        "torch.compile the backbone's feature extractor on the clients (the first round pays the compilation)",
+        "torch.compile on the clients: the backbone's feature extractor, and in a vmapped cohort step "
+        "(cohort-step=vmap or graph) each local step's gradients; the first round pays the compilation",
     )
     tf32: bool = setting(
         "tf32",
@@ -531,6 +532,11 @@ def check_cohort_step(cfg: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"strategy '{cfg['strategy']}' has no vectorised local step: use cohort-step=loop "
             "(or auto, which picks loop for it)"
+        )
+    if cfg["compile"] and not lookup_client(cfg["strategy"]).compiles_vectorised:
+        raise ConfigError(
+            f"compile=true cannot compile the vectorised step of strategy '{cfg['strategy']}': use compile=false, "
+            "or cohort-step=loop (or auto, which picks loop for it)"
         )
 
 

@@ -24,6 +24,10 @@ is captured again each round, as the members and their tensors change.
 ``cohort-conv=matmul`` computes the members' convolutions as batched matrix products instead of the grouped
 convolutions vmap makes of them (``MatmulConv2d``, swapped in for the step by ``convolutions_as``).
 
+``compile=true`` runs each step's vmapped gradients (``phase_gradients``, ``shared_prepare_gradients``) through
+``torch.compile`` (``compiled``), which can fuse the elementwise work and the layout copies that vmap's grouped
+convolutions and group norms leave between the kernels.
+
 ``evaluate_members`` evaluates every member's local test set at once the same way: each member's
 predictor state (the global model; DisTrans: with that member's offset) vmapped over padded test sets, in
 groups of members with test sets of similar length and a bounded number of images (``evaluation_groups``)."""
@@ -31,6 +35,7 @@ groups of members with test sets of similar length and a bounded number of image
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -302,12 +307,13 @@ def run_members(
     capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None,
     first: tuple[str, ...] = (),
     conv: str = "grouped",
+    compile: bool = False,
 ) -> tuple[list[Params], list[dict[str, float]]]:
     """K local steps of every member at once: each member's trained groups (views into the stacked
     tensors) and its diagnostics averaged over the steps, as ``run_local_steps`` gives one client.
     ``batches`` (``PackedBatches``): every member's batch of a step at once, as each member's ``sample`` draws it.
     ``first``: diagnostics also reported as of the first step (``StepStats``). ``conv``: how the members'
-    convolutions are batched (``convolutions_as``).
+    convolutions are batched (``convolutions_as``). ``compile``: the gradients through ``torch.compile``.
 
     ``capture`` (``cuda_graph``, cohort-step=graph): the first step runs on fixed input buffers and is
     captured; the other K - 1 replay it, each after copying its freshly drawn inputs into those buffers."""
@@ -320,6 +326,8 @@ def run_members(
     share_prepare = shares_prepare(template)
     round_stats = StepStats(first)
     device = next(iter(params["model"].values())).device
+    gradients = compiled(phase_gradients, device.type) if compile else phase_gradients
+    prepared_gradients = compiled(shared_prepare_gradients, device.type) if compile else shared_prepare_gradients
 
     stack = DrawStacker()
 
@@ -348,7 +356,7 @@ def run_members(
         """One local step of every member; its stats as one member's ``update`` gives them (a later phase's
         figure replaces an earlier one's of the same name)."""
         if share_prepare:
-            stepped, buffers, grads, stats = shared_prepare_gradients(template, params, momentum, inputs)
+            stepped, buffers, grads, stats = prepared_gradients(template, params, momentum, inputs)
             copy_values(params, stepped)
             if momentum:
                 copy_values(momentum, buffers)
@@ -358,7 +366,7 @@ def run_members(
             return stats
         out: dict[str, torch.Tensor] = {}
         for phase in template.phases:
-            grads, stats = phase_gradients(template, phase, params, inputs)
+            grads, stats = gradients(template, phase, params, inputs)
             apply(phase, grads)
             out.update(stats)
         return out
@@ -376,6 +384,15 @@ def run_members(
                 round_stats.add(replay())
     finals = [{g: {n: t[i] for n, t in ps.items()} for g, ps in params.items()} for i in range(len(members))]
     return finals, round_stats.of_members(len(members))
+
+
+@functools.cache
+def compiled(function: Callable, device_type: str) -> Callable:
+    """``function`` through ``torch.compile``, one per process and device type: a later round, whose step and
+    members are new objects of the same code, reuses the compiled code instead of compiling it again. On a CPU
+    with scalar C++ kernels: torch 2.14's vectorised ones got a FedBR step on cnn-small wrong, a corrupted heap
+    with AVX-512 and NaN with AVX2 without the layout optimisation (docs/implementation-choices.md)."""
+    return torch.compile(function, options={"cpp.simdlen": 1} if device_type == "cpu" else None)
 
 
 class MatmulConv2d(nn.Conv2d):
