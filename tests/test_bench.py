@@ -75,19 +75,45 @@ def test_the_levers_leave_a_cpu_run_bit_identical_except_bf16(capsys, tmp_path):
     """On a CPU the GPU switches (tf32, cuDNN autotuning, the graph step, deterministic algorithms) change nothing:
     every lever's first-round updates equal strict fp32's, and each "again" row its predecessor's, bit for bit.
     bf16 moves them, and by a little so do starting from a global model nudged by one rounding and the matmul
-    convolutions (which sum in another order than vmap's grouped ones)."""
+    convolutions (which sum in another order than vmap's grouped ones); a compiled step may, to rounding."""
     out = tmp_path / "levers.json"
     items = ["device=cpu", "num-clients=2", "local-steps=2", "batch-size=4", "model=cnn-small", "strategy=fedbr"]
     assert bench.main(["--levers", "--rounds", "1", "--json", str(out), *items]) == 0
     rows = {row["lever"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == list(bench.LEVERS) and all(row["s_per_round"] > 0 for row in rows.values())
-    moved = {name for name, row in rows.items() if row["update_distance"] != 0}
+    assert all(row["first_round_s"] > 0 for row in rows.values())  # the warm-up, where a compiled step compiles
+    compiled = {name for name in rows if "compiled step" in name}
+    moved = {name for name, row in rows.items() if row["update_distance"] != 0} - compiled
     nudged = "strict fp32, deterministic algorithms, nudged by one rounding"
     matmul = {"strict fp32, matmul convolutions", "tf32 + autotune, matmul convolutions"}
     assert moved == {"bf16 + autotune", nudged, *matmul} and rows["bf16 + autotune"]["update_distance"] < 0.2
     assert all(0 < rows[name]["update_distance"] < 1e-3 for name in (nudged, *matmul))
+    assert len(compiled) == 2 and all(rows[name]["update_distance"] < 1e-3 for name in compiled)
     assert "| strict fp32, vmap step, again |" in capsys.readouterr().out
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_a_lever_that_fails_is_a_row_that_says_why_and_the_others_still_run(monkeypatch, capsys, tmp_path):
+    """A lever this machine cannot run (a compiler missing, a step a CUDA graph cannot capture) does not end
+    --levers: its row names the error, and the rows after it are measured."""
+    levers = {"strict fp32": bench.STRICT, "tf32 + autotune, compiled step": {"compile": True}, "tf32": {"tf32": True}}
+    monkeypatch.setattr(bench, "LEVERS", levers)
+    real = bench.time_lever
+
+    def no_compiler(cfg, lever, rounds):
+        if lever.get("compile"):
+            raise RuntimeError("InductorError: no C++ compiler found\nmore lines")
+        return real(cfg, lever, rounds)
+
+    monkeypatch.setattr(bench, "time_lever", no_compiler)
+    out = tmp_path / "levers.json"
+    items = ["device=cpu", "num-clients=2", "local-steps=1", "batch-size=4", "model=cnn-small", "strategy=fedavg"]
+    assert bench.main(["--levers", "--rounds", "1", "--json", str(out), *items]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["lever"] for row in rows] == list(levers)
+    assert rows[1]["error"] == "RuntimeError: InductorError: no C++ compiler found" and "s_per_round" not in rows[1]
+    assert rows[2]["s_per_round"] > 0 and rows[2]["update_distance"] == 0  # tf32 does nothing on a CPU
+    assert "| tf32 + autotune, compiled step | failed: RuntimeError: InductorError" in capsys.readouterr().out
 
 
 def test_kernels_lists_where_a_rounds_time_goes_and_sees_the_matmul_convolutions(monkeypatch, capsys, tmp_path):

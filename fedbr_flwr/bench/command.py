@@ -293,6 +293,8 @@ LEVERS: dict[str, dict[str, Any]] = {
     "cudnn autotune": {"tf32": False, "cudnn-autotune": True},
     "tf32 + autotune (the defaults)": {"tf32": True, "cudnn-autotune": True},
     "bf16 + autotune": {"tf32": True, "cudnn-autotune": True, "precision": "bf16"},
+    "tf32 + autotune, compiled step": {"tf32": True, "cudnn-autotune": True, "compile": True},
+    "tf32 + autotune, compiled step, vmap": {"tf32": True, "cudnn-autotune": True, "compile": True, "step": "vmap"},
     "strict fp32, matmul convolutions": {**STRICT, "cohort-conv": "matmul"},
     "tf32 + autotune, matmul convolutions": {"tf32": True, "cudnn-autotune": True, "cohort-conv": "matmul"},
     "strict fp32, vmap step": {**STRICT, "step": "vmap"},
@@ -319,7 +321,8 @@ def nudged_by_one_rounding(arrays: dict, seed: int = 0) -> dict:
 
 def lever_rows(cfg: dict, rounds: int) -> list[dict]:
     """Each of ``LEVERS`` on one cohort of every client (the cohort's own step: graph on a GPU, else vmap): the
-    median seconds of ``rounds`` rounds after a warm-up one, and how far its first round's updates land from
+    median seconds of ``rounds`` rounds after a warm-up one (whose seconds are kept: a compiled step compiles in
+    it), and how far its first round's updates land from
     strict fp32's, or for an "again" or "nudged" row from the row before's (the norm of the difference over the
     norm of the reference update, all clients' arrays together)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS asks for
@@ -327,23 +330,13 @@ def lever_rows(cfg: dict, rounds: int) -> list[dict]:
     previous: list[np.ndarray] = []
     rows = []
     for name, lever in LEVERS.items():
-        settings = {k: v for k, v in lever.items() if k not in NOT_CONFIG}
-        run_cfg = {**cfg, **settings}
-        torch.use_deterministic_algorithms(lever.get("deterministic", False), warn_only=True)
-        device = use_device(run_cfg)
-        cohort, members, config_of, arrays = bench_cohort(run_cfg, device)
-        start_from = nudged_by_one_rounding(arrays) if lever.get("nudge") else arrays
-        graph = device.type == "cuda" and lever.get("step", "graph") == "graph"
-        times: list[float] = []
-        first: list[np.ndarray] = []
-        for server_round in range(1, rounds + 2):
-            parts = [(pid, start_from, config_of(server_round)) for pid in members]
-            synchronize(device)
-            start = time.perf_counter()
-            results = cohort.fit_together(parts, graph=graph)
-            synchronize(device)
-            times.append(time.perf_counter() - start)
-            first = first or updates_of(results, start_from)
+        try:
+            times, first = time_lever(cfg, lever, rounds)
+        except Exception as error:  # a lever this machine cannot run is a row that says why, not the end
+            why = f"{type(error).__name__}: {next(iter(str(error).splitlines()), '')}"
+            rows.append({"lever": name, **lever, "error": why})
+            print(f"| {name} | failed: {why} | | |", flush=True)
+            continue
         reference = reference or first
         against = previous if name.endswith(FROM_THE_ROW_BEFORE) else reference
         rows.append(
@@ -351,13 +344,37 @@ def lever_rows(cfg: dict, rounds: int) -> list[dict]:
                 "lever": name,
                 **lever,
                 "s_per_round": statistics.median(times[1:]),
+                "first_round_s": times[0],
                 "update_distance": relative_distance(first, against),
             }
         )
         previous = first
-        print(f"| {name} | {rows[-1]['s_per_round']:.3f} | {rows[-1]['update_distance']:.2e} |", flush=True)
+        row = rows[-1]
+        print(f"| {name} | {row['s_per_round']:.3f} | {times[0]:.1f} | {row['update_distance']:.2e} |", flush=True)
     torch.use_deterministic_algorithms(False)
     return rows
+
+
+def time_lever(cfg: dict, lever: dict, rounds: int) -> tuple[list[float], list[np.ndarray]]:
+    """One lever on one cohort of every client: the seconds of a warm-up round and ``rounds`` more, and every
+    client's updates of the first round."""
+    run_cfg = {**cfg, **{k: v for k, v in lever.items() if k not in NOT_CONFIG}}
+    torch.use_deterministic_algorithms(lever.get("deterministic", False), warn_only=True)
+    device = use_device(run_cfg)
+    cohort, members, config_of, arrays = bench_cohort(run_cfg, device)
+    start_from = nudged_by_one_rounding(arrays) if lever.get("nudge") else arrays
+    graph = device.type == "cuda" and lever.get("step", "graph") == "graph"
+    times: list[float] = []
+    first: list[np.ndarray] = []
+    for server_round in range(1, rounds + 2):
+        parts = [(pid, start_from, config_of(server_round)) for pid in members]
+        synchronize(device)
+        start = time.perf_counter()
+        results = cohort.fit_together(parts, graph=graph)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+        first = first or updates_of(results, start_from)
+    return times, first
 
 
 def updates_of(results: list, global_arrays: dict) -> list[np.ndarray]:
@@ -381,8 +398,8 @@ def levers_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) ->
     device = _device_name(cfg, threads)
     print(f"{cohort_header('levers', cfg, device)}, {rounds} timed rounds\n")
     print(
-        "| lever | s/round (median) | update's distance from strict fp32 (again, nudged: from the row before) |\n"
-        "|---|---|---|",
+        "| lever | s/round (median) | first round, a warm-up (s) | update's distance from strict fp32 (again, nudged: "
+        "from the row before) |\n|---|---|---|---|",
         flush=True,
     )
     rows = lever_rows(cfg, rounds)
@@ -737,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--levers",
         action="store_true",
         help="one cohort holding all clients, in process: the GPU speed levers (tf32, cudnn-autotune, bf16, "
-        "cohort-conv=matmul) against strict fp32, s/round and how far each moves the update",
+        "compile, cohort-conv=matmul) against strict fp32, s/round and how far each moves the update",
     )
     parser.add_argument(
         "--kernels",
