@@ -322,9 +322,9 @@ def nudged_by_one_rounding(arrays: dict, seed: int = 0) -> dict:
 def lever_rows(cfg: dict, rounds: int) -> list[dict]:
     """Each of ``LEVERS`` on one cohort of every client (the cohort's own step: graph on a GPU, else vmap): the
     median seconds of ``rounds`` rounds after a warm-up one (whose seconds are kept: a compiled step compiles in
-    it), and how far its first round's updates land from
-    strict fp32's, or for an "again" or "nudged" row from the row before's (the norm of the difference over the
-    norm of the reference update, all clients' arrays together)."""
+    it), and how far its first round's updates land from strict fp32's, or for an "again" or "nudged" row from
+    the row before's (the norm of the difference over the norm of the reference update, all clients' arrays
+    together). A lever that raises is a row with its error."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS asks for
     reference: list[np.ndarray] = []
     previous: list[np.ndarray] = []
