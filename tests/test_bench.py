@@ -121,7 +121,7 @@ def test_kernels_lists_where_a_rounds_time_goes_and_sees_the_matmul_convolutions
     cohort-conv=matmul the convolutions are unfolded (im2col) and no convolution's backward runs."""
     monkeypatch.setattr(bench, "KERNEL_ROWS", 1000)  # every operator
     items = ["device=cpu", "num-clients=2", "local-steps=2", "batch-size=4", "model=cnn-small", "engine=cohort"]
-    operators = {}
+    operators, families = {}, {}
     for conv in ("grouped", "matmul"):
         out = tmp_path / f"{conv}.json"
         assert bench.main(["--kernels", "--json", str(out), *items, "cohort-step=vmap", f"cohort-conv={conv}"]) == 0
@@ -130,13 +130,39 @@ def test_kernels_lists_where_a_rounds_time_goes_and_sees_the_matmul_convolutions
         assert seconds == sorted(seconds, reverse=True) and sum(seconds) == pytest.approx(figures["busy_s"])
         assert 0 < figures["busy_s"] and 0 < figures["wall_s"]
         operators[conv] = {row["operator"] for row in figures["rows"]}
+        assert sum(figures["families"].values()) == pytest.approx(figures["busy_s"])
+        families[conv] = figures["families"]
     assert "aten::convolution_backward" in operators["grouped"] and "aten::im2col" not in operators["grouped"]
     assert "aten::convolution_backward" not in operators["matmul"] and "aten::im2col" in operators["matmul"]
-    assert "| operator or kernel (its own device time) |" in capsys.readouterr().out
+    assert "im2col, col2im" in families["matmul"] and "im2col, col2im" not in families["grouped"]
+    assert families["grouped"]["convolution and matrix arithmetic"] > families["grouped"].get("copies", 0)
+    out = capsys.readouterr().out
+    assert "| operator or kernel (its own device time) |" in out and "| kernel family (by name) |" in out
+
+
+def test_kernel_families_name_what_a_gpu_rounds_kernels_do():
+    """The families of kernels an H100 ran for a FedBR round (names from its --kernels JSON, shortened)."""
+    transposes, arithmetic = "NCHW <-> NHWC transposes", "convolution and matrix arithmetic"
+    kernels = {
+        "void cudnn::engines_precompiled::nchwToNhwcKernel<float, float, float, false, true>": transposes,
+        "void cudnn::engines_precompiled::nhwcToNchwKernel<float, float, float, true, false>": transposes,
+        "void at::native::elementwise_kernel<128, 2, gpu_kernel_impl_nocast<direct_copy_kernel_cuda>>": "copies",
+        "sm90_xmma_wgrad_indexed_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc_tilesize128x128x32": arithmetic,
+        "void cutlass__5x_cudnn::Kernel<cutlass_tensorop_s1688dgrad_analytic_tf32_256x64_16x4_nhwc_align4>": arithmetic,
+        "void at::native::conv_depthwise2d_grad_weight_kernel<float, unsigned int>": arithmetic,
+        "void at::native::im2col_kernel<float>(long, float const*, long)": "im2col, col2im",
+        "void at::native::reduce_kernel<512, 1, ReduceOp<float, sum_functor<float, float, float>>>": "reductions",
+        "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>": "other elementwise",
+        "void at::native::elementwise_kernel<128, 2, gpu_kernel_impl_nocast<BinaryFunctor<MulFunctor>>>": (
+            "other elementwise"
+        ),
+        "void at::native::RowwiseMomentsCUDAKernel<float>(long, float, float const*)": "other",
+    }
+    assert {name: bench.kernel_family(name) for name in kernels} == kernels
 
 
 def test_kernels_without_any_device_time_stop_with_a_message(monkeypatch, capsys):
-    monkeypatch.setattr(bench, "kernel_rows", lambda cfg: ([], 1.0, 0.0))  # a GPU whose profiler saw no kernels
+    monkeypatch.setattr(bench, "kernel_rows", lambda cfg: ([], {}, 1.0, 0.0))  # a GPU whose profiler saw no kernels
     assert bench.main(["--kernels", "device=cpu"]) == 1
     assert "the profiler recorded no time on the device" in capsys.readouterr().err
 

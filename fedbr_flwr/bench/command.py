@@ -408,14 +408,30 @@ def levers_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) ->
 
 
 KERNEL_ROWS = 15  # the operators listed by --kernels; the rest are summed in one row
+# What a round's device time is spent on, by kernel name (lower case; the first family that matches): cuDNN's,
+# cuBLAS's and torch's kernels on a GPU, torch's operators on a CPU
+KERNEL_FAMILIES = (
+    ("NCHW <-> NHWC transposes", ("nchwtonhwc", "nhwctonchw")),
+    ("im2col, col2im", ("im2col", "col2im")),
+    ("copies", ("direct_copy", "aten::copy_", "aten::clone")),
+    ("convolution and matrix arithmetic", ("conv", "gemm", "cutlass", "xmma", "aten::mm", "aten::bmm", "addmm")),
+    ("reductions", ("reduce_kernel", "aten::sum", "aten::mean")),
+    ("other elementwise", ("elementwise", "aten::add", "aten::mul", "aten::div", "aten::relu", "threshold")),
+)
 
 
-def kernel_rows(cfg: dict) -> tuple[list[dict], float, float]:
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    return next((family for family, marks in KERNEL_FAMILIES if any(m in lowered for m in marks)), "other")
+
+
+def kernel_rows(cfg: dict) -> tuple[list[dict], dict[str, float], float, float]:
     """Where one round's device time goes: one cohort of every client in process, with the ``vmap`` step (the
     graph step's kernels are the same, but a replayed graph is not traced kernel by kernel), a warm-up round,
     then one round under torch's profiler. The operators by their own time on the device (on a GPU the
-    kernels, on a CPU the operators' CPU time), most first, with the round's wall seconds and the device's
-    busy seconds (the sum of those times)."""
+    kernels, on a CPU the operators' CPU time), most first; the seconds of each ``KERNEL_FAMILIES`` family
+    over all of them, most first; the round's wall seconds and the device's busy seconds (the sum of those
+    times)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -439,6 +455,10 @@ def kernel_rows(cfg: dict) -> tuple[list[dict], float, float]:
     ]
     events = sorted((e for e in events if e[2] > 0), key=lambda e: e[2], reverse=True)
     busy = sum(seconds for _, _, seconds in events)
+    families: dict[str, float] = {}
+    for key, _, seconds in events:
+        families[kernel_family(key)] = families.get(kernel_family(key), 0.0) + seconds
+    families = dict(sorted(families.items(), key=lambda item: item[1], reverse=True))
     rows = [{"operator": key, "calls": calls, "seconds": seconds} for key, calls, seconds in events[:KERNEL_ROWS]]
     rest = events[KERNEL_ROWS:]
     if rest:
@@ -449,13 +469,13 @@ def kernel_rows(cfg: dict) -> tuple[list[dict], float, float]:
                 "seconds": sum(e[2] for e in rest),
             }
         )
-    return rows, wall, busy
+    return rows, families, wall, busy
 
 
 def kernels_main(cfg: dict, threads: int, json_path: Path | None) -> int:
     run = common(cfg)
     device = _device_name(cfg, threads)
-    rows, wall, busy = kernel_rows(cfg)
+    rows, families, wall, busy = kernel_rows(cfg)
     if not rows:
         print(
             "fedbr-bench: error: the profiler recorded no time on the device (on a GPU: is CUPTI there?)",
@@ -470,6 +490,9 @@ def kernels_main(cfg: dict, threads: int, json_path: Path | None) -> int:
     )
     for row in rows:
         print(f"| {row['operator'][:90]} | {row['calls']} | {row['seconds']:.4f} | {row['seconds'] / busy:.1%} |")
+    print("\n| kernel family (by name) | seconds | share of the busy time |\n|---|---|---|")
+    for family, seconds in families.items():
+        print(f"| {family} | {seconds:.4f} | {seconds / busy:.1%} |")
     write_json(
         json_path,
         {
@@ -479,6 +502,7 @@ def kernels_main(cfg: dict, threads: int, json_path: Path | None) -> int:
             "wall_s": wall,
             "busy_s": busy,
             "rows": rows,
+            "families": families,
         },
     )
     return 0
@@ -760,7 +784,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kernels",
         action="store_true",
         help="one cohort holding all clients, in process, one round under torch's profiler: the operators (on a "
-        "GPU the kernels) that take the device's time, and how busy the device is",
+        "GPU the kernels) that take the device's time, that time by kind of kernel, and how busy the device is",
     )
     parser.add_argument(
         "--scale",
