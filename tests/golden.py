@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,13 @@ import numpy as np
 KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 for _name, _value in KERNELS.items():
     os.environ.setdefault(_name, _value)
+# torch.compile's C++ code in inductor's disk cache is reused whatever ATEN_CPU_CAPABILITY it was compiled under
+# (torch 2.14): the suite's AVX2 code crashed a later unpinned process on an AVX-512 machine, and the reverse
+# gave NaN. So the suite compiles into a cache folder of its own pin (docs/implementation-choices.md).
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"torchinductor-fedbr-tests-{os.environ['ATEN_CPU_CAPABILITY'].lower()}"),
+)
 
 from fakes import TIMING_KEYS, FixedClientManager, InProcessProxy, run_rounds  # noqa: E402
 

@@ -326,8 +326,8 @@ def run_members(
     share_prepare = shares_prepare(template)
     round_stats = StepStats(first)
     device = next(iter(params["model"].values())).device
-    gradients = compiled(phase_gradients, device.type) if compile else phase_gradients
-    prepared_gradients = compiled(shared_prepare_gradients, device.type) if compile else shared_prepare_gradients
+    gradients = compiled(phase_gradients) if compile else phase_gradients
+    prepared_gradients = compiled(shared_prepare_gradients) if compile else shared_prepare_gradients
 
     stack = DrawStacker()
 
@@ -387,12 +387,10 @@ def run_members(
 
 
 @functools.cache
-def compiled(function: Callable, device_type: str) -> Callable:
-    """``function`` through ``torch.compile``, one per process and device type: a later round, whose step and
-    members are new objects of the same code, reuses the compiled code instead of compiling it again. On a CPU
-    with scalar C++ kernels: torch 2.14's vectorised ones got a FedBR step on cnn-small wrong, a corrupted heap
-    with AVX-512 and NaN with AVX2 without the layout optimisation (docs/implementation-choices.md)."""
-    return torch.compile(function, options={"cpp.simdlen": 1} if device_type == "cpu" else None)
+def compiled(function: Callable) -> Callable:
+    """``function`` through ``torch.compile``, one per process: a later round, whose step and members are new
+    objects of the same code, reuses the compiled code instead of compiling it again."""
+    return torch.compile(function)
 
 
 class MatmulConv2d(nn.Conv2d):
