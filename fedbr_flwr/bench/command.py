@@ -457,7 +457,8 @@ def kernel_rows(cfg: dict) -> tuple[list[dict], dict[str, float], float, float]:
     busy = sum(seconds for _, _, seconds in events)
     families: dict[str, float] = {}
     for key, _, seconds in events:
-        families[kernel_family(key)] = families.get(kernel_family(key), 0.0) + seconds
+        family = kernel_family(key)
+        families[family] = families.get(family, 0.0) + seconds
     families = dict(sorted(families.items(), key=lambda item: item[1], reverse=True))
     rows = [{"operator": key, "calls": calls, "seconds": seconds} for key, calls, seconds in events[:KERNEL_ROWS]]
     rest = events[KERNEL_ROWS:]
