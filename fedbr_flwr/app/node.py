@@ -152,7 +152,7 @@ class CohortClient(NumPyClient):
         default the cohort's own choice: the step captured as a CUDA graph). Each member is a shallow copy of
         the one algorithm, with its own components, so that what a member keeps between ``start_fit`` and
         ``finish_fit`` (its data, state, received arrays, seed streams) stays its own."""
-        from ..core.vectorised import Member, PackedBatches, copy_values, cuda_graph, run_members, snapshot
+        from ..core.vectorised import Member, PackedBatches, StepOptions, copy_values, cuda_graph, run_members, snapshot
 
         algorithms, members = [], []
         for pid, arrays, own_config in parts:
@@ -171,16 +171,8 @@ class CohortClient(NumPyClient):
         capture = cuda_graph if (self.graph if graph is None else graph) else None
         offsets = [self.packed.offsets[pid] for pid, _, _ in parts]
         batches = PackedBatches([m.sample for m in members], offsets, self.packed.x, self.packed.y)
-        finals, stats = run_members(
-            members,
-            batches,
-            run.local_steps,
-            run.precision,
-            capture,
-            self.algorithm.first_step_stats,
-            run.cohort_conv,
-            compile=run.compile,
-        )
+        options = StepOptions(run.precision, run.cohort_conv, run.compile, self.algorithm.first_step_stats, capture)
+        finals, stats = run_members(members, batches, run.local_steps, options)
         seconds = time.perf_counter() - start  # every member's fit took this long: they ran together
         results = []
         for (pid, _, _), algorithm, member, final, own in zip(parts, algorithms, members, finals, stats):

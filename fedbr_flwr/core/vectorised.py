@@ -299,24 +299,30 @@ def shared_prepare_gradients(
     return torch.func.vmap(member)(params, momentum, inputs)
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """How ``run_members`` steps its members: the run's ``precision``; ``conv``, how the members' convolutions
+    are batched (cohort-conv, ``convolutions_as``); ``compile``, the gradients through ``torch.compile``;
+    ``first``, diagnostics also reported as of the first step (``StepStats``); ``capture`` (``cuda_graph``,
+    cohort-step=graph): the first step runs on fixed input buffers and is captured, and the other K - 1 replay
+    it, each after copying its freshly drawn inputs into those buffers."""
+
+    precision: str = "fp32"
+    conv: str = "grouped"
+    compile: bool = False
+    first: tuple[str, ...] = ()
+    capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None
+
+
 def run_members(
     members: list[Member],
     batches: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     steps: int,
-    precision: str = "fp32",
-    capture: Callable[[Callable[[], dict]], tuple[dict, Callable[[], dict]]] | None = None,
-    first: tuple[str, ...] = (),
-    conv: str = "grouped",
-    compile: bool = False,
+    options: StepOptions = StepOptions(),
 ) -> tuple[list[Params], list[dict[str, float]]]:
     """K local steps of every member at once: each member's trained groups (views into the stacked
     tensors) and its diagnostics averaged over the steps, as ``run_local_steps`` gives one client.
-    ``batches`` (``PackedBatches``): every member's batch of a step at once, as each member's ``sample`` draws it.
-    ``first``: diagnostics also reported as of the first step (``StepStats``). ``conv``: how the members'
-    convolutions are batched (``convolutions_as``). ``compile``: the gradients through ``torch.compile``.
-
-    ``capture`` (``cuda_graph``, cohort-step=graph): the first step runs on fixed input buffers and is
-    captured; the other K - 1 replay it, each after copying its freshly drawn inputs into those buffers."""
+    ``batches`` (``PackedBatches``): every member's batch of a step at once, as each member's ``sample`` draws it."""
     check_members_agree(members)
     template = members[0].step
     template.model.train()
@@ -324,10 +330,11 @@ def run_members(
     optimizers = {g: sgd_like(template.optimizers[g], list(params[g].values())) for g in params}
     constants = stacked([m.step.constants() for m in members])  # stacked once a round
     share_prepare = shares_prepare(template)
-    round_stats = StepStats(first)
+    round_stats = StepStats(options.first)
     device = next(iter(params["model"].values())).device
-    gradients = compiled(phase_gradients) if compile else phase_gradients
-    prepared_gradients = compiled(shared_prepare_gradients) if compile else shared_prepare_gradients
+    precision, capture = options.precision, options.capture
+    gradients = compiled(phase_gradients) if options.compile else phase_gradients
+    prepared_gradients = compiled(shared_prepare_gradients) if options.compile else shared_prepare_gradients
 
     stack = DrawStacker()
 
@@ -371,7 +378,7 @@ def run_members(
             out.update(stats)
         return out
 
-    with modules_in(module_dtype(precision)), convolutions_as(conv, step_modules(template)):
+    with modules_in(module_dtype(precision)), convolutions_as(options.conv, step_modules(template)):
         if capture is None:
             for _ in range(steps):
                 round_stats.add(step({**draw(), **constants}))
