@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fedbr_flwr.core import attack
-from fedbr_flwr.core.config import validate
+from fedbr_flwr.core.config import check_trim_cuts, validate
 from fedbr_flwr.core.errors import ConfigError
 from fedbr_flwr.server.robust import (
     RobustRule,
@@ -22,6 +22,7 @@ from fedbr_flwr.server.robust import (
     krum_scores,
     krum_select,
     minimum_updates,
+    trimmed_count,
     trimmed_mean,
 )
 from fedbr_flwr.server.updates import named_mean
@@ -107,6 +108,13 @@ def test_mean_plan_is_named_mean_bit_for_bit():
     [
         ({"aggregation": "trimmed-mean", "trim-fraction": 0.5}, "must be in [0, 0.5)"),
         ({"aggregation": "median", "weighting": "samples"}, "aggregation=median has no weighted form"),
+        ({"aggregation": "trimmed-mean", "num-clients": 3}, "= 0 values at each end of the 3 clients"),
+        ({"aggregation": "trimmed-mean", "num-clients": 20, "fraction-fit": 0.4}, "at least 0.13, or sample more"),
+        ({"aggregation": "trimmed-mean", "num-clients": 2, "trim-fraction": 0.4}, "sample at least 3 clients a round"),
+        (
+            {"aggregation": "median", "num-clients": 4, "fraction-fit": 0.5},
+            "the 2 clients sampled a round is their mean",
+        ),
         ({"aggregation": "krum", "strategy": "groupdro"}, "groupdro weighs clients by its own rule"),
         ({"aggregation": "krum", "num-clients": 4}, "needs n > 2f + 2, i.e. at least 5 clients a round, but 4"),
         ({"aggregation": "multi-krum", "num-clients": 10, "fraction-fit": 0.5, "byzantine-clients": 2}, "at least 7"),
@@ -121,6 +129,15 @@ def test_config_refuses_with_one_line(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as e:
         validate(overrides)
     assert "\n" not in str(e.value)
+
+
+def test_the_trim_fraction_a_refusal_suggests_cuts_a_value_of_each_end():
+    for sampled in range(3, 400):
+        with pytest.raises(ConfigError) as e:
+            check_trim_cuts(0.0, sampled)
+        suggested = float(re.search(r"at least ([0-9.]+)", str(e.value)).group(1))
+        assert trimmed_count(sampled, suggested) >= 1 and suggested < 0.5, sampled
+    validate({"aggregation": "trimmed-mean", "num-clients": 10})  # the default 0.1 cuts one of ten
 
 
 def test_weighted_rules_take_samples_weighting():

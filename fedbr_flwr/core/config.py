@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import yaml
 
 from ..data.catalog import INFO
-from ..server.robust import RULES, WEIGHTED_RULES, minimum_updates
+from ..server.robust import RULES, WEIGHTED_RULES, minimum_updates, trimmed_count
 from .errors import ConfigError, quoted
 from .settings import (
     BELOW_ONE,
@@ -585,15 +585,36 @@ def check_aggregation(cfg: Mapping[str, Any]) -> None:
                 f"groupdro weighs clients by its own rule, and aggregation={rule} has no weighted form: "
                 f"use one of {', '.join(WEIGHTED_RULES)}"
             )
-    if not cfg["num-clients"] or rule not in ("krum", "multi-krum"):
+    if not cfg["num-clients"]:
         return
     sampled = sampled_per_round(cfg["fraction-fit"], cfg["num-clients"])
+    if rule == "trimmed-mean":
+        check_trim_cuts(cfg["trim-fraction"], sampled)
+    if rule == "median" and sampled == 2:
+        raise ConfigError("aggregation=median over the 2 clients sampled a round is their mean: sample at least 3")
+    if rule not in ("krum", "multi-krum"):
+        return
     need = minimum_updates(rule, cfg["byzantine-clients"])
     if sampled < need:
         raise ConfigError(
             f"aggregation={rule} with byzantine-clients = {cfg['byzantine-clients']} needs n > 2f + 2, i.e. at least "
             f"{need} clients a round, but {sampled} are sampled: lower byzantine-clients or sample more clients"
         )
+
+
+def check_trim_cuts(fraction: float, sampled: int) -> None:
+    """trimmed-mean must cut a value at each end of a full round, else it is the plain mean under another name."""
+    if trimmed_count(sampled, fraction):
+        return
+    fix = (
+        f"raise trim-fraction to at least {math.ceil(100 / sampled) / 100:g}, or sample more clients"
+        if sampled > 2
+        else "sample at least 3 clients a round"
+    )
+    raise ConfigError(
+        f"aggregation=trimmed-mean with trim-fraction = {fraction:g} cuts floor({fraction:g} x {sampled}) = 0 values "
+        f"at each end of the {sampled} clients sampled a round: it would be the plain mean; {fix}"
+    )
 
 
 def from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
