@@ -192,6 +192,8 @@ class RoundPlan:
         if self.scales is not None:
             out["bound"] = self.bound
             out["clipped"] = [pid for pid, s in zip(pids, self.scales) if s < 1.0]
+        if self.rule.name == "trimmed-mean":  # 0 where a round's failures left too few updates to cut one
+            out["cut"] = trimmed_count(len(pids), self.rule.trim)
         return out
 
 
