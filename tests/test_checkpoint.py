@@ -3,6 +3,7 @@ checkpoint, with fresh strategy and client objects (as after a crash: no Flower 
 must end with exactly the weights and metric lines of a run never stopped."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -144,6 +145,64 @@ def test_line_files_keep_rounds_up_to_the_checkpoint_and_drop_a_torn_line(tmp_pa
     path.write_text('{"round": 1}\n{"round": 2}\n{"round": 3}\n{"rou')
     keep_rounds_up_to(path, 2)
     assert path.read_text() == '{"round": 1}\n{"round": 2}\n'
+
+
+def damaged_run(tmp_path, rounds, metrics='{"round": 2}\n', manifest="{}"):
+    """A run folder checkpointed after round 3 whose line files and manifest hold these texts."""
+    config = validate({"num-rounds": 4, "output-dir": str(tmp_path)})
+    save_checkpoint(tmp_path, {"global/w": np.ones(3, np.float32)}, {"round": 3, "config": config})
+    for name, text in (("rounds.jsonl", rounds), ("metrics.jsonl", metrics), ("manifest.json", manifest)):
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+WHOLE = '{"round": 1}\n{"round": 2}\n{"round": 3}\n'
+
+
+@pytest.mark.parametrize(
+    "rounds, metrics, manifest, problem",
+    [
+        ('{"round": 1}\n{"round": 3}\n', '{"round": 2}\n', "{}", "no record of round 2 (1 of the 3 rounds"),
+        ("", "", "{}", "no record of round 1 (3 of the 3 rounds"),
+        (WHOLE, 'x\n{"round": 2}\n', "{}", "line 1 of metrics.jsonl is not a record of a round"),
+        (WHOLE + '{"round": "4"}\n{"round": 5}\n', "", "{}", "line 4 of rounds.jsonl is not a record"),
+        (WHOLE, "", "[1, 2]", "manifest.json is not a JSON object"),
+        (WHOLE, "", "{not json", "manifest.json is not a JSON object"),
+    ],
+    ids=["gap", "emptied", "garbage-line", "round-not-a-number", "manifest-list", "manifest-torn"],
+)
+def test_a_resume_over_damaged_records_stops_with_one_line_and_writes_nothing(
+    tmp_path, rounds, metrics, manifest, problem
+):
+    from fedbr_flwr.launch.plan import resume_config
+
+    out = damaged_run(tmp_path, rounds, metrics, manifest)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ConfigError, match=re.escape(problem)) as e:
+        resume_config(out, [])
+    assert "\n" not in str(e.value) and "start the run again with --overwrite" in str(e.value)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_resume_takes_a_line_a_crash_cut_short_and_a_missing_manifest(tmp_path):
+    from fedbr_flwr.runfiles.run_io import check_records_continue
+
+    out = damaged_run(tmp_path, WHOLE + '{"round": 4, "cli', '{"round": 2}\n{"rou')
+    (out / "manifest.json").unlink()
+    check_records_continue(out, 3)  # the torn lines come after the checkpoint; a new manifest is written
+
+
+def test_a_sweep_starts_again_a_run_whose_records_are_damaged(tmp_path, capsys):
+    from fedbr_flwr.commands.sweep import resumable_round
+
+    cfg = validate({"output-dir": str(tmp_path)})
+    save_checkpoint(tmp_path, {"global/w": np.ones(3, np.float32)}, {"round": 2, "config": cfg})
+    (tmp_path / "rounds.jsonl").write_text('{"round": 1}\n{"round": 2}\n')
+    assert resumable_round(cfg) == 2
+    (tmp_path / "rounds.jsonl").write_text('{"round": 1}\n')
+    assert resumable_round(cfg) is None
+    said = capsys.readouterr().out
+    assert "no record of round 2" in said and said.rstrip().endswith("starting it again")
 
 
 def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_file(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ that applies it to a run's events, the lines the commands print, and a sweep's c
 its checkpoint. End to end (real Flower runs): test_e2e.py and test_campaign.py."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -127,7 +128,10 @@ def sweep_file(tmp_path):
 
 
 def checkpoint_of(cfg, round_, **changed):
+    """A checkpoint after ``round_`` with the records a run writes up to it (one line a round)."""
     save_checkpoint(cfg["output-dir"], {"global/x": np.zeros(1)}, {"round": round_, "config": {**cfg, **changed}})
+    records = "".join(json.dumps({"round": r}) + "\n" for r in range(1, round_ + 1))
+    (Path(cfg["output-dir"]) / "rounds.jsonl").write_text(records)
 
 
 def test_a_sweep_continues_a_run_from_its_checkpoint_and_starts_one_of_other_settings_again(tmp_path, capsys):

@@ -288,6 +288,7 @@ def resumable_round(cfg: Mapping[str, Any]) -> int | None:
     None when there is none, or it is of other settings (then the run starts again, and a line says why)."""
     from ..app.server_app import check_resumable
     from ..runfiles.checkpoint import CHECKPOINT_NAME, load_checkpoint
+    from ..runfiles.run_io import check_records_continue
 
     out = Path(common(cfg).output_dir)
     if not (out / CHECKPOINT_NAME).exists():
@@ -295,6 +296,7 @@ def resumable_round(cfg: Mapping[str, Any]) -> int | None:
     try:
         _, header = load_checkpoint(out)
         check_resumable(header["config"], {**cfg, "resume": True}, int(header["round"]))
+        check_records_continue(out, int(header["round"]))
     except ConfigError as exc:
         print_line(f"fedbr-sweep: {out}: its checkpoint cannot continue this run ({exc}); starting it again")
         return None

@@ -161,6 +161,54 @@ def git_commit(path: Path | None = None) -> str:
         return ""
 
 
+def check_records_continue(out_dir: Path, last_round: int) -> None:
+    """A ConfigError when the records of the run in ``out_dir`` cannot go on after its checkpoint's
+    ``last_round``: a line of rounds.jsonl or metrics.jsonl that is not a record with a whole round number
+    (other than a last line a crash cut short), a round up to ``last_round`` with no record in rounds.jsonl (one
+    is written every round, before the checkpoint), or a manifest that is not a JSON object. Continuing would
+    drop or trip over them, and write a summary with holes."""
+    _record_rounds(out_dir, "metrics.jsonl")
+    missing = sorted(set(range(1, last_round + 1)) - set(_record_rounds(out_dir, "rounds.jsonl")))
+    if missing:
+        raise _damaged(
+            out_dir,
+            f"rounds.jsonl has no record of round {missing[0]} ({len(missing)} of the {last_round} "
+            "rounds its checkpoint covers are missing)",
+        )
+    manifest = out_dir / "manifest.json"
+    if manifest.exists() and not isinstance(_json_or_none(manifest.read_text(errors="replace")), dict):
+        raise _damaged(out_dir, "manifest.json is not a JSON object")
+
+
+def _record_rounds(out_dir: Path, name: str) -> list[int]:
+    """The rounds of the records in the JSON-lines file ``name``; ConfigError at a line that is not a record of a
+    round, unless it is the last (a crash cut it short)."""
+    path = out_dir / name
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    rounds = []
+    for number, line in enumerate(lines, 1):
+        record = _json_or_none(line)
+        if isinstance(record, dict) and type(record.get("round")) is int:
+            rounds.append(record["round"])
+        elif line.strip() and number < len(lines):
+            raise _damaged(out_dir, f"line {number} of {name} is not a record of a round")
+    return rounds
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _damaged(out_dir: Path, problem: str) -> ConfigError:
+    return ConfigError(
+        f"the run in {quoted(str(out_dir), 300)} cannot be continued: {problem}, so its records were damaged or "
+        "edited; restore them, or start the run again with --overwrite"
+    )
+
+
 def keep_rounds_up_to(path: Path, last_round: int) -> None:
     """Rewrite a JSON-lines file keeping the records of rounds <= ``last_round`` (and dropping a line a
     crash cut short)."""
