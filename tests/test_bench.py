@@ -199,6 +199,25 @@ def test_every_mode_refuses_an_unknown_key_with_a_message(mode, capsys):
     assert err.startswith("fedbr-bench: error:") and "no-such-key" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rounds", "0"], "--rounds 0: give 1 or more"),
+        (["--levers", "--rounds", "-1"], "--rounds -1: give 1 or more"),
+        (["--step", "--steps", "0"], "--steps 0: give 1 or more"),
+        (["--startup", "0"], "--startup 0: give 1 or more"),
+        (["--sweep-startup", "0"], "--sweep-startup 0: give 1 or more"),
+        (["--step", "--json", "/no/such/folder/x.json"], "not a file that can be written"),
+        (["--step", "--json", "."], "not a file that can be written"),
+    ],
+)
+def test_bad_counts_and_json_paths_stop_before_measuring(args, message, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "run_mode", lambda *a: pytest.fail("measured"))
+    assert bench.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedbr-bench: error: ") and message in err and err.count("\n") == 1
+
+
 def test_the_scale_benchmark_takes_a_cohort_step(monkeypatch, capsys):
     """--scale always runs engine=cohort, so cohort-step=vmap (the GPU script's part 4) must reach the runs."""
     seen = []

@@ -823,6 +823,7 @@ def main(argv=None) -> int:
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     try:
+        check_arguments(args)
         return run_mode(args, threads)
     except ConfigError as exc:  # a bad key, or a dataset that is not in data-dir
         print(f"fedbr-bench: error: {exc}", file=sys.stderr)
@@ -830,6 +831,19 @@ def main(argv=None) -> int:
     except RunFailed as exc:
         print(f"fedbr-bench: error: {exc}", file=sys.stderr)
         return 1
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """A count below one and a --json file that cannot be written stop the command before it measures, not
+    after (a mode given 0 ran another mode, or raised at its end with its figures lost)."""
+    counts = {"--rounds": args.rounds, "--steps": args.steps, "--startup": args.startup}
+    for flag, value in {**counts, "--sweep-startup": args.sweep_startup}.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: give 1 or more")
+    if args.json is not None:
+        folder = args.json.expanduser().absolute().parent
+        if args.json.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ConfigError(f"--json {args.json}: not a file that can be written in an existing folder")
 
 
 def run_mode(args: argparse.Namespace, threads: int) -> int:
