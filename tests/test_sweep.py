@@ -420,6 +420,25 @@ def test_a_bad_grid_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        (["--out", "{tmp}/taken"], "--out {tmp}/taken cannot be used: it is a file, not a folder"),
+        (["--out", "{tmp}/taken/out"], "in its path is a file, not a folder; pick another --out"),
+        (["--out", "{tmp}/out", "--report", "{tmp}"], "--report {tmp} is a folder: give the markdown page"),
+    ],
+    ids=["out-is-a-file", "out-under-a-file", "report-is-a-folder"],
+)
+def test_a_file_in_the_way_stops_a_sweep_before_its_runs(tmp_path, capsys, monkeypatch, where, message):
+    (tmp_path / "taken").write_text("a file where a folder should be")
+    monkeypatch.setattr(sweep, "run_all", lambda *a: pytest.fail("the runs started"))
+    argv = [write(tmp_path), *(w.format(tmp=tmp_path) for w in where), "--quiet"]
+    assert sweep.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message.format(tmp=tmp_path) in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_dry_run_lists_every_run_of_a_grid(tmp_path, capsys):
     out = tmp_path / "out"
     assert sweep.main([write(tmp_path, GRID), "--out", str(out), "--dry-run"]) == 0

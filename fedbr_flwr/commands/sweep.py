@@ -77,7 +77,7 @@ from ..launch.timelimit import (
     stopped_line,
 )
 from ..runfiles import runlock, tracking
-from ..runfiles.run_io import check_path_length, finished_run_problem
+from ..runfiles.run_io import check_output_dir, check_path_length, finished_run_problem
 from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 
 SWEEP_KEYS = ("seeds", "runs", "title", "headline", "grid", "decide")
@@ -530,6 +530,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_path_length(out, "--out")
         out = out.resolve()
         jobs = plan(args.file, args.overrides, out, args.only, args.seeds)
+        if not args.dry_run:  # a file in the way stops the sweep now, not with a traceback or after its runs
+            check_output_dir(out, "--out")
+            if args.report and args.report.is_dir():
+                raise ConfigError(f"--report {args.report} is a folder: give the markdown page to write (a .md file)")
     except ConfigError as exc:
         print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
         return 2

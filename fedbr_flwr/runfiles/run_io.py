@@ -55,7 +55,7 @@ def check_path_length(path: Path, what: str = "output-dir") -> None:
         )
 
 
-def check_output_dir(out: Path) -> None:
+def check_output_dir(out: Path, what: str = "output-dir") -> None:
     """ConfigError, before anything starts, when the run folder cannot be made or written to (a file in
     its place or in its path, no permission, a read-only disk). The check leaves no trace: folders it
     made for the probe are removed again."""
@@ -68,17 +68,16 @@ def check_output_dir(out: Path) -> None:
         probe.unlink()
     except FileExistsError:
         raise ConfigError(
-            f"output-dir {out} cannot be used: it is a file, not a folder; pick another output-dir or move the file"
+            f"{what} {out} cannot be used: it is a file, not a folder; pick another {what} or move the file"
         ) from None
     except NotADirectoryError as exc:
         blocker = next((p for p in out.parents if p.is_file()), exc.filename)
         raise ConfigError(
-            f"output-dir {out} cannot be made: {blocker} in its path is a file, not a folder; pick another output-dir"
+            f"{what} {out} cannot be made: {blocker} in its path is a file, not a folder; pick another {what}"
         ) from None
     except OSError as exc:
         raise ConfigError(
-            f"output-dir {out} is not writable ({exc.strerror}: {exc.filename}); pick another "
-            "output-dir or make it writable"
+            f"{what} {out} is not writable ({exc.strerror}: {exc.filename}); pick another {what} or make it writable"
         ) from None
     finally:
         for p in made:  # deepest first
