@@ -163,12 +163,22 @@ def test_a_killed_run_resumed_from_its_checkpoint_ends_like_an_uninterrupted_one
         (["superlink", "--insecure", "--auth"], "SuperNode authentication needs TLS"),
         (["run", "--superlink", "127.0.0.1:8000", "--certs", "/nonexistent"], "lacks ca.crt"),
         (["local", "num-clients=3", "--supernodes", "2"], "num-clients = 3 but --supernodes 2"),
+        (["run", "--superlink", "127.0.0.1", "--insecure"], "--superlink '127.0.0.1': give the SuperLink as HOST:PORT"),
+        (["register", "--superlink", ":8000", "--insecure"], "give the SuperLink as HOST:PORT"),
+        (["superlink", "--insecure", "--port", "70000"], "--port 70000: give a TCP port, 1 to 65535"),
+        (
+            ["supernode", "--insecure", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "1"]
+            + ["--gpu", "cuda:0"],
+            "--gpu 'cuda:0': give a CUDA device index",
+        ),
+        (["certs", "/dev/null"], "certs folder /dev/null cannot be used: it is a file, not a folder"),
     ],
 )
 def test_deploy_command_errors_are_one_clear_message(capsys, monkeypatch, tmp_path, args, message):
     monkeypatch.chdir(tmp_path)  # where the state and run folders would go by default
     assert deploy.main(args) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 

@@ -42,6 +42,7 @@ from ..launch import watchdog
 from ..launch.launcher import RunFailed, flower_env, free_port, stop_tree, submit_run, wait_healthy
 from ..launch.worker import write_private
 from ..runfiles import runlock
+from ..runfiles.run_io import check_output_dir
 
 CONNECTION = "fedbr"
 NODE_START_TIMEOUT_S = 60
@@ -745,9 +746,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Addresses, ports, device indices and the certificate folder, checked before any process starts: a bad
+    one made the SuperLink or SuperNode exit, or retry for ever, with only its log saying why."""
+    if getattr(args, "superlink", None) is not None:
+        host, colon, port = args.superlink.rpartition(":")
+        if not (colon and host and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ConfigError(f"--superlink {args.superlink!r}: give the SuperLink as HOST:PORT, e.g. 10.0.0.1:8000")
+    if getattr(args, "port", None) is not None and not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: give a TCP port, 1 to 65535")
+    gpu = getattr(args, "gpu", None)
+    if gpu is not None and not all(index.isdigit() for index in gpu.split(",")):
+        raise ConfigError(f"--gpu {gpu!r}: give a CUDA device index (0, 1, ...) or several, comma-separated")
+    if args.command == "certs":
+        check_output_dir(Path(args.out), "certs folder")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_arguments(args)
         return args.func(args)
     except ConfigError as exc:
         print(f"fedbr-deploy: error: {exc}", file=sys.stderr)
