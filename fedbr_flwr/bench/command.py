@@ -836,8 +836,13 @@ def main(argv=None) -> int:
 def check_arguments(args: argparse.Namespace) -> None:
     """A count below one and a --json file that cannot be written stop the command before it measures, not
     after (a mode given 0 ran another mode, or raised at its end with its figures lost)."""
-    counts = {"--rounds": args.rounds, "--steps": args.steps, "--startup": args.startup}
-    for flag, value in {**counts, "--sweep-startup": args.sweep_startup}.items():
+    counts = (
+        ("--rounds", args.rounds),
+        ("--steps", args.steps),
+        ("--startup", args.startup),
+        ("--sweep-startup", args.sweep_startup),
+    )
+    for flag, value in counts:
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: give 1 or more")
     if args.json is not None:

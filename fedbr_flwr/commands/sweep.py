@@ -77,7 +77,7 @@ from ..launch.timelimit import (
     stopped_line,
 )
 from ..runfiles import runlock, tracking
-from ..runfiles.run_io import check_output_dir, check_path_length, finished_run_problem
+from ..runfiles.run_io import check_output_dir, check_path_length, check_records_continue, finished_run_problem
 from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 
 SWEEP_KEYS = ("seeds", "runs", "title", "headline", "grid", "decide")
@@ -288,7 +288,6 @@ def resumable_round(cfg: Mapping[str, Any]) -> int | None:
     None when there is none, or it is of other settings (then the run starts again, and a line says why)."""
     from ..app.server_app import check_resumable
     from ..runfiles.checkpoint import CHECKPOINT_NAME, load_checkpoint
-    from ..runfiles.run_io import check_records_continue
 
     out = Path(common(cfg).output_dir)
     if not (out / CHECKPOINT_NAME).exists():
