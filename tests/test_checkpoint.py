@@ -115,6 +115,7 @@ def test_checkpoint_replaces_atomically_and_reads_back(tmp_path):
 def test_a_checkpoint_of_another_algorithm_or_format_stops_with_a_clear_message(tmp_path):
     cfg = run_cfg("fedavg")
     save_checkpoint(tmp_path, {"global/model/other": np.zeros(2)}, {"round": 2, "config": cfg, "elapsed": 0.0})
+    (tmp_path / "rounds.jsonl").write_text('{"round": 1}\n{"round": 2}\n')  # the records are whole
     with pytest.raises(ConfigError, match="has no global array model/"):
         in_process_federation({**cfg, "resume": True}, tmp_path)
     arrays, header = load_checkpoint(tmp_path)
@@ -182,6 +183,14 @@ def test_a_resume_over_damaged_records_stops_with_one_line_and_writes_nothing(
         resume_config(out, [])
     assert "\n" not in str(e.value) and "start the run again with --overwrite" in str(e.value)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_the_server_checks_the_records_too_for_a_plain_flwr_run_with_resume(tmp_path):
+    from fedbr_flwr.app.server_app import build_strategy
+
+    out = damaged_run(tmp_path, '{"round": 1}\n{"round": 3}\n')
+    with pytest.raises(ConfigError, match="no record of round 2"):
+        build_strategy(validate({"num-rounds": 4, "output-dir": str(out), "resume": True}))
 
 
 def test_a_resume_takes_a_line_a_crash_cut_short_and_a_missing_manifest(tmp_path):

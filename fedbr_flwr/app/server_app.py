@@ -19,7 +19,7 @@ from ..core.training import use_device
 from ..data.dataset import load_server_tests
 from ..runfiles import runlock
 from ..runfiles.checkpoint import load_checkpoint
-from ..runfiles.run_io import RunRecorder, resolve_output_dir
+from ..runfiles.run_io import RunRecorder, check_records_continue, resolve_output_dir
 from .checkpointing import ResumedRun
 from .flower_adapter import chooses_backend_per_run, receive_replies_promptly
 
@@ -45,6 +45,7 @@ def build_strategy(cfg: dict):
     if run.resume:
         checkpoint = load_checkpoint(out_dir)
         check_resumable(checkpoint[1]["config"], cfg, int(checkpoint[1]["round"]))
+        check_records_continue(out_dir, int(checkpoint[1]["round"]))  # plain `flwr run` with resume=true too
     torch.manual_seed(run.seed)  # the initial model: what every client is sent in round 1
     device = use_device(cfg)
     modules = {name: m.to(device) for name, m in client_class(run.strategy).build_modules(cfg).items()}
