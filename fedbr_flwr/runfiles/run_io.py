@@ -166,7 +166,7 @@ def check_records_continue(out_dir: Path, last_round: int) -> None:
     (other than a last line a crash cut short), a round up to ``last_round`` with no record in rounds.jsonl (one
     is written every round, before the checkpoint), or a manifest that is not a JSON object. Continuing would
     drop or trip over them, and write a summary with holes."""
-    _record_rounds(out_dir, "metrics.jsonl")
+    _record_rounds(out_dir, "metrics.jsonl")  # raises at a damaged line; its rounds are not needed
     missing = sorted(set(range(1, last_round + 1)) - set(_record_rounds(out_dir, "rounds.jsonl")))
     if missing:
         raise _damaged(
@@ -186,12 +186,18 @@ def _record_rounds(out_dir: Path, name: str) -> list[int]:
     lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
     rounds = []
     for number, line in enumerate(lines, 1):
-        record = _json_or_none(line)
-        if isinstance(record, dict) and type(record.get("round")) is int:
-            rounds.append(record["round"])
+        round_ = _round_of(line)
+        if round_ is not None:
+            rounds.append(round_)
         elif line.strip() and number < len(lines):
             raise _damaged(out_dir, f"line {number} of {name} is not a record of a round")
     return rounds
+
+
+def _round_of(line: str) -> int | None:
+    """The round of a JSON-lines record; None for a line that is not a record of a round (one a crash cut short)."""
+    record = _json_or_none(line)
+    return record["round"] if isinstance(record, dict) and type(record.get("round")) is int else None
 
 
 def _json_or_none(text: str) -> Any:
@@ -214,14 +220,8 @@ def keep_rounds_up_to(path: Path, last_round: int) -> None:
     if not path.exists():
         path.write_text("")
         return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if int(record.get("round", 0)) <= last_round:
-            kept.append(line + "\n")
+    lines = path.read_text(errors="replace").splitlines()
+    kept = [line + "\n" for line in lines if (round_ := _round_of(line)) is not None and round_ <= last_round]
     write_text_atomically(path, "".join(kept))
 
 
