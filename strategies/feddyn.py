@@ -1,6 +1,7 @@
 """FedDyn's server: h <- h - alpha/m sum_k (w_k - w_round) over the clients that answered (m: all
 clients); the new global model is the mean of theirs minus h / alpha (under a robust ``aggregation``, the
-rule's aggregate and |S| times its distance from w_round). Client k trains with alpha_k = alpha * n_mean / n_k
+rule's aggregate and n times its distance from w_round, n the number of updates it is made of: |S|, or the
+clients Krum keeps, the only ones that keep their new g_k). Client k trains with alpha_k = alpha * n_mean / n_k
 (sent in its fit config), and the model evaluated is the mean of the round's client models, as in the
 official code (the served model's global test accuracy: served_global_acc)."""
 
@@ -33,7 +34,7 @@ class FedDynStrategy(FederatedStrategy):
             if rnd.plan.is_mean:
                 drift = sum(u.arrays[name] - rnd.sent[name] for u in rnd.updates)
             else:
-                drift = len(rnd.updates) * (mean[name] - rnd.sent[name])
+                drift = rnd.used_count * (mean[name] - rnd.sent[name])
             self.h[name] = (h - alpha / m * drift).astype(h.dtype)
         return {name: (mean[name] - self.h[name] / alpha).astype(mean[name].dtype) for name in mean}
 

@@ -1,8 +1,9 @@
 """SCAFFOLD's server: the model is averaged (global lr 1); the server control variate c, named like the
 model's state and zero at first, is sent to every sampled client as 'control/<key>' and moves by the
 clients' returned changes ('control-delta/<key>'): c <- c + (1/N) sum_{i in S} Delta c_i, N = all clients.
-Under a robust ``aggregation`` the sum is |S| times the rule's aggregate of the Delta c_i (changes, from zero:
-norm-bound scales each by its client's model-update scale, Krum keeps the clients it keeps for the model)."""
+Under a robust ``aggregation`` the sum is n times the rule's aggregate of the Delta c_i (changes, from zero:
+norm-bound scales each by its client's model-update scale, Krum keeps the clients it keeps for the model), n the
+number of updates the aggregate is made of: |S|, or the clients Krum keeps, the only ones that keep their new c_i."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class ScaffoldStrategy(FederatedStrategy):
         else:
             names = [f"{CONTROL_DELTA}/{key}" for key in self.control]
             robust = rnd.combine(names, weights=[1.0] * len(rnd.updates))  # a sum over S by its math: unweighted
-            n, total = len(rnd.updates), run.num_clients
+            n, total = rnd.used_count, run.num_clients
             self.control = {
                 key: update_server_control(c, [n * robust[f"{CONTROL_DELTA}/{key}"]], total)
                 for key, c in self.control.items()

@@ -9,6 +9,7 @@ from flwr.common import FitRes
 from fedbr_flwr.app import payload
 from fedbr_flwr.core.algorithm import PENDING_PREFIX, UPDATE_USED, MemoryState
 from fedbr_flwr.core.config import validate
+from fedbr_flwr.runfiles.metrics import read_jsonl
 
 from fakes import InProcessProxy, in_process_federation, run_rounds
 
@@ -92,6 +93,32 @@ def test_scaffold_c_stays_the_clients_mean_after_a_rejected_update(tmp_path):
     assert not any(c.any() for c in cs[1].values()) and any(c.any() for c in cs[0].values())
     for name in cs[0]:
         np.testing.assert_allclose(server.control[name], (cs[0][name] + cs[1][name]) / 2, atol=1e-6)
+
+
+def moved(client, key):
+    return any(a.any() for a in kept(client, key).values())
+
+
+@pytest.mark.parametrize("strategy", ["scaffold", "feddyn"])
+@pytest.mark.parametrize("rule", ["krum", "multi-krum"])
+def test_only_the_clients_krum_keeps_keep_their_state(tmp_path, strategy, rule):
+    """An update Krum drops was not used: its client goes on from the state it had, and the server's state
+    moves by the kept clients' changes alone, so it stays the clients' mean."""
+    own = {"feddyn-alpha": 0.1} if strategy == "feddyn" else {}
+    cfg = validate({**CFG, "strategy": strategy, "num-clients": 5, "aggregation": rule, "byzantine-clients": 1, **own})
+    server, clients, proxies = in_process_federation(cfg, tmp_path)
+    run_rounds(server, proxies, 1)
+    (record,) = read_jsonl(tmp_path / "rounds.jsonl")
+    selected = record["aggregation"]["selected"]
+    assert len(selected) == (1 if rule == "krum" else 4)
+    key = "scaffold-control" if strategy == "scaffold" else "feddyn-g"
+    assert [pid for pid, c in enumerate(clients) if moved(c, key)] == selected
+    if strategy == "feddyn":
+        assert_feddyn_h_is_the_mean_of_g(server, clients)
+        return
+    cs = [kept(c, key) for c in clients]
+    for name, control in server.control.items():
+        np.testing.assert_allclose(control, sum(c[name] for c in cs) / len(cs), atol=1e-6)
 
 
 def test_the_checkpoint_holds_only_used_state(tmp_path):

@@ -232,7 +232,7 @@ def aggregate_accepted(
     weights = strategy.aggregation_weights(accepted)
     strategy.latest = strategy.aggregate(AggregationRound(server_round, sent, accepted, weights, plan))
     strategy.after_aggregate(strategy.latest)
-    strategy.checkpointer.updates_used(server_round, [u.pid for u in accepted])
+    strategy.checkpointer.updates_used(server_round, [accepted[i].pid for i in plan.used(len(accepted))])
     return plan, False
 
 

@@ -132,6 +132,11 @@ class RoundPlan:
     def is_mean(self) -> bool:
         return self.rule.name == "mean"
 
+    def used(self, count: int) -> tuple[int, ...]:
+        """The positions, among ``count`` updates, of those the aggregate is made of: the ones Krum keeps, else
+        all (a per-coordinate rule sorts every update, norm-bound scales them)."""
+        return self.selected if self.selected is not None else tuple(range(count))
+
     def combine(
         self,
         arrays: Sequence[Mapping[str, np.ndarray]],
@@ -217,3 +222,8 @@ class AggregationRound:
         update (``RoundPlan.combine``); ``weights``: others than the round's."""
         arrays = [u.arrays for u in self.updates]
         return self.plan.combine(arrays, self.weights if weights is None else weights, names, relative_to, clip)
+
+    @property
+    def used_count(self) -> int:
+        """How many of the round's updates its aggregate is made of (``RoundPlan.used``)."""
+        return len(self.plan.used(len(self.updates)))
