@@ -355,21 +355,32 @@ def round_seconds(out_dir: Path) -> dict[str, float]:
 def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -> dict:
     """The run's config from files and overrides (``num_clients``: the local SuperNodes, which it must
     match), or from the checkpoint of the run being resumed."""
-    from ..core.config import normalise_key, validate
-    from ..launch.plan import prepare, resume_config, settings_from
+    from ..launch.plan import prepare, resume_config
 
     cfg = resume_config(Path(resume), items) if resume else None
-    if cfg is None:
-        settings = {normalise_key(k): v for k, v in settings_from(items).items()}
-        cfg = validate(settings)
-        if num_clients is not None:
-            if common(cfg).num_clients not in (0, num_clients):
-                raise ConfigError(
-                    f"num-clients = {common(cfg).num_clients} but --supernodes {num_clients}: drop "
-                    "num-clients or make them equal"
-                )
-            cfg = validate({**settings, "num-clients": num_clients})
-        cfg = prepare(cfg, overwrite=False)
+    return check_deployable(cfg if cfg is not None else prepare(new_run_config(items, num_clients), overwrite=False))
+
+
+def new_run_config(items: Sequence[str], num_clients: int | None) -> dict:
+    """A new run's config, validated and not yet prepared (no folder, no data read): its num-clients set to
+    ``num_clients`` (the local SuperNodes), which a num-clients it gives must equal."""
+    from ..core.config import normalise_key, validate
+    from ..launch.plan import settings_from
+
+    settings = {normalise_key(k): v for k, v in settings_from(items).items()}
+    cfg = validate(settings)
+    if num_clients is not None:
+        if common(cfg).num_clients not in (0, num_clients):
+            raise ConfigError(
+                f"num-clients = {common(cfg).num_clients} but --supernodes {num_clients}: drop "
+                "num-clients or make them equal"
+            )
+        cfg = validate({**settings, "num-clients": num_clients})
+    return check_deployable(cfg)
+
+
+def check_deployable(cfg: dict) -> dict:
+    """``cfg``, unless it asks for what only a simulation has."""
     run = common(cfg)
     if run.engine == "cohort":
         raise ConfigError(
