@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One piece of the FedBR Table 1 RotatedMNIST campaign: FedAvg and FedBR, seeds 0, 1, 2, 1000 rounds, the paper's
-# protocol and metric (experiments/table1_rotmnist.yaml). It runs for at most MINUTES (default 14), then stops
+# protocol and metric (experiments/table1_rotmnist.yaml). It runs for at most MINUTES (default 14; or a duration
+# such as 530s, so that a GPU slot's last part-minute is used too), then stops
 # after the last round that fits, leaving every run's state in campaigns/table1 (CAMPAIGN_OUT: another folder);
 # the same command continues. Exit 0: the campaign is complete; 75: a piece ended, run it again. Further
 # arguments go to fedbr-sweep (data-dir=..., --jobs 2 for two runs at once, or a later --seeds).
@@ -11,7 +12,8 @@
 #   experiments/campaign_table1.sh 14 data-dir=/data
 #   experiments/campaign_table1.sh 14 --jobs 2 data-dir=/data
 set -u
-minutes="${1:-14}"
+limit="${1:-14}"
 shift $(($# > 0 ? 1 : 0))
+[[ "$limit" =~ ^[0-9]+$ ]] && limit="${limit}m" # a plain number is minutes
 exec fedbr-sweep experiments/table1_rotmnist.yaml --only FedAvg FedBR --seeds 0 1 2 \
-    --out "${CAMPAIGN_OUT:-campaigns/table1}" --time-limit "${minutes}m" engine=cohort "$@"
+    --out "${CAMPAIGN_OUT:-campaigns/table1}" --time-limit "$limit" engine=cohort "$@"

@@ -55,6 +55,18 @@ def test_the_campaign_is_fedavg_and_fedbr_at_the_papers_protocol_three_seeds(tmp
     assert f"FedBR seed 2: strategy=fedbr -> {tmp_path / 'c' / 'FedBR' / 'seed2'}" in listed.stdout
 
 
+@pytest.mark.parametrize("given, limit", [("14", "14m"), ("530s", "530s"), ("1h30m", "1h30m")])
+def test_the_campaigns_limit_is_minutes_or_a_duration(tmp_path, given, limit):
+    """A plain number is minutes; a duration passes as it is (a GPU slot's last part-minute counts too)."""
+    stub = tmp_path / "fedbr-sweep"
+    stub.write_text('#!/bin/sh\necho "$@"\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    ran = subprocess.run(["bash", CAMPAIGN, given, "data-dir=/d"], env=env, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split()[-4:] == ["--time-limit", limit, "engine=cohort", "data-dir=/d"]
+
+
 @pytest.mark.e2e
 def test_the_campaign_in_pieces_ends_with_the_records_of_uninterrupted_runs(tmp_path, capsys, monkeypatch):
     """Three pieces of the campaign's command (tiny config, one seed). Each watch lets 3 rounds pass, then the next
