@@ -22,9 +22,22 @@ class ClientWeights:
         self.eta = eta
 
     def update(self, losses: dict[int, float]) -> None:
+        """p_i <- p_i exp(eta loss_i), normalised. Where a product overflows (a client that reports a loss of
+        1e6, finite and well-formed), in log space: p stays a distribution instead of turning NaN for good."""
+        factors = np.ones_like(self.p)
+        with np.errstate(over="ignore"):
+            for pid, loss in losses.items():
+                factors[pid] = np.exp(self.eta * loss)
+            grown = self.p * factors
+        if np.all(np.isfinite(grown)):
+            self.p = grown / grown.sum()
+            return
+        with np.errstate(divide="ignore"):  # a weight that underflowed to 0 is log 0 = -inf, and stays 0
+            log_p = np.log(self.p)
         for pid, loss in losses.items():
-            self.p[pid] *= np.exp(self.eta * loss)
-        self.p /= self.p.sum()
+            log_p[pid] += self.eta * loss
+        grown = np.exp(log_p - log_p.max())
+        self.p = grown / grown.sum()
 
 
 @register_strategy("groupdro")

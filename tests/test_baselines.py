@@ -461,6 +461,15 @@ def test_groupdro_weight_grows_for_the_client_with_the_highest_loss():
     assert weights.p[1] / weights.p[0] == pytest.approx(math.exp(0.5 * 2.0))
 
 
+def test_groupdro_weights_stay_a_distribution_when_a_reported_loss_overflows_the_product():
+    weights = ClientWeights(3, eta=0.01)
+    weights.update({0: 1e6, 1: 1.0})  # exp(1e4) is inf in float64: the plain product gave inf / inf = NaN
+    np.testing.assert_allclose(weights.p, [1.0, 0.0, 0.0])
+    weights = ClientWeights(3, eta=0.01)
+    weights.update({1: 1e5, 2: 1e5 + 100})  # in log space: p_2 / p_1 = e^(0.01 * 100), p_0 / p_1 = e^-1000
+    np.testing.assert_allclose(weights.p, [0.0, 1 / (1 + np.e), np.e / (1 + np.e)], atol=1e-300)
+
+
 def test_groupdro_strategy_averages_with_its_client_weights(tmp_path):
     """The weights come from each client's first-step loss (at the global model), not its round-mean loss."""
     cfg = cfg_of(
