@@ -538,6 +538,7 @@ def test_groupdro_clients_report_the_loss_of_their_first_step_at_the_global_mode
             "seed": 31,  # both clients' first lam well inside (0, 1), where mixing changes the mean loss
         },
     )
+    torch.manual_seed(0)  # a client's own initial weights come from torch's global generator (a run sends its own)
     cohort = build_client(cfg, {"partition-id": 0, "num-partitions": 1}, RecordDict())
     model = cohort.algorithm.model
     with torch.no_grad():  # sharper logits than at initialisation, so that mixing changes the loss clearly
