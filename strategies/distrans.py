@@ -8,7 +8,8 @@ each client's returned offset is aggregated by ``distrans-agg``:
 * ``nn``: a server network h maps client i's class-share embedding e_i (its share of each class's
   training samples) to an offset. Each round it takes ``distrans-nn-steps`` SGD steps on the MSE
   between h(e_i) and the offsets the clients returned, and h(e_i) becomes client i's next offset (a
-  regression, not a mean: a robust ``aggregation`` does not change it);
+  regression, not a mean; under a robust ``aggregation`` it fits the offsets of the clients the rule keeps,
+  each clipped to the range the network outputs);
 * ``auto``: DH (distributional heterogeneity) of the clients' reported class histograms picks
   ``none`` at DH >= ``distrans-dh-threshold`` and ``nn`` below.
 
@@ -47,6 +48,9 @@ class OffsetGenerator(nn.Module):
     """DisTrans' server-side aggregation network h(e) -> offset: a small MLP on the class-share
     embedding e, then a generator of four conv layers (two transposed, stride 2) with a Tanh output,
     cropped to the input shape and mapped affinely from [-1, 1] onto [low, high] per channel."""
+
+    center: torch.Tensor  # (low + high) / 2, per channel: buffers
+    half_range: torch.Tensor
 
     def __init__(
         self,
@@ -216,14 +220,26 @@ class DisTransStrategy(FederatedStrategy):
         assert self.aggregator is not None  # built at discovery, before any round's answers
         offsets = {u.pid: u.arrays[OFFSET] for u in rnd.updates}
         self.returned_offsets.update(offsets)
+        robust, mode = not rnd.plan.is_mean, self.aggregator.mode
         # an offset is no update of anything the server sent: norm-bound does not clip it
-        robust = not rnd.plan.is_mean and self.aggregator.mode == "avg"
-        mean = None if not robust else rnd.combine([OFFSET], clip=False)[OFFSET]
+        mean = rnd.combine([OFFSET], clip=False)[OFFSET] if robust and mode == "avg" else None
+        targets = self.offsets_to_fit_robustly(rnd) if robust and mode == "nn" else offsets
         weights = {u.pid: w for u, w in zip(rnd.updates, rnd.weights)}
-        nxt, self.server_metrics = self.aggregator.update(offsets, weights, mean)
+        nxt, self.server_metrics = self.aggregator.update(targets, weights, mean)
         self.next_offsets.update(nxt)
         self.save_offsets()
         return super().aggregate(rnd)
+
+    def offsets_to_fit_robustly(self, rnd) -> dict[int, np.ndarray]:
+        """What ``nn`` fits under a robust rule: the offsets of the clients the rule keeps (Krum's), each clipped
+        to the range the network outputs, so that an offset it could send passes unchanged and none pulls it
+        further than one it could send (a single offset of 1e30 made it NaN, and with it every client's)."""
+        network = self.aggregator.network if self.aggregator is not None else None
+        if network is None:
+            raise RuntimeError("offset aggregation 'nn' needs the aggregation network")
+        center, half = (b.detach().cpu().numpy() for b in (network.center, network.half_range))
+        kept = [rnd.updates[i] for i in rnd.plan.used(len(rnd.updates))]
+        return {u.pid: np.clip(u.arrays[OFFSET], center - half, center + half) for u in kept}
 
     def client_arrays(self, pid):
         return {OFFSET: self.next_offsets[pid].astype(np.float32)} if pid in self.next_offsets else {}

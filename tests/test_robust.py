@@ -267,6 +267,28 @@ def test_distrans_avg_sends_the_rules_aggregate_offset(tmp_path):
     np.testing.assert_array_equal(s.next_offsets[0], ups[1].arrays["offset"])
 
 
+@pytest.mark.parametrize("rule, count", [("median", 3), ("krum", 5)])
+def test_distrans_nn_fits_the_kept_offsets_clipped_to_the_range_it_outputs(tmp_path, rule, count):
+    """One offset of 1e30 (finite, well-formed) made the network, and so every client's next offset, NaN."""
+    from strategies.distrans import OffsetAggregator
+
+    s, g, ups = strategy_with_updates(tmp_path, "distrans", rule, count, count, **{"distrans-agg": "nn"})
+    ups[1].arrays["offset"] = np.full_like(ups[1].arrays["offset"], 1e30)
+    s.aggregator = OffsetAggregator("nn", np.eye(count, 10, dtype=np.float32), s.network)
+    fitted: dict = {}
+    fit = s.aggregator.fit
+    s.aggregator.fit = lambda offsets: (fitted.update(offsets), fit(offsets))[1]
+    rnd = round_of(s, g, ups)
+    s.aggregate(rnd)
+    low = (s.network.center - s.network.half_range).numpy()
+    high = (s.network.center + s.network.half_range).numpy()
+    assert sorted(fitted) == [ups[i].pid for i in rnd.plan.used(count)]
+    for pid, target in fitted.items():  # an offset inside the range is fitted as it came
+        np.testing.assert_array_equal(target, np.clip(ups[pid].arrays["offset"], low, high))
+    for offset in s.next_offsets.values():
+        assert np.isfinite(offset).all() and (offset >= low - 1e-6).all() and (offset <= high + 1e-6).all()
+
+
 # ---------------------------------------------------------------- short federations
 
 
