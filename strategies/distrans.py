@@ -234,10 +234,9 @@ class DisTransStrategy(FederatedStrategy):
         """What ``nn`` fits under a robust rule: the offsets of the clients the rule keeps (Krum's), each clipped
         to the range the network outputs, so that an offset it could send passes unchanged and none pulls it
         further than one it could send (a single offset of 1e30 made it NaN, and with it every client's)."""
-        network = self.aggregator.network if self.aggregator is not None else None
-        if network is None:
+        if self.network is None:
             raise RuntimeError("offset aggregation 'nn' needs the aggregation network")
-        center, half = (b.detach().cpu().numpy() for b in (network.center, network.half_range))
+        center, half = (b.detach().cpu().numpy() for b in (self.network.center, self.network.half_range))
         kept = [rnd.updates[i] for i in rnd.plan.used(len(rnd.updates))]
         return {u.pid: np.clip(u.arrays[OFFSET], center - half, center + half) for u in kept}
 
