@@ -237,8 +237,7 @@ class DisTransStrategy(FederatedStrategy):
         if self.network is None:
             raise RuntimeError("offset aggregation 'nn' needs the aggregation network")
         center, half = (b.detach().cpu().numpy() for b in (self.network.center, self.network.half_range))
-        kept = [rnd.updates[i] for i in rnd.plan.used(len(rnd.updates))]
-        return {u.pid: np.clip(u.arrays[OFFSET], center - half, center + half) for u in kept}
+        return {u.pid: np.clip(u.arrays[OFFSET], center - half, center + half) for u in rnd.used}
 
     def client_arrays(self, pid):
         return {OFFSET: self.next_offsets[pid].astype(np.float32)} if pid in self.next_offsets else {}

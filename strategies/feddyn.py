@@ -34,7 +34,7 @@ class FedDynStrategy(FederatedStrategy):
             if rnd.plan.is_mean:
                 drift = sum(u.arrays[name] - rnd.sent[name] for u in rnd.updates)
             else:
-                drift = rnd.used_count * (mean[name] - rnd.sent[name])
+                drift = len(rnd.used) * (mean[name] - rnd.sent[name])
             self.h[name] = (h - alpha / m * drift).astype(h.dtype)
         return {name: (mean[name] - self.h[name] / alpha).astype(mean[name].dtype) for name in mean}
 

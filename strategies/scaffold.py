@@ -49,7 +49,7 @@ class ScaffoldStrategy(FederatedStrategy):
         else:
             names = [f"{CONTROL_DELTA}/{key}" for key in self.control]
             robust = rnd.combine(names, weights=[1.0] * len(rnd.updates))  # a sum over S by its math: unweighted
-            n, total = rnd.used_count, run.num_clients
+            n, total = len(rnd.used), run.num_clients
             self.control = {
                 key: update_server_control(c, [n * robust[f"{CONTROL_DELTA}/{key}"]], total)
                 for key, c in self.control.items()

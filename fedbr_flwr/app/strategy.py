@@ -230,9 +230,10 @@ def aggregate_accepted(
     if not plan.is_mean:
         plan = strategy.robust_rule.plan([u.arrays for u in accepted], sent)
     weights = strategy.aggregation_weights(accepted)
-    strategy.latest = strategy.aggregate(AggregationRound(server_round, sent, accepted, weights, plan))
+    rnd = AggregationRound(server_round, sent, accepted, weights, plan)
+    strategy.latest = strategy.aggregate(rnd)
     strategy.after_aggregate(strategy.latest)
-    strategy.checkpointer.updates_used(server_round, [accepted[i].pid for i in plan.used(len(accepted))])
+    strategy.checkpointer.updates_used(server_round, [u.pid for u in rnd.used])
     return plan, False
 
 

@@ -224,6 +224,6 @@ class AggregationRound:
         return self.plan.combine(arrays, self.weights if weights is None else weights, names, relative_to, clip)
 
     @property
-    def used_count(self) -> int:
-        """How many of the round's updates its aggregate is made of (``RoundPlan.used``)."""
-        return len(self.plan.used(len(self.updates)))
+    def used(self) -> list[ClientUpdate]:
+        """The updates the round's aggregate is made of (``RoundPlan.used``): Krum's picks, else all."""
+        return [self.updates[i] for i in self.plan.used(len(self.updates))]
