@@ -357,8 +357,9 @@ def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -
     match), or from the checkpoint of the run being resumed."""
     from ..launch.plan import prepare, resume_config
 
-    cfg = resume_config(Path(resume), items) if resume else None
-    return check_deployable(cfg if cfg is not None else prepare(new_run_config(items, num_clients), overwrite=False))
+    if resume:
+        return check_deployable(resume_config(Path(resume), items))
+    return prepare(new_run_config(items, num_clients), overwrite=False)  # new_run_config checks it
 
 
 def new_run_config(items: Sequence[str], num_clients: int | None) -> dict:
