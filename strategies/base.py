@@ -7,9 +7,9 @@ Hooks, in the order a round calls them:
 ``before_round`` (the broadcast data: ``make_shared_data``, ``shared_is_stale``), ``round_arrays`` (sent to
 every sampled client: SCAFFOLD's c; components add theirs, e.g. FedCM's Delta), ``client_arrays`` (to one
 client: DisTrans' offset), ``fit_config``, ``after_answers``, ``aggregation_weights`` (GroupDRO),
-``aggregate`` (the new global arrays), ``after_aggregate``; and ``after_discovery`` (once),
-``global_test_module``, ``reported_arrays`` (the model evaluated), ``checkpoint_state`` /
-``restore_state`` (what a checkpoint holds beyond the global arrays)."""
+``judged_groups`` (what Krum and norm-bound judge beside the model update), ``aggregate`` (the new global
+arrays), ``after_aggregate``; and ``after_discovery`` (once), ``global_test_module``, ``reported_arrays`` (the
+model evaluated), ``checkpoint_state`` / ``restore_state`` (what a checkpoint holds beyond the global arrays)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from fedbr_flwr.data.dataset import ServerTests
 from fedbr_flwr.runfiles import codec
 from fedbr_flwr.runfiles.run_io import RunRecorder
 from fedbr_flwr.server.components import server_component_class
-from fedbr_flwr.server.robust import AggregationRound
+from fedbr_flwr.server.robust import AggregationRound, JudgedGroup
 from fedbr_flwr.server.updates import ClientUpdate
 
 Named = dict[str, np.ndarray]
@@ -102,6 +102,11 @@ class FederatedStrategy(FlowerStrategy):
     def aggregation_weights(self, updates: list[ClientUpdate]) -> list[float]:
         """One weight per update, in order (GroupDRO's come from the clients' losses)."""
         return [u.num_examples if common(self.cfg).weighting == "samples" else 1.0 for u in updates]
+
+    def judged_groups(self) -> tuple[JudgedGroup, ...]:
+        """The arrays clients return beside the model update that ``aggregate`` averages: Krum and norm-bound
+        judge each client on them too (SCAFFOLD's control-variate changes, DisTrans' offsets under ``avg``)."""
+        return ()
 
     def aggregate(self, rnd: AggregationRound) -> Named:
         """The new global arrays from the round's accepted updates (``rnd.combine``: every mean goes through it)."""

@@ -3,8 +3,9 @@ each client's returned offset is aggregated by ``distrans-agg``:
 
 * ``none``: offsets stay with their clients (the server sends none back);
 * ``avg``: every client receives the (uniform or sample-weighted) mean offset (under a robust ``aggregation``,
-  the rule's aggregate: coordinate-wise for median / trimmed-mean, over the clients Krum keeps, unclipped
-  under norm-bound);
+  the rule's aggregate: coordinate-wise for median / trimmed-mean; Krum and norm-bound judge each client's
+  offset beside its model update, Krum averaging those of the clients it keeps, norm-bound clipping each offset
+  towards the round's coordinate-wise median);
 * ``nn``: a server network h maps client i's class-share embedding e_i (its share of each class's
   training samples) to an offset. Each round it takes ``distrans-nn-steps`` SGD steps on the MSE
   between h(e_i) and the offsets the clients returned, and h(e_i) becomes client i's next offset (a
@@ -34,6 +35,7 @@ from fedbr_flwr.data.catalog import INFO, DatasetInfo
 from fedbr_flwr.data.dataset import normalise
 from fedbr_flwr.data.partition import heterogeneity_from_counts
 from fedbr_flwr.runfiles import codec
+from fedbr_flwr.server.robust import JudgedGroup
 from fedbr_flwr.server.updates import weighted_mean
 
 from .base import FederatedStrategy
@@ -216,13 +218,18 @@ class DisTransStrategy(FederatedStrategy):
         )
         return {"distrans": {"dh": dh, "offset_agg": mode, "distrans_agg_setting": s.agg}}
 
+    def judged_groups(self):
+        """Under ``avg`` the offsets are averaged: an offset is no update of anything the server sent (in round 1
+        it sent none), so its size is its distance from the round's coordinate-wise median."""
+        averaged = self.aggregator is not None and self.aggregator.mode == "avg"
+        return (JudgedGroup((OFFSET,), centred=True),) if averaged else ()
+
     def aggregate(self, rnd):
         assert self.aggregator is not None  # built at discovery, before any round's answers
         offsets = {u.pid: u.arrays[OFFSET] for u in rnd.updates}
         self.returned_offsets.update(offsets)
         robust, mode = not rnd.plan.is_mean, self.aggregator.mode
-        # an offset is no update of anything the server sent: norm-bound does not clip it
-        mean = rnd.combine([OFFSET], clip=False)[OFFSET] if robust and mode == "avg" else None
+        mean = rnd.combine([OFFSET])[OFFSET] if robust and mode == "avg" else None
         targets = self.offsets_to_fit_robustly(rnd) if robust and mode == "nn" else offsets
         weights = {u.pid: w for u, w in zip(rnd.updates, rnd.weights)}
         nxt, self.server_metrics = self.aggregator.update(targets, weights, mean)
@@ -267,9 +274,11 @@ class DisTransStrategy(FederatedStrategy):
         codec.write(self.recorder.out_dir / "offsets.npz", arrays)
 
     def global_test_module(self) -> torch.nn.Module:
-        """The global test set has no client: it is seen through the mean of the clients' latest offsets."""
+        """The global test set has no client: it is seen through the mean of the clients' latest offsets (under a
+        robust ``aggregation``, their coordinate-wise median, which no single client moves far)."""
         if self.returned_offsets:
-            t = np.mean(np.stack(list(self.returned_offsets.values())), axis=0)
+            latest = np.stack(list(self.returned_offsets.values()))
+            t = np.mean(latest, axis=0) if self.robust_rule.name == "mean" else np.median(latest, axis=0)
         else:
             t = np.zeros(self.returned_shapes()[OFFSET], dtype=np.float32)
         t = torch.as_tensor(t, dtype=torch.float32, device=self._device())

@@ -1,9 +1,10 @@
 """SCAFFOLD's server: the model is averaged (global lr 1); the server control variate c, named like the
 model's state and zero at first, is sent to every sampled client as 'control/<key>' and moves by the
 clients' returned changes ('control-delta/<key>'): c <- c + (1/N) sum_{i in S} Delta c_i, N = all clients.
-Under a robust ``aggregation`` the sum is n times the rule's aggregate of the Delta c_i (changes, from zero:
-norm-bound scales each by its client's model-update scale, Krum keeps the clients it keeps for the model), n the
-number of updates the aggregate is made of: |S|, or the clients Krum keeps, the only ones that keep their new c_i."""
+Under a robust ``aggregation`` the sum is n times the rule's aggregate of the Delta c_i (changes, from zero),
+n the number of updates the aggregate is made of: |S|, or the clients Krum keeps, the only ones that keep their
+new c_i. Krum and norm-bound judge each client's Delta c_i beside its model update (``judged_groups``): Krum
+from both, norm-bound scaling each Delta c_i by the smaller of its model update's scale and its own."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_strategy
+from fedbr_flwr.server.robust import JudgedGroup
 
 from .base import FederatedStrategy
 
@@ -36,6 +38,9 @@ class ScaffoldStrategy(FederatedStrategy):
             **super().round_arrays(server_round, global_arrays),
             **{f"{CONTROL}/{key}": c for key, c in self.control.items()},
         }
+
+    def judged_groups(self):
+        return (JudgedGroup(tuple(f"{CONTROL_DELTA}/{key}" for key in self.control)),)
 
     def aggregate(self, rnd):
         run = common(self.cfg)

@@ -15,6 +15,7 @@ from fedbr_flwr.core import attack
 from fedbr_flwr.core.config import check_trim_cuts, validate
 from fedbr_flwr.core.errors import ConfigError
 from fedbr_flwr.server.robust import (
+    JudgedGroup,
     RobustRule,
     RoundPlan,
     clip_scales,
@@ -22,6 +23,8 @@ from fedbr_flwr.server.robust import (
     krum_scores,
     krum_select,
     minimum_updates,
+    pooled_distances,
+    squared_distances,
     trimmed_count,
     trimmed_mean,
 )
@@ -65,15 +68,15 @@ def test_trimmed_mean_cuts_floor_fraction_n_at_each_end():
 def test_krum_score_sums_the_n_minus_f_minus_2_closest_squared_distances():
     flat = np.array([[0.0], [1.0], [2.0], [3.0], [100.0]])
     # f = 1: 2 neighbours each. 0: 1 + 4; 1: 1 + 1; 2: 1 + 1; 3: 1 + 4; 100: 97^2 + 98^2
-    np.testing.assert_array_equal(krum_scores(flat, 1), [5.0, 2.0, 2.0, 5.0, 97.0**2 + 98.0**2])
-    assert krum_select(flat, 1, 1) == [1]  # a tie: the lower index
-    assert krum_select(flat, 1, 4) == [0, 1, 2, 3]
+    np.testing.assert_array_equal(krum_scores(squared_distances(flat), 1), [5.0, 2.0, 2.0, 5.0, 97.0**2 + 98.0**2])
+    assert krum_select(squared_distances(flat), 1, 1) == [1]  # a tie: the lower index
+    assert krum_select(squared_distances(flat), 1, 4) == [0, 1, 2, 3]
     plan, out = aggregate(RobustRule("krum", byzantine=1), updates([0], [1], [2], [3], [100]))
     assert out[0] == 1.0 and plan.record([10, 11, 12, 13, 14]) == {"rule": "krum", "selected": [11]}
     _, out = aggregate(RobustRule("multi-krum", byzantine=1), updates([0], [1], [2], [3], [100]), [1, 1, 1, 5, 1])
     assert out[0] == pytest.approx((0 + 1 + 2 + 15) / 8)  # multi-krum's mean is weighted
     with pytest.raises(ValueError, match="more than 2f"):
-        krum_scores(flat[:4], 1)
+        krum_scores(squared_distances(flat[:4]), 1)
     assert minimum_updates("krum", 1) == 5 and minimum_updates("median", 3) == 1
 
 
@@ -89,10 +92,40 @@ def test_norm_bound_clips_each_update_relative_to_the_global_model():
     plan, out = aggregate(RobustRule("norm-bound", multiple=1.5), updates([4, 5], [1, 2], [1, 3]), [1, 1, 2], g)
     assert plan.bound == pytest.approx(3.0)
     np.testing.assert_allclose(out, (np.array([1 + 1.8, 1 + 2.4]) + [1, 2] + 2 * np.array([1, 3])) / 4, rtol=1e-6)
-    # changes (relative_to None: from zero) are clipped by the same scales; clip=False averages as they are
+    # changes (relative_to None: from zero) outside any judged group are clipped by the same scales
     delta = [{"d": np.array([10.0], np.float32)}, {"d": np.array([2.0], np.float32)}]
     assert plan.combine(delta[:2], [1, 1], ["d"])["d"][0] == pytest.approx((0.6 * 10 + 2) / 2)
-    assert plan.combine(delta[:2], [1, 1], ["d"], clip=False)["d"][0] == pytest.approx(6.0)
+
+
+def test_krum_judges_the_other_arrays_a_strategy_averages_in_their_own_scale():
+    """A client whose model update Krum would keep, but whose control-variate change is far from the others'."""
+    model = np.array([[0.0], [1.0], [2.0], [3.0], [100.0]])
+    other = np.array([[0.0], [50.0], [1.0], [2.0], [3.0]])
+    # each group's squared distances over its median pair (6.5 for both); 2 neighbours each (f = 1)
+    want = np.array([(4 + 1) + (9 + 4), (4 + 2304) + (1 + 2401), (1 + 1) + (4 + 1), (1 + 1) + (9 + 4), 0]) / 6.5
+    want[4] = ((9409 + 1) + (9604 + 4)) / 6.5
+    np.testing.assert_allclose(krum_scores(pooled_distances([model, other]), 1), want)
+    assert krum_select(squared_distances(model), 1, 1) == [1]  # on the model alone: client 1
+    ups = [{W: m.astype(np.float32), "d": o.astype(np.float32)} for m, o in zip(model, other)]
+    plan = RobustRule("krum", byzantine=1).plan(ups, {W: np.zeros(1, np.float32)}, [JudgedGroup(("d",))])
+    assert plan.selected == (2,)
+
+
+def test_norm_bound_clips_each_judged_group_by_its_own_bound_too():
+    g = {W: np.array([1.0, 1.0], dtype=np.float32)}
+    ups = updates([4, 5], [1, 2], [1, 1.5])  # model updates of norm 5, 1, 0.5: scales 0.4, 1, 1 under a bound of 2
+    for u, d, t in zip(ups, [20.0, 2.0, 1.0], [10.0, 2.0, 1.5]):
+        u.update({"d": np.array([d], np.float32), "t": np.array([t], np.float32)})
+    judged = [JudgedGroup(("d",)), JudgedGroup(("t",), centred=True)]
+    plan = RobustRule("norm-bound", bound=2.0, multiple=2.0).plan(ups, g, judged)
+    # d, from zero: norms 20, 2, 1, bound 2 x median = 4: own scales 0.2, 1, 1 (and at most the model's)
+    assert plan.combine(ups, [1, 1, 1], ["d"])["d"][0] == pytest.approx((0.2 * 20 + 2 + 1) / 3)
+    # t, centred on the median 2: distances 8, 0, 0.5, bound 2 x 0.5 = 1: scales 1/8, 1, 1
+    assert plan.combine(ups, [1, 1, 1], ["t"])["t"][0] == pytest.approx(2 + (8 / 8 + 0 - 0.5) / 3)
+    np.testing.assert_allclose(plan.combine(ups, [1, 1, 1], [W], g)[W], [1 + 1.2 / 3, 1 + (1.6 + 1 + 0.5) / 3])
+    assert plan.record([7, 8, 9])["clipped"] == [7]
+    t_only = RobustRule("norm-bound", bound=10.0, multiple=2.0).plan(ups, g, judged)  # no model update clipped
+    assert t_only.scales == (1.0, 1.0, 1.0) and t_only.record([7, 8, 9])["clipped"] == [7]
 
 
 def test_mean_plan_is_named_mean_bit_for_bit():
@@ -227,7 +260,8 @@ def round_of(s, g, ups):
     """The round ``s.aggregate`` gets: ``ups`` around ``g``, equal weights, the rule's plan for them."""
     from fedbr_flwr.server.robust import AggregationRound
 
-    return AggregationRound(1, g, ups, [1.0] * len(ups), s.robust_rule.plan([u.arrays for u in ups], g))
+    plan = s.robust_rule.plan([u.arrays for u in ups], g, s.judged_groups())
+    return AggregationRound(1, g, ups, [1.0] * len(ups), plan)
 
 
 def median_of(ups, name):
@@ -265,6 +299,36 @@ def test_distrans_avg_sends_the_rules_aggregate_offset(tmp_path):
     s.aggregate(rnd)
     assert rnd.plan.selected in ((1,), (3,))  # the two identical updates score lowest
     np.testing.assert_array_equal(s.next_offsets[0], ups[1].arrays["offset"])
+
+
+@pytest.mark.parametrize("rule", ["krum", "multi-krum", "norm-bound"])
+@pytest.mark.parametrize("strategy", ["scaffold", "distrans"])
+def test_an_honest_model_update_carries_no_poisoned_control_or_offset(tmp_path, strategy, rule):
+    """Krum, multi-Krum and norm-bound judged a client by its model update alone: one client sending another's
+    model update (which Krum keeps) with a control-variate change or offset of 1e30 set c, or every client's next
+    offset, to about 1e29."""
+    from fedbr_flwr.app.strategy import aggregate_accepted
+    from strategies.distrans import OffsetAggregator
+
+    extra = {"distrans-agg": "avg"} if strategy == "distrans" else {}
+    s, g, ups = strategy_with_updates(tmp_path, strategy, rule, 5, 5, **extra)
+    if strategy == "distrans":
+        s.aggregator = OffsetAggregator("avg", np.full((5, 10), 0.2))
+    for name, a in ups[0].arrays.items():  # client 0 sends client 1's model update: the pair Krum scores lowest
+        ups[0].arrays[name] = np.full_like(a, 1e30) if name not in g else ups[1].arrays[name].copy()
+    plan, skipped = aggregate_accepted(s, 1, ups)  # as the server does it
+    assert not skipped and (rule == "norm-bound" or 0 not in plan.used(5))
+    moved = s.control.values() if strategy == "scaffold" else s.next_offsets.values()
+    assert max(float(np.abs(a).max()) for a in moved) < 10
+
+
+def test_distrans_global_test_sees_the_median_offset_under_a_robust_rule(tmp_path):
+    """The mean of the clients' latest offsets, which one offset of 1e30 made the global test's input."""
+    s, _, _ = strategy_with_updates(tmp_path, "distrans", "norm-bound", **{"distrans-agg": "none"})
+    s.returned_offsets = {
+        pid: np.full(s.returned_shapes()["offset"], v, np.float32) for pid, v in enumerate([0, 1, 1e30])
+    }
+    np.testing.assert_array_equal(s.global_test_module().t.cpu().numpy(), s.returned_offsets[1])
 
 
 @pytest.mark.parametrize("rule, count", [("median", 3), ("krum", 5)])

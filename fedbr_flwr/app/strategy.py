@@ -21,7 +21,7 @@ from ..core.training import evaluate, load_module_arrays
 from ..data.catalog import INFO, data_folder
 from ..data.dataset import ServerTests, partition_sizes, save_partition
 from ..server.recording import eval_record, round_record, server_test_fields
-from ..server.robust import AggregationRound, RobustRule, RoundPlan, minimum_updates
+from ..server.robust import AggregationRound, JudgedGroup, RobustRule, RoundPlan, minimum_updates
 from ..server.updates import ClientUpdate, byte_budget, count_problem, known_size, screen_evaluations, update_problem
 from . import payload, routing
 from .checkpointing import Checkpointer
@@ -43,6 +43,7 @@ class FlowerStrategy(Strategy):
     fit_config: Callable[[int, int], dict[str, Any]]
     after_answers: Callable[[dict[int, dict]], None]
     aggregation_weights: Callable[[list[ClientUpdate]], list[float]]
+    judged_groups: Callable[[], tuple[JudgedGroup, ...]]
     aggregate: Callable[[AggregationRound], payload.Named]
     after_aggregate: Callable[[payload.Named], None]
     after_discovery: Callable[[], dict[str, Any]]
@@ -228,7 +229,7 @@ def aggregate_accepted(
     # no configure_fit before it: the latest arrays, else the initial ones
     sent = strategy.sent if strategy.sent is not None else strategy.latest or strategy.initial_arrays()
     if not plan.is_mean:
-        plan = strategy.robust_rule.plan([u.arrays for u in accepted], sent)
+        plan = strategy.robust_rule.plan([u.arrays for u in accepted], sent, strategy.judged_groups())
     weights = strategy.aggregation_weights(accepted)
     rnd = AggregationRound(server_round, sent, accepted, weights, plan)
     strategy.latest = strategy.aggregate(rnd)

@@ -2,15 +2,16 @@
 strategies take goes through (``RoundPlan.combine``).
 
 Coordinate-wise rules (``median``, ``trimmed-mean``) act on each coordinate of each array alone. Whole-update
-rules (``krum``, ``multi-krum``, ``norm-bound``) decide per client from its model update: all of its global
-arrays (the ones the server sent) minus the round's global arrays, flattened together. That decision (which
-clients Krum keeps, how far norm-bound shrinks each update) is made once a round and then applies to every
-payload the strategy averages, so a client's control-variate change or offset follows its model update.
+rules (``krum``, ``multi-krum``, ``norm-bound``) decide per client from its model update (all of its global
+arrays minus the round's, flattened together) and from every other group of arrays the strategy averages
+(``JudgedGroup``: SCAFFOLD's control-variate changes, DisTrans' offsets), each group judged in its own scale.
+That decision (which clients Krum keeps, how far norm-bound shrinks each group) is made once a round and then
+applies to every payload the strategy averages.
 docs/robust-aggregation.md describes the rules, their assumptions and their cost."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -51,21 +52,34 @@ def squared_distances(flat: np.ndarray) -> np.ndarray:
     return dist
 
 
-def krum_scores(flat: np.ndarray, byzantine: int) -> np.ndarray:
-    """Krum's score of each row (Blanchard et al. 2017): the sum of its squared distances to its n - f - 2 closest
-    other rows."""
-    n = len(flat)
+def pooled_distances(groups: Sequence[np.ndarray]) -> np.ndarray:
+    """Pairwise squared distances of the rows, over several groups of columns: one group's are ``squared_distances``;
+    with more, each group's is divided by its median over the pairs, so that every group counts in its own scale
+    and none by its units."""
+    if len(groups) == 1:
+        return squared_distances(groups[0])
+    total = np.zeros((len(groups[0]), len(groups[0])))
+    for flat in groups:
+        dist = squared_distances(flat)
+        typical = float(np.median(dist[np.triu_indices(len(dist), 1)]))
+        total += dist / typical if typical > 0 else dist
+    return total
+
+
+def krum_scores(dist: np.ndarray, byzantine: int) -> np.ndarray:
+    """Krum's score of each update (Blanchard et al. 2017) from their pairwise squared distances: the sum of its
+    distances to its n - f - 2 closest others."""
+    n = len(dist)
     neighbours = n - byzantine - 2
     if n < minimum_updates("krum", byzantine):
         raise ValueError(f"krum needs more than 2f + 2 = {2 * byzantine + 2} updates, got {n}")
-    dist = squared_distances(flat)
     others = np.sort(dist + np.diag(np.full(n, np.inf)), axis=1)[:, :neighbours]
     return others.sum(axis=1)
 
 
-def krum_select(flat: np.ndarray, byzantine: int, keep: int) -> list[int]:
-    """The ``keep`` rows of lowest Krum score (ties: the lower index), in index order."""
-    order = np.argsort(krum_scores(flat, byzantine), kind="stable")
+def krum_select(dist: np.ndarray, byzantine: int, keep: int) -> list[int]:
+    """The ``keep`` updates of lowest Krum score (ties: the lower index), in index order."""
+    order = np.argsort(krum_scores(dist, byzantine), kind="stable")
     return sorted(int(i) for i in order[:keep])
 
 
@@ -94,6 +108,19 @@ def flat_update(arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.nda
 
 
 @dataclass(frozen=True)
+class JudgedGroup:
+    """Arrays a client returns beside its model update that the strategy averages, and so that a whole-update rule
+    judges too: changes from zero (SCAFFOLD's Delta c_i), or ``centred`` values that update nothing the server
+    sent (DisTrans' offsets), whose size is their distance from the round's coordinate-wise median."""
+
+    names: tuple[str, ...]
+    centred: bool = False
+
+    def flat(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+        return np.concatenate([arrays[n].astype(np.float64).ravel() for n in self.names])
+
+
+@dataclass(frozen=True)
 class RobustRule:
     """The configured rule and its parameters (``aggregation``, ``trim-fraction``, ``byzantine-clients``,
     ``norm-bound``, ``norm-bound-multiple``)."""
@@ -104,29 +131,61 @@ class RobustRule:
     bound: float = 0.0  # 0: a multiple of the round's median update norm
     multiple: float = 1.0
 
-    def plan(self, updates: Sequence[Mapping[str, np.ndarray]], reference: Mapping[str, np.ndarray]) -> "RoundPlan":
+    def plan(
+        self,
+        updates: Sequence[Mapping[str, np.ndarray]],
+        reference: Mapping[str, np.ndarray],
+        judged: Sequence[JudgedGroup] = (),
+    ) -> "RoundPlan":
         """This round's per-client decisions, from each update's arrays relative to ``reference`` (the round's
-        global arrays)."""
-        if self.name in ("krum", "multi-krum"):
-            flat = np.stack([flat_update(u, reference) for u in updates])
+        global arrays) and the ``judged`` groups beside them."""
+        if self.name not in ("krum", "multi-krum", "norm-bound"):
+            return RoundPlan(self)
+        model = np.stack([flat_update(u, reference) for u in updates])
+        if self.name != "norm-bound":
             keep = 1 if self.name == "krum" else len(updates) - self.byzantine
-            return RoundPlan(self, selected=tuple(krum_select(flat, self.byzantine, keep)))
-        if self.name == "norm-bound":
-            norms = np.array([np.linalg.norm(flat_update(u, reference)) for u in updates])
-            bound = self.bound if self.bound > 0 else self.multiple * float(np.median(norms))
-            return RoundPlan(self, scales=tuple(float(s) for s in clip_scales(norms, bound)), bound=bound)
-        return RoundPlan(self)
+            dist = pooled_distances([model, *(np.stack([g.flat(u) for u in updates]) for g in judged)])
+            return RoundPlan(self, selected=tuple(krum_select(dist, self.byzantine, keep)))
+        norms = np.array([np.linalg.norm(row) for row in model])
+        bound = self.bound if self.bound > 0 else self.multiple * float(np.median(norms))
+        scales = clip_scales(norms, bound)
+        group_scales: dict[str, tuple[float, ...]] = {}
+        centres: dict[str, np.ndarray] = {}
+        for group in judged:
+            own, centre = self.clip_group(group, updates, scales)
+            group_scales.update({n: tuple(float(x) for x in own) for n in group.names})
+            centres.update(centre)
+        return RoundPlan(
+            self, scales=tuple(float(x) for x in scales), bound=bound, group_scales=group_scales, centres=centres
+        )
+
+    def clip_group(
+        self, group: JudgedGroup, updates: Sequence[Mapping[str, np.ndarray]], model_scales: np.ndarray
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """norm-bound's scale of each client's arrays in a judged ``group``: min(1, B_g / size) with B_g the
+        ``multiple`` of the group's median size (in its own units), and at most its model update's scale; and the
+        centres of a centred group's arrays (their coordinate-wise medians)."""
+        centres = (
+            {n: np.median(np.stack([u[n] for u in updates]), axis=0) for n in group.names} if group.centred else {}
+        )
+        origin = group.flat(centres) if centres else 0.0
+        sizes = np.array([np.linalg.norm(group.flat(u) - origin) for u in updates])
+        own = clip_scales(sizes, self.multiple * float(np.median(sizes)))
+        return np.minimum(model_scales, own), centres
 
 
 @dataclass(frozen=True)
 class RoundPlan:
     """One round's aggregation: the rule and, for whole-update rules, what it decided per client (by position in
-    the round's update list): the clients Krum keeps, or norm-bound's scale of each update."""
+    the round's update list): the clients Krum keeps, or norm-bound's scale of each model update and, in
+    ``group_scales``, of each judged array beside it (by name), with the ``centres`` of the centred ones."""
 
     rule: RobustRule = RobustRule()
     selected: tuple[int, ...] | None = None
     scales: tuple[float, ...] | None = None
     bound: float | None = None
+    group_scales: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    centres: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def is_mean(self) -> bool:
@@ -143,13 +202,11 @@ class RoundPlan:
         weights: list[float],
         names: list[str],
         relative_to: Mapping[str, np.ndarray] | None = None,
-        clip: bool = True,
     ) -> Named:
         """The aggregate of the arrays called ``names`` in each of ``arrays`` (one per client, in the round's
         order) under the rule. ``relative_to``: what the arrays are updates of (the round's global arrays;
-        None: they are changes themselves, from zero), which norm-bound clips; ``clip=False``: arrays that are
-        neither (DisTrans' offsets), which norm-bound averages unclipped. Under ``mean`` this is ``named_mean``,
-        bit for bit."""
+        None: they are changes themselves, from zero), which norm-bound clips; a judged group's arrays are clipped
+        by the group's scales. Under ``mean`` this is ``named_mean``, bit for bit."""
         rule = self.rule.name
         if rule == "mean":
             return named_mean(arrays, weights, names)
@@ -157,9 +214,6 @@ class RoundPlan:
             assert self.selected is not None
             return named_mean([arrays[i] for i in self.selected], [weights[i] for i in self.selected], names)
         if rule == "norm-bound":
-            assert self.scales is not None
-            if not clip:
-                return named_mean(arrays, weights, names)
             return {n: self.clipped_mean([a[n] for a in arrays], weights, relative_to, n) for n in names}
         out = {}
         for n in names:
@@ -171,14 +225,17 @@ class RoundPlan:
     def clipped_mean(
         self, values: list[np.ndarray], weights: list[float], relative_to: Mapping[str, np.ndarray] | None, name: str
     ) -> np.ndarray:
-        """The weighted mean of ref + s_i (a_i - ref) (ref: ``relative_to[name]``, or zero); arrays that are not
-        floating (counters) are averaged as they are."""
+        """The weighted mean of ref + s_i (a_i - ref) (ref: ``relative_to[name]``, a judged array's centre, or
+        zero; s_i: the model update's scale, or the judged array's); arrays that are not floating (counters) are
+        averaged as they are."""
         if values[0].dtype.kind != "f":
             (mean,) = weighted_mean([[v] for v in values], weights)
             return mean
-        assert self.scales is not None
-        ref = relative_to[name].astype(np.float64) if relative_to is not None else 0.0
-        clipped = [ref + s * (v.astype(np.float64) - ref) for v, s in zip(values, self.scales)]
+        scales = self.group_scales.get(name, self.scales)
+        assert scales is not None
+        centre = self.centres.get(name, relative_to[name] if relative_to is not None else None)
+        ref = centre.astype(np.float64) if centre is not None else 0.0
+        clipped = [ref + s * (v.astype(np.float64) - ref) for v, s in zip(values, scales)]
         (mean,) = weighted_mean([[c] for c in clipped], weights)
         return mean.astype(values[0].dtype)
 
@@ -196,7 +253,8 @@ class RoundPlan:
             out["selected"] = [pids[i] for i in self.selected]
         if self.scales is not None:
             out["bound"] = self.bound
-            out["clipped"] = [pid for pid, s in zip(pids, self.scales) if s < 1.0]
+            smallest = np.min([self.scales, *self.group_scales.values()], axis=0)  # any array of the client clipped
+            out["clipped"] = [pid for pid, s in zip(pids, smallest) if s < 1.0]
         if self.rule.name == "trimmed-mean":  # 0 where a round's failures left too few updates to cut one
             out["cut"] = trimmed_count(len(pids), self.rule.trim)
         return out
@@ -213,15 +271,13 @@ class AggregationRound:
     weights: list[float]
     plan: RoundPlan
 
-    def combine(
-        self, names: list[str], relative_to: Named | None = None, clip: bool = True, weights: list[float] | None = None
-    ) -> Named:
+    def combine(self, names: list[str], relative_to: Named | None = None, weights: list[float] | None = None) -> Named:
         """The aggregate of the arrays called ``names`` over the round's updates under the configured rule
         (``aggregation``; ``mean``: the weighted mean): every mean a strategy takes goes through here.
-        ``relative_to``: what they are updates of (None: changes, from zero); ``clip=False``: values that are no
-        update (``RoundPlan.combine``); ``weights``: others than the round's."""
+        ``relative_to``: what they are updates of (None: changes, from zero; ``RoundPlan.combine``); ``weights``:
+        others than the round's."""
         arrays = [u.arrays for u in self.updates]
-        return self.plan.combine(arrays, self.weights if weights is None else weights, names, relative_to, clip)
+        return self.plan.combine(arrays, self.weights if weights is None else weights, names, relative_to)
 
     @property
     def used(self) -> list[ClientUpdate]:
