@@ -1,7 +1,7 @@
 """FedDyn's server: h <- h - alpha/m sum_k (w_k - w_round) over the clients that answered (m: all
 clients); the new global model is the mean of theirs minus h / alpha (under a robust ``aggregation``, the
-rule's aggregate and n times its distance from w_round, n the number of updates it is made of: |S|, or the
-clients Krum keeps, the only ones that keep their new g_k). Client k trains with alpha_k = alpha * n_mean / n_k
+rule's aggregate; the sum is over the clients Krum keeps, the only ones that keep their new g_k, and under the
+other rules n = |S| times the aggregate's distance from w_round). Client k trains with alpha_k = alpha * n_mean / n_k
 (sent in its fit config), and the model evaluated is the mean of the round's client models, as in the
 official code (the served model's global test accuracy: served_global_acc)."""
 
@@ -31,9 +31,9 @@ class FedDynStrategy(FederatedStrategy):
         alpha, m = self.settings.alpha, common(self.cfg).num_clients  # its settings, declared in clients/feddyn.py
         mean = self.mean = super().aggregate(rnd)
         for name, h in self.h.items():
-            if rnd.plan.is_mean:
-                drift = sum(u.arrays[name] - rnd.sent[name] for u in rnd.updates)
-            else:
+            if rnd.plan.is_mean or rnd.plan.selected is not None:  # the sum itself, over the updates used
+                drift = sum(u.arrays[name] - rnd.sent[name] for u in rnd.used)
+            else:  # a per-coordinate rule's or a clipped mean's estimate of it
                 drift = len(rnd.used) * (mean[name] - rnd.sent[name])
             self.h[name] = (h - alpha / m * drift).astype(h.dtype)
         return {name: (mean[name] - self.h[name] / alpha).astype(mean[name].dtype) for name in mean}

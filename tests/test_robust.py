@@ -288,6 +288,21 @@ def test_feddyn_takes_the_drift_from_the_rules_aggregate(tmp_path):
     np.testing.assert_allclose(new[name], med - h / alpha, rtol=1e-4, atol=1e-5)
 
 
+def test_feddyn_drift_under_multi_krum_is_the_sum_over_the_kept_clients_whatever_their_weights(tmp_path):
+    """Multi-Krum's aggregate is a weighted mean under weighting=samples: |kept| times its distance from w was not
+    the sum FedDyn's h takes."""
+    from fedbr_flwr.server.robust import AggregationRound
+
+    s, g, ups = strategy_with_updates(tmp_path, "feddyn", "multi-krum", 5, 5, weighting="samples")
+    weights = [10.0, 20.0, 30.0, 40.0, 50.0]
+    rnd = AggregationRound(1, g, ups, weights, s.robust_rule.plan([u.arrays for u in ups], g))
+    s.aggregate(rnd)
+    name = next(n for n in g if g[n].dtype.kind == "f")
+    drift = sum(u.arrays[name].astype(np.float64) - g[name] for u in rnd.used)
+    assert len(rnd.used) == 4
+    np.testing.assert_allclose(s.h[name], -s.settings.alpha / 5 * drift, rtol=1e-4, atol=1e-6)
+
+
 def test_distrans_avg_sends_the_rules_aggregate_offset(tmp_path):
     from strategies.distrans import OffsetAggregator
 
