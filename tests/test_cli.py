@@ -43,6 +43,24 @@ def test_a_huge_batch_stops_before_anything_is_written(capsys, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (["attack=sign-flip", "attack-clients=20"], "the attackers (20) must be among the 10 clients"),
+        (["aggregation=krum", "byzantine-clients=5"], "at least 13 clients a round, but 10 are sampled"),
+        (["aggregation=trimmed-mean", "trim-fraction=0.05"], "of the 10 clients sampled a round"),
+    ],
+)
+def test_what_depends_on_the_client_count_is_checked_with_the_count_fedbr_run_starts(
+    capsys, tmp_path, settings, message
+):
+    """With num-clients unset (0: one per SuperNode), these stopped only inside the started run (exit 1)."""
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, *settings, f"output-dir={out}")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
 def test_missing_dataset_names_the_path(capsys, tmp_path):
     missing = tmp_path / "nowhere"
     code, _, err = run_cli(

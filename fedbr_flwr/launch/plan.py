@@ -16,7 +16,6 @@ from ..app.raycluster import Cluster
 from ..core.config import (
     CHANGEABLE_ON_RESUME,
     ConfigError,
-    check_sampling,
     defaults,
     load_yaml,
     parse_override,
@@ -56,10 +55,9 @@ def settings_from(items: Sequence[str]) -> dict[str, Any]:
 
 def config_from_settings(settings: dict[str, Any]) -> dict[str, Any]:
     cfg = validate(settings)
+    if cfg["num-clients"] == 0:  # the count a simulation starts: what depends on it (attackers, Krum) is checked now
+        cfg = validate({**settings, "num-clients": DEFAULT_SIMULATED_CLIENTS})
     check_available(cfg)
-    if cfg["num-clients"] == 0:
-        cfg["num-clients"] = DEFAULT_SIMULATED_CLIENTS
-        check_sampling(cfg)
     return cfg
 
 
