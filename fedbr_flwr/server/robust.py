@@ -141,12 +141,12 @@ class RobustRule:
         global arrays) and the ``judged`` groups beside them."""
         if self.name not in ("krum", "multi-krum", "norm-bound"):
             return RoundPlan(self)
-        model = np.stack([flat_update(u, reference) for u in updates])
         if self.name != "norm-bound":
             keep = 1 if self.name == "krum" else len(updates) - self.byzantine
+            model = np.stack([flat_update(u, reference) for u in updates])
             dist = pooled_distances([model, *(np.stack([g.flat(u) for u in updates]) for g in judged)])
             return RoundPlan(self, selected=tuple(krum_select(dist, self.byzantine, keep)))
-        norms = np.array([np.linalg.norm(row) for row in model])
+        norms = np.array([np.linalg.norm(flat_update(u, reference)) for u in updates])  # one update in memory at a time
         bound = self.bound if self.bound > 0 else self.multiple * float(np.median(norms))
         scales = clip_scales(norms, bound)
         group_scales: dict[str, tuple[float, ...]] = {}
