@@ -101,10 +101,11 @@ def test_krum_judges_the_other_arrays_a_strategy_averages_in_their_own_scale():
     """A client whose model update Krum would keep, but whose control-variate change is far from the others'."""
     model = np.array([[0.0], [1.0], [2.0], [3.0], [100.0]])
     other = np.array([[0.0], [50.0], [1.0], [2.0], [3.0]])
-    # each group's squared distances over its median pair (6.5 for both); 2 neighbours each (f = 1)
-    want = np.array([(4 + 1) + (9 + 4), (4 + 2304) + (1 + 2401), (1 + 1) + (4 + 1), (1 + 1) + (9 + 4), 0]) / 6.5
-    want[4] = ((9409 + 1) + (9604 + 4)) / 6.5
-    np.testing.assert_allclose(krum_scores(pooled_distances([model, other]), 1), want)
+    # 2 neighbours each (f = 1). Each group's Krum scores alone: model 5, 2, 2, 5, 97^2 + 98^2; other 5, 4513, 2,
+    # 2, 5: both have the median 5, by which each group's squared distances are divided before they are summed
+    want = np.array([(4 + 1) + (9 + 4), (4 + 2304) + (1 + 2401), (1 + 1) + (4 + 1), (1 + 1) + (9 + 4), 0]) / 5
+    want[4] = ((9409 + 1) + (9604 + 4)) / 5
+    np.testing.assert_allclose(krum_scores(pooled_distances([model, other], 1), 1), want)
     assert krum_select(squared_distances(model), 1, 1) == [1]  # on the model alone: client 1
     ups = [{W: m.astype(np.float32), "d": o.astype(np.float32)} for m, o in zip(model, other)]
     plan = RobustRule("krum", byzantine=1).plan(ups, {W: np.zeros(1, np.float32)}, [JudgedGroup(("d",))])

@@ -52,16 +52,16 @@ def squared_distances(flat: np.ndarray) -> np.ndarray:
     return dist
 
 
-def pooled_distances(groups: Sequence[np.ndarray]) -> np.ndarray:
+def pooled_distances(groups: Sequence[np.ndarray], byzantine: int) -> np.ndarray:
     """Pairwise squared distances of the rows, over several groups of columns: one group's are ``squared_distances``;
-    with more, each group's is divided by its median over the pairs, so that every group counts in its own scale
-    and none by its units."""
+    with more, each group's is divided by the median of its own Krum scores, so that every group counts in its own
+    scale and none by its units (more than half the scores are honest clients', whatever f attackers send)."""
     if len(groups) == 1:
         return squared_distances(groups[0])
     total = np.zeros((len(groups[0]), len(groups[0])))
     for flat in groups:
         dist = squared_distances(flat)
-        typical = float(np.median(dist[np.triu_indices(len(dist), 1)]))
+        typical = float(np.median(krum_scores(dist, byzantine)))
         total += dist / typical if typical > 0 else dist
     return total
 
@@ -144,7 +144,7 @@ class RobustRule:
         if self.name != "norm-bound":
             keep = 1 if self.name == "krum" else len(updates) - self.byzantine
             model = np.stack([flat_update(u, reference) for u in updates])
-            dist = pooled_distances([model, *(np.stack([g.flat(u) for u in updates]) for g in judged)])
+            dist = pooled_distances([model, *(np.stack([g.flat(u) for u in updates]) for g in judged)], self.byzantine)
             return RoundPlan(self, selected=tuple(krum_select(dist, self.byzantine, keep)))
         norms = np.array([np.linalg.norm(flat_update(u, reference)) for u in updates])  # one update in memory at a time
         bound = self.bound if self.bound > 0 else self.multiple * float(np.median(norms))
