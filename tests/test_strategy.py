@@ -12,6 +12,7 @@ from flwr.server.client_manager import SimpleClientManager
 import fedbr_flwr.app.federation as federation
 from fedbr_flwr.app import payload
 from fedbr_flwr.core.config import ConfigError, validate
+from fedbr_flwr.data.catalog import load_raw
 from fedbr_flwr.data.dataset import client_indices, make_partition
 from fedbr_flwr.runfiles.run_io import RunRecorder
 from strategies.fedavg import FedAvgStrategy
@@ -133,6 +134,19 @@ def test_a_node_whose_partition_cannot_be_read_stops_discovery_with_one_message(
         ConfigError, match=f"SuperNode b reported its partition in properties that cannot be read .*{reason}"
     ):
         strategy.configure_fit(1, payload.to_parameters({}), manager)
+
+
+def test_the_server_takes_its_own_class_histograms_not_a_nodes_word(tmp_path):
+    """A node's class counts set DisTrans' DH (and with distrans-agg=auto its mode) and its offset embeddings."""
+    lie = {"class-counts": ",".join(["1000"] + ["0"] * 9)}
+    strategy, manager = make_strategy(tmp_path, [FakeProxy("a", 0), PropertiesProxy("b", 1, lie)])
+    strategy.configure_fit(1, payload.to_parameters({}), manager)
+    train, _ = load_raw("mnist5k")
+    for pid in range(2):
+        want = np.bincount(train.y[client_indices(strategy.cfg, pid)[0]], minlength=10)
+        np.testing.assert_array_equal(strategy.federation.class_counts[pid], want)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["class_counts"][1] == strategy.federation.class_counts[1].tolist() != [1000] + [0] * 9
 
 
 def test_discovery_saves_the_partition_and_its_hash(tmp_path):

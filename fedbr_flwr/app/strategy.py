@@ -19,7 +19,7 @@ from ..core.config import common
 from ..core.errors import ConfigError
 from ..core.training import evaluate, load_module_arrays
 from ..data.catalog import INFO, data_folder
-from ..data.dataset import ServerTests, partition_sizes, save_partition
+from ..data.dataset import ServerTests, partition_class_counts, partition_sizes, save_partition
 from ..server.recording import eval_record, round_record, server_test_fields
 from ..server.robust import AggregationRound, JudgedGroup, RobustRule, RoundPlan, minimum_updates
 from ..server.updates import ClientUpdate, byte_budget, count_problem, known_size, screen_evaluations, update_problem
@@ -323,11 +323,12 @@ def run_server_tests(tests: ServerTests, module: torch.nn.Module) -> dict[str, A
 
 
 def check_partition(cfg: dict[str, Any], federation: Federation, recorder) -> str:
-    """Save the server's own partition and its sizes; its hash, which must equal the clients'. A deployed server
-    that lacks the dataset files records what the clients said."""
+    """Save the server's own partition and take its sizes and class histograms; its hash, which must equal the
+    clients'. A deployed server that lacks the dataset files records what the clients said."""
     try:
         server_hash = save_partition(cfg, recorder.out_dir / "partition.npz")
         federation.sizes = partition_sizes(cfg)  # the server's own, not what clients said
+        federation.class_counts = partition_class_counts(cfg)
     except ConfigError as exc:
         recorder.progress.emit("warning", f"partition not saved ({exc})")
         server_hash = federation.partition_hash

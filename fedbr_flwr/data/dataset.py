@@ -209,6 +209,14 @@ def partition_sizes(cfg: Mapping[str, Any]) -> dict[int, tuple[int, int]]:
     return sizes
 
 
+def partition_class_counts(cfg: Mapping[str, Any]) -> dict[int, np.ndarray]:
+    """Every client's training samples per class (true labels), from the server's own partition."""
+    run = common(cfg)
+    train, _ = load_raw(run.dataset, run.data_dir, run.download)
+    classes = INFO[run.dataset].num_classes
+    return {pid: np.bincount(train.y[client_indices(cfg, pid)[0]], minlength=classes) for pid in range(run.num_clients)}
+
+
 def load_client_data(cfg: Mapping[str, Any], partition_id: int, device: torch.device | str) -> ClientData:
     """This client's train/test tensors on ``device``. The node's client cache (``fedbr_flwr.app.node``)
     keeps them with the client that uses them, for as long as it keeps that client."""
