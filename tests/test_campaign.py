@@ -76,7 +76,7 @@ def test_the_campaign_in_pieces_ends_with_the_records_of_uninterrupted_runs(tmp_
     process is left; the records equal in-process runs' that never stopped."""
     before = flower_processes()
     out = tmp_path / "campaign"
-    argv = [*campaign_args()[:-2], "0", "--out", str(out), "--time-limit", "10m", "--quiet", *TINY]
+    argv = [*campaign_args()[:-2], "--out", str(out), "--time-limit", "10m", "--quiet", *TINY]
     monkeypatch.setattr(timelimit, "next_round_fits", lambda now, deadline, seconds: len(seconds) < 3)
     on_event = timelimit.RoundWatch.on_event
 
@@ -141,7 +141,7 @@ def test_the_campaign_with_two_runs_at_once_stops_on_sigterm_and_continues_exact
     before = flower_processes()
     out = tmp_path / "campaign"
     tiny = [*TINY, "num-rounds=10"]
-    argv = [*campaign_args()[:-2], "0", "--out", str(out), "--time-limit", "10m", "--jobs", "2", *tiny]
+    argv = [*campaign_args()[:-2], "--out", str(out), "--time-limit", "10m", "--jobs", "2", *tiny]
     on_event, lock, past_round_2 = timelimit.RoundWatch.on_event, threading.Lock(), set()
 
     def terminate_once_both_past_round_2(watch, event):

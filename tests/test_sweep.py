@@ -52,6 +52,7 @@ def test_plan_orders_settings_file_then_command_line_then_run_then_seed(tmp_path
         ("num-rounds: 1\n", "needs a 'sweep' block"),
         ("sweep:\n  runs: {A: {strategy: nope}}\n", "run 'A' \\(seed 0\\): unknown strategy 'nope'"),
         ("sweep:\n  seeds: 3\n  runs: {A: {}}\n", "must be a list"),
+        ("sweep:\n  seeds: [0, 1, 0]\n  runs: {A: {}}\n", r"seed\(s\) 0 given twice in \[0, 1, 0\]"),
         ("sweep:\n  runs: {A: {}}\n  seed: [1]\n", "unknown key"),
         ("sweep:\n  title: [a]\n  runs: {A: {}}\n", "'sweep.title' must be a string"),
         ("sweep:\n  runs: {'a b': {}, 'a/b': {}}\n", "must differ"),

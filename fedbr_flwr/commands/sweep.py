@@ -214,6 +214,9 @@ def plan(
     spec = load_sweep(path)
     runs = spec.runs
     seeds = list(seeds) if seeds else spec.seeds
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:  # the same run folder: the second would silently be the first
+        raise ConfigError(f"seed(s) {', '.join(map(str, twice))} given twice in {seeds}: give each seed once")
     if only:
         missing = sorted(set(only) - set(runs))
         if missing:
