@@ -39,8 +39,12 @@ class ScaffoldStrategy(FederatedStrategy):
             **{f"{CONTROL}/{key}": c for key, c in self.control.items()},
         }
 
+    def delta_names(self) -> tuple[str, ...]:
+        """The arrays of a client's Delta c_i, as it returns them."""
+        return tuple(f"{CONTROL_DELTA}/{key}" for key in self.control)
+
     def judged_groups(self):
-        return (JudgedGroup(tuple(f"{CONTROL_DELTA}/{key}" for key in self.control)),)
+        return (JudgedGroup(self.delta_names()),)
 
     def aggregate(self, rnd):
         run = common(self.cfg)
@@ -52,8 +56,8 @@ class ScaffoldStrategy(FederatedStrategy):
                 for key, c in self.control.items()
             }
         else:
-            names = [f"{CONTROL_DELTA}/{key}" for key in self.control]
-            robust = rnd.combine(names, weights=[1.0] * len(rnd.updates))  # a sum over S by its math: unweighted
+            # a sum over S by its math: unweighted
+            robust = rnd.combine(list(self.delta_names()), weights=[1.0] * len(rnd.updates))
             n, total = len(rnd.used), run.num_clients
             self.control = {
                 key: update_server_control(c, [n * robust[f"{CONTROL_DELTA}/{key}"]], total)
