@@ -35,7 +35,7 @@ from fedbr_flwr.data.catalog import INFO, DatasetInfo
 from fedbr_flwr.data.dataset import normalise
 from fedbr_flwr.data.partition import heterogeneity_from_counts
 from fedbr_flwr.runfiles import codec
-from fedbr_flwr.server.robust import JudgedGroup
+from fedbr_flwr.server.robust import JudgedGroup, coordinate_median
 from fedbr_flwr.server.updates import weighted_mean
 
 from .base import FederatedStrategy
@@ -278,7 +278,7 @@ class DisTransStrategy(FederatedStrategy):
         robust ``aggregation``, their coordinate-wise median, which no single client moves far)."""
         if self.returned_offsets:
             latest = np.stack(list(self.returned_offsets.values()))
-            t = np.mean(latest, axis=0) if self.robust_rule.name == "mean" else np.median(latest, axis=0)
+            t = np.mean(latest, axis=0) if self.robust_rule.name == "mean" else coordinate_median(latest)
         else:
             t = np.zeros(self.returned_shapes()[OFFSET], dtype=np.float32)
         t = torch.as_tensor(t, dtype=torch.float32, device=self._device())

@@ -166,7 +166,7 @@ class RobustRule:
         ``multiple`` of the group's median size (in its own units), and at most its model update's scale; and the
         centres of a centred group's arrays (their coordinate-wise medians)."""
         centres = (
-            {n: np.median(np.stack([u[n] for u in updates]), axis=0) for n in group.names} if group.centred else {}
+            {n: coordinate_median(np.stack([u[n] for u in updates])) for n in group.names} if group.centred else {}
         )
         origin = group.flat(centres) if centres else 0.0
         sizes = np.array([np.linalg.norm(group.flat(u) - origin) for u in updates])
