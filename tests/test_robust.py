@@ -156,6 +156,8 @@ def test_mean_plan_is_named_mean_bit_for_bit():
         ({"aggregation": "multi-krum", "num-clients": 10, "fraction-fit": 0.5, "byzantine-clients": 2}, "at least 7"),
         ({"attack": "sign-flip"}, "needs the attackers"),
         ({"attack-clients": 2}, "attack = none"),
+        ({"attack-arrays": "all"}, "attack-arrays are set but attack = none"),
+        ({"attack": "label-flip", "attack-ids": "1", "attack-arrays": "all"}, "label-flip sends its reply as trained"),
         ({"attack": "scale", "attack-clients": 1, "attack-ids": "0"}, "not both"),
         ({"attack": "scale", "attack-ids": "0,x"}, "must be partition ids"),
         ({"attack": "noise", "attack-ids": "3", "num-clients": 3}, "among the 3 clients"),
@@ -216,6 +218,24 @@ def test_poisoned_replies_by_hand():
     noisy = validate({**base, "attack": "noise", "attack-ids": "1,2", "attack-noise": 0.5})
     a, b = (attack.poisoned(reply, sent, noisy, 3, pid) for pid in (1, 2))
     assert not np.array_equal(a[W], b[W]) and np.abs(a[W] - 1).max() < 5
+
+
+def test_attack_arrays_all_poisons_the_returned_arrays_as_changes_from_zero():
+    sent = {W: np.array([1.0, 1.0], np.float32), "model/n": np.array(3)}
+    reply = {W: np.array([2.0, 3.0], np.float32), "model/n": np.array(5)}
+    reply["control-delta/w"] = np.array([7.0], np.float32)
+    base = {"num-clients": 4, "attack-ids": "2", "attack-factor": 10.0}
+
+    def poison(kind, arrays):
+        return attack.poisoned(reply, sent, validate({**base, "attack": kind, "attack-arrays": arrays}), 3, 2)
+
+    flipped = poison("sign-flip", "all")
+    np.testing.assert_array_equal(flipped["control-delta/w"], [-70.0])  # 0 - 10 * (7 - 0)
+    np.testing.assert_array_equal(flipped[W], poison("sign-flip", "model")[W])
+    assert flipped["model/n"] == 5 and flipped["control-delta/w"].dtype == np.float32
+    noisy, model_only = poison("noise", "all"), poison("noise", "model")
+    np.testing.assert_array_equal(noisy[W], model_only[W])  # the model's draw comes first in both
+    assert model_only["control-delta/w"][0] == 7.0 and noisy["control-delta/w"][0] != 7.0
 
 
 def test_label_flippers_train_on_flipped_labels():
@@ -412,6 +432,21 @@ def test_one_sign_flipper_breaks_the_mean_and_not_the_median(tmp_path):
     assert honest > 0.3, honest
     assert broken < honest - 0.15, (broken, honest)
     assert robust > honest - 0.07, (robust, honest)
-    assert manifest["attack"] == {"kind": "sign-flip", "clients": [2], "factor": 10.0, "noise": 1.0}
+    assert manifest["attack"] == {"kind": "sign-flip", "clients": [2], "factor": 10.0, "noise": 1.0, "arrays": "model"}
     assert all(r["attackers"] == [2] for r in rounds) and "aggregation" not in rounds[0]
     assert robust_rounds[0]["aggregation"] == {"rule": "median"}
+
+
+def test_a_client_scaling_its_control_variate_change_moves_the_mean_and_not_norm_bound(tmp_path):
+    """With attack-arrays=all one client of five sends its Delta c_i scaled x 1e6 too (with the model only, c is
+    the honest run's): the mean's server c follows it, norm-bound's stays near the honest run's."""
+
+    def control_norm(name, **overrides):
+        _, rounds, _ = federated(tmp_path / name, strategy="scaffold", **{"num-rounds": 1, **overrides})
+        return rounds[-1]["server"]["control-norm"]
+
+    attacked = {"attack": "scale", "attack-ids": "2", "attack-factor": 1e6}
+    honest = control_norm("honest")
+    assert control_norm("model-only", **attacked) == pytest.approx(honest, rel=1e-5)  # its Delta c_i as trained
+    assert control_norm("mean", **attacked, **{"attack-arrays": "all"}) > 1e4 * honest
+    assert control_norm("norm-bound", aggregation="norm-bound", **attacked, **{"attack-arrays": "all"}) < 3 * honest

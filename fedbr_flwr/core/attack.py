@@ -12,8 +12,10 @@ labels under ``label-flip``) and then changes its reply: each floating array the
   without talking to the others
 * ``label-flip``: its reply as trained, on training labels y -> C - 1 - y
 
-Arrays a client returns beyond the ones it was sent (SCAFFOLD's control-variate change, DisTrans' offset) and
-integer arrays (BatchNorm's counters) go as trained: the attacks poison the model update."""
+Integer arrays (BatchNorm's counters) go as trained. The arrays a client returns beyond the ones it was sent
+(SCAFFOLD's control-variate change; DisTrans' offset where the server sent none: round 1, or every round
+under distrans-agg=none) go as trained too under ``attack-arrays=model``, and under ``all`` are poisoned
+alike, each taken as a change from zero (g = 0)."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def attack_manifest(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if run.attack == "none":
         return {}
     kind = {"kind": run.attack, "clients": attackers(cfg)}
-    return {"attack": {**kind, "factor": run.attack_factor, "noise": run.attack_noise}}
+    return {"attack": {**kind, "factor": run.attack_factor, "noise": run.attack_noise, "arrays": run.attack_arrays}}
 
 
 def attackers_that_answered(cfg: Mapping[str, Any], answered: set[int]) -> dict[str, Any]:
@@ -76,10 +78,9 @@ def poisoned(
     coords = (server_round,) if kind == "collude" else (server_round, pid)
     rng = seeds.rng("attack-collusion" if kind == "collude" else "attack-noise", run.seed, *coords)
     out = dict(reply)
-    for name in sorted(sent):
-        if name not in reply or reply[name].dtype.kind != "f":
-            continue
-        g, w = sent[name].astype(np.float64), reply[name].astype(np.float64)
+    for name in poisoned_names(reply, sent, run.attack_arrays):
+        w = reply[name].astype(np.float64)
+        g = sent[name].astype(np.float64) if name in sent else np.zeros_like(w)
         if kind == "sign-flip":
             new = g - factor * (w - g)
         elif kind == "scale":
@@ -88,3 +89,11 @@ def poisoned(
             new = g + sigma * rng.standard_normal(g.shape)
         out[name] = new.astype(reply[name].dtype)
     return out
+
+
+def poisoned_names(reply: Named, sent: Mapping[str, np.ndarray], arrays: str) -> list[str]:
+    """The floating arrays of ``reply`` an attacker changes: those it was sent, then under ``all`` the others
+    (in that order, so that a noise attack draws the same noise for the model in both)."""
+    floating = {name for name, a in reply.items() if a.dtype.kind == "f"}
+    own = sorted(floating & set(sent))
+    return own + sorted(floating - set(sent)) if arrays == "all" else own

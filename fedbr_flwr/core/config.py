@@ -276,6 +276,13 @@ class CommonSettings(Settings):
     attack_noise: float = common_key(
         1.0, "attack=noise / collude: sigma of the noise sent as the update", check=POSITIVE
     )
+    attack_arrays: str = common_key(
+        "model",
+        "which arrays an attacker poisons: model (the ones the server sent it: its model update), all (also those "
+        "it returns beside them, each as a change from zero: SCAFFOLD's control-variate change, DisTrans' offset "
+        "where the server sent none)",
+        choices=("model", "all"),
+    )
     resume: bool = common_key(
         False, "continue the run in output-dir from its checkpoint (`fedbr-run --resume DIR` sets it)"
     )
@@ -461,11 +468,14 @@ def check_attack(cfg: Mapping[str, Any]) -> None:
     """One-line errors for an attack that cannot run as configured."""
     kind, count, ids = cfg["attack"], cfg["attack-clients"], cfg["attack-ids"]
     if kind == "none":
-        if count or ids:
+        if count or ids or cfg["attack-arrays"] != "model":
             raise ConfigError(
-                f"attack-clients / attack-ids are set but attack = none: name the attack ({', '.join(ATTACKS[1:])})"
+                "attack-clients / attack-ids / attack-arrays are set but attack = none: name the attack "
+                f"({', '.join(ATTACKS[1:])})"
             )
         return
+    if kind == "label-flip" and cfg["attack-arrays"] != "model":
+        raise ConfigError("attack-arrays = all changes a reply, and label-flip sends its reply as trained")
     if count and ids:
         raise ConfigError("set attack-clients (how many, drawn by the seed) or attack-ids (which), not both")
     if not count and not ids:
