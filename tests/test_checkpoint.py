@@ -141,6 +141,16 @@ def test_resume_refuses_a_changed_config_or_nothing_left_to_do():
         check_resumable(saved, saved, 4)
 
 
+def test_resume_takes_a_key_the_checkpoint_predates_as_its_default():
+    """A checkpoint of an earlier version lacks a key added since: that run ran as the key's default, so a resume
+    that sets it otherwise changes the run (it was let through)."""
+    now = run_cfg("fedavg", **{"attack": "scale", "attack-ids": "0", "num-rounds": 10})
+    saved = {k: v for k, v in now.items() if k != "attack-arrays"}
+    check_resumable(saved, now, 2)
+    with pytest.raises(ConfigError, match=r"\(attack-arrays = 'model' in the checkpoint, 'all' now\)"):
+        check_resumable(saved, {**now, "attack-arrays": "all"}, 2)
+
+
 def test_line_files_keep_rounds_up_to_the_checkpoint_and_drop_a_torn_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"round": 1}\n{"round": 2}\n{"round": 3}\n{"rou')

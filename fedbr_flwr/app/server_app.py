@@ -13,7 +13,7 @@ from flwr.server.compat import start_grid
 from strategies.base import strategy_class
 
 from ..core.algorithm import client_class
-from ..core.config import CHANGEABLE_ON_RESUME, RESUMABLE_KEYS, common, from_run_config
+from ..core.config import CHANGEABLE_ON_RESUME, RESUMABLE_KEYS, as_it_ran, common, from_run_config
 from ..core.errors import ConfigError
 from ..core.training import use_device
 from ..data.dataset import load_server_tests
@@ -25,7 +25,7 @@ from .flower_adapter import chooses_backend_per_run, receive_replies_promptly
 
 
 def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], rounds_done: int) -> None:
-    run = common(cfg)
+    run, saved = common(cfg), as_it_ran(saved)
     changed = sorted(k for k in cfg if k not in RESUMABLE_KEYS and k in saved and saved[k] != cfg[k])
     if changed:
         diffs = ", ".join(f"{k} = {saved[k]!r} in the checkpoint, {cfg[k]!r} now" for k in changed)

@@ -59,6 +59,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from ..core.config import (
     NO_EFFECT_KEYS,
     ConfigError,
+    as_it_ran,
     common,
     load_yaml,
     normalise_key,
@@ -273,11 +274,8 @@ def finished_with_same_config(cfg: Mapping[str, Any]) -> bool:
         return False  # an unfinished run: start it again
     if json.loads(summary.read_text()).get("last_round") != run.num_rounds:
         return False  # summary.json is refreshed at every evaluation: this run stopped early
-    old = json.loads(manifest.read_text())["config"]
-    defaults = {k: spec.default for k, spec in schema().items()}
-    # a key the run's version did not have yet: that run behaved as the key's default does (new keys keep the
-    # old behaviour by default), so a sweep continued after an upgrade keeps its finished runs
-    differs = sorted(k for k in cfg if k not in NO_EFFECT_KEYS and (old[k] if k in old else defaults.get(k)) != cfg[k])
+    old = as_it_ran(json.loads(manifest.read_text())["config"])  # a sweep continued after an upgrade keeps its runs
+    differs = sorted(k for k in cfg if k not in NO_EFFECT_KEYS and old.get(k) != cfg[k])
     if differs:
         raise ConfigError(
             f"{out} holds a finished run with different settings ({', '.join(differs)}); "

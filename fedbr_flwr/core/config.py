@@ -334,6 +334,12 @@ def defaults() -> dict[str, Any]:
     return {k: v.default for k, v in schema().items()}
 
 
+def as_it_ran(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored run's config (its manifest's or checkpoint's) with the keys its version did not have yet at their
+    defaults: a new key keeps the old behaviour by default, so that is how the run behaved."""
+    return {**defaults(), **saved}
+
+
 def _type_name(v: Any) -> str:
     return {bool: "bool", int: "int", float: "float", str: "str"}[type(v)]
 
