@@ -6,7 +6,7 @@ Flower adapter and the round's machinery (discovery, fault filtering, recording,
 Hooks, in the order a round calls them:
 ``before_round`` (the broadcast data: ``make_shared_data``, ``shared_is_stale``), ``round_arrays`` (sent to
 every sampled client: SCAFFOLD's c; components add theirs, e.g. FedCM's Delta), ``client_arrays`` (to one
-client: DisTrans' offset), ``fit_config``, ``after_answers``, ``aggregation_weights`` (GroupDRO),
+client: DisTrans' offset), ``fit_config``, ``after_answers``, ``aggregation_weights`` (``weighting``),
 ``judged_groups`` (what Krum and norm-bound judge beside the model update), ``aggregate`` (the new global
 arrays), ``after_aggregate``; and ``after_discovery`` (once), ``global_test_module``, ``reported_arrays`` (the
 model evaluated), ``checkpoint_state`` / ``restore_state`` (what a checkpoint holds beyond the global arrays)."""

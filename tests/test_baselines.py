@@ -468,6 +468,24 @@ def test_groupdro_weights_stay_a_distribution_when_a_reported_loss_overflows_the
     weights = ClientWeights(3, eta=0.01)
     weights.update({1: 1e5, 2: 1e5 + 100})  # in log space: p_2 / p_1 = e^(0.01 * 100), p_0 / p_1 = e^-1000
     np.testing.assert_allclose(weights.p, [0.0, 1 / (1 + np.e), np.e / (1 + np.e)], atol=1e-300)
+    weights = ClientWeights(2, eta=0.01)
+    weights.update({0: -1e6, 1: -1e6 + 100})  # both products underflow to 0: 0 / 0 was NaN
+    np.testing.assert_allclose(weights.p, [1 / (1 + np.e), np.e / (1 + np.e)])
+    weights = ClientWeights(3, eta=10.0)
+    for _ in range(3):  # eta * loss overflows to inf, and the others' logs went to -inf: inf - inf was NaN
+        weights.update({0: 1.7e308, 1: 1.0, 2: 2.0})
+    np.testing.assert_allclose(weights.p, [1.0, 0.0, 0.0])
+    assert weights.weights([0, 1, 2], used=[1, 2]) == [0.0, 1.0, 1.0]  # past the bound, the kept ones alike
+
+
+def test_groupdro_weighs_the_clients_a_mean_uses_from_the_logs_when_their_weights_underflowed():
+    """One client's loss of 1e6 took the whole weight (p = 1, 0, 0); a mean without it had weights that sum to 0,
+    and averaging raised out of the server."""
+    weights = ClientWeights(3, eta=0.01)
+    weights.update({0: 1e6, 1: 1.0, 2: 2.0})
+    np.testing.assert_allclose(weights.p, [1.0, 0.0, 0.0])
+    assert weights.weights([0, 1, 2], used=[0, 1, 2]) == [1.0, 0.0, 0.0]
+    np.testing.assert_allclose(weights.weights([0, 1, 2], used=[1, 2]), [0.0, math.exp(-0.01), 1.0])
 
 
 def test_groupdro_strategy_averages_with_its_client_weights(tmp_path):

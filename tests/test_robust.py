@@ -358,6 +358,30 @@ def test_an_honest_model_update_carries_no_poisoned_control_or_offset(tmp_path, 
     assert max(float(np.abs(a).max()) for a in moved) < 10
 
 
+def test_groupdro_under_multi_krum_believes_only_the_losses_of_the_clients_it_keeps(tmp_path):
+    """A client reporting a first-step loss of 1e6 took all of p whether multi-Krum kept it or not; in a round that
+    dropped it, the kept clients' weights summed to 0 and averaging them raised out of the server."""
+    from fedbr_flwr.app.strategy import aggregate_accepted
+
+    s, g, ups = strategy_with_updates(tmp_path, "groupdro", "multi-krum", 5, 5)
+    honest = {n: a.copy() for n, a in ups[1].arrays.items()}
+    far = {n: a + 100 if a.dtype.kind == "f" else a for n, a in ups[0].arrays.items()}
+    for u in ups:
+        u.metrics = {"first-loss": 1e6 if u.pid == 0 else 1.0 + u.pid / 10}
+    ups[0].arrays = far
+    plan, _ = aggregate_accepted(s, 1, ups)  # dropped: its loss moves nothing
+    p = s.client_weights.p
+    assert plan.used(5) == (1, 2, 3, 4) and p[0] < p[1] < p[2] < p[3] < p[4]
+    assert p[1] / p[0] == pytest.approx(np.exp(s.settings.eta * 1.1))
+    ups[0].arrays = honest  # client 1's update: kept, and its loss takes the whole weight
+    plan, _ = aggregate_accepted(s, 2, ups)
+    assert 0 in plan.used(5) and s.client_weights.p[0] == 1.0
+    ups[0].arrays = far  # dropped again: the kept clients are weighed by their ratios, which p lost to underflow
+    plan, skipped = aggregate_accepted(s, 3, ups)
+    assert not skipped and plan.used(5) == (1, 2, 3, 4)
+    assert all(np.isfinite(a).all() for a in s.latest.values())
+
+
 def test_distrans_global_test_sees_the_median_offset_under_a_robust_rule(tmp_path):
     """The mean of the clients' latest offsets, which one offset of 1e30 made the global test's input."""
     s, _, _ = strategy_with_updates(tmp_path, "distrans", "norm-bound", **{"distrans-agg": "none"})
