@@ -31,15 +31,17 @@ HOSTILE = 1  # the partition whose replies are tampered with
 class Tampered(InProcessProxy):
     """A client whose fit or evaluation reply is changed by ``fit`` / ``evaluate`` before it is sent."""
 
-    def __init__(self, proxy, fit=None, evaluate=None):
+    def __init__(self, proxy, fit=None, evaluate=None, fit_metrics=None):
         super().__init__(proxy.client, proxy.cid)
-        self.change_fit, self.change_evaluate = fit, evaluate
+        self.change_fit, self.change_evaluate, self.change_fit_metrics = fit, evaluate, fit_metrics
 
     def fit(self, ins, timeout, group_id):
         res = super().fit(ins, timeout, group_id)
         if self.change_fit:
             arrays, res.num_examples = self.change_fit(payload.from_parameters(res.parameters), res.num_examples)
             res.parameters = payload.to_parameters(arrays)
+        if self.change_fit_metrics:
+            self.change_fit_metrics(res)
         return res
 
     def evaluate(self, ins, timeout, group_id):
@@ -49,8 +51,8 @@ class Tampered(InProcessProxy):
         return res
 
 
-def federation(tmp_path, **tamper):
-    strategy, _, proxies = in_process_federation(validate(CFG), tmp_path)
+def federation(tmp_path, settings=None, **tamper):
+    strategy, _, proxies = in_process_federation(validate({**CFG, **(settings or {})}), tmp_path)
     proxies[HOSTILE] = strategy.federation.clients_by_pid[HOSTILE] = Tampered(proxies[HOSTILE], **tamper)
     final = payload.from_parameters(run_rounds(strategy, proxies, CFG["num-rounds"]))
     rounds = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
@@ -131,6 +133,25 @@ def test_a_tampered_evaluation_is_not_counted_and_the_evaluation_is_partial(tmp_
         assert 0 <= record["worst_acc"] <= record["mean_acc"] <= 1 and 0 <= record["pooled_acc"] <= 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["complete_evaluations"] == 0 and summary["mean_acc_best5"] is None  # partial ones do not count
+
+
+@pytest.mark.parametrize(
+    "strategy, name, value",
+    [
+        ("fedavg", "fit-seconds", "abc"),  # the round's slowest client: max() of a str and a float
+        ("fedavg", "loss", b"x"),  # the round's mean training loss
+        ("fedavg", "loss", [1.0, 2.0]),
+        ("fedbr", "pseudo-version", "abc"),  # which pseudo-data it holds: read before any screening
+        ("fedbr", "pseudo-version", float("nan")),
+    ],
+)
+def test_a_fit_metric_that_is_no_number_rejects_the_update_and_raises_nothing(tmp_path, strategy, name, value):
+    """Each of these raised out of the server's aggregate_fit, and so stopped the run."""
+    final, rounds, _ = federation(tmp_path, {"strategy": strategy}, fit_metrics=set_metric(name, value))
+    for record in rounds:
+        assert [r["partition"] for r in record["rejected"]] == [HOSTILE] and name in record["rejected"][0]["reason"]
+        assert not record.get("skipped")
+    assert all(np.isfinite(a).all() for a in final.values() if a.dtype.kind == "f")
 
 
 def test_a_diverged_models_nan_loss_is_still_an_evaluation():

@@ -35,10 +35,11 @@ class SharedData:
         return config
 
     def confirm(self, returned: dict[int, dict], sampled: list[int]) -> None:
-        """Record the version each answering client reports; a sampled client that did not answer
-        may have lost its state, so it is sent the data again next time."""
+        """Record the version each answering client reports (a report that is no whole number: none, so it is
+        sent the data again); a sampled client that did not answer may have lost its state, so it is too."""
         for pid, metrics in returned.items():
-            self.held[pid] = int(metrics.get(f"{self.name}-version", -1))
+            version = metrics.get(f"{self.name}-version")
+            self.held[pid] = version if isinstance(version, int) and not isinstance(version, bool) else -1
         for pid in set(sampled) - set(returned):
             self.held.pop(pid, None)
 

@@ -97,6 +97,9 @@ def update_problem(
     ]
     if absent:
         return f"metric '{absent[0]}' is missing or not a number"
+    odd = sorted(k for k, v in metrics.items() if not is_real(v))  # a client's metrics are all numbers
+    if odd:
+        return f"metric '{odd[0]}' is {quoted(metrics[odd[0]], 60)}, not a number"
     bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
     if bad:
         return f"metrics {', '.join(bad)} are NaN or Inf"
