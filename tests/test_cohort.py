@@ -139,6 +139,28 @@ def test_a_members_nan_update_is_rejected_and_its_cohort_mates_are_averaged_in(t
     assert all(np.isfinite(a).all() for a in strategy.latest.values())
 
 
+@pytest.mark.parametrize("part", ["arrays", "metrics"])
+@pytest.mark.parametrize("key", ["member/abc/loss", "member/5"])
+def test_a_cohort_reply_with_a_key_that_names_no_member_rejects_its_members_and_raises_nothing(tmp_path, part, key):
+    """Splitting such a key by member raised out of the server's aggregate_fit, and so stopped the run."""
+    strategy, ins = cohort_strategy(tmp_path)
+    results = [(p, p.fit(i, None, 1)) for p, i in ins]
+    proxy, res = results[0]  # cohort 0: clients 0 and 2
+    arrays, metrics = payload.from_parameters(res.parameters), dict(res.metrics)
+    if part == "arrays":
+        arrays[key] = np.zeros(1, np.float32)
+    else:
+        metrics[key] = 1.0
+    results[0] = (proxy, FitRes(res.status, payload.to_parameters(arrays), res.num_examples, metrics))
+    strategy.aggregate_fit(1, results, [])
+    record = json.loads((tmp_path / "rounds.jsonl").read_text())
+    assert record["clients"] == 2 and [r["partition"] for r in record["rejected"]] == [0, 2]
+    assert all(f"{key!r} names no member" in r["reason"] for r in record["rejected"])
+    evaluated = [(p, p.evaluate(i, None, 1)) for p, i in strategy.configure_evaluate(2, ins[0][1].parameters, None)]
+    evaluated[0][1].metrics[key] = 1.0
+    strategy.aggregate_evaluate(2, evaluated, [])  # its members' figures are not read, and nothing raises
+
+
 def test_a_failed_cohort_marks_each_of_its_sampled_clients_failed(tmp_path):
     strategy, ins = cohort_strategy(tmp_path)
     (p0, i0), (p1, i1) = ins

@@ -37,7 +37,9 @@ def by_member(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, dict
     own: dict[int, dict[str, Any]] = {}
     for key, value in values.items():
         if key.startswith(PREFIX):
-            pid, name = key[len(PREFIX) :].split("/", 1)
+            pid, slash, name = key[len(PREFIX) :].partition("/")
+            if not slash or not pid.isdecimal():
+                raise ValueError(f"{key[:60]!r} names no member as {PREFIX}<pid>/<name>")
             own.setdefault(int(pid), {})[name] = value
         elif key != MEMBERS:
             shared[key] = value

@@ -69,8 +69,8 @@ def fit_answers(federation: Federation, results: list, max_bytes: int | None = N
         arrays, problem = read_arrays(res.parameters, max_bytes, clients)
         node = reported_node(res.metrics.get(NODE))
         if federation.is_cohort(proxy):
-            _, own_arrays = cohort.by_member(arrays)
-            _, own_metrics = cohort.by_member(res.metrics)
+            (own_arrays, bad_arrays), (own_metrics, bad_metrics) = by_member(arrays), by_member(res.metrics)
+            problem = problem or bad_arrays or bad_metrics
             for pid in reported_members(federation, proxy, res.metrics):
                 metrics = dict(own_metrics.get(pid, {}))
                 n = metrics.pop("num-examples", None)
@@ -80,6 +80,14 @@ def fit_answers(federation: Federation, results: list, max_bytes: int | None = N
             pid = federation.pid_of(proxy, res.metrics)
             answers.append(Answer(pid, arrays, res.num_examples, metrics, problem, node))
     return sorted(answers, key=lambda a: a.pid)  # a fixed order keeps float sums, and so runs, repeatable
+
+
+def by_member(values: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], str | None]:
+    """A cohort reply's arrays or metrics by member, or none and why (a key that names no member)."""
+    try:
+        return cohort.by_member(values)[1], None
+    except ValueError as exc:
+        return {}, f"not a cohort reply: {exc}"
 
 
 def read_arrays(parameters: Parameters, max_bytes: int | None, clients: int) -> tuple[payload.Named, str | None]:
@@ -108,7 +116,7 @@ def evaluate_answers(federation: Federation, results: list) -> list[Evaluation]:
     answers = []
     for proxy, res in results:
         if federation.is_cohort(proxy):
-            _, own = cohort.by_member(res.metrics)
+            own, _ = by_member(res.metrics)  # unreadable: no member's figures, which the check refuses
             for pid in reported_members(federation, proxy, res.metrics):
                 mine = own.get(pid, {})
                 answers.append(Evaluation(pid, mine.get("loss"), mine.get("num-examples"), mine.get("accuracy")))
