@@ -154,6 +154,67 @@ def test_a_fit_metric_that_is_no_number_rejects_the_update_and_raises_nothing(tm
     assert all(np.isfinite(a).all() for a in final.values() if a.dtype.kind == "f")
 
 
+def npy_header(descr, shape):
+    """The bytes of a .npy version 1.0 header, as np.save writes it, padded to 64."""
+    text = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}"
+    text += " " * (63 - (10 + len(text)) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode()
+
+
+def object_array_bytes():
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([{}, None], dtype=object), allow_pickle=True)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        b"garbage",
+        b"",
+        npy_header("<f4", (3,)) + b"\0" * 5,  # cut short
+        npy_header("<f4", (10**11,)),  # numpy allocated the 373 GiB it claims before reading
+        b"\x93NUMPY\x01\x00\x10\x00{'descr': 'zz', ",
+        object_array_bytes(),
+    ],
+    ids=["garbage", "empty", "truncated", "huge-claim", "bad-header", "objects"],
+)
+def test_an_array_whose_bytes_are_no_npy_array_rejects_the_update_and_raises_nothing(tmp_path, tensor):
+    """Decoding each of these raised out of the server's aggregate_fit (ValueError, EOFError, TokenError,
+    MemoryError), and so stopped the run."""
+
+    def tamper(res):
+        res.parameters.tensors[1] = tensor
+
+    final, rounds, _ = federation(tmp_path, fit_metrics=tamper)
+    for record in rounds:
+        assert [r["partition"] for r in record["rejected"]] == [HOSTILE]
+        assert "an array's bytes are not a .npy array" in record["rejected"][0]["reason"]
+    assert all(np.isfinite(a).all() for a in final.values() if a.dtype.kind == "f")
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(24, dtype=np.float32).reshape(2, 3, 4),
+        np.asfortranarray(np.arange(24, dtype=np.int64).reshape(2, 3, 4)),
+        np.array(3.5),
+        np.zeros((0, 5), np.float16),
+        np.array(["x", "yz"]),
+        np.array([True, False]),
+    ],
+)
+def test_the_decoder_reads_what_flowers_does(array):
+    from flwr.common import bytes_to_ndarray, ndarray_to_bytes
+
+    data = ndarray_to_bytes(array)
+    ours, flowers = payload.decode(data), bytes_to_ndarray(data)
+    assert ours.dtype == flowers.dtype and ours.shape == flowers.shape and ours.tobytes("A") == flowers.tobytes("A")
+    assert ours.flags.f_contiguous == flowers.flags.f_contiguous and ours.flags.writeable
+
+
 def test_a_diverged_models_nan_loss_is_still_an_evaluation():
     assert evaluation_problem(float("nan"), 5, 0.1, 10) is None
     assert evaluation_problem(float("inf"), 5, 0.1, 10) is None

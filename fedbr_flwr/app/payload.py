@@ -6,7 +6,9 @@ arrays in that order. Only this module and the two adapters (``fedbr_flwr.app.no
 
 from __future__ import annotations
 
+import io
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -17,6 +19,29 @@ Named = dict[str, np.ndarray]
 
 class PayloadError(ValueError):
     """A message whose arrays are not a named payload of this project."""
+
+
+def decode(data: bytes) -> np.ndarray:
+    """One array as Flower serialises it (.npy bytes). The bytes may come from a hostile client: a header numpy
+    cannot read, an array of Python objects, or a header whose shape and dtype claim other than the bytes that
+    follow it (numpy allocates what it claims before reading) is a PayloadError."""
+    fp = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(fp)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f".npy format {version}")
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran_order, dtype = read_header(fp)
+        if dtype.hasobject:
+            raise ValueError("an array of Python objects")
+        count, held = math.prod(shape), len(data) - fp.tell()
+        if count * dtype.itemsize != held:
+            raise ValueError(f"its header claims {count * dtype.itemsize} bytes, {held} follow it")
+        flat = np.frombuffer(data, dtype=dtype, count=count, offset=fp.tell())
+        view = flat.reshape(shape[::-1]).transpose() if fortran_order else flat.reshape(shape)
+        return view.copy(order="K")  # writable and its own, as np.load's
+    except Exception as exc:  # noqa: BLE001 - whatever numpy raises on the bytes, they are not an array of ours
+        raise PayloadError(f"an array's bytes are not a .npy array ({type(exc).__name__}: {str(exc)[:120]})") from None
 
 
 def _names_array(names: list[str]) -> np.ndarray:
@@ -63,11 +88,9 @@ class Serialised:
 
     @classmethod
     def from_parameters(cls, parameters) -> "Serialised":
-        from flwr.common import bytes_to_ndarray
-
         if not parameters.tensors:
             raise PayloadError("empty parameters: expected the names, then the arrays")
-        names = _names_of(bytes_to_ndarray(parameters.tensors[0]))
+        names = _names_of(decode(parameters.tensors[0]))
         if len(names) != len(parameters.tensors) - 1:
             raise PayloadError(f"{len(names)} names for {len(parameters.tensors) - 1} arrays")
         return cls(names, list(parameters.tensors[1:]))
@@ -101,9 +124,7 @@ def to_parameters(arrays: Mapping[str, np.ndarray]):
 
 
 def from_parameters(parameters) -> Named:
-    from flwr.common import parameters_to_ndarrays
-
-    return from_list(parameters_to_ndarrays(parameters))
+    return from_list([decode(t) for t in parameters.tensors])
 
 
 def nbytes(parameters) -> int:
