@@ -226,7 +226,7 @@ class DisTransStrategy(FederatedStrategy):
 
     def aggregate(self, rnd):
         assert self.aggregator is not None  # built at discovery, before any round's answers
-        offsets = {u.pid: u.arrays[OFFSET] for u in rnd.updates}
+        offsets = {u.pid: u.arrays[OFFSET] for u in rnd.used}  # a client Krum drops keeps the offset it had
         self.returned_offsets.update(offsets)
         robust, mode = not rnd.plan.is_mean, self.aggregator.mode
         mean = rnd.combine([OFFSET])[OFFSET] if robust and mode == "avg" else None

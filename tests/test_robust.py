@@ -382,6 +382,23 @@ def test_groupdro_under_multi_krum_believes_only_the_losses_of_the_clients_it_ke
     assert all(np.isfinite(a).all() for a in s.latest.values())
 
 
+def test_distrans_records_only_the_offsets_of_the_clients_krum_keeps(tmp_path):
+    """A client Krum drops goes on from the offset it had (its update is not used), and the server's record of
+    its latest offset, which the global test and offsets.npz read, keeps that one too."""
+    from strategies.distrans import OffsetAggregator
+
+    s, g, ups = strategy_with_updates(tmp_path, "distrans", "krum", 5, 5, **{"distrans-agg": "none"})
+    s.aggregator = OffsetAggregator("none", np.full((5, 10), 0.2))
+    before = {pid: np.full(s.returned_shapes()["offset"], pid, np.float32) for pid in range(5)}
+    s.returned_offsets = dict(before)
+    rnd = round_of(s, g, ups)
+    s.aggregate(rnd)
+    (kept,) = rnd.plan.selected
+    for u in ups:
+        want = u.arrays["offset"] if u.pid == kept else before[u.pid]
+        np.testing.assert_array_equal(s.returned_offsets[u.pid], want)
+
+
 def test_distrans_global_test_sees_the_median_offset_under_a_robust_rule(tmp_path):
     """The mean of the clients' latest offsets, which one offset of 1e30 made the global test's input."""
     s, _, _ = strategy_with_updates(tmp_path, "distrans", "norm-bound", **{"distrans-agg": "none"})
