@@ -416,10 +416,23 @@ def test_fedmix_mean_data_that_cannot_be_used_is_left_out(tmp_path, caplog, bad,
     assert "rejected" not in caplog.text
 
 
+def compressed_zeros(count):
+    """A named-arrays archive of a few kilobytes that expands to ``count`` float64 zeros (1e10: 80 GB, decoded)."""
+    import io
+
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, zeros=np.zeros(count))
+    return np.frombuffer(buffer.getvalue(), np.uint8)
+
+
 @pytest.mark.parametrize(
     "bad, reason",
-    [(lambda a: {}, "no 'state' array of bytes"), (lambda a: {"state": np.frombuffer(b"x" * 9, np.uint8)}, "decode")],
-    ids=["missing", "garbage"],
+    [
+        (lambda a: {}, "no 'state' array of bytes"),
+        (lambda a: {"state": np.frombuffer(b"x" * 9, np.uint8)}, "decode"),
+        (lambda a: {"state": compressed_zeros(10**7)}, "bytes"),
+    ],
+    ids=["missing", "garbage", "zip-bomb"],
 )
 def test_a_client_state_that_cannot_be_kept_leaves_the_state_it_sent_last(tmp_path, caplog, bad, reason):
     """A missing 'state' raised out of the checkpoint (a KeyError ended the run); bytes that are no named arrays

@@ -8,8 +8,10 @@ update was used (``fedbr_flwr.core.algorithm.ClientAlgorithm.settle_pending``)."
 
 from __future__ import annotations
 
+import io
 import logging
 import time
+import zipfile
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -200,8 +202,13 @@ def state_problem(pid: int, arrays: Named) -> str | None:
     state = arrays.get("state")
     if not isinstance(state, np.ndarray) or state.dtype != np.uint8 or state.ndim != 1:
         return "no 'state' array of bytes"
+    data = state.tobytes()
     try:
-        codec.decode(state.tobytes())
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            expanded = sum(member.file_size for member in archive.infolist())
+        if expanded > len(data):  # a client's state is stored, not compressed: a zip bomb would fill the memory
+            return f"its state expands from {len(data)} to {expanded} bytes"
+        codec.decode(data)
     except Exception as exc:  # noqa: BLE001 - any failure to decode is the reason
         return f"its state does not decode: {type(exc).__name__}: {str(exc)[:120]}"
     return None
