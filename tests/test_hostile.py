@@ -136,6 +136,21 @@ def test_a_tampered_evaluation_is_not_counted_and_the_evaluation_is_partial(tmp_
 
 
 @pytest.mark.parametrize(
+    "extra",
+    [{f"junk-{i}": 0.0 for i in range(300)}, {"x" * 101: 0.0}],
+    ids=["300-metrics", "long-name"],
+)
+def test_a_fit_reply_with_too_many_or_too_long_metrics_is_rejected(tmp_path, extra):
+    """Each metric a round averages becomes a key of its rounds.jsonl line: 300 junk ones a round grew the file
+    without bound."""
+    final, rounds, _ = federation(tmp_path, fit_metrics=lambda res: res.metrics.update(extra))
+    for record in rounds:
+        (rejected,) = record["rejected"]
+        assert rejected["partition"] == HOSTILE and "at most 256" in rejected["reason"]
+        assert not any(k.startswith(("junk", "xx")) for k in record["train"])
+
+
+@pytest.mark.parametrize(
     "strategy, name, value",
     [
         ("fedavg", "fit-seconds", "abc"),  # the round's slowest client: max() of a str and a float

@@ -60,6 +60,9 @@ def byte_budget(spec: Mapping[str, tuple[int, ...]] | None, dtypes: Mapping[str,
 
 
 NUMERIC_KINDS = "biuf"  # bool, integer, unsigned, float: what an array in an update may hold at all
+# a client reports a few dozen metrics with short names, and each one a round averages becomes a key of that
+# round's rounds.jsonl line (and a tracked scalar): more, or longer names, are no client of ours
+MAX_METRICS, MAX_METRIC_NAME = 256, 100
 
 
 def update_problem(
@@ -97,6 +100,10 @@ def update_problem(
     ]
     if absent:
         return f"metric '{absent[0]}' is missing or not a number"
+    if len(metrics) > MAX_METRICS or any(len(k) > MAX_METRIC_NAME for k in metrics):
+        return (
+            f"reports {len(metrics)} metrics: at most {MAX_METRICS}, with names of at most {MAX_METRIC_NAME} characters"
+        )
     odd = sorted(k for k, v in metrics.items() if not is_real(v))  # a client's metrics are all numbers
     if odd:
         return f"metric '{odd[0]}' is {quoted(metrics[odd[0]], 60)}, not a number"
