@@ -38,12 +38,10 @@ class ClientWeights:
             grown = self.p * factors
         self.log_w -= self.log_w.max()  # in [-2 LOG_BOUND, 0]: finite, whatever losses were reported
         total = grown.sum()
-        self.p = grown / total if np.isfinite(total) and total > 0 else self.from_logs(self.log_w)
-
-    @staticmethod
-    def from_logs(log_w: np.ndarray) -> np.ndarray:
-        grown = np.exp(log_w - log_w.max())
-        return grown / grown.sum()
+        if not (np.isfinite(total) and total > 0):
+            grown = np.exp(self.log_w)  # the largest is e^0 = 1: the sum is at least 1
+            total = grown.sum()
+        self.p = grown / total
 
     def weights(self, pids: list[int], used: list[int]) -> list[float]:
         """p_i for each of ``pids``, where a mean takes those of ``used``; if theirs all underflowed to 0 (another
