@@ -84,15 +84,6 @@ def dann_terms(
     return {"loss": ce + domain_ce, "ce": ce, "domain-ce": domain_ce}
 
 
-def dann_loss(
-    model: SplitModel, discriminator: nn.Module, x: torch.Tensor, y: torch.Tensor, domain: int, weight: float
-) -> dict[str, torch.Tensor]:
-    """CE + the discriminator's domain CE on reversed features: its gradient trains the discriminator at
-    full weight and reaches the features times -weight."""
-    params: Params = {"model": dict(model.named_parameters()), "discriminator": dict(discriminator.named_parameters())}
-    return dann_terms(model, discriminator, params, x, y, torch.full_like(y, domain), weight)
-
-
 class DANNStep(FunctionalStep):
     """One phase: the model and the discriminator (two groups, each with its own SGD at the common lr)
     descend on CE + domain CE, the features seeing the domain gradient reversed."""

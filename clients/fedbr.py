@@ -203,8 +203,7 @@ class FedBRStep(FunctionalStep):
         self.x_p, self.y_p = pseudo_x, pseudo_y
         self.mix_k = settings.mixture_k if settings.pseudo_data == "mixture" else 0
         self.local_pool = local_pool
-        self.generator = torch.Generator(device=pseudo_x.device)
-        self.generator.manual_seed(seed)
+        self.generator = torch.Generator(device=pseudo_x.device).manual_seed(seed)
         self.head = head
         self.global_features: nn.Module | None = None
         self.z_g_fixed: torch.Tensor | None = None
@@ -342,6 +341,6 @@ class FedBRClient(ClientAlgorithm):
             x_p,
             y_p,
             (self.data.x_train, self.data.y_train),
-            seed=seeds.seed("fedbr-steps", common(self.cfg).seed, server_round, self.pid),
+            seed=self.round_seed("fedbr-steps", server_round),
             components=components,
         )

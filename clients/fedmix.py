@@ -94,8 +94,7 @@ class FedMixStep(FunctionalStep):
         super().__init__(model, cfg)
         self.mean_x, self.mean_y = mean_x, mean_y
         self.lam = lam
-        self.generator = torch.Generator(device=mean_x.device)
-        self.generator.manual_seed(seed)
+        self.generator = torch.Generator(device=mean_x.device).manual_seed(seed)
 
     def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         idx = torch.randint(0, len(self.mean_y), (len(y),), device=self.mean_y.device, generator=self.generator)
@@ -131,11 +130,4 @@ class FedMixClient(ClientAlgorithm):
 
     def make_step(self, server_round: int, config: dict) -> FedMixStep:
         x, y = self.shared("fedmix", config)
-        return FedMixStep(
-            self.model,
-            self.cfg,
-            self.settings.lam,
-            x,
-            y,
-            seeds.seed("fedmix-steps", common(self.cfg).seed, server_round, self.pid),
-        )
+        return FedMixStep(self.model, self.cfg, self.settings.lam, x, y, self.round_seed("fedmix-steps", server_round))

@@ -34,8 +34,7 @@ class MixupSampler:
     def __init__(self, alpha: float, seed: int, device: torch.device):
         self.alpha = alpha
         self.rng = np.random.default_rng(seed)
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, batch_size: int) -> tuple[float, torch.Tensor]:
         lam = float(self.rng.beta(self.alpha, self.alpha))

@@ -16,9 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedbr_flwr.core import seeds
 from fedbr_flwr.core.algorithm import ClientAlgorithm, FunctionalStep, call
-from fedbr_flwr.core.config import common
 from fedbr_flwr.core.model import SplitModel
 from fedbr_flwr.core.registry import register_client
 from fedbr_flwr.core.settings import NON_NEGATIVE, POSITIVE, Settings, setting
@@ -91,8 +89,7 @@ class VHLStep(FunctionalStep):
         self.s = settings
         self.virtual_x, self.virtual_y = virtual_x, virtual_y
         self.num_classes = model.classifier.out_features // 2
-        self.generator = torch.Generator(device=virtual_x.device)
-        self.generator.manual_seed(seed)
+        self.generator = torch.Generator(device=virtual_x.device).manual_seed(seed)
 
     def draw(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         """The local batch and a virtual batch of its size ("x_v", "y_v")."""
@@ -129,11 +126,4 @@ class VHLClient(ClientAlgorithm):
 
     def make_step(self, server_round: int, config: dict) -> VHLStep:
         x, y = self.shared("vhl", config)
-        return VHLStep(
-            self.model,
-            self.cfg,
-            self.settings,
-            x,
-            y.long(),
-            seeds.seed("vhl-steps", common(self.cfg).seed, server_round, self.pid),
-        )
+        return VHLStep(self.model, self.cfg, self.settings, x, y.long(), self.round_seed("vhl-steps", server_round))

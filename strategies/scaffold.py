@@ -47,22 +47,14 @@ class ScaffoldStrategy(FederatedStrategy):
         return (JudgedGroup(self.delta_names()),)
 
     def aggregate(self, rnd):
-        run = common(self.cfg)
         if rnd.plan.is_mean:
-            self.control = {
-                key: update_server_control(
-                    c, [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in rnd.updates], run.num_clients
-                )
-                for key, c in self.control.items()
-            }
+            deltas = {key: [u.arrays[f"{CONTROL_DELTA}/{key}"] for u in rnd.updates] for key in self.control}
         else:
             # a sum over S by its math: unweighted
             robust = rnd.combine(list(self.delta_names()), weights=[1.0] * len(rnd.updates))
-            n, total = len(rnd.used), run.num_clients
-            self.control = {
-                key: update_server_control(c, [n * robust[f"{CONTROL_DELTA}/{key}"]], total)
-                for key, c in self.control.items()
-            }
+            deltas = {key: [len(rnd.used) * robust[f"{CONTROL_DELTA}/{key}"]] for key in self.control}
+        num_clients = common(self.cfg).num_clients
+        self.control = {key: update_server_control(c, deltas[key], num_clients) for key, c in self.control.items()}
         norm = np.sqrt(sum(float((c**2).sum()) for c in self.control.values()))
         self.server_metrics = {"control-norm": float(norm)}
         return super().aggregate(rnd)

@@ -12,7 +12,7 @@ import torch
 from flwr.common import Code, FitRes, Status
 from torch.nn import functional as F
 
-from clients.dann import DANNStep, build_discriminator, dann_loss, reverse_gradient
+from clients.dann import DANNStep, build_discriminator, reverse_gradient
 from clients.fedavg import SupervisedStep
 from clients.fedbr import FedBRClient, FedBRStep
 from clients.feddecorr import decorrelation_loss
@@ -625,7 +625,8 @@ def test_dann_weight_scales_only_the_reversed_gradient_reaching_the_features():
         torch.manual_seed(0)
         model = build_model("cnn", C, 1, 8)
         disc = build_discriminator(model.feature_dim, 16, 3)
-        domain_ce = dann_loss(model, disc, x, y, 2, weight)["domain-ce"]
+        step = DANNStep(model, cfg_of("dann"), weight, disc, domain=2)
+        domain_ce = step.loss(step.groups, step.draw(x, y), {})[1]["domain-ce"]
         return (
             torch.autograd.grad(domain_ce, list(disc.parameters()), retain_graph=True),
             torch.autograd.grad(domain_ce, list(model.features.parameters())),

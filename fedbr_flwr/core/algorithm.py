@@ -490,6 +490,10 @@ class ClientAlgorithm:
             component.start_round(ctx)
         return self.components
 
+    def round_seed(self, stream: str, server_round: int) -> int:
+        """The seed of this client's stream ``stream`` in round ``server_round``."""
+        return seeds.seed(stream, common(self.cfg).seed, server_round, self.pid)
+
     def shared(self, name: str, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The server's broadcast data ``name`` (FedBR's pseudo-data, FedMix's means, VHL's virtual data)
         on this client's device; the version used is reported with the fit result."""
@@ -619,11 +623,9 @@ class ClientAlgorithm:
     # ------------------------------------------------------------ its own state, for checkpoints
     def export_state(self) -> bytes:
         """Its ``state_keys`` records, as '<key>/<name>' arrays."""
-        arrays = {}
-        for key in self.state_keys:
-            for name, a in (self.state.arrays(key) or {}).items():
-                arrays[f"{key}/{name}"] = a
-        return codec.encode(arrays)
+        return codec.encode(
+            {f"{key}/{name}": a for key in self.state_keys for name, a in (self.state.arrays(key) or {}).items()}
+        )
 
     def restore_state(self, config: dict) -> None:
         """The state the server's message settles: the last fit's pending state kept or dropped

@@ -126,8 +126,7 @@ class CommonSettings(Settings):
         "torch.compile on the clients: the backbone's feature extractor, and in a vmapped cohort step "
         "(cohort-step=vmap or graph) each local step's gradients; the first round pays the compilation",
     )
-    tf32: bool = setting(
-        "tf32",
+    tf32: bool = common_key(
         True,
         "on CUDA, fp32 matrix products and convolutions on TF32 tensor cores (what the authors' PyTorch 1.7 "
         "did on Ampere by default); false: strict fp32. No effect on a CPU",
@@ -340,10 +339,6 @@ def as_it_ran(saved: Mapping[str, Any]) -> dict[str, Any]:
     return {**defaults(), **saved}
 
 
-def _type_name(v: Any) -> str:
-    return {bool: "bool", int: "int", float: "float", str: "str"}[type(v)]
-
-
 def _coerce(key: str, spec: Key, value: Any) -> Any:
     default = spec.default
     if spec.names and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
@@ -368,7 +363,7 @@ def _coerce(key: str, spec: Key, value: Any) -> Any:
     elif isinstance(value, str):
         return ",".join(v.strip() for v in value.split(",")) if spec.names else value
     raise ConfigError(
-        f"config key '{key}' must be {'a list of names' if spec.names else _type_name(default)}, "
+        f"config key '{key}' must be {'a list of names' if spec.names else type(default).__name__}, "
         f"got {type(value).__name__} {quoted(value)}"
     )
 
@@ -723,9 +718,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = read_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    if value is None:
-        value = ""
-    return key.strip(), value
+    return key.strip(), "" if value is None else value
 
 
 def to_toml(cfg: Mapping[str, Any]) -> str:

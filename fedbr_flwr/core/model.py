@@ -123,17 +123,8 @@ def resnet18_gn_features(in_channels: int = 3, groups: int = 2) -> nn.Sequential
 
     net = resnet18(num_classes=10, norm_layer=lambda c: nn.GroupNorm(groups, c))
     net.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
-    return nn.Sequential(
-        net.conv1,
-        net.bn1,
-        net.relu,
-        net.layer1,
-        net.layer2,
-        net.layer3,
-        net.layer4,
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-    )
+    stages = [getattr(net, name) for name in ("conv1", "bn1", "relu", "layer1", "layer2", "layer3", "layer4")]
+    return nn.Sequential(*stages, nn.AdaptiveAvgPool2d(1), nn.Flatten())
 
 
 @dataclass(frozen=True)

@@ -299,21 +299,11 @@ def peak_memory_mb(device: torch.device | str) -> dict[str, float]:
 def use_device(cfg: dict) -> torch.device:
     """The config's device, with its CUDA kernel switches (``tf32``, ``cudnn-autotune``) set for this process."""
     run = common(cfg)
-    device = pick_device(run.device)
-    if device.type == "cuda":
-        set_cuda_kernels(run.tf32, run.cudnn_autotune)
-    return device
-
-
-def set_cuda_kernels(tf32: bool, autotune: bool) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
-    torch.backends.cudnn.benchmark = autotune
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
+    if run.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device=cuda requested but torch sees no CUDA device")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if run.device == "auto" else run.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = run.tf32
+        torch.backends.cudnn.allow_tf32 = run.tf32
+        torch.backends.cudnn.benchmark = run.cudnn_autotune
+    return device

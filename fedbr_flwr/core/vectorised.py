@@ -152,10 +152,7 @@ def differing_attribute(want, got, path: str, skipped: tuple[str, ...] = (), dep
         same = want.shape == got.shape and want.dtype == got.dtype and torch.equal(want, got)
         return None if same else path
     if isinstance(want, nn.Module):  # another module object (the live modules and frozen copies are shared)
-        want, got = (
-            dict([*want.named_parameters(), *want.named_buffers()]),
-            dict([*got.named_parameters(), *got.named_buffers()]),
-        )
+        want, got = (dict([*m.named_parameters(), *m.named_buffers()]) for m in (want, got))
     if isinstance(want, (list, tuple)):  # compared as {index: item}
         if len(want) != len(got):
             return path
@@ -173,15 +170,11 @@ def differing_attribute(want, got, path: str, skipped: tuple[str, ...] = (), dep
         if depth >= 2:
             return None
         own = set(skipped) | set(getattr(want, "per_member_state", ()))
-        return next(
-            (
-                d
-                for k, v in vars(want).items()
-                if k not in own
-                and (d := differing_attribute(v, vars(got).get(k), f"{path}.{k}", depth=depth + 1)) is not None
-            ),
-            None,
-        )
+        for k, v in vars(want).items():
+            d = None if k in own else differing_attribute(v, vars(got).get(k), f"{path}.{k}", depth=depth + 1)
+            if d is not None:
+                return d
+        return None
     try:
         return None if bool(want == got) else path
     except (TypeError, ValueError, RuntimeError):
