@@ -40,23 +40,19 @@ def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], rounds_done: int
 def build_strategy(cfg: dict):
     out_dir = resolve_output_dir(cfg)
     cfg = {**cfg, "output-dir": str(out_dir)}
-    checkpoint = None
+    checkpoint, done, elapsed = None, None, 0.0  # done: None for a new run
     run = common(cfg)
     if run.resume:
         checkpoint = load_checkpoint(out_dir)
-        check_resumable(checkpoint[1]["config"], cfg, int(checkpoint[1]["round"]))
-        check_records_continue(out_dir, int(checkpoint[1]["round"]))  # plain `flwr run` with resume=true too
+        done = int(checkpoint[1]["round"])
+        check_resumable(checkpoint[1]["config"], cfg, done)
+        check_records_continue(out_dir, done)  # plain `flwr run` with resume=true too
+        elapsed = float(checkpoint[1]["elapsed"])
     torch.manual_seed(run.seed)  # the initial model: what every client is sent in round 1
     device = use_device(cfg)
     modules = {name: m.to(device) for name, m in client_class(run.strategy).build_modules(cfg).items()}
     server_tests = load_server_tests(cfg)
-    recorder = (
-        RunRecorder(cfg, out_dir)
-        if checkpoint is None
-        else RunRecorder(
-            cfg, out_dir, resume_round=int(checkpoint[1]["round"]), elapsed=float(checkpoint[1]["elapsed"])
-        )
-    )
+    recorder = RunRecorder(cfg, out_dir, resume_round=done, elapsed=elapsed)
     strategy = strategy_class(run.strategy)(cfg, recorder, modules, server_tests)
     if checkpoint is not None:
         strategy.resume_from(*checkpoint)

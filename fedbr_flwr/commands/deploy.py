@@ -39,7 +39,16 @@ from typing import Iterator, Sequence
 from ..core.config import common
 from ..core.errors import ConfigError
 from ..launch import watchdog
-from ..launch.launcher import RunFailed, flower_env, free_port, stop_tree, submit_run, wait_healthy
+from ..launch.launcher import (
+    RunFailed,
+    flags,
+    flower_env,
+    flower_tool,
+    free_port,
+    stop_tree,
+    submit_run,
+    wait_healthy,
+)
 from ..launch.worker import write_private
 from ..runfiles import runlock
 from ..runfiles.run_io import check_output_dir
@@ -65,17 +74,20 @@ def make_certificates(out: Path, hosts: Sequence[str], supernodes: int, days: in
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
 
-    def cert(subject, issuer, public_key, signing_key, extension, critical):
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedbr-flwr CA")])
+
+    def cert(subject: str, key, extension, critical: bool):
         return (
             x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(issuer)
-            .public_key(public_key)
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(extension, critical=critical)
-            .sign(signing_key, hashes.SHA256())
+            .sign(ca_key, hashes.SHA256())
         )
 
     def alt_name(host: str):
@@ -84,21 +96,9 @@ def make_certificates(out: Path, hosts: Sequence[str], supernodes: int, days: in
         except ValueError:
             return x509.DNSName(host)
 
-    ca_key = ec.generate_private_key(ec.SECP384R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedbr-flwr CA")])
-    ca_cert = cert(
-        ca_name, ca_name, ca_key.public_key(), ca_key, x509.BasicConstraints(ca=True, path_length=None), True
-    )
+    ca_cert = cert("fedbr-flwr CA", ca_key, x509.BasicConstraints(ca=True, path_length=None), True)
     server_key = ec.generate_private_key(ec.SECP384R1())
-    names = [alt_name(h) for h in hosts]
-    server_cert = cert(
-        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]),
-        ca_name,
-        server_key.public_key(),
-        ca_key,
-        x509.SubjectAlternativeName(names),
-        False,
-    )
+    server_cert = cert(hosts[0], server_key, x509.SubjectAlternativeName([alt_name(h) for h in hosts]), False)
     pem = serialization.Encoding.PEM
     write_private(
         out / SERVER_KEY, server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
@@ -144,40 +144,17 @@ def certificate_problem(path: Path, now: datetime.datetime | None = None) -> str
 # ---------------------------------------------------------------- Flower commands
 
 
-def flower_tool(env: dict[str, str], name: str) -> str:
-    return shutil.which(name, path=env["PATH"]) or name
-
-
 def superlink_command(
     env: dict[str, str], host: str, port: int, certs: Path | None, auth: bool, state_dir: Path
 ) -> list[str]:
-    security = (
-        ["--insecure"]
-        if certs is None
-        else [
-            "--ssl-ca-certfile",
-            str(certs / CA),
-            "--ssl-certfile",
-            str(certs / SERVER_CERT),
-            "--ssl-keyfile",
-            str(certs / SERVER_KEY),
-        ]
-    )
+    tls = {"--ssl-ca-certfile": CA, "--ssl-certfile": SERVER_CERT, "--ssl-keyfile": SERVER_KEY}
+    security = ["--insecure"] if certs is None else flags({k: str(certs / name) for k, name in tls.items()})
     if auth:
         if certs is None:
             raise ConfigError("SuperNode authentication needs TLS: give --certs (or --tls with local)")
         security.append("--enable-supernode-auth")
-    return [
-        flower_tool(env, "flower-superlink"),
-        *security,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--database",
-        str(state_dir / "superlink.db"),
-        "--disable-runtime-dependency-installation",
-    ]
+    options = flags({"--host": host, "--port": str(port), "--database": str(state_dir / "superlink.db")})
+    return [flower_tool(env, "flower-superlink"), *security, *options, "--disable-runtime-dependency-installation"]
 
 
 def node_config_string(values: dict[str, object]) -> str:
@@ -191,16 +168,8 @@ def supernode_command(
     security = ["--insecure"] if certs is None else ["--root-certificates", str(certs / CA)]
     if auth_key is not None:
         security += ["--auth-supernode-private-key", str(auth_key)]
-    return [
-        flower_tool(env, "flower-supernode"),
-        *security,
-        "--superlink",
-        superlink,
-        "--port",
-        str(port),
-        "--node-config",
-        node_config_string(node_config),
-    ]
+    options = {"--superlink": superlink, "--port": str(port), "--node-config": node_config_string(node_config)}
+    return [flower_tool(env, "flower-supernode"), *security, *flags(options)]
 
 
 def worker_command(address: Path) -> list[str]:

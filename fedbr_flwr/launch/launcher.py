@@ -94,6 +94,16 @@ def flower_env(flwr_home: Path, http_port: int | None = None, control_port: int 
     return env
 
 
+def flower_tool(env: dict[str, str], name: str) -> str:
+    """The path of Flower's command ``name`` on ``env``'s PATH (the name alone where it is not found)."""
+    return shutil.which(name, path=env["PATH"]) or name
+
+
+def flags(options: dict[str, str]) -> list[str]:
+    """Command-line options, each flag followed by its value."""
+    return [part for flag, value in options.items() for part in (flag, value)]
+
+
 @contextmanager
 def local_superlink(log_dir: Path, ray_address: str | None = None) -> Iterator[dict[str, str]]:
     """A simulation SuperLink on free ports with its own FLWR_HOME; yields the environment in which
@@ -103,26 +113,16 @@ def local_superlink(log_dir: Path, ray_address: str | None = None) -> Iterator[d
     http_port, control_port = free_port(), free_port()
     env = {**flower_env(flwr_home, http_port, control_port), **ray_environment(ray_address)}
     log_file = log_dir / "superlink.log"
-    command = [
-        shutil.which("flower-superlink", path=env["PATH"]) or "flower-superlink",
-        "--insecure",
-        "--simulation",
-        "--isolation",
-        "subprocess",
-        "--control-api-address",
-        f"127.0.0.1:{control_port}",
-        "--fleet-api-address",
-        f"127.0.0.1:{free_port()}",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(http_port),
-        "--database",
-        str(flwr_home / "state.db"),
-        "--disable-runtime-dependency-installation",
-        "--log-file",
-        str(log_file),
-    ]
+    options = {
+        "--isolation": "subprocess",
+        "--control-api-address": f"127.0.0.1:{control_port}",
+        "--fleet-api-address": f"127.0.0.1:{free_port()}",
+        "--host": "127.0.0.1",
+        "--port": str(http_port),
+        "--database": str(flwr_home / "state.db"),
+    }
+    command = [flower_tool(env, "flower-superlink"), "--insecure", "--simulation", *flags(options)]
+    command += ["--disable-runtime-dependency-installation", "--log-file", str(log_file)]
     try:
         proc = watchdog.spawn(
             command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -144,11 +144,9 @@ def wait_healthy(proc: subprocess.Popen, url: str, log_file: Path, verify=True) 
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RunFailed(f"flower-superlink exited with code {proc.returncode}; see {log_file}")
-        try:
+        with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url, timeout=0.5, verify=verify).is_success:
                 return
-        except httpx.HTTPError:
-            pass
         time.sleep(0.2)
     raise RunFailed(f"flower-superlink did not become ready in {SUPERLINK_START_TIMEOUT_S} s; see {log_file}")
 
@@ -394,7 +392,7 @@ def submit_run(
     with runlock.hold(out_dir):  # this process writes run_config.toml and flower.log
         out_dir.mkdir(parents=True, exist_ok=True)
         run_config = write_run_config(cfg, out_dir)
-        flwr = shutil.which("flwr", path=env["PATH"]) or "flwr"
+        flwr = flower_tool(env, "flwr")
         command = [flwr, "run", str(PROJECT_DIR), connection, "--run-config", str(run_config), *(extra_args or [])]
         run_id, _, finished = follow_run(
             command + ["--stream"], env, out_dir, echo, end_at_summary, common(cfg).resume, watch=watch
@@ -547,7 +545,7 @@ def last_error(log_path: Path) -> str:
 
 
 def run_status(run_id: int, env: dict[str, str], connection: str = "local") -> dict:
-    flwr = shutil.which("flwr", path=env["PATH"]) or "flwr"
+    flwr = flower_tool(env, "flwr")
     res = subprocess.run(
         [flwr, "ls", connection, "--run-id", str(run_id), "--format", "json"],
         env=env,

@@ -15,6 +15,7 @@ Only the standard library here: the watchdog starts in a fraction of a second.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -109,11 +110,9 @@ def kill_all(roots: dict[int, tuple[int, bool]], timeout_s: float = 10.0) -> int
         if not pids:
             break
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
                 killed.add(pid)
-            except (ProcessLookupError, PermissionError):
-                pass
         time.sleep(0.05)
     return len(killed)
 
@@ -205,10 +204,8 @@ def _forked_child() -> None:
     global _pipe, _lock
     _lock = threading.Lock()
     if _pipe is not None:
-        try:
+        with contextlib.suppress(OSError):
             os.close(_pipe)
-        except OSError:
-            pass
         _pipe = None
     _registered.clear()
 

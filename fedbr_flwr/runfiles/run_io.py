@@ -4,6 +4,7 @@ directory. Every JSON value that is NaN or infinite is written as ``null`` (``js
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -42,11 +43,9 @@ def check_path_length(path: Path, what: str = "output-dir") -> None:
     """ConfigError when ``path`` is longer than this system allows (a name over NAME_MAX, the whole over
     PATH_MAX), said once, before any file operation fails on it with a traceback."""
     name_max, path_max = 255, 4096
-    try:
+    with contextlib.suppress(OSError, ValueError):
         name_max = os.pathconf("/", "PC_NAME_MAX")
         path_max = os.pathconf("/", "PC_PATH_MAX")
-    except (OSError, ValueError):
-        pass
     longest = max((len(part.encode()) for part in Path(path).parts), default=0)
     if longest > name_max or len(str(path).encode()) >= path_max:
         raise ConfigError(
@@ -81,20 +80,16 @@ def check_output_dir(out: Path, what: str = "output-dir") -> None:
         ) from None
     finally:
         for p in made:  # deepest first
-            try:
+            with contextlib.suppress(OSError):
                 p.rmdir()
-            except OSError:
-                pass
 
 
 def cpu_model() -> str:
     """The CPU's name as the OS reports it (Linux: /proc/cpuinfo), else the platform's processor."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine()
 
 
