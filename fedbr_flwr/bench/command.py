@@ -744,76 +744,49 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
     return 0
 
 
+# fedbr-bench's options in --help's order with their help; an option that is not a switch: its arguments in OPTIONS
+HELP = {
+    "--rounds": "timed rounds (after one warm-up round)",
+    "--json": "also write the figures to this JSON file",
+    "--step": "time one FedBR and one DisTrans local step against one FedAvg step instead of whole rounds",
+    "--steps": "steps per timing repeat (--step, and --suite's step table)",
+    "--suite": "bare loop against both Flower engines for FedAvg, FedBR and DisTrans on each shape "
+    f"({', '.join(SUITE)}); the items apply to every case",
+    "--shapes": "comma-separated shapes for --suite",
+    "--strategies": "comma-separated strategies for --suite",
+    "--cohort-step": "one cohort holding all clients, in process: cohort-step=loop against vmap (and graph on CUDA), "
+    "s/round",
+    "--levers": "one cohort holding all clients, in process: the GPU speed levers (tf32, cudnn-autotune, bf16, "
+    "compile, cohort-conv=matmul) against strict fp32, s/round and how far each moves the update",
+    "--kernels": "one cohort holding all clients, in process, one round under torch's profiler: the operators (on a "
+    "GPU the kernels) that take the device's time, that time by kind of kernel, and how busy the device is",
+    "--scale": "engine=cohort with 100 clients at fraction-fit 0.1 and 1000 at 0.01: s/round and peak memory",
+    "--startup": "N whole processes per variant (fedbr-run per engine, with --superlink, the bare loop, pfl-research "
+    "where it is installed), interleaved, on a fixed workload (the items apply on top): seconds per phase, from the "
+    "command's start to its end (fedbr_flwr/bench/startup.py)",
+    "--round-profile": "one default fedbr-run of that workload under py-spy (every thread, idle ones too): the "
+    "simulation process's thread-seconds by part of a round (clients' training, messages, server, waits)",
+    "--sweep-startup": "N 3-run fedbr-sweeps of that workload in one simulation process (the default) and with "
+    "--isolated, interleaved: the fixed seconds (start-up, shut-down) of the first and the later runs",
+}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "--rounds": {"type": int, "default": 5},
+    "--json": {"type": Path},
+    "--steps": {"type": int, "default": 20},
+    "--shapes": {"default": ",".join(SUITE)},
+    "--strategies": {"default": ",".join(SUITE_STRATEGIES)},
+    "--startup": {"type": int, "metavar": "N"},
+    "--sweep-startup": {"type": int, "metavar": "N"},
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedbr-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
-    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
-    parser.add_argument(
-        "--step",
-        action="store_true",
-        help="time one FedBR and one DisTrans local step against one FedAvg step instead of whole rounds",
-    )
-    parser.add_argument(
-        "--steps", type=int, default=20, help="steps per timing repeat (--step, and --suite's step table)"
-    )
-    parser.add_argument(
-        "--suite",
-        action="store_true",
-        help="bare loop against both Flower engines for FedAvg, FedBR and DisTrans on each shape "
-        f"({', '.join(SUITE)}); "
-        "the items apply to every case",
-    )
-    parser.add_argument("--shapes", default=",".join(SUITE), help="comma-separated shapes for --suite")
-    parser.add_argument(
-        "--strategies", default=",".join(SUITE_STRATEGIES), help="comma-separated strategies for --suite"
-    )
-    parser.add_argument(
-        "--cohort-step",
-        action="store_true",
-        help="one cohort holding all clients, in process: cohort-step=loop against vmap (and graph on CUDA), s/round",
-    )
-    parser.add_argument(
-        "--levers",
-        action="store_true",
-        help="one cohort holding all clients, in process: the GPU speed levers (tf32, cudnn-autotune, bf16, "
-        "compile, cohort-conv=matmul) against strict fp32, s/round and how far each moves the update",
-    )
-    parser.add_argument(
-        "--kernels",
-        action="store_true",
-        help="one cohort holding all clients, in process, one round under torch's profiler: the operators (on a "
-        "GPU the kernels) that take the device's time, that time by kind of kernel, and how busy the device is",
-    )
-    parser.add_argument(
-        "--scale",
-        action="store_true",
-        help="engine=cohort with 100 clients at fraction-fit 0.1 and 1000 at 0.01: s/round and peak memory",
-    )
-    parser.add_argument(
-        "--startup",
-        type=int,
-        metavar="N",
-        help="N whole processes per variant (fedbr-run per engine, with --superlink, the bare loop, pfl-research "
-        "where it is installed), interleaved, "
-        "on a fixed workload (the items apply on top): seconds per phase, from the command's start to its end "
-        "(fedbr_flwr/bench/startup.py)",
-    )
-    parser.add_argument(
-        "--round-profile",
-        action="store_true",
-        help="one default fedbr-run of that workload under py-spy (every thread, idle ones too): the simulation "
-        "process's thread-seconds by part of a round (clients' training, messages, server, waits)",
-    )
-    parser.add_argument(
-        "--sweep-startup",
-        type=int,
-        metavar="N",
-        help="N 3-run fedbr-sweeps of that workload in one simulation process (the default) and with --isolated, "
-        "interleaved: the fixed seconds (start-up, shut-down) of the first and the later runs",
-    )
+    for flag, help in HELP.items():
+        parser.add_argument(flag, help=help, **OPTIONS.get(flag, {"action": "store_true"}))
     return parser
 
 
@@ -836,13 +809,8 @@ def main(argv=None) -> int:
 def check_arguments(args: argparse.Namespace) -> None:
     """A count below one and a --json file that cannot be written stop the command before it measures, not
     after (a mode given 0 ran another mode, or raised at its end with its figures lost)."""
-    counts = (
-        ("--rounds", args.rounds),
-        ("--steps", args.steps),
-        ("--startup", args.startup),
-        ("--sweep-startup", args.sweep_startup),
-    )
-    for flag, value in counts:
+    for flag in [flag for flag, kwargs in OPTIONS.items() if kwargs.get("type") is int]:  # the counts
+        value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: give 1 or more")
     if args.json is not None:

@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..app.raycluster import requested_address
 from ..core.config import ConfigError, pyproject_table, schema
@@ -90,40 +90,32 @@ def write_configuration_page(path: Path = CONFIGURATION_PAGE) -> bool:
     return changed
 
 
+# fedbr-run's options in --help's order with their help; an option that is not a switch: its arguments in OPTIONS
+HELP = {
+    "--list": "list strategies, components and config keys, then exit",
+    "--write-pyproject": "rewrite pyproject.toml's run-config table from the schema (after adding a key), then exit",
+    "--write-docs": "rewrite docs/configuration.md from the schema (after adding a key), then exit",
+    "--dry-run": "validate and print the config, then exit",
+    "--overwrite": "reuse an output-dir that holds a run",
+    "--resume": "continue the run in DIR from its last checkpoint",
+    "--time-limit": "stop before DURATION (90s, 15m, 1h30m, 2h) has passed: the run checkpoints after every round and "
+    "stops after the last round that fits, with exit code 75 and a line saying how to continue "
+    "(fedbr-run --resume DIR --time-limit ...); a round still running at the limit is lost",
+    "--quiet": "print no progress (the log is in flower.log)",
+    "--verbose": "echo all of Flower's log, not only progress",
+    "--superlink": "run through `flwr run` on a private local SuperLink, as a Flower user would (seconds slower to "
+    "start; the default runs Flower's simulation entry point in one process)",
+}
+OPTIONS: dict[str, dict[str, Any]] = {"--resume": {"metavar": "DIR"}, "--time-limit": {"metavar": "DURATION"}}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedbr-run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
-    parser.add_argument("--list", action="store_true", help="list strategies, components and config keys, then exit")
-    parser.add_argument(
-        "--write-pyproject",
-        action="store_true",
-        help="rewrite pyproject.toml's run-config table from the schema (after adding a key), then exit",
-    )
-    parser.add_argument(
-        "--write-docs",
-        action="store_true",
-        help="rewrite docs/configuration.md from the schema (after adding a key), then exit",
-    )
-    parser.add_argument("--dry-run", action="store_true", help="validate and print the config, then exit")
-    parser.add_argument("--overwrite", action="store_true", help="reuse an output-dir that holds a run")
-    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
-    parser.add_argument(
-        "--time-limit",
-        metavar="DURATION",
-        help="stop before DURATION (90s, 15m, 1h30m, 2h) has passed: the run checkpoints after every round and "
-        "stops after the last round that fits, with exit code 75 and a line saying how to continue "
-        "(fedbr-run --resume DIR --time-limit ...); a round still running at the limit is lost",
-    )
-    parser.add_argument("--quiet", action="store_true", help="print no progress (the log is in flower.log)")
-    parser.add_argument("--verbose", action="store_true", help="echo all of Flower's log, not only progress")
-    parser.add_argument(
-        "--superlink",
-        action="store_true",
-        help="run through `flwr run` on a private local SuperLink, as a Flower user would (seconds slower to "
-        "start; the default runs Flower's simulation entry point in one process)",
-    )
+    for flag, help in HELP.items():
+        parser.add_argument(flag, help=help, **OPTIONS.get(flag, {"action": "store_true"}))
     return parser
 
 
@@ -134,8 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.deadline = None if args.time_limit is None else stop_deadline(started, parse_duration(args.time_limit))
     except ConfigError as exc:
-        print(f"fedbr-run: error: {exc}", file=sys.stderr)
-        return 2
+        return error(exc, 2)
     if args.list:
         print(list_keys())
         return 0
@@ -175,8 +166,7 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         if args.deadline is not None:
             plan = plan.with_keys({"checkpoint-every": 1})  # a stop loses no finished round
     except ConfigError as exc:
-        print(f"fedbr-run: error: {exc}", file=sys.stderr)
-        return 2
+        return error(exc, 2)
     if args.dry_run:
         print("\n".join(f"{k} = {v!r}" for k, v in plan.config.items()))
         return 0
@@ -202,14 +192,11 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         )
         return EXIT_TIME_LIMIT
     except ConfigError as exc:  # found only at launch: the folder taken by a run that started at the same instant
-        print(f"fedbr-run: error: {exc}", file=sys.stderr)
-        return 2
+        return error(exc, 2)
     except RunFailed as exc:
-        print(f"fedbr-run: error: {exc}", file=sys.stderr)
-        return 1
+        return error(exc, 1)
     except OSError as exc:  # the run folder's disk filled up (or went away) while the run wrote to it
-        print(f"fedbr-run: error: the run stopped: cannot write to {out}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        return error(f"the run stopped: cannot write to {out}: {exc.strerror or exc}", 1)
     except KeyboardInterrupt:
         print(f"fedbr-run: interrupted; {stopped_run(out)}", file=sys.stderr)
         return 130
@@ -220,13 +207,13 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         return 143
     summary_md = out / "summary.md"
     if not summary_md.exists():
-        print(
-            f"fedbr-run: error: the run ended without a final evaluation (did every client fail?); "
-            f"see {out / 'flower.log'}",
-            file=sys.stderr,
-        )
-        return 1
+        return error(f"the run ended without a final evaluation (did every client fail?); see {out / 'flower.log'}", 1)
     return print_result(out, "fedbr-run", "(metrics.jsonl, rounds.jsonl, manifest.json, summary.json, convergence.png)")
+
+
+def error(message: object, code: int) -> int:
+    print(f"fedbr-run: error: {message}", file=sys.stderr)
+    return code
 
 
 def again(args: argparse.Namespace, out: Path, stop: TimeLimitReached) -> str:
