@@ -130,3 +130,43 @@ def test_the_launcher_stops_flower_once_the_server_app_wrote_its_last_event():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+ENDED_MAIN_THREAD = """
+import ctypes, fcntl, os, signal, sys, threading, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+signal.signal(signal.SIGTERM, lambda *_: None)  # its main thread, which would run this, is gone: SIGTERM is lost
+threading.Thread(target=time.sleep, args=(300,)).start()
+print("ready", flush=True)
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_process_whose_main_thread_ended_is_stopped_with_its_threads_and_its_locks_freed(tmp_path):
+    """A process whose main thread ended before the others shows as a zombie while they run on and hold its
+    locks (a ServerApp's run-folder lock, for one): stop_tree must not take it for gone."""
+    import fcntl
+
+    from fedbr_flwr.launch.launcher import stop_tree
+    from fedbr_flwr.launch.watchdog import proc_stat
+
+    lock = tmp_path / "held.lock"
+    proc = subprocess.Popen([sys.executable, "-c", ENDED_MAIN_THREAD, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        deadline = time.time() + 10
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.time() < deadline
+            time.sleep(0.01)
+        assert proc_stat(proc.pid) is not None  # its main thread is a zombie, the process is not
+        stop_tree(proc, grace_s=0.2)
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the process still holds it
+        finally:
+            os.close(fd)
+        assert proc_stat(proc.pid) is None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -32,17 +32,35 @@ OWNER_FILE = ".fedbr-owner"  # in a temporary folder: "pid start-time" of the pr
 
 
 def proc_stat(pid: int) -> tuple[int, int, int] | None:
-    """(parent pid, session id, start time in clock ticks) of a live process; None if gone or a zombie."""
+    """(parent pid, session id, start time in clock ticks) of a live process; None if gone or a zombie. A main
+    thread that ended before the others shows as a zombie while they run on, holding the process's files and
+    locks: such a process is live."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    if fields[0] in ("Z", "X"):
+    if fields[0] in ("Z", "X") and not _other_threads_run(pid):
         return None
     # after the command name: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
     # utime stime cutime cstime priority nice threads itrealvalue starttime
     return int(fields[1]), int(fields[3]), int(fields[19])
+
+
+def _other_threads_run(pid: int) -> bool:
+    """Whether a thread of process ``pid`` other than its main one has not ended."""
+    try:
+        threads = [tid for tid in os.listdir(f"/proc/{pid}/task") if tid != str(pid)]
+    except OSError:
+        return False
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return True
+        except (OSError, IndexError):
+            continue
+    return False
 
 
 def proc_table() -> dict[int, tuple[int, int, int]]:
