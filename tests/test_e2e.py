@@ -20,6 +20,7 @@ from fedbr_flwr.core.config import validate
 from fedbr_flwr.launch import plan
 from fedbr_flwr.launch.launcher import RunFailed, RunHost, run_flower
 from fedbr_flwr.launch.protocol import RunPlan
+from fedbr_flwr.launch.timelimit import EXIT_TIME_LIMIT
 
 pytestmark = pytest.mark.e2e
 
@@ -101,6 +102,34 @@ def test_two_rounds_two_clients_write_the_run_files(tmp_path, capsys, launch):
     assert (out / "convergence.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(np.load(out / "partition.npz").files) == ["test_0", "test_1", "train_0", "train_1"]
     assert flower_processes() <= before
+
+
+def test_a_superlink_run_stops_at_its_time_limit_and_resumes_to_what_an_unstopped_run_gives(tmp_path, capsys):
+    """`--time-limit` with `--superlink`: the launcher stops Flower after the checkpoint of the last round that
+    fits, exits 75 and leaves no process; `--resume` continues through a SuperLink to the records that a run
+    never stopped writes."""
+    before = flower_processes()
+    tiny = ["num-clients=2", "local-steps=2", "batch-size=16", "eval-every=10", "model=cnn-small", "global-test=false"]
+    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+    code = cli.main(
+        [*tiny, "num-rounds=100000", f"output-dir={stopped}", "--time-limit", "25s", "--quiet", "--superlink"]
+    )
+    assert code == EXIT_TIME_LIMIT, capsys.readouterr().err
+    done = [json.loads(line)["round"] for line in (stopped / "rounds.jsonl").read_text().splitlines()]
+    assert done == list(range(1, len(done) + 1)) and done
+    assert flower_processes() <= before
+    end = len(done) + 3
+    code = cli.main(["--resume", str(stopped), f"num-rounds={end}", "--quiet", "--superlink"])
+    assert code == 0, capsys.readouterr().err
+    assert cli.main([*tiny, f"num-rounds={end}", f"output-dir={whole}", "--quiet"]) == 0
+    for name, keys in (("rounds.jsonl", ("round", "train")), ("metrics.jsonl", ("round", "loss", "per_client_acc"))):
+        got, want = ([{k: r[k] for k in keys} for r in records(out / name)] for out in (stopped, whole))
+        assert got == want and got[-1]["round"] == end
+    assert flower_processes() <= before
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_failed_run_raises_with_the_reason_and_leaves_no_process(tmp_path):
