@@ -35,12 +35,8 @@ def proc_stat(pid: int) -> tuple[int, int, int] | None:
     """(parent pid, session id, start time in clock ticks) of a live process; None if gone or a zombie. A main
     thread that ended before the others shows as a zombie while they run on, holding the process's files and
     locks: such a process is live."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] in ("Z", "X") and not _other_threads_run(pid):
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    if fields is None or (fields[0] in ("Z", "X") and not _other_threads_run(pid)):
         return None
     # after the command name: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
     # utime stime cutime cstime priority nice threads itrealvalue starttime
@@ -53,14 +49,17 @@ def _other_threads_run(pid: int) -> bool:
         threads = [tid for tid in os.listdir(f"/proc/{pid}/task") if tid != str(pid)]
     except OSError:
         return False
-    for tid in threads:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    return True
-        except (OSError, IndexError):
-            continue
-    return False
+    stats = (_stat_fields(f"/proc/{pid}/task/{tid}/stat") for tid in threads)
+    return any(fields[0] not in ("Z", "X") for fields in stats if fields is not None)
+
+
+def _stat_fields(path: str) -> list[str] | None:
+    """The fields after the command name of a /proc ``stat`` file (state first); None if it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split() or None
+    except (OSError, IndexError):
+        return None
 
 
 def proc_table() -> dict[int, tuple[int, int, int]]:
