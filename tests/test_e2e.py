@@ -21,6 +21,7 @@ from fedbr_flwr.launch import plan
 from fedbr_flwr.launch.launcher import RunFailed, RunHost, run_flower
 from fedbr_flwr.launch.protocol import RunPlan
 from fedbr_flwr.launch.timelimit import EXIT_TIME_LIMIT
+from fedbr_flwr.runfiles.metrics import read_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -115,7 +116,7 @@ def test_a_superlink_run_stops_at_its_time_limit_and_resumes_to_what_an_unstoppe
         [*tiny, "num-rounds=100000", f"output-dir={stopped}", "--time-limit", "25s", "--quiet", "--superlink"]
     )
     assert code == EXIT_TIME_LIMIT, capsys.readouterr().err
-    done = [json.loads(line)["round"] for line in (stopped / "rounds.jsonl").read_text().splitlines()]
+    done = [r["round"] for r in read_jsonl(stopped / "rounds.jsonl")]
     assert done == list(range(1, len(done) + 1)) and done
     assert flower_processes() <= before
     end = len(done) + 3
@@ -123,13 +124,9 @@ def test_a_superlink_run_stops_at_its_time_limit_and_resumes_to_what_an_unstoppe
     assert code == 0, capsys.readouterr().err
     assert cli.main([*tiny, f"num-rounds={end}", f"output-dir={whole}", "--quiet"]) == 0
     for name, keys in (("rounds.jsonl", ("round", "train")), ("metrics.jsonl", ("round", "loss", "per_client_acc"))):
-        got, want = ([{k: r[k] for k in keys} for r in records(out / name)] for out in (stopped, whole))
+        got, want = ([{k: r[k] for k in keys} for r in read_jsonl(out / name)] for out in (stopped, whole))
         assert got == want and got[-1]["round"] == end
     assert flower_processes() <= before
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_failed_run_raises_with_the_reason_and_leaves_no_process(tmp_path):
