@@ -169,5 +169,5 @@ class FederatedStrategy(FlowerStrategy):
 
 
 def strategy_class(name: str) -> type[FederatedStrategy]:
-    """The server side of algorithm ``name`` (a variant's base's; FedAvg's for a client-only algorithm)."""
+    """The server side of algorithm ``name`` (else of what it builds on, ``registry.lineage``; else FedAvg's)."""
     return lookup_strategy(name)

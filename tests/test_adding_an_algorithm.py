@@ -254,3 +254,86 @@ def final_arrays(settings, tmp_path):
     cfg = validate(settings)
     strategy, _, proxies = in_process_federation(cfg, tmp_path / f"run{len(list(tmp_path.iterdir()))}")
     return payload.from_parameters(run_rounds(strategy, proxies, cfg["num-rounds"]))
+
+
+BUILT_ON = {
+    # a server-only change to SCAFFOLD: its clients must run SCAFFOLD's client, not FedAvg's
+    "strategies/myscaffold.py": """from fedbr_flwr.core.registry import register_strategy
+
+from .scaffold import ScaffoldStrategy
+
+
+@register_strategy("myscaffold")
+class MyScaffoldStrategy(ScaffoldStrategy):
+    pass
+""",
+    # a client-only change to FedBR: FedBR's server and FedBR's keys
+    "clients/myfedbr.py": """from fedbr_flwr.core.registry import register_client
+
+from .fedbr import FedBRClient
+
+
+@register_client("myfedbr")
+class MyFedBRClient(FedBRClient):
+    pass
+""",
+    # a variant with a server of its own: its own strategy, not its base's
+    "strategies/myprox.py": """from fedbr_flwr.core.registry import register_strategy, register_variant
+
+from .base import FederatedStrategy
+
+register_variant("myprox", "fedavg", ("fedprox",), "FedProx with a server of its own")
+
+
+@register_strategy("myprox")
+class MyProxStrategy(FederatedStrategy):
+    pass
+""",
+}
+
+
+def test_an_algorithm_built_on_another_gets_its_other_side_and_its_keys(tmp_path):
+    settings = {"num-clients": 2, "local-steps": 2, "batch-size": 8, "model": "cnn-small", "global-test": False}
+    with contributed(tmp_path / "contrib", BUILT_ON):
+        assert registry.lineage("myscaffold") == ["myscaffold", "scaffold"]
+        assert client_class("myscaffold") is client_class("scaffold")
+        assert strategy_class("myfedbr") is strategy_class("fedbr")
+        assert strategy_class("myprox").__name__ == "MyProxStrategy"
+        assert client_class("myprox") is client_class("fedavg")
+        cfg = validate({"strategy": "myfedbr", "fedbr-mu": 0.25})  # FedBR's key applies to what builds on FedBR
+        assert registry.settings_of("myfedbr") is registry.settings_of("fedbr") and cfg["fedbr-mu"] == 0.25
+        keys = registry.owned_keys()
+        assert keys["fedbr-mu"].owner == "fedbr" and "strategy=myfedbr" in registry.how_to_enable("fedbr")
+        with pytest.raises(ConfigError, match="belongs to fedbr"):
+            validate({"strategy": "myscaffold", "fedbr-mu": 0.25})
+        finals = {
+            name: final_arrays({**settings, "strategy": name, "num-rounds": 1}, tmp_path)
+            for name in ("scaffold", "myscaffold", "fedbr", "myfedbr")
+        }
+    for mine, theirs in (("myscaffold", "scaffold"), ("myfedbr", "fedbr")):  # the same code ran: the same arrays
+        assert finals[mine].keys() == finals[theirs].keys()
+        assert all(np.array_equal(a, finals[theirs][k]) for k, a in finals[mine].items())
+
+
+def test_two_algorithms_declaring_one_key_stop_with_a_config_error(tmp_path):
+    clash = {"clients/myclash.py": FEDBR_CLASH}
+    with contributed(tmp_path / "contrib", clash), pytest.raises(ConfigError, match="'fedbr-mu' is declared by both"):
+        registry.owned_keys()
+
+
+FEDBR_CLASH = """from dataclasses import dataclass
+
+from fedbr_flwr.core.algorithm import ClientAlgorithm
+from fedbr_flwr.core.registry import register_client
+from fedbr_flwr.core.settings import Settings, setting
+
+
+@dataclass(frozen=True)
+class ClashSettings(Settings):
+    mu: float = setting("fedbr-mu", 0.5, "a key FedBR already declares")
+
+
+@register_client("myclash")
+class MyClashClient(ClientAlgorithm):
+    Settings = ClashSettings
+"""

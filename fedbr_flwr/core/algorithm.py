@@ -643,7 +643,7 @@ class ClientAlgorithm:
 
 
 def client_class(name: str) -> type[ClientAlgorithm]:
-    """The client side of algorithm ``name`` (a variant's base's; FedAvg's for a server-only algorithm)."""
+    """The client side of algorithm ``name`` (else of what it builds on, ``registry.lineage``; else FedAvg's)."""
     return lookup_client(name)
 
 

@@ -432,12 +432,11 @@ def components_of(cfg: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def active_owners(cfg: Mapping[str, Any]) -> list[str]:
-    """The names whose keys apply to a run: its algorithm (and a variant's base), then its components."""
-    from .registry import base_of
+    """The names whose keys apply to a run: its algorithm and what that builds on (``registry.lineage``: a
+    variant's base, a subclassed algorithm), then its components."""
+    from .registry import lineage
 
-    name = cfg["strategy"]
-    owners = [name] + ([base_of(name)] if base_of(name) != name else [])
-    return list(dict.fromkeys(owners + list(components_of(cfg))))
+    return list(dict.fromkeys(lineage(cfg["strategy"]) + list(components_of(cfg))))
 
 
 def _check_ownership(cfg: Mapping[str, Any], overrides: Mapping[str, Any], keys: Mapping[str, Key]) -> None:
@@ -518,8 +517,8 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
     check_server_tests(cfg)
     check_aggregation(cfg)
     check_attack(cfg)
-    for owner in active_owners(cfg):  # each algorithm's and component's own cross-key checks
-        settings_of(owner).check(cfg)
+    for settings in dict.fromkeys(settings_of(owner) for owner in active_owners(cfg)):  # their cross-key checks
+        settings.check(cfg)
 
 
 def check_cohort_step(cfg: Mapping[str, Any]) -> None:

@@ -6,7 +6,8 @@ and, when its server does more than FedAvg's, a file in ``strategies/`` register
 ``@register_strategy`` under the same name; plus an experiment file. A local piece other algorithms
 can carry (FedBR's combinations, paper Table 3) is registered with ``@register_component`` (and its
 server part with ``@register_server_component``); ``register_variant`` names a host algorithm plus
-components as an algorithm of its own (``strategy=fedcm`` is FedAvg + the fedcm component).
+components as an algorithm of its own (``strategy=fedcm`` is FedAvg + the fedcm component). An algorithm
+whose client or strategy subclasses another's gets that one's other side and settings (``lineage``).
 Every module of ``clients`` and ``strategies`` is imported the first time a name is looked up."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
+from .errors import ConfigError
 from .settings import Key, NoSettings, Settings
 
 T = TypeVar("T")
@@ -46,7 +48,7 @@ _loading = threading.RLock()
 def _register(table: dict[str, Any], name: str) -> Callable[[T], T]:
     def decorator(cls: T) -> T:
         if name in table and table[name] is not cls:
-            raise ValueError(f"'{name}' is registered twice: {table[name]} and {cls}")
+            raise ConfigError(f"'{name}' is registered twice: {table[name]} and {cls}")
         table[name] = cls
         cls.name = name  # type: ignore[attr-defined]  # every registered class has a name
         return cls
@@ -77,7 +79,7 @@ def register_server_component(name: str) -> Callable[[T], T]:
 def register_variant(name: str, base: str, components: tuple[str, ...], summary: str) -> None:
     """``strategy=name`` runs algorithm ``base`` (both sides) with ``components`` added."""
     if name in VARIANTS and VARIANTS[name] != Variant(base, components, summary):
-        raise ValueError(f"'{name}' is registered twice as a variant")
+        raise ConfigError(f"'{name}' is registered twice as a variant")
     VARIANTS[name] = Variant(base, tuple(components), summary)
 
 
@@ -99,19 +101,42 @@ def algorithm_names() -> list[str]:
     return sorted(set(CLIENTS) | set(STRATEGIES) | set(VARIANTS))
 
 
-def base_of(name: str) -> str:
-    return VARIANTS[name].base if name in VARIANTS else name
+def parent_of(name: str) -> str | None:
+    """The algorithm ``name`` builds on: a variant's base, else the registered algorithm whose client or
+    strategy class its own subclasses (a server-only FedAvgM's strategy subclassing FedAvg's)."""
+    if name in VARIANTS:
+        return VARIANTS[name].base
+    for table in (CLIENTS, STRATEGIES):
+        for ancestor in getattr(table.get(name), "__mro__", ())[1:]:
+            registered = vars(ancestor).get("name")
+            if registered is not None and table.get(registered) is ancestor:
+                return registered
+    return None
+
+
+def lineage(name: str) -> list[str]:
+    """``name``, then what it builds on, and so on: a side or settings an algorithm does not declare come from
+    the first of these that does."""
+    names = [name]
+    while (parent := parent_of(names[-1])) is not None and parent not in names:
+        names.append(parent)
+    return names
+
+
+def _first_in_lineage(table: dict[str, Any], name: str) -> Any:
+    return next((table[n] for n in lineage(name) if n in table), table[DEFAULT])
 
 
 def lookup_client(name: str) -> Any:
-    """The client class of algorithm ``name`` (its variant's base's; FedAvg's for a server-only algorithm)."""
+    """The client class of algorithm ``name``: its own, else that of what it builds on (``lineage``), else
+    FedAvg's (a server-only algorithm)."""
     load_all()
-    return CLIENTS.get(base_of(name), CLIENTS[DEFAULT])
+    return _first_in_lineage(CLIENTS, name)
 
 
 def lookup_strategy(name: str) -> Any:
     load_all()
-    return STRATEGIES.get(base_of(name), STRATEGIES[DEFAULT])
+    return _first_in_lineage(STRATEGIES, name)
 
 
 def lookup_component(name: str) -> Any:
@@ -125,26 +150,33 @@ def lookup_server_component(name: str) -> Any:
 
 
 def settings_of(owner: str) -> type[Settings]:
-    """The Settings class of an algorithm (declared by its client or its strategy) or a component."""
+    """The Settings class of a component, or of an algorithm: declared by its client or its strategy, else by
+    the first algorithm of its lineage that declares one (a subclass of FedBR's client reads FedBR's keys)."""
     load_all()
     if owner in COMPONENTS:
         return COMPONENTS[owner].Settings
-    declared = {getattr(table.get(owner), "Settings", NoSettings) for table in (CLIENTS, STRATEGIES)} - {NoSettings}
-    if len(declared) > 1:
-        raise ValueError(f"'{owner}' declares settings in both its client and its strategy: keep one declaration")
-    return declared.pop() if declared else NoSettings
+    for name in lineage(owner):
+        declared = {getattr(table.get(name), "Settings", NoSettings) for table in (CLIENTS, STRATEGIES)} - {NoSettings}
+        if len(declared) > 1:
+            raise ConfigError(f"'{name}' declares settings in both its client and its strategy: keep one declaration")
+        if declared:
+            return declared.pop()
+    return NoSettings
 
 
 def owned_keys() -> dict[str, Key]:
-    """Every algorithm's and component's keys, tagged with their owner, in name order."""
+    """Every algorithm's and component's keys, tagged with their owner, in name order. A key an algorithm
+    inherits from its lineage (the same Settings, or a subclass of them) stays its ancestor's."""
     load_all()
-    keys: dict[str, Key] = {}
-    for owner in sorted(set(CLIENTS) | set(STRATEGIES) | set(COMPONENTS)):
-        for key, spec in settings_of(owner).keys(owner).items():
-            if key in keys:
-                raise ValueError(f"config key '{key}' is declared by both {keys[key].owner} and {owner}")
-            keys[key] = spec
-    return keys
+    owners = sorted(set(CLIENTS) | set(STRATEGIES) | set(COMPONENTS))
+    owner_of: dict[str, str] = {}
+    for owner in sorted(owners, key=lambda o: len(lineage(o))):  # ancestors first
+        for key in settings_of(owner).keys(owner):
+            if owner_of.setdefault(key, owner) not in lineage(owner):
+                raise ConfigError(f"config key '{key}' is declared by both {owner_of[key]} and {owner}: rename one")
+    return {
+        key: spec for owner in owners for key, spec in settings_of(owner).keys(owner).items() if owner_of[key] == owner
+    }
 
 
 def how_to_enable(owner: str) -> str:
@@ -156,5 +188,5 @@ def how_to_enable(owner: str) -> str:
         for name, cls in sorted(CLIENTS.items())
         if owner in COMPONENTS and (key := getattr(cls, "component_key", None))
     ]
-    ways += [f"strategy={name}" for name, v in sorted(VARIANTS.items()) if owner == v.base and name != owner]
+    ways += [f"strategy={name}" for name in algorithm_names() if owner in lineage(name)[1:]]
     return ", or ".join(ways) or "no strategy"
