@@ -66,3 +66,40 @@ def test_a_federation_learns_the_guides_dataset(stripes, strategy, tmp_path):
     run_rounds(strategy_, proxies, 4)
     accuracy = read_jsonl(strategy_.recorder.metrics_path)[-1]["mean_acc"]
     assert accuracy > 0.5, f"{strategy} reached {accuracy:.2f} on stripes (chance 0.10)"
+
+
+def broken(split: catalog.Split, fault: str) -> catalog.Split:
+    x, y = split.x, split.y
+    return {
+        "no channel axis": catalog.Split(x[:, 0], y),
+        "another size": catalog.Split(x[:, :, :20, :20], y),
+        "float pixels": catalog.Split(x / 255, y),
+        "two labels per image": catalog.Split(x, np.repeat(y, 2)),
+        "float labels": catalog.Split(x, y.astype(np.float32)),
+        "a label past num_classes": catalog.Split(x, np.where(y == 9, 10, y)),
+    }[fault]
+
+
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("no channel axis", r"images of uint8 \(2000, 28, 28\); its entry says uint8 \(N, 1, 28, 28\)"),
+        ("another size", r"images of uint8 \(2000, 1, 20, 20\)"),
+        ("float pixels", r"images of float64 \(2000, 1, 28, 28\)"),
+        ("two labels per image", r"labels of int64 \(4000,\); its entry says int64 \(2000,\)"),
+        ("float labels", r"labels of float32"),
+        ("a label past num_classes", r"labels 0\.\.10; num_classes=10 allows 0\.\.9"),
+    ],
+)
+def test_a_loader_that_gives_other_images_than_its_entry_says_stops_with_one_line(stripes, monkeypatch, fault, message):
+    good = stripes.load("", "auto")
+    monkeypatch.setitem(catalog.INFO, "stripes", replace(stripes, load=lambda *_: (broken(good[0], fault), good[1])))
+    catalog.load_raw.cache_clear()
+    with pytest.raises(catalog.ConfigError, match=f"^dataset 'stripes': its loader's train split has {message}"):
+        catalog.load_raw("stripes")
+
+
+def test_an_entry_whose_normalisation_has_another_channel_count_stops(stripes, monkeypatch):
+    monkeypatch.setitem(catalog.INFO, "stripes", replace(stripes, mean=(0.5, 0.5, 0.5)))
+    with pytest.raises(catalog.ConfigError, match=r"mean and std need one value per channel \(1\)"):
+        catalog.load_raw("stripes")

@@ -368,7 +368,28 @@ def source_folder(name: str, data_dir: str) -> str:
 
 @lru_cache(maxsize=2)
 def _load_raw(name: str, folder: str, download: str) -> tuple[Split, Split]:
-    return INFO[name].load(folder, download)
+    return checked_splits(name, INFO[name].load(folder, download))
+
+
+def checked_splits(name: str, splits: tuple[Split, Split]) -> tuple[Split, Split]:
+    """A loader's (train, test) splits as its catalogue entry describes them, else a ConfigError naming the
+    difference: a wrong shape or dtype would otherwise surface as a model's shape error in every client, and
+    float pixels would be divided by 255 a second time."""
+    info = INFO[name]
+    if len(info.mean) != info.in_channels or len(info.std) != info.in_channels:
+        raise ConfigError(f"dataset '{name}': mean and std need one value per channel ({info.in_channels})")
+    for which, split in zip(("train", "test"), splits):
+        x, y, where = np.asarray(split.x), np.asarray(split.y), f"dataset '{name}': its loader's {which} split has"
+        if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1:] != info.image_shape:
+            shape = "(N, {}, {}, {})".format(*info.image_shape)
+            raise ConfigError(f"{where} images of {x.dtype} {x.shape}; its entry says uint8 {shape}")
+        if y.dtype != np.int64 or y.shape != (len(x),):
+            raise ConfigError(f"{where} labels of {y.dtype} {y.shape}; its entry says int64 ({len(x)},)")
+        if len(y) and (y.min() < 0 or y.max() >= info.num_classes):
+            raise ConfigError(
+                f"{where} labels {y.min()}..{y.max()}; num_classes={info.num_classes} allows 0..{info.num_classes - 1}"
+            )
+    return splits
 
 
 load_raw.cache_clear = _load_raw.cache_clear  # type: ignore[attr-defined]
