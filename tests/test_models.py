@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedbr_flwr.core.model import MODELS, build_model, count_parameters
+from fedbr_flwr.core.errors import ConfigError
+from fedbr_flwr.core.model import MODELS, ModelInfo, build_model, count_parameters
 
 # name, num_classes, in_channels, image_size, (low, high) parameter count, feature dim
 CASES = [
@@ -55,14 +56,29 @@ def test_features_classifier_split(models, case):
     assert not any(id(p) in feature_params for p in model.classifier.parameters())
 
 
-def test_features_depend_on_each_input():
-    model = build_model("cnn", 10, 1, 28).eval()
-    x = torch.randn(2, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+SHAPES = {name: (channels, size) for name, _, channels, size, _, _ in CASES}
+
+
+@pytest.mark.parametrize("name", list(MODELS))  # every entry, also one added by docs/adding-a-model.md
+def test_features_depend_on_each_input_alone(name):
+    channels, size = SHAPES.get(name, (1, 28))
+    torch.manual_seed(0)
+    model = build_model(name, 10, channels, size).train()  # in training, BatchNorm would mix the batch
+    x = torch.randn(3, channels, size, size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         f = model.features(x)
         f0 = model.features(x[:1])
     assert torch.allclose(f[:1], f0, atol=1e-5)  # no cross-sample mixing (GroupNorm, not BatchNorm)
     assert not torch.allclose(f[0], f[1])
+
+
+def test_a_backbone_with_batchnorm_stops_with_one_line(monkeypatch):
+    bn = ModelInfo(
+        8, lambda channels, size: nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, 8), nn.BatchNorm1d(8))
+    )
+    monkeypatch.setitem(MODELS, "mlp-bn", bn)
+    with pytest.raises(ConfigError, match=r"^model 'mlp-bn' has BatchNorm \(2\), which mixes the samples of a batch"):
+        build_model("mlp-bn", 10, 1, 28)
 
 
 def test_seeded_init_is_reproducible():

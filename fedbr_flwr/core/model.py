@@ -10,6 +10,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .errors import ConfigError
+
 
 class SplitModel(nn.Module):
     """``classifier(features(x))`` with ``features`` returning flat (B, feature_dim) vectors."""
@@ -152,7 +154,14 @@ def build_model(name: str, num_classes: int, in_channels: int, image_size: int) 
     if name not in MODELS:
         raise ValueError(f"unknown model '{name}'. Valid: {', '.join(MODELS)}")
     info = MODELS[name]
-    return SplitModel(info.features(in_channels, image_size), info.feature_dim, num_classes)
+    features = info.features(in_channels, image_size)
+    mixing = [n for n, m in features.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if mixing:  # DisTrans batches its two input channels together, and evaluation splits batches anywhere
+        raise ConfigError(
+            f"model '{name}' has BatchNorm ({', '.join(mixing)}), which mixes the samples of a batch: "
+            "use GroupNorm or LayerNorm (docs/adding-a-model.md)"
+        )
+    return SplitModel(features, info.feature_dim, num_classes)
 
 
 def count_parameters(module: nn.Module) -> int:
