@@ -250,3 +250,21 @@ def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_file(tmp_
     arrays, header = load_checkpoint(tmp_path)
     assert header["round"] == 1 and arrays["global/w"].tolist() == [1, 1, 1]
     assert (tmp_path / "summary.json").read_text() == "{}"
+
+
+def test_a_run_started_again_in_a_folder_leaves_nothing_of_the_old_run_to_resume_or_report(tmp_path):
+    """--overwrite: a new run stopped before its first checkpoint must not resume the old run's checkpoint
+    (which would join two runs' records), nor leave its summary where a report or the CLI reads it."""
+    cfg = run_cfg("fedavg", **{"output-dir": str(tmp_path)})
+    strategy, _, proxies = in_process_federation(cfg, tmp_path)
+    run_rounds(strategy, proxies, 4)
+    old = {
+        name for name in ("summary.json", "summary.md", "manifest.json", CHECKPOINT_NAME) if (tmp_path / name).exists()
+    }
+    assert old == {"summary.json", "summary.md", "manifest.json", CHECKPOINT_NAME}
+    strategy, _, proxies = in_process_federation({**cfg, "lr": cfg["lr"] / 2}, tmp_path)  # started again
+    run_rounds(strategy, proxies, 1)  # stopped before its first checkpoint (round 2)
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        load_checkpoint(tmp_path)
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "summary.md").exists()
+    assert json.loads((tmp_path / "manifest.json").read_text())["config"]["lr"] == cfg["lr"] / 2

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from ..core.config import common
 from ..core.errors import ConfigError, quoted
 from . import jsonsafe
+from .checkpoint import CHECKPOINT_NAME
 from .jsonsafe import write_text_atomically
 from .metrics import is_partial, plot_history, read_jsonl, run_problem, summarize, summary_table
 from .progress import SUMMARY_EVENT, Progress
@@ -220,6 +221,18 @@ def keep_rounds_up_to(path: Path, last_round: int) -> None:
     write_text_atomically(path, "".join(kept))
 
 
+# what a run writes beside its line files, whose old copies a new run in the same folder removes
+PREVIOUS_RUN_FILES = (
+    CHECKPOINT_NAME,
+    "manifest.json",
+    "summary.json",
+    "summary.md",
+    "convergence.png",
+    "pseudo_data.npz",
+    "offsets.npz",
+)
+
+
 class RunRecorder:
     """Writes the run files and prints progress. Knows nothing of Flower."""
 
@@ -239,6 +252,9 @@ class RunRecorder:
                 p.write_text("")
             else:
                 keep_rounds_up_to(p, resume_round)
+        if resume_round is None:  # a run started again in its folder (--overwrite): `--resume` must not find
+            for name in PREVIOUS_RUN_FILES:  # the old run's checkpoint, nor a report its old summary
+                (out_dir / name).unlink(missing_ok=True)
         self.start = time.time() - elapsed
         self.title = f"{run.strategy} on {run.dataset}"
         self.progress = Progress(out_dir, resumed=resume_round is not None)
