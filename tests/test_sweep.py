@@ -4,6 +4,7 @@ tables, plots and results page: test_report.py."""
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +102,59 @@ def test_finished_runs_are_kept_and_a_different_one_is_refused(tmp_path):
     (folder / "manifest.json").write_text(json.dumps({"config": {**cfg, "lr": 0.5}}))
     with pytest.raises(ConfigError, match="different settings \\(lr\\)"):
         sweep.finished_with_same_config(cfg)
+
+
+def test_a_finished_run_is_continued_to_more_rounds_but_never_replaced_by_fewer(tmp_path):
+    (name, seed, cfg), *_ = sweep.plan(write(tmp_path), ["num-rounds=4"], tmp_path / "out", None)
+    folder = tmp_path / "out" / "FedAvg" / "seed0"
+    fake_run(folder, cfg, [0.1], last_round=4)
+    assert sweep.finished_with_same_config(cfg)
+    assert not sweep.finished_with_same_config({**cfg, "num-rounds": 6})  # continued from its checkpoint
+    with pytest.raises(ConfigError, match="different settings \\(num-rounds\\)"):
+        sweep.finished_with_same_config({**cfg, "num-rounds": 2})
+    (folder / "summary.json").write_text('{"last_round": 4')  # damaged: started again, with a line saying so
+    assert not sweep.finished_with_same_config(cfg)
+
+
+def test_a_conflicting_finished_run_stops_the_sweep_before_any_run_and_a_kept_failure_still_fails(
+    tmp_path, capsys, monkeypatch
+):
+    ran = []
+
+    def finished_run(plan, echo, host, watch=None):
+        ran.append(plan.config["strategy"])
+        fake_run(plan.out_dir, dict(plan.config), [0.1], last_round=plan.config["num-rounds"])
+
+    monkeypatch.setattr(sweep, "run_flower", finished_run)
+    path, out = write(tmp_path), tmp_path / "out"
+    *_, (_, _, last) = sweep.plan(path, [], out.resolve(), None)  # FedBR seed 1: the sweep's last run
+    fake_run(Path(last["output-dir"]), {**last, "lr": 0.5}, [0.1], last_round=last["num-rounds"])
+    assert sweep.main([path, "--out", str(out), "--quiet"]) == 2
+    assert ran == [] and "different settings (lr)" in capsys.readouterr().err
+    shutil.rmtree(out)
+    assert sweep.main([path, "--out", str(out), "--quiet", "--only", "FedAvg", "--seeds", "0"]) == 0
+    summary = out / "FedAvg" / "seed0" / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "rounds_trained": 0}))  # no round trained
+    assert sweep.main([path, "--out", str(out), "--quiet", "--only", "FedAvg", "--seeds", "0"]) == 1
+    assert ran == ["fedavg"] and "no round trained" in capsys.readouterr().err
+
+
+def test_table_only_without_the_sweeps_runs_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "typo"
+    assert sweep.main([write(tmp_path), "--out", str(out), "--table-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no run of this sweep: run it first" in err[0] and not out.exists()
+
+
+def test_a_table_over_a_damaged_summary_names_it_instead_of_a_traceback(tmp_path, capsys):
+    path, out = write(tmp_path), tmp_path / "out"
+    for *_, cfg in sweep.plan(path, [], out.resolve(), None):
+        fake_run(Path(cfg["output-dir"]), cfg, [0.3], last_round=cfg["num-rounds"])
+    (out / "FedAvg" / "seed1" / "summary.json").write_text('{"last_round": 1')  # torn
+    (out / "FedBR_no_max" / "seed1" / "summary.json").write_text("[1]")  # not an object
+    assert sweep.main([path, "--out", str(out), "--table-only"]) == 0
+    table = (out / "comparison.md").read_text()
+    assert table.count("seed 1 failed: its summary.json or manifest.json is damaged") == 2
 
 
 def test_a_finished_run_is_kept_where_only_the_data_folder_or_the_engine_changed(tmp_path):
@@ -643,13 +697,17 @@ def test_sigterm_stops_every_run_in_progress_at_once_and_starts_no_other(tmp_pat
 
 
 def test_an_error_in_one_of_the_runs_at_once_stops_the_others_and_exits_2(tmp_path, capsys, monkeypatch):
-    """Seed 1's folder holds a finished run of other settings (a ConfigError in its worker): the run in progress
-    beside it is stopped, no other starts, and the sweep stops with that one line, exit 2."""
+    """Seed 1's folder holds a finished run of other settings (a ConfigError in its worker; one there before
+    the sweep stops it before any run, but another process may write it meanwhile): the run in progress beside
+    it is stopped, no other starts, and the sweep stops with that one line, exit 2."""
+    import threading
     import time
 
     fake, check = RunsAtOnce(hold=True), sweep.finished_with_same_config
 
     def after_seed_0_started(cfg):
+        if threading.current_thread() is threading.main_thread():
+            return False  # the check before the runs: the folder is written only after it
         while cfg["seed"] == 1 and not fake.running:
             time.sleep(0.01)
         return check(cfg)

@@ -430,8 +430,12 @@ def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
     stopped = f"failed after round {max(rounds)}" if rounds else "failed before its first round"
     if not (folder / "summary.json").exists() or not (folder / "manifest.json").exists():
         return None, stopped
-    summary = json.loads((folder / "summary.json").read_text())
-    num_rounds = stored_settings(folder).num_rounds
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+        num_rounds = stored_settings(folder).num_rounds
+        summary.setdefault("last_round", None)  # also: a summary that is not a JSON object is damaged
+    except (ValueError, AttributeError, TypeError):  # torn or edited JSON: the sweep starts such a run again
+        return None, "failed: its summary.json or manifest.json is damaged"
     if summary.get("last_round") != num_rounds:
         if rounds and checkpoint_round(folder) == max(rounds):  # a time limit (or Ctrl-C) paused it
             return None, f"paused after round {max(rounds)} of {num_rounds} (resumes from its checkpoint)"
@@ -616,9 +620,9 @@ def _manifests_and_paused(
     for setting in as_settings(names):
         for seed in seeds:
             folder = setting.folder(out, seed)
-            if (folder / "manifest.json").exists() and (folder / "summary.json").exists():
-                manifests.append(json.loads((folder / "manifest.json").read_text()))
             summary, why = seed_result(folder)
+            if (folder / "manifest.json").exists() and (folder / "summary.json").exists() and "damaged" not in why:
+                manifests.append(json.loads((folder / "manifest.json").read_text()))
             if summary is None and why.startswith("paused"):
                 done = json.loads((folder / "summary.json").read_text())
                 minutes = (done.get("wall_time_s") or 0.0) / 60

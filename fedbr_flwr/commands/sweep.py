@@ -264,7 +264,9 @@ def check_cells_differ(grid: dict[str, Factor], settings: list[Setting]) -> None
 
 
 def finished_with_same_config(cfg: Mapping[str, Any]) -> bool:
-    """True if the folder holds a finished run of this config; a different run there is an error."""
+    """True if the folder holds a finished run of this config; False where it holds none, an unfinished one
+    (continued or started again) or a finished one this config extends by more rounds (continued from its
+    checkpoint). A finished run of other settings, fewer rounds included, is an error: it is never replaced."""
     run = common(cfg)
     out = Path(run.output_dir)
     manifest, summary = out / "manifest.json", out / "summary.json"
@@ -272,16 +274,25 @@ def finished_with_same_config(cfg: Mapping[str, Any]) -> bool:
         return False
     if not manifest.exists() or not summary.exists():
         return False  # an unfinished run: start it again
-    if json.loads(summary.read_text()).get("last_round") != run.num_rounds:
+    try:
+        old = as_it_ran(json.loads(manifest.read_text())["config"])  # a sweep continued after an upgrade keeps it
+        last_round = json.loads(summary.read_text()).get("last_round")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        print_line(f"fedbr-sweep: {out}: its manifest.json or summary.json is damaged; starting it again")
+        return False
+    if last_round != old["num-rounds"]:
         return False  # summary.json is refreshed at every evaluation: this run stopped early
-    old = as_it_ran(json.loads(manifest.read_text())["config"])  # a sweep continued after an upgrade keeps its runs
-    differs = sorted(k for k in cfg if k not in NO_EFFECT_KEYS and old.get(k) != cfg[k])
+    differs = sorted(
+        k
+        for k in cfg
+        if k not in NO_EFFECT_KEYS and old.get(k) != cfg[k] and not (k == "num-rounds" and cfg[k] > old[k])
+    )
     if differs:
         raise ConfigError(
             f"{out} holds a finished run with different settings ({', '.join(differs)}); "
             "pick another --out or remove that folder"
         )
-    return True
+    return run.num_rounds == old["num-rounds"]
 
 
 def resumable_round(cfg: Mapping[str, Any]) -> int | None:
@@ -336,8 +347,11 @@ class SweepRuns:
         run_plan = plan_run(cfg, overwrite=True)
         run, out_dir = run_plan.settings, run_plan.out_dir  # what the changes below (resume, ...) leave alone
         if finished_with_same_config(run_plan.config):
-            print_line(f"fedbr-sweep: {label}: already finished in {out_dir}; kept")
-            return "kept"
+            problem = finished_run_problem(out_dir)
+            print_line(
+                f"fedbr-sweep: {label}: already finished in {out_dir}; kept" + (f" ({problem})" if problem else "")
+            )
+            return f"failed: {problem} (kept from an earlier sweep)" if problem else "kept"
         where = f"{name.label} seed {seed} ({out_dir})"
         resumed = resumable_round(run_plan.config)
         changes: dict[str, Any] = {"resume": resumed is not None}
@@ -532,6 +546,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs = plan(args.file, args.overrides, out, args.only, args.seeds)
         if not args.dry_run:  # a file in the way stops the sweep now, not with a traceback or after its runs
             check_output_dir(out, "--out")
+            for _, _, cfg in [] if args.table_only else jobs:
+                finished_with_same_config(cfg)  # a finished run of other settings: before any run starts
+            if args.table_only and not any(Path(common(cfg).output_dir).is_dir() for _, _, cfg in jobs):
+                raise ConfigError(
+                    f"--out {out} holds no run of this sweep: run it first (without --table-only), or give the "
+                    "--out it ran into"
+                )
             if args.report and args.report.is_dir():
                 raise ConfigError(f"--report {args.report} is a folder: give the markdown page to write (a .md file)")
     except ConfigError as exc:
