@@ -195,6 +195,16 @@ def test_a_resume_over_damaged_records_stops_with_one_line_and_writes_nothing(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_a_resume_cannot_move_its_run_to_another_output_dir(tmp_path):
+    from fedbr_flwr.launch.plan import resume_config
+
+    (tmp_path / "run").mkdir()
+    out = damaged_run(tmp_path / "run", WHOLE)
+    assert resume_config(out, [f"output-dir={out}"])["output-dir"] == str(out.resolve())  # its own: fine
+    with pytest.raises(ConfigError, match="continues the run in its own folder.*output-dir cannot move it"):
+        resume_config(out, [f"output-dir={tmp_path / 'elsewhere'}"])
+
+
 def test_the_server_checks_the_records_too_for_a_plain_flwr_run_with_resume(tmp_path):
     from fedbr_flwr.app.server_app import build_strategy
 

@@ -214,6 +214,20 @@ def test_a_key_given_twice_is_refused(tmp_path):
         load_yaml(p)
 
 
+def test_one_key_spelled_two_ways_is_refused(tmp_path):
+    p = tmp_path / "twice.yaml"
+    p.write_text("num_rounds: 3\nseed: 1\nnum-rounds: 5\n")  # YAML keeps both; one would silently win
+    with pytest.raises(ConfigError, match="'num_rounds' and 'num-rounds' are the same config key; keep one"):
+        load_yaml(p)
+
+
+def test_a_text_key_takes_a_value_yaml_reads_as_a_whole_number():
+    cfg = validate({"attack": "sign-flip", "attack-ids": 3, "git-commit": 1234567})  # attack-ids=3 on a command line
+    assert cfg["attack-ids"] == "3" and cfg["git-commit"] == "1234567"
+    with pytest.raises(ConfigError, match="'git-commit' must be str, got bool"):
+        validate({"git-commit": True})
+
+
 def test_a_directory_or_a_device_is_not_an_experiment_file(tmp_path):
     with pytest.raises(ConfigError, match="is a directory"):
         load_yaml(tmp_path)

@@ -313,8 +313,8 @@ NO_EFFECT_KEYS = (*PLACEMENT_KEYS, "output-dir", "git-commit", "checkpoint-every
 # a run continued from its checkpoint (fedbr-run --resume) may differ in these too: it may run longer, evaluate
 # on another schedule or wait for other clients; any other key must equal the checkpoint's
 RESUMABLE_KEYS = (*NO_EFFECT_KEYS, "num-rounds", "round-timeout", "min-fit-clients", "eval-every", "resume")
-# ... as a resume's messages name them (the two that fedbr-run --resume sets itself left out)
-CHANGEABLE_ON_RESUME = ", ".join(k for k in RESUMABLE_KEYS if k not in ("resume", "git-commit"))
+# ... as a resume's messages name them (the three that fedbr-run --resume sets itself left out)
+CHANGEABLE_ON_RESUME = ", ".join(k for k in RESUMABLE_KEYS if k not in ("resume", "git-commit", "output-dir"))
 
 # keys of earlier versions: what replaced them
 REPLACED = {
@@ -360,7 +360,8 @@ def _coerce(key: str, spec: Key, value: Any) -> Any:
             if not INT64_MIN <= value <= INT64_MAX:  # Flower's run config carries 64-bit integers
                 raise ConfigError(f"config key '{key}' = {quoted(value)} does not fit a 64-bit integer")
             return value
-    elif isinstance(value, str):
+    elif isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        value = str(value)  # YAML reads attack-ids=3 or output-dir=2024 as a number: the text was meant
         return ",".join(v.strip() for v in value.split(",")) if spec.names else value
     raise ConfigError(
         f"config key '{key}' must be {'a list of names' if spec.names else type(default).__name__}, "
@@ -694,6 +695,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
+    spelled: dict[str, Any] = {}
+    for key in data:  # num_rounds and num-rounds: YAML keeps both, and one would silently win
+        first = spelled.setdefault(normalise_key(key), key)
+        if first != key:
+            raise ConfigError(f"{path}: {quoted(str(first))} and {quoted(str(key))} are the same config key; keep one")
     return data
 
 

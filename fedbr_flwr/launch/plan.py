@@ -18,6 +18,7 @@ from ..core.config import (
     ConfigError,
     defaults,
     load_yaml,
+    normalise_key,
     parse_override,
     validate,
 )
@@ -81,6 +82,11 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
             )
         key, value = parse_override(item)
         overrides[key] = value
+        if normalise_key(key) == "output-dir" and Path(str(value)).expanduser().resolve() != out_dir:
+            raise ConfigError(
+                f"--resume continues the run in its own folder, {out_dir}; output-dir cannot move it (copy the "
+                "folder and resume the copy)"
+            )
     saved = header["config"]
     here = {"ray-address": "", "backend": "auto"}  # where it runs now: the resume command's choice
     cfg = validate({**saved, **here, **overrides, "resume": True, "output-dir": str(out_dir)})
