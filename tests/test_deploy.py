@@ -172,6 +172,10 @@ def test_a_killed_run_resumed_from_its_checkpoint_ends_like_an_uninterrupted_one
             "--gpu 'cuda:0': give a CUDA device index",
         ),
         (["certs", "/dev/null"], "certs folder /dev/null cannot be used: it is a file, not a folder"),
+        (["register", "--superlink", "127.0.0.1:1", "--certs", "keys", "--insecure"], "--insecure (no TLS), not both"),
+        (["certs", "keys", "--host", ""], "--host '': give the SuperLink's IP address or DNS name, without a port"),
+        (["certs", "keys", "--host", "10.0.0.1:8000"], "--host '10.0.0.1:8000': give the SuperLink's IP address"),
+        (["certs", "keys", "--host", "not a host!"], "--host 'not a host!': give"),
     ],
 )
 def test_deploy_command_errors_are_one_clear_message(capsys, monkeypatch, tmp_path, args, message):
@@ -195,6 +199,22 @@ def test_certificates_name_the_hosts_and_node_keys_are_openssh(tmp_path):
     assert oct(keys[0].stat().st_mode & 0o777) == "0o600"
     with pytest.raises(ConfigError, match="lacks"):
         deploy.check_certs(tmp_path / "nothing", server=True)
+
+
+def test_certs_refuse_to_replace_a_ca_and_take_a_long_host_name(tmp_path, capsys):
+    from cryptography import x509
+
+    long_name = "node-" + "x" * 50 + ".rack-17.cluster.example.org"  # longer than a common name may be
+    assert deploy.main(["certs", str(tmp_path / "keys"), "--host", long_name, "--supernodes", "1"]) == 0
+    ca = (tmp_path / "keys" / deploy.CA).read_bytes()
+    cert = x509.load_pem_x509_certificate((tmp_path / "keys" / deploy.SERVER_CERT).read_bytes())
+    assert cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    ) == [long_name]
+    capsys.readouterr()
+    assert deploy.main(["certs", str(tmp_path / "keys"), "--supernodes", "1"]) == 2  # the nodes trust this CA
+    assert "already holds a CA (ca.crt)" in capsys.readouterr().err
+    assert (tmp_path / "keys" / deploy.CA).read_bytes() == ca
 
 
 def test_round_seconds_reads_the_fit_phase_after_discovery_and_the_wall_time_per_round(tmp_path):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import ipaddress
+import re
 import shutil
 import signal
 import socket
@@ -98,7 +99,8 @@ def make_certificates(out: Path, hosts: Sequence[str], supernodes: int, days: in
 
     ca_cert = cert("fedbr-flwr CA", ca_key, x509.BasicConstraints(ca=True, path_length=None), True)
     server_key = ec.generate_private_key(ec.SECP384R1())
-    server_cert = cert(hosts[0], server_key, x509.SubjectAlternativeName([alt_name(h) for h in hosts]), False)
+    # a common name has at most 64 characters; clients match the alternative names, which hold every host
+    server_cert = cert(hosts[0][:64], server_key, x509.SubjectAlternativeName([alt_name(h) for h in hosts]), False)
     pem = serialization.Encoding.PEM
     write_private(
         out / SERVER_KEY, server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
@@ -739,8 +741,29 @@ def check_arguments(args: argparse.Namespace) -> None:
     gpu = getattr(args, "gpu", None)
     if gpu is not None and not all(index.isdigit() for index in gpu.split(",")):
         raise ConfigError(f"--gpu {gpu!r}: give a CUDA device index (0, 1, ...) or several, comma-separated")
+    if getattr(args, "certs", None) and getattr(args, "insecure", False):
+        raise ConfigError("give --certs DIR (TLS) or --insecure (no TLS), not both")
     if args.command == "certs":
         check_output_dir(Path(args.out), "certs folder")
+        if (Path(args.out) / CA).exists():
+            raise ConfigError(
+                f"{args.out} already holds a CA ({CA}); the SuperNodes that trust it would be locked out by a new "
+                "one: pick another folder, or remove this one to start over"
+            )
+        for host in args.host or []:
+            if not is_host(host):
+                raise ConfigError(f"--host {host!r}: give the SuperLink's IP address or DNS name, without a port")
+
+
+def is_host(text: str) -> bool:
+    """An IP address, or a DNS name: dot-separated labels of letters, digits and inner hyphens, 1-63 characters
+    each, 253 in all."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        labels = text.removesuffix(".").split(".")
+        return len(text) <= 253 and all(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", p) for p in labels)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
