@@ -217,6 +217,40 @@ def test_certs_refuse_to_replace_a_ca_and_take_a_long_host_name(tmp_path, capsys
     assert (tmp_path / "keys" / deploy.CA).read_bytes() == ca
 
 
+@pytest.mark.parametrize("stop_works", [True, False])
+def test_a_stopped_deploy_run_stops_its_run_on_the_superlink_and_says_so(tmp_path, capsys, monkeypatch, stop_works):
+    """SIGTERM (a scheduler, `timeout`) or Ctrl-C on `fedbr-deploy run`: the run it submitted must not go on
+    alone on the SuperLink, holding its folder; `flwr stop` is sent for the run id Flower's log names."""
+    calls = []
+
+    def submitted_then_signalled(cfg, env, connection, out, echo):
+        out.mkdir(parents=True, exist_ok=True)  # as submit_run makes it
+        (out / "flower.log").write_text("Loading project...\n🎊 Successfully started run 4242\nround 1\n")
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the run is followed
+        time.sleep(5)
+
+    def flwr(command, real=subprocess.run, **kwargs):
+        if Path(command[0]).name != "flwr":
+            return real(command, **kwargs)  # git, for the manifest
+        calls.append(command[1:])
+        return subprocess.CompletedProcess(command, 0 if stop_works else 1, "", "" if stop_works else "unreachable\n")
+
+    monkeypatch.setattr(deploy, "submit_run", submitted_then_signalled)
+    monkeypatch.setattr(deploy.subprocess, "run", flwr)
+    out, handler = tmp_path / "run", signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: pytest.fail("fedbr-deploy run left SIGTERM to its default"))
+    try:
+        code = deploy.main(["run", "--superlink", "127.0.0.1:1", "--insecure", f"output-dir={out}", "num-clients=2"])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert code == 143 and calls == [["stop", "4242", deploy.CONNECTION]]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedbr-deploy: stopped by SIGTERM; run 4242 ")
+    assert ("was stopped on the SuperLink" in err[0]) == stop_works and f"--resume {out}" in err[0]
+    if not stop_works:
+        assert "may still run on the SuperLink: `flwr stop 4242` failed (unreachable)" in err[0]
+
+
 def test_round_seconds_reads_the_fit_phase_after_discovery_and_the_wall_time_per_round(tmp_path):
     (tmp_path / "rounds.jsonl").write_text(
         "".join(json.dumps({"round": r, "seconds": s}) + "\n" for r, s in [(1, 30.0), (2, 2.0), (3, 4.0), (4, 3.0)])

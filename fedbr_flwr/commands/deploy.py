@@ -46,6 +46,7 @@ from ..launch.launcher import (
     flower_env,
     flower_tool,
     free_port,
+    started_run_id,
     stop_tree,
     submit_run,
     wait_healthy,
@@ -401,13 +402,43 @@ def cmd_run(args) -> int:
     certs = _certs_arg(args)
     cfg = _config(args.items, args.resume, None)
     home = watchdog.temp_dir("fedbr-deploy-")
-    run = common(cfg)
+    out = Path(common(cfg).output_dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the run on the SuperLink is stopped too
     try:
         env = deploy_env(home, args.superlink, certs)
-        submit_run(cfg, env, CONNECTION, Path(run.output_dir), echo=args.echo)
+        try:
+            submit_run(cfg, env, CONNECTION, out, echo=args.echo)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            if isinstance(exc, SystemExit) and exc.code != 143:
+                raise
+            how = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by SIGTERM"
+            again = f"fedbr-deploy run --superlink {args.superlink} ... --resume {out}"
+            print(f"fedbr-deploy: {how}; {stop_remote_run(env, out)}; continue with `{again}`", file=sys.stderr)
+            return 130 if isinstance(exc, KeyboardInterrupt) else 143
     finally:
         watchdog.remove_temp_dir(home)
-    return _print_result(Path(run.output_dir))
+    return _print_result(out)
+
+
+def stop_remote_run(env: dict[str, str], out: Path) -> str:
+    """Stop the run this command submitted on the SuperLink (``flwr stop``), which would otherwise go on
+    without anyone following it and hold its run folder; what became of it, in words."""
+    log = out / "flower.log"
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    run_id = next((i for i in map(started_run_id, lines) if i is not None), None)
+    if run_id is None:
+        return "no run had started on the SuperLink"
+    try:
+        res = subprocess.run(
+            [flower_tool(env, "flwr"), "stop", str(run_id), CONNECTION],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        failed = ((res.stdout + res.stderr).strip().splitlines() or ["no output"])[-1] if res.returncode else ""
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        failed = str(exc)
+    if failed:
+        return f"run {run_id} may still run on the SuperLink: `flwr stop {run_id}` failed ({failed[:200]})"
+    return f"run {run_id} was stopped on the SuperLink; its checkpoint and records are in {out} on the server machine"
 
 
 def cmd_register(args) -> int:

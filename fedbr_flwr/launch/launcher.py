@@ -451,9 +451,7 @@ def follow_run(
                     log.flush()
                     if echo == "all":
                         _print_log_line(line)
-                    match = re.search(r"run (\d+)", line)
-                    if run_id is None and match and "start" in line.lower():
-                        run_id = int(match.group(1))
+                    run_id = run_id if run_id is not None else started_run_id(line)
                 proc.wait()
         finally:
             if proc.poll() is None:
@@ -462,6 +460,12 @@ def follow_run(
     if watch is not None and watch.stop.is_set() and not finished.is_set():
         raise TimeLimitReached(watch.saved_round)
     return run_id, proc.returncode, finished.is_set()
+
+
+def started_run_id(line: str) -> int | None:
+    """The run id in the line of Flower's log that says a run started, else None."""
+    match = re.search(r"run (\d+)", line)
+    return int(match.group(1)) if match and "start" in line.lower() else None
 
 
 def run_events(finished: threading.Event | None, watch: RoundWatch | None) -> Callable[[dict], None]:
