@@ -13,6 +13,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 from procs import descendants
 
@@ -332,6 +333,26 @@ def no_process(monkeypatch):
 
     monkeypatch.setattr(deploy.Deployment, "start", refuse)
     monkeypatch.setattr(deploy, "local_deployment", refuse)
+
+
+def test_resuming_a_local_deployment_with_another_supernode_count_stops_before_any_process(
+    tmp_path, capsys, no_process
+):
+    from fedbr_flwr.runfiles.checkpoint import save_checkpoint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = validate({"num-clients": 2, "num-rounds": 4, "output-dir": str(run)})
+    save_checkpoint(run, {"global/w": np.ones(3, np.float32)}, {"round": 2, "config": cfg})
+    (run / "rounds.jsonl").write_text('{"round": 1}\n{"round": 2}\n')
+    assert deploy.main(["local", "--supernodes", "3", "--resume", str(run)]) == 2
+    assert "has num-clients = 2: resume it with --supernodes 2" in capsys.readouterr().err
+
+
+def test_compare_stops_on_what_a_deployment_cannot_run_before_the_simulation(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("fedbr_flwr.commands.cli.main", lambda argv: pytest.fail("the simulation ran first"))
+    assert deploy.main(["compare", "engine=cohort", "--out", str(tmp_path / "cmp")]) == 2
+    assert "engine=cohort runs in simulation only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -330,7 +330,13 @@ def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -
     from ..launch.plan import prepare, resume_config
 
     if resume:
-        return check_deployable(resume_config(Path(resume), items))
+        cfg = check_deployable(resume_config(Path(resume), items))
+        if num_clients is not None and common(cfg).num_clients not in (0, num_clients):
+            raise ConfigError(
+                f"the run in {resume} has num-clients = {common(cfg).num_clients}: resume it with --supernodes "
+                f"{common(cfg).num_clients}"
+            )
+        return cfg
     return prepare(new_run_config(items, num_clients), overwrite=False)  # new_run_config checks it
 
 
@@ -662,6 +668,7 @@ def cmd_compare(args) -> int:
     from .cli import main as fedbr_run
 
     _check_supernodes(args.supernodes)
+    new_run_config([*args.items, f"num-clients={args.supernodes}"], args.supernodes)  # before the simulation runs
     base = Path(args.out).resolve()
     rows = []
     runs = [("simulation", None), ("deployment + worker", True), ("deployment, no worker", False)]
