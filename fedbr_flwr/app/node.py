@@ -290,7 +290,8 @@ def build_client(
     if run.num_clients and num_partitions and run.num_clients != num_partitions:
         raise ConfigError(
             f"num-clients = {run.num_clients} but this SuperNode was told num-partitions = "
-            f"{num_partitions}: start the federation with num-supernodes={run.num_clients}"
+            f"{num_partitions}: drop num-clients, or give every node {run.num_clients} partitions (a simulation's "
+            f"num-supernodes={run.num_clients}, a SuperNode's --num-partitions {run.num_clients})"
         )
     num_clients = run.num_clients or num_partitions
     if not num_clients:

@@ -246,18 +246,18 @@ def check_no_run(out: Path) -> None:
     found = [name for name in ("metrics.jsonl", "rounds.jsonl", CHECKPOINT_NAME) if (out / name).exists()]
     if CHECKPOINT_NAME in found:
         raise ConfigError(
-            f"{out} already holds a run; pick another output-dir, pass --overwrite, or continue it "
-            f"with `fedbr-run --resume {out}`"
+            f"{out} already holds a run; pick another output-dir, start it again (`fedbr-run --overwrite`), or "
+            f"continue it (`fedbr-run --resume {out}`, or `fedbr-deploy local|run ... --resume {out}`)"
         )
     if any((out / name).stat().st_size for name in found):
         raise ConfigError(
             f"{out} already holds a run (without a checkpoint, so it cannot be resumed); pick "
-            "another output-dir or pass --overwrite"
+            "another output-dir or start it again (`fedbr-run --overwrite`)"
         )
     if found:
         raise ConfigError(
             f"{out} holds the empty files of a run that stopped before its first round (no "
-            "checkpoint to resume from); pick another output-dir or pass --overwrite"
+            "checkpoint to resume from); pick another output-dir or start it again (`fedbr-run --overwrite`)"
         )
 
 
