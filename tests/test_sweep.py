@@ -57,6 +57,7 @@ def test_plan_orders_settings_file_then_command_line_then_run_then_seed(tmp_path
         ("sweep:\n  runs: {A: {}}\n  seed: [1]\n", "unknown key"),
         ("sweep:\n  title: [a]\n  runs: {A: {}}\n", "'sweep.title' must be a string"),
         ("sweep:\n  runs: {'a b': {}, 'a/b': {}}\n", "must differ"),
+        ("sweep:\n  runs: {'..': {}}\n", "must differ"),  # its folder would be beside --out, not in it
         ("sweep:\n  runs: {A: {strategy: fedavg, fedbr-mu: 2.0}}\n", r"belongs to fedbr \(strategy=fedbr\)"),
     ],
 )

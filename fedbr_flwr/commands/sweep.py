@@ -126,7 +126,7 @@ def load_sweep(path: str) -> SweepFile:
             raise ConfigError(f"{path}: run '{name}' must map config keys to values, got {settings!r}")
         runs[str(name)] = settings
     folders = [run_folder(Path("."), name, 0) for name in runs]
-    if len(set(folders)) != len(folders) or any(str(f.parent) in ("", ".") for f in folders):
+    if len(set(folders)) != len(folders) or any(f.parent.name in ("", "..") for f in folders):  # ".." leaves --out
         raise ConfigError(f"{path}: run names must differ in their letters and digits: {', '.join(runs)}")
     grid = load_grid(sweep.get("grid", {}), path)
     rule = Rule.from_block(sweep["decide"], list(runs), f"{path}: 'sweep.decide'") if "decide" in sweep else None
