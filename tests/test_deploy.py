@@ -252,6 +252,34 @@ def test_a_stopped_deploy_run_stops_its_run_on_the_superlink_and_says_so(tmp_pat
         assert "may still run on the SuperLink: `flwr stop 4242` failed (unreachable)" in err[0]
 
 
+def test_registering_again_skips_the_keys_the_superlink_has_and_registers_the_rest(tmp_path, capsys, monkeypatch):
+    keys = tmp_path / "keys"
+    assert deploy.main(["certs", str(keys), "--supernodes", "3"]) == 0
+    registered = {"supernode-0.pub"}  # from an earlier `register`, before supernode-1 and -2 were added
+
+    def flwr(command, real=subprocess.run, **kwargs):
+        if command[1:3] != ["supernode", "register"]:
+            return real(command, **kwargs)
+        name = Path(command[3]).name
+        if name == "supernode-2.pub" and "broken" in registered:
+            return subprocess.CompletedProcess(command, 1, "", "Connection to the SuperLink is unavailable\n")
+        if name in registered:
+            return subprocess.CompletedProcess(command, 1, "", "❌ Public key already in use. [code: 23]\n")
+        registered.add(name)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(deploy.subprocess, "run", flwr)
+    capsys.readouterr()
+    assert deploy.main(["register", "--superlink", "127.0.0.1:1", "--certs", str(keys)]) == 0
+    out = capsys.readouterr().out
+    assert "registered 2 SuperNode key(s); 1 the SuperLink had already: supernode-0.pub" in out
+    assert registered == {"supernode-0.pub", "supernode-1.pub", "supernode-2.pub"}
+    registered.discard("supernode-2.pub")
+    registered.add("broken")  # any other failure still stops, with Flower's words
+    assert deploy.main(["register", "--superlink", "127.0.0.1:1", "--certs", str(keys)]) == 1
+    assert "Connection to the SuperLink is unavailable" in capsys.readouterr().err
+
+
 def test_round_seconds_reads_the_fit_phase_after_discovery_and_the_wall_time_per_round(tmp_path):
     (tmp_path / "rounds.jsonl").write_text(
         "".join(json.dumps({"round": r, "seconds": s}) + "\n" for r, s in [(1, 30.0), (2, 2.0), (3, 4.0), (4, 3.0)])

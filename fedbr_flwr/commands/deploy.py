@@ -188,7 +188,10 @@ def write_connection(flwr_home: Path, address: str, certs: Path | None) -> None:
     )
 
 
-def register_supernodes(env: dict[str, str], public_keys: Sequence[Path]) -> None:
+def register_supernodes(env: dict[str, str], public_keys: Sequence[Path]) -> list[Path]:
+    """Allow each key on the SuperLink; the keys it had already (so that registering again, after adding
+    keys, is harmless)."""
+    known = []
     for key in public_keys:
         res = subprocess.run(
             [flower_tool(env, "flwr"), "supernode", "register", str(key), CONNECTION],
@@ -197,8 +200,12 @@ def register_supernodes(env: dict[str, str], public_keys: Sequence[Path]) -> Non
             text=True,
             timeout=120,
         )
-        if res.returncode != 0:
-            raise RunFailed(f"`flwr supernode register {key}` failed: {(res.stdout + res.stderr).strip()[-500:]}")
+        said = (res.stdout + res.stderr).strip()
+        if res.returncode != 0 and "already in use" in said.lower():  # Flower's words for a key it has
+            known.append(key)
+        elif res.returncode != 0:
+            raise RunFailed(f"`flwr supernode register {key}` failed: {said[-500:]}")
+    return known
 
 
 def process_env(flwr_home: Path) -> dict[str, str]:
@@ -455,10 +462,13 @@ def cmd_register(args) -> int:
         raise ConfigError(f"no public keys given and {where}")
     home = watchdog.temp_dir("fedbr-deploy-")
     try:
-        register_supernodes(deploy_env(home, args.superlink, certs), keys)
+        known = register_supernodes(deploy_env(home, args.superlink, certs), keys)
     finally:
         watchdog.remove_temp_dir(home)
-    print(f"fedbr-deploy: registered {len(keys)} SuperNode key(s)")
+    print(
+        f"fedbr-deploy: registered {len(keys) - len(known)} SuperNode key(s)"
+        + (f"; {len(known)} the SuperLink had already: {', '.join(k.name for k in known)}" if known else "")
+    )
     return 0
 
 
