@@ -58,6 +58,8 @@ def test_plan_orders_settings_file_then_command_line_then_run_then_seed(tmp_path
         ("sweep:\n  title: [a]\n  runs: {A: {}}\n", "'sweep.title' must be a string"),
         ("sweep:\n  runs: {'a b': {}, 'a/b': {}}\n", "must differ"),
         ("sweep:\n  runs: {'..': {}}\n", "must differ"),  # its folder would be beside --out, not in it
+        ("sweep:\n  runs: {A: {seed: 3}}\n", "seed in run 'A' would be ignored: .* use sweep.seeds or --seeds"),
+        ("sweep:\n  runs: {A: {output_dir: x}}\n", "output-dir in run 'A' would be ignored: .* use --out"),
         ("sweep:\n  runs: {A: {strategy: fedavg, fedbr-mu: 2.0}}\n", r"belongs to fedbr \(strategy=fedbr\)"),
     ],
 )
@@ -451,6 +453,13 @@ def test_a_grid_key_set_on_the_command_line_or_by_a_run_is_an_error(tmp_path):
     text = GRID.replace("{strategy: fedbr}", "{strategy: fedbr, local-steps: 5}")
     with pytest.raises(ConfigError, match="run 'FedBR' sets local-steps, a factor of the grid"):
         sweep.plan(write(tmp_path, text), [], tmp_path / "out", None)
+
+
+def test_seed_or_output_dir_on_a_sweeps_command_line_is_an_error_not_ignored(tmp_path):
+    with pytest.raises(ConfigError, match="seed on the command line would be ignored"):
+        sweep.plan(write(tmp_path), ["seed=3"], tmp_path / "out", None)
+    with pytest.raises(ConfigError, match="output-dir on the command line would be ignored: .* use --out"):
+        sweep.plan(write(tmp_path), ["output_dir=elsewhere"], tmp_path / "out", None)
 
 
 @pytest.mark.parametrize(

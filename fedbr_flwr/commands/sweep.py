@@ -224,6 +224,9 @@ def plan(
             raise ConfigError(f"--only names unknown runs: {', '.join(missing)}. Runs: {', '.join(runs)}")
         runs = {name: runs[name] for name in runs if name in only}
     cli_overrides = dict(parse_override(item) for item in overrides)
+    check_set_per_run(cli_overrides, "on the command line")
+    for name, settings in runs.items():
+        check_set_per_run(settings, f"in run '{name}'")
     check_grid_is_alone(spec.grid, cli_overrides, runs)
     factors = {name: run_factors(name, {**spec.base, **cli_overrides, **s}, spec.grid) for name, s in runs.items()}
     unused = [key for key in grid_keys(spec.grid) if not any(key in f for f in factors.values())]
@@ -248,6 +251,13 @@ def plan(
                     jobs.append((setting, seed, cfg))
     check_cells_differ(spec.grid, [setting for setting, seed, _ in jobs if seed == seeds[0]])
     return jobs
+
+
+def check_set_per_run(settings: Mapping[str, Any], where: str) -> None:
+    """``seed`` and ``output-dir`` are set per run by the sweep: given anywhere else they would be ignored."""
+    for key, instead in (("seed", "sweep.seeds or --seeds"), ("output-dir", "--out")):
+        if key in {normalise_key(k) for k in settings}:
+            raise ConfigError(f"{key} {where} would be ignored: a sweep sets it for each run; use {instead}")
 
 
 def check_cells_differ(grid: dict[str, Factor], settings: list[Setting]) -> None:
