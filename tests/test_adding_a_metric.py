@@ -64,3 +64,13 @@ def test_the_tables_show_and_a_rule_decides_the_guides_metric(median, tmp_path):
 def test_a_run_recorded_before_the_metric_leaves_it_out(median):
     summary = metrics.summarize([{"round": 2, "mean_acc": 0.5, "worst_acc": 0.25}], 0.5)
     assert "median_acc_best5" not in summary and summary["mean_acc_best5"] == 0.5
+
+
+@pytest.mark.parametrize("name", ["loss", "round", "global_acc"])
+def test_a_metric_named_like_a_record_field_stops_instead_of_being_overwritten(monkeypatch, name):
+    from fedbr_flwr.core.errors import ConfigError
+    from fedbr_flwr.server.recording import eval_record
+
+    monkeypatch.setitem(metrics.CLIENT_METRICS, name, metrics.ClientMetric("clash", lambda accs, sizes: 0.5))
+    with pytest.raises(ConfigError, match=f"client metric\\(s\\) {name} have the name of a metrics.jsonl field"):
+        eval_record(2, [(0, 1.0, 20, 0.2)], 0, [0], {}, {})

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.errors import ConfigError
 from ..runfiles.metrics import CLIENT_METRICS
 from .updates import ClientUpdate, mean_metrics
 
@@ -86,9 +87,9 @@ def eval_record(
     n = sum(num for _, _, num, _ in results)
     accs, sizes = [acc for _, _, _, acc in results], [num for _, _, num, _ in results]
     missing = sorted(set(all_pids) - set(per_client))
-    return {
+    metrics = {name: metric.compute(accs, sizes) for name, metric in CLIENT_METRICS.items()}
+    fields = {
         "round": server_round,
-        **{name: metric.compute(accs, sizes) for name, metric in CLIENT_METRICS.items()},
         "loss": sum(loss * num for _, loss, num, _ in results) / max(n, 1),
         "global_acc": None,
         "global_loss": None,
@@ -100,6 +101,9 @@ def eval_record(
         "clients_expected": len(set(all_pids) | set(per_client)),
         **({"eval_failed_clients": missing} if failures or missing else {}),
     }
+    if clash := sorted(set(metrics) & set(fields)):  # the field would silently replace the metric
+        raise ConfigError(f"client metric(s) {', '.join(clash)} have the name of a metrics.jsonl field: rename them")
+    return {"round": server_round, **metrics, **{k: v for k, v in fields.items() if k != "round"}}
 
 
 def server_test_fields(
