@@ -52,7 +52,7 @@ def test_unknown_key_suggests_close_match():
         ({"num-rounds": True}, ["'num-rounds'", "int"]),
         ({"seed": False}, ["'seed'", "int"]),
         ({"lr": True}, ["'lr'", "float"]),
-        ({"dataset": 5}, ["'dataset'", "str"]),
+        ({"dataset": 5.5}, ["'dataset'", "str", "float"]),  # a whole number is taken as text, a float is not
     ],
 )
 def test_wrong_types(overrides, words):
