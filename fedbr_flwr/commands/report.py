@@ -420,6 +420,9 @@ class Decision:
     results: dict[str, tuple[float, str] | None]
 
 
+DAMAGED = "failed: its summary.json or manifest.json is damaged"
+
+
 def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
     """A seed's summary where its run finished (it evaluated its last round, and some round trained); else None
     and why not: "" where it never started, else how far it came ("failed after round 2"). summary.json is
@@ -433,9 +436,10 @@ def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
     try:
         summary = json.loads((folder / "summary.json").read_text())
         num_rounds = stored_settings(folder).num_rounds
-        summary.setdefault("last_round", None)  # also: a summary that is not a JSON object is damaged
     except (ValueError, AttributeError, TypeError):  # torn or edited JSON: the sweep starts such a run again
-        return None, "failed: its summary.json or manifest.json is damaged"
+        return None, DAMAGED
+    if not isinstance(summary, dict):
+        return None, DAMAGED
     if summary.get("last_round") != num_rounds:
         if rounds and checkpoint_round(folder) == max(rounds):  # a time limit (or Ctrl-C) paused it
             return None, f"paused after round {max(rounds)} of {num_rounds} (resumes from its checkpoint)"
@@ -621,7 +625,7 @@ def _manifests_and_paused(
         for seed in seeds:
             folder = setting.folder(out, seed)
             summary, why = seed_result(folder)
-            if (folder / "manifest.json").exists() and (folder / "summary.json").exists() and "damaged" not in why:
+            if (folder / "manifest.json").exists() and (folder / "summary.json").exists() and why != DAMAGED:
                 manifests.append(json.loads((folder / "manifest.json").read_text()))
             if summary is None and why.startswith("paused"):
                 done = json.loads((folder / "summary.json").read_text())

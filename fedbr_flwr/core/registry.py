@@ -169,10 +169,11 @@ def owned_keys() -> dict[str, Key]:
     inherits from its lineage (the same Settings, or a subclass of them) stays its ancestor's."""
     load_all()
     owners = sorted(set(CLIENTS) | set(STRATEGIES) | set(COMPONENTS))
+    lineages = {owner: lineage(owner) for owner in owners}
     owner_of: dict[str, str] = {}
-    for owner in sorted(owners, key=lambda o: len(lineage(o))):  # ancestors first
+    for owner in sorted(owners, key=lambda o: len(lineages[o])):  # ancestors first
         for key in settings_of(owner).keys(owner):
-            if owner_of.setdefault(key, owner) not in lineage(owner):
+            if owner_of.setdefault(key, owner) not in lineages[owner]:
                 raise ConfigError(f"config key '{key}' is declared by both {owner_of[key]} and {owner}: rename one")
     return {
         key: spec for owner in owners for key, spec in settings_of(owner).keys(owner).items() if owner_of[key] == owner

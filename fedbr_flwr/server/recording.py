@@ -89,7 +89,6 @@ def eval_record(
     missing = sorted(set(all_pids) - set(per_client))
     metrics = {name: metric.compute(accs, sizes) for name, metric in CLIENT_METRICS.items()}
     fields = {
-        "round": server_round,
         "loss": sum(loss * num for _, loss, num, _ in results) / max(n, 1),
         "global_acc": None,
         "global_loss": None,
@@ -101,9 +100,9 @@ def eval_record(
         "clients_expected": len(set(all_pids) | set(per_client)),
         **({"eval_failed_clients": missing} if failures or missing else {}),
     }
-    if clash := sorted(set(metrics) & set(fields)):  # the field would silently replace the metric
+    if clash := sorted(set(metrics) & {"round", *fields}):  # the field would silently replace the metric
         raise ConfigError(f"client metric(s) {', '.join(clash)} have the name of a metrics.jsonl field: rename them")
-    return {"round": server_round, **metrics, **{k: v for k, v in fields.items() if k != "round"}}
+    return {"round": server_round, **metrics, **fields}
 
 
 def server_test_fields(
