@@ -20,16 +20,15 @@ from fedbr_flwr.launch.plan import build_config, size_resources
 
 import golden
 from fakes import FixedClientManager, InProcessProxy
-from test_golden import FILES, close_arrays, close_json, same_machine_kind
+from test_golden import FILES, close_arrays, close_json, to_reproduce
 
 COHORTS = {"engine": "cohort", "cohorts": 2}  # 3 clients: cohort 0 hosts clients 0 and 2, cohort 1 client 1
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
 def test_the_cohort_engine_gives_exactly_the_golden_runs(path, tmp_path):
-    want = json.loads(path.read_text())
+    want, exact = to_reproduce(path)
     got = golden.record(want["case"], tmp_path, **COHORTS)
-    exact = same_machine_kind(want["environment"])
     close_arrays(got["global"], want["global"], "global", exact)
     for name, arrays in want["files"].items():
         close_arrays([got["files"][name][k] for k in arrays], list(arrays.values()), name, exact)
@@ -44,12 +43,11 @@ def test_the_cohort_engine_gives_exactly_the_golden_runs(path, tmp_path):
 @pytest.mark.parametrize("name", ["resume-scaffold", "resume-moon"])
 def test_a_run_stopped_under_one_engine_resumes_under_the_other(name, first, then, tmp_path):
     """Per-client state travels through the checkpoint, not through the engine's nodes."""
-    want = json.loads((golden.GOLDEN_DIR / f"{name}.json").read_text())
+    want, exact = to_reproduce(golden.GOLDEN_DIR / f"{name}.json")
     torch.set_num_threads(1)
     cfg = golden.case_config({**golden.RESUME_CASES[name], "num-rounds": 4})
     golden.federate({**cfg, **first}, tmp_path, 3)
     got = golden.run_record(tmp_path, golden.federate({**cfg, **then, "resume": True}, tmp_path, 2))
-    exact = same_machine_kind(want["environment"])
     close_arrays(got["global"], want["global"], "global", exact)
     close_json(got["rounds"], want["rounds"], "rounds", exact)
     close_json(got["metrics"], want["metrics"], "metrics", exact)

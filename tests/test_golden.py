@@ -1,13 +1,15 @@
 """The restructuring oracle: every strategy and combination, and checkpoint/resume runs, must give what
 they gave when the golden files were recorded (``tests/golden.py``; timing, memory and traffic fields
-aside). On the machine kind they were recorded on (same torch, numpy and CPU) the comparison is bit
-for bit; elsewhere float kernels may round differently, so values are compared within a tolerance far
-below what any change of behaviour moves them by."""
+aside). On a machine kind with files of its own (the reference's, or one in ``golden/machines/``: same
+CPU model, torch and numpy) the comparison is bit for bit. Elsewhere float kernels round differently, and
+3 rounds of training grow that, so values are compared within the cross-machine tolerance below, which
+catches a broken algorithm but not one as small as FedProx's term (docs/development.md)."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,16 +17,31 @@ import pytest
 import golden
 
 FILES = sorted(golden.GOLDEN_DIR.glob("*.json"))
-REL = 1e-3
-ACC_ABS = 0.02  # an argmax may flip for a sample at a tie on another CPU
+MACHINE_FILES = sorted(golden.MACHINES_DIR.glob("*/*.json"))
+
+# The cross-machine tolerance: about twice the largest difference measured between the two recorded CPU
+# kinds (AMD EPYC and Intel Xeon, same torch and numpy), every case and every value.
+NORM_ABS = 1e-4  # an array's norm; measured 4.3e-5 (a GroupNorm bias, which training alone moves from 0)
+PROBE_ABS = 1.2e-2  # an array's probe, whose change estimates the L2 distance moved; measured 5.8e-3
+FLOAT_REL = 5e-3  # a loss or other metric; measured 2.1e-3 (feddecorr's decorrelation loss)
+ACC_ABS = 0.04  # an accuracy; measured 0.027: 2 of a client's 75 test images flip at an argmax tie
 
 
 def test_every_case_has_a_golden_file():
     assert sorted(p.stem for p in FILES) == sorted([*golden.CASES, *golden.RESUME_CASES])
 
 
-def same_machine_kind(recorded: dict) -> bool:
-    return recorded == golden.environment()
+def to_reproduce(path: Path) -> tuple[dict, bool]:
+    """The record this machine must give for a golden case, and whether bit for bit: its own kind's
+    record if there is one, else the reference, within the cross-machine tolerance."""
+    reference = json.loads(path.read_text())
+    env = golden.environment()
+    if reference["environment"] == env:
+        return reference, True
+    own = golden.machine_dir(env) / path.name
+    if own.exists():
+        return json.loads(own.read_text()), True
+    return reference, False
 
 
 def close_json(got, want, path="", exact=True, added_ok=False):
@@ -42,7 +59,7 @@ def close_json(got, want, path="", exact=True, added_ok=False):
             close_json(g, w, f"{path}[{i}]", exact, added_ok)
     elif isinstance(want, float) and not exact:
         tol = ACC_ABS if "acc" in path else 1e-6
-        assert math.isclose(got, want, rel_tol=REL, abs_tol=tol), f"{path}: {got!r} vs {want!r}"
+        assert math.isclose(got, want, rel_tol=FLOAT_REL, abs_tol=tol), f"{path}: {got!r} vs {want!r}"
     else:
         assert got == want, f"{path}: {got!r} vs {want!r}"
 
@@ -53,15 +70,11 @@ def close_arrays(got: list[dict], want: list[dict], path: str, exact: bool):
         if exact:
             assert g["sha256"] == w["sha256"], f"{path}[{i}] differs"
         else:
-            assert math.isclose(g["norm"], w["norm"], rel_tol=REL, abs_tol=1e-6), f"{path}[{i}] norm"
-            assert abs(g["probe"] - w["probe"]) <= REL * max(1.0, w["norm"]) * 10, f"{path}[{i}] probe"
+            assert abs(g["norm"] - w["norm"]) <= NORM_ABS, f"{path}[{i}] norm"
+            assert abs(g["probe"] - w["probe"]) <= PROBE_ABS, f"{path}[{i}] probe"
 
 
-@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
-def test_a_run_gives_what_it_gave_before(path, tmp_path):
-    want = json.loads(path.read_text())
-    got = golden.record(want["case"], tmp_path)
-    exact = same_machine_kind(want["environment"])
+def close_records(got: dict, want: dict, exact: bool):
     close_arrays(got["global"], want["global"], "global", exact)
     for name in sorted(set(want["files"]) | set(got["files"])):
         assert name in got["files"] and name in want["files"], f"{name} written in one run only"
@@ -72,6 +85,35 @@ def test_a_run_gives_what_it_gave_before(path, tmp_path):
     # a metric added later is a new key in these records: it leaves every recorded figure as it was
     close_json(got["rounds"], want["rounds"], "rounds", exact, added_ok=True)
     close_json(got["metrics"], want["metrics"], "metrics", exact, added_ok=True)
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_a_run_gives_what_it_gave_before(path, tmp_path):
+    want, exact = to_reproduce(path)
+    close_records(golden.record(want["case"], tmp_path), want, exact)
+
+
+@pytest.mark.parametrize("path", MACHINE_FILES, ids=[f"{p.parent.name}/{p.stem}" for p in MACHINE_FILES])
+def test_a_machine_kinds_files_agree_with_the_reference_within_the_cross_machine_tolerance(path):
+    """Another CPU kind's records differ from the reference by rounding only; this is also where the
+    tolerance meets every value a second machine kind gave."""
+    mine = json.loads(path.read_text())
+    assert golden.machine_dir(mine["environment"]) == path.parent and mine["case"] == path.stem
+    close_records(mine, json.loads((golden.GOLDEN_DIR / path.name).read_text()), exact=False)
+
+
+def test_a_machine_kind_has_a_file_for_every_case():
+    """Else its missing cases would fall back to the tolerance unnoticed."""
+    for folder in {p.parent for p in MACHINE_FILES}:
+        assert sorted(p.name for p in folder.glob("*.json")) == sorted(p.name for p in FILES), folder.name
+
+
+def test_the_cross_machine_tolerance_tells_a_different_algorithm_apart():
+    """FedAvg's and GroupDRO's runs share a model and differ in the loss only (measured: 1.8e-2 apart
+    by probe, 9.5e-4 by norm)."""
+    fedavg, groupdro = (json.loads((golden.GOLDEN_DIR / f"{n}.json").read_text()) for n in ("fedavg", "groupdro"))
+    with pytest.raises(AssertionError):
+        close_arrays(groupdro["global"], fedavg["global"], "global", exact=False)
 
 
 def test_the_comparison_can_fail():
