@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-# Keep torch from oversubscribing the 2-core CI machine when tests run model code.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Keep torch from oversubscribing the 2-core CI machine when tests run model code: under pytest-xdist
+# (`-n auto`, one worker per core) each worker takes one thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
 
 import golden  # noqa: E402, F401  (pins torch's CPU kernels to those the golden files were recorded with)
 
@@ -22,6 +23,12 @@ if not os.environ.get("FEDBR_TEST_DATA") and (_SHARED_DATASETS / "MNIST" / "raw"
 _EMPTY_DATA = tempfile.mkdtemp(prefix="fedbr-test-data-")
 atexit.register(shutil.rmtree, _EMPTY_DATA, ignore_errors=True)
 os.environ["FEDBR_DATA_DIR"] = _EMPTY_DATA
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 4 (each holds torch and the test datasets, about 1 GB)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 4))
 
 
 @pytest.fixture(autouse=True)

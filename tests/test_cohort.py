@@ -20,12 +20,12 @@ from fedbr_flwr.launch.plan import build_config, size_resources
 
 import golden
 from fakes import FixedClientManager, InProcessProxy
-from test_golden import FILES, close_arrays, close_json, to_reproduce
+from test_golden import CASES, close_arrays, close_json, to_reproduce
 
 COHORTS = {"engine": "cohort", "cohorts": 2}  # 3 clients: cohort 0 hosts clients 0 and 2, cohort 1 client 1
 
 
-@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+@pytest.mark.parametrize("path", CASES)
 def test_the_cohort_engine_gives_exactly_the_golden_runs(path, tmp_path):
     want, exact = to_reproduce(path)
     got = golden.record(want["case"], tmp_path, **COHORTS)

@@ -17,6 +17,9 @@ import pytest
 import golden
 
 FILES = sorted(golden.GOLDEN_DIR.glob("*.json"))
+# A case and its cohort-engine copy (tests/test_cohort.py) evaluate one model: under pytest-xdist's
+# --dist loadgroup they share a worker, and so the server's tests evaluate it once (tests/conftest.py).
+CASES = [pytest.param(p, id=p.stem, marks=pytest.mark.xdist_group(p.stem)) for p in FILES]
 MACHINE_FILES = sorted(golden.MACHINES_DIR.glob("*/*.json"))
 
 # The cross-machine tolerance: about twice the largest difference measured between the two recorded CPU
@@ -87,7 +90,7 @@ def close_records(got: dict, want: dict, exact: bool):
     close_json(got["metrics"], want["metrics"], "metrics", exact, added_ok=True)
 
 
-@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+@pytest.mark.parametrize("path", CASES)
 def test_a_run_gives_what_it_gave_before(path, tmp_path):
     want, exact = to_reproduce(path)
     close_records(golden.record(want["case"], tmp_path), want, exact)
