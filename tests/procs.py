@@ -22,7 +22,11 @@ FLOWER_COMMANDS = (
 
 def flower_processes() -> set[int]:
     """Flower processes started from a test (they inherit pytest's PYTEST_CURRENT_TEST), so that runs
-    of the user's own going on beside the tests do not count."""
+    of the user's own going on beside the tests do not count; under pytest-xdist, from this worker's
+    tests only (they inherit its PYTEST_XDIST_WORKER)."""
+    mark = b"PYTEST_CURRENT_TEST="
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        mark = b"\0PYTEST_XDIST_WORKER=" + os.environ["PYTEST_XDIST_WORKER"].encode() + b"\0"
     pids = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -30,7 +34,7 @@ def flower_processes() -> set[int]:
                 cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
                 if not any(name in cmd for name in FLOWER_COMMANDS):
                     continue
-                if b"PYTEST_CURRENT_TEST=" in (entry / "environ").read_bytes():
+                if mark in b"\0" + (entry / "environ").read_bytes():
                     pids.add(int(entry.name))
             except OSError:
                 continue
