@@ -286,8 +286,6 @@ def record(name: str, tmp: Path, **overrides) -> dict:
 
 
 def main() -> int:
-    import tempfile
-
     args = sys.argv[1:]
     this_machine = "--this-machine" in args
     names = [a for a in args if a != "--this-machine"] or [*CASES, *RESUME_CASES]
