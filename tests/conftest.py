@@ -32,6 +32,21 @@ def pytest_xdist_auto_num_workers(config):
 
 
 @pytest.fixture(autouse=True)
+def same_random_state_in_any_order():
+    """Each test starts from the same global RNG state: under pytest-xdist a worker runs a different sequence of
+    tests each time, so a test that draws from torch's RNG without seeding it (a client's initial weights, drawn
+    as the server would after seeding) would otherwise see a state left by whichever tests ran before it."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def no_early_simulation_process(request, monkeypatch):
     """The fast tests call fedbr-run's ``main`` in this process, mostly to see it refuse a configuration:
     there it starts no simulation process ahead of the check (``cli.early_host``), which would import torch
