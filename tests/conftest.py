@@ -25,6 +25,14 @@ atexit.register(shutil.rmtree, _EMPTY_DATA, ignore_errors=True)
 os.environ["FEDBR_DATA_DIR"] = _EMPTY_DATA
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    """A long scenario is an end-to-end test too, so `-m "not e2e"` never runs one among the fast tests."""
+    for item in items:
+        if item.get_closest_marker("long") is not None and item.get_closest_marker("e2e") is None:
+            item.add_marker(pytest.mark.e2e)
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per core, at most 4 (each holds torch and the test datasets, about 1 GB)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -58,7 +58,11 @@ def kill_now(proc):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    "tls, caller_fails", [(False, False), (True, True)], ids=["insecure", "tls-and-auth-then-the-caller-fails"]
+    "tls, caller_fails",
+    [
+        pytest.param(False, False, id="insecure"),
+        pytest.param(True, True, id="tls-and-auth-then-the-caller-fails", marks=pytest.mark.long),
+    ],
 )
 def test_two_rounds_of_fedavg_on_a_superlink_and_two_supernodes(tmp_path, tls, caller_fails):
     """Every process the deployment started is stopped when the caller's block ends, and when it raises
@@ -89,6 +93,7 @@ def test_two_rounds_of_fedavg_on_a_superlink_and_two_supernodes(tmp_path, tls, c
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_a_client_killed_mid_round_is_recorded_and_the_run_completes(tmp_path):
     out = tmp_path / "run"
     # a healthy client's round takes a few seconds here; the killed one is given up on after round-timeout
@@ -322,6 +327,7 @@ def test_supernode_data_dir_overrides_the_runs_and_gpu_pins_the_worker(tmp_path,
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_sigkill_of_fedbr_deploy_local_stops_every_process_and_removes_its_temporary_home(tmp_path):
     """SIGKILL of `fedbr-deploy local`'s process group after round 1: the SuperLink, SuperNodes, workers and
     all they started die within seconds, no port listens, the run folder stops growing, and the temporary
@@ -550,6 +556,7 @@ def test_an_expired_or_not_yet_valid_certificate_is_warned_about(tmp_path, capsy
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_a_tampering_supernode_of_a_real_deployment_is_refused_and_the_run_completes(tmp_path, monkeypatch):
     """Three SuperNodes on 127.0.0.1, the second one's worker tampering with every reply (int64 updates, an
     accuracy of 5.0): each round refuses its update and its evaluation with the reason, averages the other two,
@@ -581,6 +588,7 @@ def test_a_tampering_supernode_of_a_real_deployment_is_refused_and_the_run_compl
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_one_attacking_supernode_under_the_median_gives_the_simulations_accuracy(tmp_path):
     """Three SuperNodes on 127.0.0.1, the third sending its update x -10 (attack=sign-flip), aggregation=median:
     the deployment records the attacker, ends where the same run in one process ends, and near the honest run

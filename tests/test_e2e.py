@@ -105,6 +105,7 @@ def test_two_rounds_two_clients_write_the_run_files(tmp_path, capsys, launch):
     assert flower_processes() <= before
 
 
+@pytest.mark.long
 def test_a_superlink_run_stops_at_its_time_limit_and_resumes_to_what_an_unstopped_run_gives(tmp_path, capsys):
     """`--time-limit` with `--superlink`: the launcher stops Flower after the checkpoint of the last round that
     fits, exits 75 and leaves no process; `--resume` continues through a SuperLink to the records that a run

@@ -202,6 +202,7 @@ def rounds_of(out: Path) -> list[dict]:
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_cohorts_spread_over_both_nodes_equal_a_private_run_and_leave_the_cluster_running(tmp_path, two_nodes):
     """cohorts=0 on the joined cluster makes one cohort per node's core (2); the fits of each round run on
     both nodes, as rounds.jsonl records; the metrics equal those of the same two cohorts on a private
@@ -226,6 +227,7 @@ def test_cohorts_spread_over_both_nodes_equal_a_private_run_and_leave_the_cluste
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_a_run_without_the_setting_does_not_join_the_cluster_ray_start_left(tmp_path, two_nodes, monkeypatch):
     """Ray itself would join the newest cluster `ray start` left on this machine (its address file): fedbr-run
     starts a private runtime unless told otherwise."""
@@ -249,6 +251,7 @@ def test_a_resumed_run_runs_where_the_resume_command_says(tmp_path, monkeypatch)
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_a_node_that_dies_mid_run_fails_its_clients_and_the_run_goes_on(tmp_path, two_nodes):
     """The second node is killed (its `ray start` and every process of its session) after round 2: its cohort's
     clients are recorded as failed in the round it died in (if their message was on it), with one line naming

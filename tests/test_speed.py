@@ -342,6 +342,7 @@ def test_local_steps_on_cuda_wait_for_the_device_only_once_per_round(strategy):
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_the_suite_runs_flower_and_the_bare_loop_and_prints_the_table(tmp_path, capsys):
     """One strategy, FedBR (the one with the most to send and compute), through the bare loop and both Flower
     engines; it is compared with FedAvg's figures counted here, without Flower. The table's FedBR / FedAvg

@@ -229,7 +229,7 @@ def records(folder):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("backend", ["auto", "ray"])
+@pytest.mark.parametrize("backend", ["auto", pytest.param("ray", marks=pytest.mark.long)])
 def test_a_real_sweep_runs_in_one_process_equals_isolated_runs_then_keeps_them(tmp_path, capsys, backend):
     """Two real jobs (each one Flower run; the loop over more: test_a_sweep_runs_each_job_in_order_then_keeps_them)
     run one after another in one simulation process (the clients in it, or on Ray: the second run on the first's
