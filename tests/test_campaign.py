@@ -131,6 +131,7 @@ def records_equal_uninterrupted_runs(path, overrides, out, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_the_campaign_with_two_runs_at_once_stops_on_sigterm_and_continues_exactly(tmp_path, capsys, monkeypatch):
     """The campaign's command with --jobs 2 (tiny config, one seed, 10 rounds): FedAvg and FedBR go at once, each
     in a simulation process of its own, each progress line naming its run. SIGTERM once both have checkpointed
