@@ -160,6 +160,8 @@ def test_resolved_model():
         ("num-rounds=5", ("num-rounds", 5)),
         ("output-dir=", ("output-dir", "")),
         ("data-dir=/a=b", ("data-dir", "/a=b")),
+        ("data-dir=~", ("data-dir", "~")),  # the home folder, not YAML's null (which read as the default folder)
+        ("data-dir=null", ("data-dir", "")),
         (" seed =3", ("seed", 3)),
     ],
 )
@@ -167,6 +169,14 @@ def test_parse_override(text, expected):
     key, value = parse_override(text)
     assert (key, value) == expected
     assert type(value) is type(expected[1])
+
+
+def test_a_tilde_on_the_command_line_is_the_home_folder_and_a_number_key_refuses_it():
+    from fedbr_flwr.data.catalog import data_folder
+
+    assert data_folder(validate(dict([parse_override("data-dir=~")]))["data-dir"]) == Path.home().resolve()
+    with pytest.raises(ConfigError, match="num-rounds"):
+        validate(dict([parse_override("num-rounds=~")]))
 
 
 def test_parse_override_rejects_missing_equals():

@@ -719,6 +719,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like key=value")
     key, raw = text.split("=", 1)
+    if raw.strip() == "~":  # YAML's null, but on a command line the home folder (data-dir=~)
+        return key.strip(), "~"
     try:
         value = read_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
