@@ -59,6 +59,14 @@ def test_the_move_in_the_last_fifth_is_that_of_the_mean_curve_over_seeds():
     assert report.last_fifth_move({10: [0.5]}, 10) is None  # one point moves nowhere
 
 
+def test_rounds_to_target_over_seeds_keep_their_fraction(tmp_path):
+    out = tmp_path / "out"
+    for seed, accs in enumerate([[0.2, 0.6], [0.2, 0.6], [0.6, 0.6]]):  # reached at rounds 4, 4 and 2
+        fake_run(out / "A" / f"seed{seed}", accs)
+    lines = report.write_comparison(out, ["A"], [0, 1, 2], "t").splitlines()
+    assert dict(zip(lines[0].split(" | "), lines[2].split(" | ")))["rounds to 50%"] == "3.3"
+
+
 def test_comparison_gives_mean_std_per_seed_and_the_late_move(tmp_path):
     out = tmp_path / "out"
     fake_run(out / "A" / "seed0", [0.2, 0.6, 0.7, 0.72, 0.74])

@@ -224,7 +224,9 @@ def _cell(row: dict[str, Any], column: str, kind: str) -> str:
         return "not reached" if kind == "rounds" and row["seeds"] else "-"
     if kind == "points":
         return f"{100 * mean:.2f}"
-    if kind != "pct":
+    if kind == "rounds":  # a mean over seeds: 2.5 rounds is not 2
+        text = f"{mean:.1f}".removesuffix(".0")
+    elif kind == "seconds":
         text = f"{mean:.0f}"
     else:  # one seed has no spread to show
         text = f"{100 * mean:.2f} ± {100 * std:.2f}" if n > 1 else f"{100 * mean:.2f}"
