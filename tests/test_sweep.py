@@ -160,6 +160,24 @@ def test_a_table_over_a_damaged_summary_names_it_instead_of_a_traceback(tmp_path
     assert table.count("seed 1 failed: its summary.json or manifest.json is damaged") == 2
 
 
+def test_a_table_of_some_seeds_says_which_other_seeds_its_out_holds(tmp_path, capsys):
+    """Seeds 1 and 2 continued into the --out of seed 0: the table covers the seeds asked for, and one line says
+    how to get the table of all three; a seed folder without a finished run is not counted."""
+    path, out = write(tmp_path), tmp_path / "out"
+    for *_, cfg in sweep.plan(path, [], out.resolve(), None, seeds=[0, 1, 2]):
+        fake_run(Path(cfg["output-dir"]), cfg, [0.3], last_round=cfg["num-rounds"])
+    (out / "FedAvg" / "seed7").mkdir()
+    assert sweep.main([path, "--out", str(out), "--seeds", "1", "2", "--table-only"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"fedbr-sweep: the comparison covers seed(s) 1, 2; {out.resolve()} also holds runs of seed(s) 0: for one "
+        "table of all, add --seeds 0 1 2 --table-only"
+    ]
+    assert "| FedAvg | 2 |" in (out / "comparison.md").read_text()
+    assert sweep.main([path, "--out", str(out), "--seeds", "0", "1", "2", "--table-only"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_a_finished_run_is_kept_where_only_the_data_folder_or_the_engine_changed(tmp_path):
     """A campaign continued on another machine (its data elsewhere) or on another engine keeps its finished runs,
     as a resumed run may change these keys; the learning rate still makes it another run."""

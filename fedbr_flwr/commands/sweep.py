@@ -539,6 +539,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def seeds_left_out(jobs: list[Job], seeds: list[int]) -> list[int]:
+    """The other seeds that have a run beside this sweep's runs in their folders (a sweep continued into the same
+    --out with other --seeds), which its comparison does not cover."""
+    found = set()
+    for _, _, cfg in jobs:
+        for folder in Path(common(cfg).output_dir).parent.glob("seed*"):
+            seed = folder.name.removeprefix("seed")
+            if seed.isdigit() and int(seed) not in seeds and (folder / "summary.json").is_file():
+                found.add(int(seed))
+    return sorted(found)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -610,6 +622,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = write_comparison(out, names, seeds, title, rule, spec.headline)
     print("\n" + table)
     print(f"comparison: {out / 'comparison.md'}, comparison.csv, comparison.png" + (", decisions.png" if rule else ""))
+    if others := seeds_left_out(jobs, seeds):
+        every = " ".join(str(seed) for seed in sorted({*seeds, *others}))
+        print(
+            f"fedbr-sweep: the comparison covers seed(s) {', '.join(map(str, seeds))}; {out} also holds runs of "
+            f"seed(s) {', '.join(map(str, others))}: for one table of all, add --seeds {every} --table-only",
+            file=sys.stderr,
+        )
     if args.report:
         try:
             write_report(
