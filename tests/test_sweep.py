@@ -142,6 +142,23 @@ def test_a_conflicting_finished_run_stops_the_sweep_before_any_run_and_a_kept_fa
     assert ran == ["fedavg"] and "no round trained" in capsys.readouterr().err
 
 
+def test_a_run_with_damaged_files_is_started_again_with_one_line_saying_so(tmp_path, capsys, monkeypatch):
+    ran = []
+
+    def finished_run(plan, echo, host, watch=None):
+        ran.append(plan.config["seed"])
+        fake_run(plan.out_dir, dict(plan.config), [0.1], last_round=plan.config["num-rounds"])
+
+    monkeypatch.setattr(sweep, "run_flower", finished_run)
+    path, out = write(tmp_path), tmp_path / "out"
+    (_, _, cfg), *_ = sweep.plan(path, [], out.resolve(), ["FedAvg"], [0])
+    fake_run(Path(cfg["output-dir"]), cfg, [0.1], last_round=cfg["num-rounds"])
+    (out / "FedAvg" / "seed0" / "summary.json").write_text('{"last_round": 1')  # torn
+    assert sweep.main([path, "--out", str(out), "--quiet", "--only", "FedAvg", "--seeds", "0"]) == 0
+    said = capsys.readouterr()
+    assert ran == [0] and (said.out + said.err).count("is damaged; starting it again") == 1
+
+
 def test_table_only_without_the_sweeps_runs_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "typo"
     assert sweep.main([write(tmp_path), "--out", str(out), "--table-only"]) == 2

@@ -273,10 +273,11 @@ def check_cells_differ(grid: dict[str, Factor], settings: list[Setting]) -> None
             raise ConfigError(f"grid values that read the same would share a run folder ({listed}): list each once")
 
 
-def finished_with_same_config(cfg: Mapping[str, Any]) -> bool:
+def finished_with_same_config(cfg: Mapping[str, Any], say_damaged: bool = True) -> bool:
     """True if the folder holds a finished run of this config; False where it holds none, an unfinished one
     (continued or started again) or a finished one this config extends by more rounds (continued from its
-    checkpoint). A finished run of other settings, fewer rounds included, is an error: it is never replaced."""
+    checkpoint). A finished run of other settings, fewer rounds included, is an error: it is never replaced.
+    ``say_damaged``: a line for damaged run files (the check before the sweep's runs leaves it to the run's)."""
     run = common(cfg)
     out = Path(run.output_dir)
     manifest, summary = out / "manifest.json", out / "summary.json"
@@ -288,7 +289,8 @@ def finished_with_same_config(cfg: Mapping[str, Any]) -> bool:
         old = as_it_ran(json.loads(manifest.read_text())["config"])  # a sweep continued after an upgrade keeps it
         last_round = json.loads(summary.read_text()).get("last_round")
     except (ValueError, KeyError, TypeError, AttributeError):
-        print_line(f"fedbr-sweep: {out}: its manifest.json or summary.json is damaged; starting it again")
+        if say_damaged:
+            print_line(f"fedbr-sweep: {out}: its manifest.json or summary.json is damaged; starting it again")
         return False
     if last_round != old["num-rounds"]:
         return False  # summary.json is refreshed at every evaluation: this run stopped early
@@ -569,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.dry_run:  # a file in the way stops the sweep now, not with a traceback or after its runs
             check_output_dir(out, "--out")
             for _, _, cfg in [] if args.table_only else jobs:
-                finished_with_same_config(cfg)  # a finished run of other settings: before any run starts
+                finished_with_same_config(cfg, say_damaged=False)  # one of other settings: before any run starts
             if args.table_only and not any(Path(common(cfg).output_dir).is_dir() for _, _, cfg in jobs):
                 raise ConfigError(
                     f"--out {out} holds no run of this sweep: run it first (without --table-only), or give the "
