@@ -267,7 +267,9 @@ def test_registering_again_skips_the_keys_the_superlink_has_and_registers_the_re
             return real(command, **kwargs)
         name = Path(command[3]).name
         if name == "supernode-2.pub" and "broken" in registered:
-            return subprocess.CompletedProcess(command, 1, "", "Connection to the SuperLink is unavailable\n")
+            # Flower's words in its frame
+            box = "╭─ Error ───╮\n│ Connection to the SuperLink is │\n│ unavailable. │\n╰───────────╯\n"
+            return subprocess.CompletedProcess(command, 1, "", box)
         if name in registered:
             return subprocess.CompletedProcess(command, 1, "", "❌ Public key already in use. [code: 23]\n")
         registered.add(name)
@@ -282,7 +284,12 @@ def test_registering_again_skips_the_keys_the_superlink_has_and_registers_the_re
     registered.discard("supernode-2.pub")
     registered.add("broken")  # any other failure still stops, with Flower's words
     assert deploy.main(["register", "--superlink", "127.0.0.1:1", "--certs", str(keys)]) == 1
-    assert "Connection to the SuperLink is unavailable" in capsys.readouterr().err
+    err = capsys.readouterr().err  # one line: Flower's words out of their frame, then how we connected
+    assert err.count("\n") == 1 and "failed: Error Connection to the SuperLink is unavailable. [connected" in err
+    assert f"connected with TLS (the CA in {keys})" in err
+    args = ["register", "--superlink", "127.0.0.1:1", "--insecure", str(keys / "supernode-2.pub")]
+    assert deploy.main(args) == 1
+    assert "[connected without TLS (--insecure): the SuperLink must have been" in capsys.readouterr().err
 
 
 def test_round_seconds_reads_the_fit_phase_after_discovery_and_the_wall_time_per_round(tmp_path):

@@ -204,8 +204,13 @@ def register_supernodes(env: dict[str, str], public_keys: Sequence[Path]) -> lis
         if res.returncode != 0 and "already in use" in said.lower():  # Flower's words for a key it has
             known.append(key)
         elif res.returncode != 0:
-            raise RunFailed(f"`flwr supernode register {key}` failed: {said[-500:]}")
+            raise RunFailed(f"`flwr supernode register {key}` failed: {one_line(said)[-500:]}")
     return known
+
+
+def one_line(said: str) -> str:
+    """What a ``flwr`` command printed, in one line: without the frame of its boxes and the line breaks."""
+    return " ".join(re.sub(r"[╭╮╰╯│─]", " ", said).split())
 
 
 def process_env(flwr_home: Path) -> dict[str, str]:
@@ -463,6 +468,9 @@ def cmd_register(args) -> int:
     home = watchdog.temp_dir("fedbr-deploy-")
     try:
         known = register_supernodes(deploy_env(home, args.superlink, certs), keys)
+    except RunFailed as exc:  # Flower's words do not say that TLS on one side only is the usual cause
+        how = "without TLS (--insecure)" if certs is None else f"with TLS (the CA in {certs})"
+        raise RunFailed(f"{exc} [connected {how}: the SuperLink must have been started the same way]") from exc
     finally:
         watchdog.remove_temp_dir(home)
     print(
