@@ -188,7 +188,7 @@ def test_a_table_of_some_seeds_says_which_other_seeds_its_out_holds(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         f"fedbr-sweep: the comparison covers seed(s) 1, 2; {out.resolve()} also holds runs of seed(s) 0: for one "
-        "table of all, add --seeds 0 1 2 --table-only"
+        "table of all, run it again with --seeds 0 1 2 --table-only"
     ]
     assert "| FedAvg | 2 |" in (out / "comparison.md").read_text()
     assert sweep.main([path, "--out", str(out), "--seeds", "0", "1", "2", "--table-only"]) == 0

@@ -628,7 +628,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         every = " ".join(str(seed) for seed in sorted({*seeds, *others}))
         print(
             f"fedbr-sweep: the comparison covers seed(s) {', '.join(map(str, seeds))}; {out} also holds runs of "
-            f"seed(s) {', '.join(map(str, others))}: for one table of all, add --seeds {every} --table-only",
+            f"seed(s) {', '.join(map(str, others))}: for one table of all, run it again with --seeds {every} "
+            "--table-only",
             file=sys.stderr,
         )
     if args.report:
