@@ -119,44 +119,44 @@ def test_a_finished_run_is_continued_to_more_rounds_but_never_replaced_by_fewer(
     assert not sweep.finished_with_same_config(cfg)
 
 
-def test_a_conflicting_finished_run_stops_the_sweep_before_any_run_and_a_kept_failure_still_fails(
-    tmp_path, capsys, monkeypatch
-):
+def runs_that_finish(monkeypatch) -> list[dict]:
+    """Runs of a sweep that write a finished run's files at once; the configs of those started, in order."""
     ran = []
 
     def finished_run(plan, echo, host, watch=None):
-        ran.append(plan.config["strategy"])
+        ran.append(dict(plan.config))
         fake_run(plan.out_dir, dict(plan.config), [0.1], last_round=plan.config["num-rounds"])
 
     monkeypatch.setattr(sweep, "run_flower", finished_run)
+    return ran
+
+
+def test_a_conflicting_finished_run_stops_the_sweep_before_any_run_and_a_kept_failure_still_fails(
+    tmp_path, capsys, monkeypatch
+):
+    ran = runs_that_finish(monkeypatch)
     path, out = write(tmp_path), tmp_path / "out"
     *_, (_, _, last) = sweep.plan(path, [], out.resolve(), None)  # FedBR seed 1: the sweep's last run
     fake_run(Path(last["output-dir"]), {**last, "lr": 0.5}, [0.1], last_round=last["num-rounds"])
     assert sweep.main([path, "--out", str(out), "--quiet"]) == 2
-    assert ran == [] and "different settings (lr)" in capsys.readouterr().err
+    assert not ran and "different settings (lr)" in capsys.readouterr().err
     shutil.rmtree(out)
     assert sweep.main([path, "--out", str(out), "--quiet", "--only", "FedAvg", "--seeds", "0"]) == 0
     summary = out / "FedAvg" / "seed0" / "summary.json"
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "rounds_trained": 0}))  # no round trained
     assert sweep.main([path, "--out", str(out), "--quiet", "--only", "FedAvg", "--seeds", "0"]) == 1
-    assert ran == ["fedavg"] and "no round trained" in capsys.readouterr().err
+    assert [c["strategy"] for c in ran] == ["fedavg"] and "no round trained" in capsys.readouterr().err
 
 
 def test_a_run_with_damaged_files_is_started_again_with_one_line_saying_so(tmp_path, capsys, monkeypatch):
-    ran = []
-
-    def finished_run(plan, echo, host, watch=None):
-        ran.append(plan.config["seed"])
-        fake_run(plan.out_dir, dict(plan.config), [0.1], last_round=plan.config["num-rounds"])
-
-    monkeypatch.setattr(sweep, "run_flower", finished_run)
+    ran = runs_that_finish(monkeypatch)
     path, out = write(tmp_path), tmp_path / "out"
     (_, _, cfg), *_ = sweep.plan(path, [], out.resolve(), ["FedAvg"], [0])
     fake_run(Path(cfg["output-dir"]), cfg, [0.1], last_round=cfg["num-rounds"])
     (out / "FedAvg" / "seed0" / "summary.json").write_text('{"last_round": 1')  # torn
     assert sweep.main([path, "--out", str(out), "--quiet", "--only", "FedAvg", "--seeds", "0"]) == 0
     said = capsys.readouterr()
-    assert ran == [0] and (said.out + said.err).count("is damaged; starting it again") == 1
+    assert [c["seed"] for c in ran] == [0] and (said.out + said.err).count("is damaged; starting it again") == 1
 
 
 def test_table_only_without_the_sweeps_runs_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
