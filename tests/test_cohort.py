@@ -20,7 +20,7 @@ from fedbr_flwr.launch.plan import build_config, size_resources
 
 import golden
 from fakes import FixedClientManager, InProcessProxy
-from test_golden import CASES, close_arrays, close_json, to_reproduce
+from test_golden import CASES, close_arrays, close_json, close_records, to_reproduce
 
 COHORTS = {"engine": "cohort", "cohorts": 2}  # 3 clients: cohort 0 hosts clients 0 and 2, cohort 1 client 1
 
@@ -28,13 +28,7 @@ COHORTS = {"engine": "cohort", "cohorts": 2}  # 3 clients: cohort 0 hosts client
 @pytest.mark.parametrize("path", CASES)
 def test_the_cohort_engine_gives_exactly_the_golden_runs(path, tmp_path):
     want, exact = to_reproduce(path)
-    got = golden.record(want["case"], tmp_path, **COHORTS)
-    close_arrays(got["global"], want["global"], "global", exact)
-    for name, arrays in want["files"].items():
-        close_arrays([got["files"][name][k] for k in arrays], list(arrays.values()), name, exact)
-    close_json(got["manifest"], want["manifest"], "manifest", exact)
-    close_json(got["rounds"], want["rounds"], "rounds", exact)
-    close_json(got["metrics"], want["metrics"], "metrics", exact)
+    close_records(golden.record(want["case"], tmp_path, **COHORTS), want, exact)
 
 
 @pytest.mark.parametrize(
