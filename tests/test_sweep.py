@@ -750,12 +750,12 @@ def test_an_error_in_one_of_the_runs_at_once_stops_the_others_and_exits_2(tmp_pa
 
     fake, check = RunsAtOnce(hold=True), sweep.finished_with_same_config
 
-    def after_seed_0_started(cfg):
+    def after_seed_0_started(cfg, say_damaged=True):
         if threading.current_thread() is threading.main_thread():
             return False  # the check before the runs: the folder is written only after it
         while cfg["seed"] == 1 and not fake.running:
             time.sleep(0.01)
-        return check(cfg)
+        return check(cfg, say_damaged)
 
     monkeypatch.setattr(sweep, "run_flower", fake)
     monkeypatch.setattr(sweep, "finished_with_same_config", after_seed_0_started)
