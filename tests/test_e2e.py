@@ -187,7 +187,7 @@ def test_fedbr_run_completes_and_records_its_terms(tmp_path, extra, on_shared_ho
     "classes_each, dh, mode",
     [
         (10, 0.0, "nn"),  # both clients hold every class
-        (5, 1.0, "none"),  # two disjoint halves of the classes
+        pytest.param(5, 1.0, "none", marks=pytest.mark.long),  # two disjoint halves of the classes
     ],
 )
 def test_distrans_run_completes_at_two_dh_levels(tmp_path, classes_each, dh, mode, on_shared_host):
@@ -381,6 +381,7 @@ def test_on_ray_a_crashed_client_process_loses_only_its_own_message(tmp_path, cr
     assert json.loads((out / "summary.json").read_text())["final_round"] == 3
 
 
+@pytest.mark.long
 def test_a_run_that_leaves_a_client_hanging_hands_the_next_run_a_new_process(tmp_path, capsys, hanging_client):
     """Run B's client 1 never returns from round 2; the round times out and B completes without it, but its thread
     cannot be stopped. The next run does not start in that process (it would share its cores with the spinning
@@ -527,7 +528,7 @@ def test_sigkill_of_fedbr_run_stops_the_whole_stack_and_a_live_run_locks_its_fol
     assert cli.main(["--overwrite", f"output-dir={out}", "num-clients=2", "--dry-run"]) == 0
 
 
-@pytest.mark.parametrize("backend", ["in-process", "ray"])
+@pytest.mark.parametrize("backend", ["in-process", pytest.param("ray", marks=pytest.mark.long)])
 def test_ctrl_c_stops_fedbr_run_with_exit_130_and_leaves_no_process(tmp_path, backend):
     """Ctrl-C (SIGINT to the terminal's foreground process group) after round 1: fedbr-run says it was
     interrupted, exits 130 without a traceback, and within seconds none of its processes lives."""

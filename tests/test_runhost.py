@@ -278,6 +278,7 @@ def prepared(tmp_path, name, **settings):
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_a_killed_or_failed_host_is_replaced_by_a_new_one_and_none_leaves_a_process(tmp_path):
     """Run 1 completes; its host is killed (SIGKILL); run 2 starts a new host and fails there (its ServerApp
     refuses its config), which ends that host too; run 3 completes in a third. Nothing is left afterwards."""
