@@ -451,7 +451,7 @@ def stop_remote_run(env: dict[str, str], out: Path) -> str:
             [flower_tool(env, "flwr"), "stop", str(run_id), CONNECTION],
             env=env, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-        failed = ((res.stdout + res.stderr).strip().splitlines() or ["no output"])[-1] if res.returncode else ""
+        failed = (one_line(res.stdout + res.stderr) or "no output")[-200:] if res.returncode else ""
     except (OSError, subprocess.TimeoutExpired) as exc:
         failed = str(exc)
     if failed:
