@@ -545,8 +545,8 @@ def seeds_left_out(jobs: list[Job], seeds: list[int]) -> list[int]:
     """The other seeds that have a run beside this sweep's runs in their folders (a sweep continued into the same
     --out with other --seeds), which its comparison does not cover."""
     found = set()
-    for _, _, cfg in jobs:
-        for folder in Path(common(cfg).output_dir).parent.glob("seed*"):
+    for setting_folder in {Path(common(cfg).output_dir).parent for _, _, cfg in jobs}:  # one per setting, not seed
+        for folder in setting_folder.glob("seed*"):
             seed = folder.name.removeprefix("seed")
             if seed.isdigit() and int(seed) not in seeds and (folder / "summary.json").is_file():
                 found.add(int(seed))
