@@ -77,7 +77,7 @@ def test_krum_score_sums_the_n_minus_f_minus_2_closest_squared_distances():
     assert out[0] == pytest.approx((0 + 1 + 2 + 15) / 8)  # multi-krum's mean is weighted
     with pytest.raises(ValueError, match="more than 2f"):
         krum_scores(squared_distances(flat[:4]), 1)
-    assert minimum_updates("krum", 1) == 5 and minimum_updates("median", 3) == 1
+    assert minimum_updates("krum", 1) == 5 and minimum_updates("median", 3) == 3 and minimum_updates("mean", 3) == 1
 
 
 def test_norm_bound_clips_each_update_relative_to_the_global_model():
@@ -356,6 +356,40 @@ def test_an_honest_model_update_carries_no_poisoned_control_or_offset(tmp_path, 
     assert not skipped and (rule == "norm-bound" or 0 not in plan.used(5))
     moved = s.control.values() if strategy == "scaffold" else s.next_offsets.values()
     assert max(float(np.abs(a).max()) for a in moved) < 10
+
+
+@pytest.mark.parametrize(
+    ("rule", "extra", "fewest"),
+    [
+        ("median", {}, 3),
+        ("trimmed-mean", {"trim-fraction": 0.2}, 5),
+        ("norm-bound", {}, 3),
+        ("norm-bound", {"norm-bound": 2.0}, 1),
+        ("krum", {}, 5),
+    ],
+)
+def test_a_robust_rule_leaves_the_model_unchanged_when_failures_leave_it_too_few_updates(tmp_path, rule, extra, fewest):
+    """The configuration refuses a median of 2 sampled clients, but a round of 3 with one failed took the mean of
+    the other two, one of them 1e30 everywhere; trimmed-mean then cut nothing, and norm-bound's median norm was
+    the attacker's half."""
+    from fedbr_flwr.app.strategy import aggregate_accepted
+
+    s, g, ups = strategy_with_updates(tmp_path, "fedavg", rule, 5, 5, **extra)
+    assert s.robust_rule.fewest_updates() == fewest
+    s.sent = g
+    ups[0].arrays = {n: np.full_like(a, 1e30) if a.dtype.kind == "f" else a for n, a in ups[0].arrays.items()}
+    _, skipped = aggregate_accepted(s, 1, ups[: fewest - 1])
+    if fewest > 1:
+        assert skipped and all(np.array_equal(s.latest[n], g[n]) for n in g)
+    _, skipped = aggregate_accepted(s, 2, ups[:fewest])
+    assert not skipped
+    assert max(float(np.abs(a).max()) for a in s.latest.values() if a.dtype.kind == "f") < 1e3
+
+
+def test_norm_bound_relative_to_the_median_refuses_two_sampled_clients():
+    with pytest.raises(ConfigError, match="sample at least 3, or set norm-bound"):
+        validate({"aggregation": "norm-bound", "num-clients": 2})
+    validate({"aggregation": "norm-bound", "num-clients": 2, "norm-bound": 1.0})
 
 
 def test_groupdro_under_multi_krum_believes_only_the_losses_of_the_clients_it_keeps(tmp_path):

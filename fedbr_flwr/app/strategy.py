@@ -21,7 +21,7 @@ from ..core.training import evaluate, load_module_arrays
 from ..data.catalog import INFO, data_folder
 from ..data.dataset import ServerTests, partition_class_counts, partition_sizes, save_partition
 from ..server.recording import eval_record, round_record, server_test_fields
-from ..server.robust import AggregationRound, JudgedGroup, RobustRule, RoundPlan, minimum_updates
+from ..server.robust import AggregationRound, JudgedGroup, RobustRule, RoundPlan
 from ..server.updates import ClientUpdate, byte_budget, count_problem, known_size, screen_evaluations, update_problem
 from . import payload, routing
 from .checkpointing import Checkpointer
@@ -307,7 +307,7 @@ def expected_updates(
 def too_few_updates(cfg: dict[str, Any], rule: RobustRule, valid: int) -> str | None:
     """Why a round with ``valid`` updates leaves the global model unchanged (None: it aggregates)."""
     run = common(cfg)
-    fewest = max(run.min_fit_clients, minimum_updates(rule.name, rule.byzantine))
+    fewest = max(run.min_fit_clients, rule.fewest_updates())
     if valid >= fewest:
         return None
     needs = "" if rule.name == "mean" else f", aggregation={rule.name} needs {fewest}"

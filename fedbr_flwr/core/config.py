@@ -603,6 +603,11 @@ def check_aggregation(cfg: Mapping[str, Any]) -> None:
         check_trim_cuts(cfg["trim-fraction"], sampled)
     if rule == "median" and sampled == 2:
         raise ConfigError("aggregation=median over the 2 clients sampled a round is their mean: sample at least 3")
+    if rule == "norm-bound" and not cfg["norm-bound"] and sampled == 2:
+        raise ConfigError(
+            "aggregation=norm-bound relative to the median norm of the 2 clients sampled a round is relative to their "
+            "mean norm, which one of them sets: sample at least 3, or set norm-bound"
+        )
     if rule not in ("krum", "multi-krum"):
         return
     need = minimum_updates(rule, cfg["byzantine-clients"])

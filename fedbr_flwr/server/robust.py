@@ -11,6 +11,7 @@ docs/robust-aggregation.md describes the rules, their assumptions and their cost
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -89,9 +90,17 @@ def clip_scales(norms: np.ndarray, bound: float) -> np.ndarray:
     return np.minimum(1.0, np.divide(bound, norms, out=np.ones_like(norms), where=norms > bound))
 
 
-def minimum_updates(rule: str, byzantine: int) -> int:
-    """The fewest updates the rule can aggregate: Krum's n > 2f + 2, else one."""
-    return 2 * byzantine + 3 if rule in ("krum", "multi-krum") else 1
+def minimum_updates(rule: str, byzantine: int, trim: float = 0.1, bound: float = 0.0) -> int:
+    """The fewest updates the rule can aggregate and still be itself, not the mean of what an attacker chose:
+    Krum's n > 2f + 2; three for the median and for norm-bound's multiple of the median norm (of two, the
+    median is their mean); for trimmed-mean, enough that it cuts a value at each end; else one."""
+    if rule in ("krum", "multi-krum"):
+        return 2 * byzantine + 3
+    if rule == "median" or (rule == "norm-bound" and bound <= 0):
+        return 3
+    if rule == "trimmed-mean" and trim > 0:
+        return next(n for n in itertools.count(3) if trimmed_count(n, trim) >= 1)
+    return 1
 
 
 # ---------------------------------------------------------------- a round's plan over named arrays
@@ -158,6 +167,9 @@ class RobustRule:
         return RoundPlan(
             self, scales=tuple(float(x) for x in scales), bound=bound, group_scales=group_scales, centres=centres
         )
+
+    def fewest_updates(self) -> int:
+        return minimum_updates(self.name, self.byzantine, self.trim, self.bound)
 
     def clip_group(
         self, group: JudgedGroup, updates: Sequence[Mapping[str, np.ndarray]], model_scales: np.ndarray
