@@ -153,6 +153,18 @@ def test_a_cohort_reply_with_a_key_that_names_no_member_rejects_its_members_and_
     strategy.aggregate_evaluate(2, evaluated, [])  # its members' figures are not read, and nothing raises
 
 
+def test_a_cohort_reply_for_a_member_not_sampled_this_round_is_not_used(tmp_path):
+    """A cohort's reply named every member it hosts, and each was averaged in and marked as having used its update:
+    fraction-fit was bypassed and the node got the weight of clients the server had not asked."""
+    strategy, ins = cohort_strategy(tmp_path)
+    results = [(p, p.fit(i, None, 1)) for p, i in ins]
+    strategy.sampled = [0, 1, 3]  # as if client 2 (cohort 0, beside client 0) had not been asked
+    strategy.aggregate_fit(1, results, [])
+    record = json.loads((tmp_path / "rounds.jsonl").read_text())
+    assert record["clients"] == 3 and record["rejected"] == [{"partition": 2, "reason": "not sampled this round"}]
+    assert sorted(strategy.checkpointer.used_rounds) == [0, 1, 3]
+
+
 def test_a_failed_cohort_marks_each_of_its_sampled_clients_failed(tmp_path):
     strategy, ins = cohort_strategy(tmp_path)
     (p0, i0), (p1, i1) = ins

@@ -176,6 +176,7 @@ def test_aggregate_fit_does_not_depend_on_arrival_order(tmp_path):
         arrays = {"model/weight": rng.normal(size=(1, 200_000)).astype(np.float32)}
         res = FitRes(Status(Code.OK, ""), payload.to_parameters(arrays), 3 + pid, {"partition-id": pid})
         results.append((None, res))
+    strategy.sampled = list(range(7))
     bits = set()
     for order in (results, results[::-1], results[3:] + results[:3], results[1::2] + results[::2]):
         params, _ = strategy.aggregate_fit(1, order, [])
@@ -186,7 +187,8 @@ def test_aggregate_fit_does_not_depend_on_arrival_order(tmp_path):
 @pytest.mark.parametrize("weighting,expected", [("uniform", (1 + 4) / 2), ("samples", (1 * 10 + 4 * 30) / 40)])
 def test_aggregate_fit_is_the_weighted_mean_and_records_the_round(tmp_path, weighting, expected):
     strategy, _ = make_strategy(tmp_path, [], weighting=weighting)
-    params, metrics = strategy.aggregate_fit(3, [(None, fit_res(1.0, 10)), (None, fit_res(4.0, 30))], [])
+    strategy.sampled = [0, 1]
+    params, metrics = strategy.aggregate_fit(3, [(None, fit_res(1.0, 10)), (None, fit_res(4.0, 30, pid=1))], [])
     for layer in payload.from_parameters(params).values():
         np.testing.assert_allclose(layer, expected)
     assert metrics["loss"] == pytest.approx(2.5)

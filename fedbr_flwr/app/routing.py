@@ -4,7 +4,8 @@ the format of ``fedbr_flwr.app.cohort``). Above this module every instruction an
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flwr.common import Parameters
@@ -60,12 +61,16 @@ def messages(
     return out
 
 
-def fit_answers(federation: Federation, results: list, max_bytes: int | None = None) -> list[Answer]:
-    """Every client's answer in the fit results, in partition order. A reply over ``max_bytes`` per client it
-    carries is refused unread (its arrays are not decoded)."""
+def fit_answers(
+    federation: Federation, results: list, sampled: Collection[int], max_bytes: int | None = None
+) -> list[Answer]:
+    """Every client's answer in the fit results, in partition order; one for a client not ``sampled`` this round
+    carries that problem. A reply over ``max_bytes`` per sampled client it carries is refused unread (its arrays
+    are not decoded)."""
     answers = []
     for proxy, res in results:
-        clients = len(federation.members_by_cid[proxy.cid]) if federation.is_cohort(proxy) else 1
+        hosted = federation.members_by_cid[proxy.cid] if federation.is_cohort(proxy) else []
+        clients = max(1, len(set(hosted) & set(sampled)))
         arrays, problem = read_arrays(res.parameters, max_bytes, clients)
         node = reported_node(res.metrics.get(NODE))
         if federation.is_cohort(proxy):
@@ -79,6 +84,7 @@ def fit_answers(federation: Federation, results: list, max_bytes: int | None = N
             metrics = {k: v for k, v in res.metrics.items() if k != NODE}
             pid = federation.pid_of(proxy, res.metrics)
             answers.append(Answer(pid, arrays, res.num_examples, metrics, problem, node))
+    answers = [a if a.pid in sampled else replace(a, problem="not sampled this round") for a in answers]
     return sorted(answers, key=lambda a: a.pid)  # a fixed order keeps float sums, and so runs, repeatable
 
 

@@ -99,10 +99,11 @@ class FlowerStrategy(Strategy):
         return instructions
 
     def aggregate_fit(self, server_round: int, results: list, failures: list):
-        answers = routing.fit_answers(self.federation, results, byte_budget(self.update_spec, self.update_dtypes))
+        budget = byte_budget(self.update_spec, self.update_dtypes)
+        answers = routing.fit_answers(self.federation, results, self.sampled, budget)
         errors = [routing.describe_failure(self.federation, f) for f in failures]
         self._warn(server_round, [f"a client failed: {error}" for error in errors])
-        self.after_answers({a.pid: a.metrics for a in answers})
+        self.after_answers({a.pid: a.metrics for a in answers if a.pid in self.sampled})
         accepted, rejected = self._screen(server_round, answers)
         missing = sorted(set(self.sampled) - {a.pid for a in answers})
         self.server_metrics = {}
