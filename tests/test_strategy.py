@@ -124,8 +124,10 @@ class PropertiesProxy(FakeProxy):
         ({"class-counts": "-5" + ",3" * 9}, "are not 10 counts >= 0"),
         ({"class-counts": "1,2"}, "are not 10 counts >= 0"),
         ({"partition-hash": None}, "partition-hash None is not a string"),
+        ({"partition-id": float("inf")}, "OverflowError"),
+        ({"class-counts": "9" * 20 + ",3" * 9}, "OverflowError"),
     ],
-    ids=["partition-id", "class-counts-text", "negative-count", "two-counts", "no-hash"],
+    ids=["partition-id", "class-counts-text", "negative-count", "two-counts", "no-hash", "inf-id", "huge-count"],
 )
 def test_a_node_whose_partition_cannot_be_read_stops_discovery_with_one_message(tmp_path, changed, reason):
     """These raised a bare ValueError or TypeError that named no node (or, for counts, went into DisTrans' DH)."""
@@ -134,6 +136,23 @@ def test_a_node_whose_partition_cannot_be_read_stops_discovery_with_one_message(
         ConfigError, match=f"SuperNode b reported its partition in properties that cannot be read .*{reason}"
     ):
         strategy.configure_fit(1, payload.to_parameters({}), manager)
+
+
+@pytest.mark.parametrize(
+    "size", [float("inf"), "9" * 400, -3, 0, True, None], ids=["inf", "huge", "negative", "zero", "bool", "none"]
+)
+def test_a_size_a_node_cannot_have_is_unknown_and_feddyn_scales_it_by_one(size):
+    """A node's reported training-sample count of inf raised OverflowError out of discovery, and one of 0 made
+    FedDyn's alpha_k divide by zero; the server then knows no size for it, as for an unreadable one."""
+    from fedbr_flwr.app.federation import Federation
+    from fedbr_flwr.server.updates import size_share
+
+    federation = Federation(validate({"strategy": "feddyn"}))
+    federation._add_sizes(0, {"num-train": size, "num-test": 5})
+    federation._add_sizes(1, {"num-train": 40, "num-test": 5})
+    assert federation.sizes == {1: (40, 5)} and size_share(federation.sizes, 0) == 1.0
+    assert size_share({0: (0, 5), 1: (0, 5)}, 0) == 1.0  # FedDyn's alpha_k = alpha / share: no zero division
+    assert size_share({0: (10, 5), 1: (30, 5)}, 0) == 0.5
 
 
 def test_the_server_takes_its_own_class_histograms_not_a_nodes_word(tmp_path):

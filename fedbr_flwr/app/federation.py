@@ -114,10 +114,10 @@ class Federation:
             self.class_counts[pid] = read_class_counts(class_counts, pid, INFO[common(self.cfg).dataset].num_classes)
 
     def _add_sizes(self, pid: int, props: dict) -> None:
-        try:
-            self.sizes[pid] = (int(props["num-train"]), int(props["num-test"]))
-        except (KeyError, TypeError, ValueError):
-            pass  # unknown: replies are checked against the server's own partition, or not at all
+        # an unreadable size is unknown: replies are checked against the server's own partition, or not at all
+        train, test = reported_count(props.get("num-train")), reported_count(props.get("num-test"))
+        if train and test is not None:
+            self.sizes[pid] = (train, test)
 
     def is_cohort(self, proxy: ClientProxy | None) -> bool:
         return proxy is not None and proxy.cid in self.members_by_cid
@@ -210,11 +210,23 @@ def read_partition(add: Callable[[ClientProxy, dict, int], str], proxy: ClientPr
         return add(proxy, props, expected)
     except ConfigError:
         raise
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ConfigError(
             f"SuperNode {proxy.cid} reported its partition in properties that cannot be read "
             f"({type(exc).__name__}: {exc}): check that it runs this version of the app"
         ) from None
+
+
+def reported_count(value: Any) -> int | None:
+    """A sample count a node reports in its properties, where it reads as a whole number that numpy can hold,
+    >= 0 (else None)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        count = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return count if 0 <= count < 2**63 else None
 
 
 def partition_hash(props: dict) -> str:

@@ -177,10 +177,9 @@ def known_size(sizes: Mapping[int, tuple[int, int]], pid: int, which: int) -> in
 
 def size_share(sizes: Mapping[int, tuple[int, int]], pid: int) -> float:
     """Client ``pid``'s training samples over the mean of every client's (``sizes``: pid -> (training, local
-    test)); 1.0 where its size is not known."""
-    if pid not in sizes:
-        return 1.0
-    return sizes[pid][0] / (sum(train for train, _ in sizes.values()) / len(sizes))
+    test)); 1.0 where its size is not known or is none."""
+    mean = sum(train for train, _ in sizes.values()) / max(1, len(sizes))
+    return sizes[pid][0] / mean if pid in sizes and sizes[pid][0] > 0 else 1.0
 
 
 def screen_evaluations(
