@@ -63,7 +63,11 @@ def last_round(tmp_path):
             "array 'model/weight' has shape (2, 3), expected (2, 2)",
         ),
         ({"model/weight": np.zeros((2, 2), np.float32)}, "missing arrays model/bias (1 of 2)"),
-        ({**arrays_of(0.0), "head/weight": np.zeros(2, np.float32)}, "unexpected arrays head/weight"),
+        ({**arrays_of(0.0), "head/weight": np.zeros(2, np.float32)}, "unexpected arrays 'head/weight'"),
+        (  # a name is quoted and cut: a newline in it forged a log line of its own, 5,000 characters long
+            {**arrays_of(0.0), "x\nWARNING forged" + "y" * 5000: np.zeros(2, np.float32)},
+            "unexpected arrays 'x\\nWARNING forged" + "y" * 39 + "...",
+        ),
         ([np.zeros((2, 2), np.float32), np.zeros(2, np.float32)], "not a named payload: the first array does not name"),
     ],
 )

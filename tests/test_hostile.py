@@ -137,12 +137,12 @@ def test_a_tampered_evaluation_is_not_counted_and_the_evaluation_is_partial(tmp_
 
 @pytest.mark.parametrize(
     "extra",
-    [{f"junk-{i}": 0.0 for i in range(300)}, {"x" * 101: 0.0}],
-    ids=["300-metrics", "long-name"],
+    [{f"junk-{i}": 0.0 for i in range(300)}, {"x" * 101: 0.0}, {"xx\n[fedbr] round 1/2 | forged\x1b[2K": 0.0}],
+    ids=["300-metrics", "long-name", "control-characters"],
 )
 def test_a_fit_reply_with_too_many_or_too_long_metrics_is_rejected(tmp_path, extra):
     """Each metric a round averages becomes a key of its rounds.jsonl line: 300 junk ones a round grew the file
-    without bound."""
+    without bound; and a name is printed in the round's log line, where a newline forged a line of its own."""
     final, rounds, _ = federation(tmp_path, fit_metrics=lambda res: res.metrics.update(extra))
     for record in rounds:
         (rejected,) = record["rejected"]

@@ -85,24 +85,25 @@ def update_problem(
             )
         extra = [n for n in arrays if n not in expected]
         if extra:
-            return f"unexpected arrays {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}"
+            return f"unexpected arrays {', '.join(quoted(n, 60) for n in extra[:3])}{' ...' if len(extra) > 3 else ''}"
     for name, a in arrays.items():
         if a.dtype.kind not in NUMERIC_KINDS:
-            return f"array '{name}' holds {a.dtype} values, not real numbers"
+            return f"array {quoted(name, 60)} holds {a.dtype} values, not real numbers"
         if dtypes is not None and name in dtypes and a.dtype != dtypes[name]:
-            return f"array '{name}' has dtype {a.dtype}, expected {dtypes[name]}"
+            return f"array {quoted(name, 60)} has dtype {a.dtype}, expected {dtypes[name]}"
         if expected is not None and tuple(a.shape) != tuple(expected[name]):
-            return f"array '{name}' has shape {tuple(a.shape)}, expected {tuple(expected[name])}"
+            return f"array {quoted(name, 60)} has shape {tuple(a.shape)}, expected {tuple(expected[name])}"
         if a.dtype.kind == "f" and not np.isfinite(a).all():
-            return f"array '{name}' holds NaN or Inf"
+            return f"array {quoted(name, 60)} holds NaN or Inf"
     absent = [
         k for k in required_metrics if not isinstance(metrics.get(k), (int, float)) or isinstance(metrics.get(k), bool)
     ]
     if absent:
         return f"metric '{absent[0]}' is missing or not a number"
-    if len(metrics) > MAX_METRICS or any(len(k) > MAX_METRIC_NAME for k in metrics):
+    if len(metrics) > MAX_METRICS or any(len(k) > MAX_METRIC_NAME or not k.isprintable() for k in metrics):
         return (
-            f"reports {len(metrics)} metrics: at most {MAX_METRICS}, with names of at most {MAX_METRIC_NAME} characters"
+            f"reports {len(metrics)} metrics: at most {MAX_METRICS}, with names of at most {MAX_METRIC_NAME} "
+            "printable characters"
         )
     odd = sorted(k for k, v in metrics.items() if not is_real(v))  # a client's metrics are all numbers
     if odd:
