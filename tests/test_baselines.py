@@ -508,19 +508,21 @@ def test_groupdro_strategy_averages_with_its_client_weights(tmp_path):
 
 
 def test_groupdro_rejects_an_update_without_its_first_step_loss(tmp_path):
-    cfg = cfg_of("groupdro", **{"num-clients": 3, "output-dir": str(tmp_path), "global-test": False})
+    """A loss below 0 (no cross-entropy is) was believed, and moved p away from that client for good."""
+    cfg = cfg_of("groupdro", **{"num-clients": 4, "output-dir": str(tmp_path), "global-test": False})
     strategy = GroupDROStrategy(cfg, RunRecorder(cfg, tmp_path), {"model": torch.nn.Linear(2, 1)}, None)
     update = {"model/weight": np.ones((1, 2), np.float32), "model/bias": np.ones(1, np.float32)}
     results = [
         (None, fit_res(update, 10, {"partition-id": 0, "first-loss": 0.5})),
         (None, fit_res(update, 10, {"partition-id": 1, "loss": 0.5})),
         (None, fit_res(update, 10, {"partition-id": 2, "first-loss": "high"})),
+        (None, fit_res(update, 10, {"partition-id": 3, "first-loss": -1e6})),
     ]
-    strategy.sampled = [0, 1, 2]
+    strategy.sampled = [0, 1, 2, 3]
     new, metrics = strategy.aggregate_fit(1, results, [])
     assert new is not None
     reasons = [r["reason"] for r in json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])["rejected"]]
-    assert reasons == ["metric 'first-loss' is missing or not a number"] * 2
+    assert reasons == ["metric 'first-loss' is missing or not a number >= 0"] * 3
 
 
 def mixed_cross_entropy_by_hand(model, x, y, lam, perm):

@@ -29,7 +29,7 @@ from .federation import Federation
 
 
 class FlowerStrategy(Strategy):
-    required_metrics: tuple[str, ...] = ()  # fit metrics the strategy reads (GroupDRO's first-loss)
+    required_metrics: tuple[str, ...] = ()  # fit metrics the strategy reads, numbers >= 0 (GroupDRO's first-loss)
 
     # What the algorithm layer (strategies/base.py, FederatedStrategy) provides and this adapter calls:
     # declared here for the type checker, defined there with FedAvg's behaviour.

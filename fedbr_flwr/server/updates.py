@@ -74,7 +74,7 @@ def update_problem(
 ) -> str | None:
     """Why a client's update must not be averaged in, or None when it may be (``expected``: the names
     and shapes it must hold, None: not known; ``required_metrics``: metrics the server reads, which must
-    be numbers; ``dtypes``: the dtype each named array must have, exactly: a cast would change the model
+    be numbers >= 0 (losses); ``dtypes``: the dtype each named array must have, exactly: a cast would change the model
     of every client)."""
     if expected is not None:
         missing = [n for n in expected if n not in arrays]
@@ -95,11 +95,9 @@ def update_problem(
             return f"array {quoted(name, 60)} has shape {tuple(a.shape)}, expected {tuple(expected[name])}"
         if a.dtype.kind == "f" and not np.isfinite(a).all():
             return f"array {quoted(name, 60)} holds NaN or Inf"
-    absent = [
-        k for k in required_metrics if not isinstance(metrics.get(k), (int, float)) or isinstance(metrics.get(k), bool)
-    ]
+    absent = [k for k in required_metrics if not is_real(metrics.get(k)) or metrics[k] < 0]
     if absent:
-        return f"metric '{absent[0]}' is missing or not a number"
+        return f"metric '{absent[0]}' is missing or not a number >= 0"
     if len(metrics) > MAX_METRICS or any(len(k) > MAX_METRIC_NAME or not k.isprintable() for k in metrics):
         return (
             f"reports {len(metrics)} metrics: at most {MAX_METRICS}, with names of at most {MAX_METRIC_NAME} "
