@@ -9,7 +9,7 @@ import numpy as np
 from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_strategy
 from fedbr_flwr.data.catalog import INFO
-from fedbr_flwr.server.updates import images_problem, soft_labels_problem
+from fedbr_flwr.server.updates import images_problem, known_size, soft_labels_problem
 
 from .base import FederatedStrategy
 
@@ -24,7 +24,8 @@ class FedMixStrategy(FederatedStrategy):
 
         def mean_data_problem(pid: int, arrays: dict[str, np.ndarray]) -> str | None:
             x = arrays.get("x")
-            problem = images_problem(x, None, info)
+            n = known_size(self.federation.sizes, pid, 0)  # its n // M means (clients/fedmix.py), where n is known
+            problem = images_problem(x, None if n is None else max(1, n // self.settings.m), info)
             if problem is not None or x is None:
                 return problem
             return soft_labels_problem(arrays.get("y"), len(x), info.num_classes)

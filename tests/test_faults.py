@@ -406,8 +406,10 @@ def test_pseudo_data_means_that_cannot_be_used_are_left_out_and_the_honest_clien
         (lambda a: {**a, "x": np.full_like(a["x"], np.nan)}, "outside the images' range (or NaN)"),
         (lambda a: {"x": a["x"]}, "labels of shape ?"),
         (lambda a: {**a, "y": a["y"] * 2}, "labels that are not class probabilities"),
+        # 50 times its n // M means: most of the pool, sent to every client, would have been its own
+        (lambda a: {k: np.concatenate([v] * 50) for k, v in a.items()}, "inputs of shape"),
     ],
-    ids=["nan", "no-labels", "labels"],
+    ids=["nan", "no-labels", "labels", "too-many"],
 )
 def test_fedmix_mean_data_that_cannot_be_used_is_left_out(tmp_path, caplog, bad, reason):
     from fakes import run_rounds
