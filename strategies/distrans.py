@@ -145,7 +145,13 @@ class OffsetAggregator:
                 pids = sorted(offsets)
                 (mean,) = weighted_mean([[offsets[p]] for p in pids], [weights[p] for p in pids])
             return {pid: mean for pid in clients}, {}
+        kept = {name: t.detach().clone() for name, t in self._network().state_dict().items()}
         before, after = self.fit(offsets)
+        if not all(torch.isfinite(t).all() for t in self._network().state_dict().values()):
+            # finite offsets far out (1e30: its squared error overflows) made the network, and every offset it
+            # sends, NaN for good: it keeps its weights, and each client the offset it has
+            self._network().load_state_dict(kept)
+            return {}, {"offset-nn-loss-before": before, "offset-nn-diverged": 1.0}
         return self.predict(), {"offset-nn-loss-before": before, "offset-nn-loss-after": after}
 
     def _network(self) -> OffsetGenerator:
@@ -233,6 +239,8 @@ class DisTransStrategy(FederatedStrategy):
         targets = self.offsets_to_fit_robustly(rnd) if robust and mode == "nn" else offsets
         weights = {u.pid: w for u, w in zip(rnd.updates, rnd.weights)}
         nxt, self.server_metrics = self.aggregator.update(targets, weights, mean)
+        if "offset-nn-diverged" in self.server_metrics:
+            self._warn(rnd.number, ["the offset network's fit went to NaN or Inf: it and the offsets are kept"])
         self.next_offsets.update(nxt)
         self.save_offsets()
         return super().aggregate(rnd)

@@ -211,6 +211,22 @@ def test_nn_lowers_its_regression_loss_over_rounds_and_personalises():
     assert not np.allclose(nxt[0], nxt[5])  # different class shares, different offsets
 
 
+def test_nn_keeps_its_weights_when_one_finite_offset_far_out_would_make_them_nan():
+    """Under aggregation=mean one client's offset of 1e30 (finite float32, so it passed the screening) overflowed
+    the regression's loss: the network, and every client's next offset from then on, became NaN."""
+    torch.manual_seed(0)
+    counts = np.random.default_rng(1).integers(0, 50, size=(3, 10))
+    agg = OffsetAggregator("nn", class_shares(counts), build_offset_network(INFO["mnist5k"]), lr=1e-2, steps=5)
+    targets = {pid: np.full((1, 28, 28), 0.2 * pid, np.float32) for pid in range(3)}
+    first, _ = agg.update(targets, {pid: 1.0 for pid in targets})
+    weights = {name: t.clone() for name, t in agg.network.state_dict().items()}
+    nxt, diag = agg.update({**targets, 1: np.full((1, 28, 28), 1e30, np.float32)}, {pid: 1.0 for pid in targets})
+    assert nxt == {} and diag["offset-nn-diverged"] == 1.0  # each client keeps the offset it has
+    assert all(torch.equal(t, weights[name]) for name, t in agg.network.state_dict().items())
+    again, _ = agg.update(targets, {pid: 1.0 for pid in targets})
+    assert all(np.isfinite(t).all() for t in again.values())
+
+
 def test_offset_generator_reaches_the_input_shape():
     for size, channels in ((28, 1), (32, 3)):
         out = OffsetGenerator(10, channels, size)(torch.rand(2, 10))

@@ -386,6 +386,21 @@ def test_a_robust_rule_leaves_the_model_unchanged_when_failures_leave_it_too_few
     assert max(float(np.abs(a).max()) for a in s.latest.values() if a.dtype.kind == "f") < 1e3
 
 
+def test_scaffold_keeps_its_control_variate_when_finite_changes_would_sum_past_float32(tmp_path):
+    """Under the mean, one client's finite control changes of 3e38 a round took the server's c to Inf in the
+    fourth round, and Inf was sent to every client from then on."""
+    from fedbr_flwr.app.strategy import aggregate_accepted
+
+    s, g, ups = strategy_with_updates(tmp_path, "scaffold", "mean", 3, 3)
+    s.sent = g
+    for name in s.delta_names():
+        ups[1].arrays[name] = np.full_like(ups[1].arrays[name], 3e38)
+    for server_round in range(1, 6):
+        _, skipped = aggregate_accepted(s, server_round, ups)
+        assert not skipped and all(np.isfinite(c).all() for c in s.control.values())
+    assert max(float(np.abs(c).max()) for c in s.control.values()) == pytest.approx(3e38, rel=1e-3)
+
+
 def test_norm_bound_relative_to_the_median_refuses_two_sampled_clients():
     with pytest.raises(ConfigError, match="sample at least 3, or set norm-bound"):
         validate({"aggregation": "norm-bound", "num-clients": 2})
