@@ -6,6 +6,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedbr_flwr.commands import sweep
@@ -146,6 +147,25 @@ def test_a_conflicting_finished_run_stops_the_sweep_before_any_run_and_a_kept_fa
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "rounds_trained": 0}))  # no round trained
     assert sweep.main([path, "--out", str(out), "--quiet", "--only", "FedAvg", "--seeds", "0"]) == 1
     assert [c["strategy"] for c in ran] == ["fedavg"] and "no round trained" in capsys.readouterr().err
+
+
+def test_an_unfinished_run_of_other_settings_stops_the_sweep_before_any_run(tmp_path, capsys, monkeypatch):
+    """A run stopped before its end (a checkpoint, no summary) with lr = 0.05 was started again under lr = 0.1:
+    its metrics and checkpoint replaced, with one line on stderr; a finished one was already refused."""
+    from fedbr_flwr.runfiles.checkpoint import save_checkpoint
+
+    ran = runs_that_finish(monkeypatch)
+    path, out = write(tmp_path), tmp_path / "out"
+    *_, (_, _, last) = sweep.plan(path, [], out.resolve(), None)  # the sweep's last run
+    folder = Path(last["output-dir"])
+    fake_run(folder, {**last, "lr": 0.5}, [0.1], last_round=1)
+    (folder / "summary.json").unlink()
+    save_checkpoint(folder, {"w": np.zeros(1, np.float32)}, {"round": 1, "config": {**last, "lr": 0.5}})
+    kept = (folder / "metrics.jsonl").read_bytes()
+    assert sweep.main([path, "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert not ran and len(err) == 1 and "holds an unfinished run that this one cannot continue" in err[0]
+    assert "lr = 0.5 in the checkpoint" in err[0] and (folder / "metrics.jsonl").read_bytes() == kept
 
 
 def test_a_run_with_damaged_files_is_started_again_with_one_line_saying_so(tmp_path, capsys, monkeypatch):

@@ -134,15 +134,18 @@ def checkpoint_of(cfg, round_, **changed):
     (Path(cfg["output-dir"]) / "rounds.jsonl").write_text(records)
 
 
-def test_a_sweep_continues_a_run_from_its_checkpoint_and_starts_one_of_other_settings_again(tmp_path, capsys):
+def test_a_sweep_continues_a_run_from_its_checkpoint_and_refuses_one_of_other_settings(tmp_path, capsys):
     (_, _, cfg), _ = sweep.plan(sweep_file(tmp_path), [], tmp_path / "out", None)
     assert sweep.resumable_round(cfg) is None  # no checkpoint
     (tmp_path / "out" / "FedAvg" / "seed0").mkdir(parents=True)
     checkpoint_of(cfg, 3, **{"checkpoint-every": 1, "git-commit": "older"})
     assert sweep.resumable_round(cfg) == 3
     checkpoint_of(cfg, 3, lr=0.5)
+    with pytest.raises(ConfigError, match=r"cannot continue \(cannot resume with a different config \(lr"):
+        sweep.resumable_round(cfg)  # it was started again, and its records replaced
+    (tmp_path / "out" / "FedAvg" / "seed0" / "checkpoint.npz").write_bytes(b"torn")
     assert sweep.resumable_round(cfg) is None
-    assert "cannot continue this run (cannot resume with a different config (lr" in capsys.readouterr().out
+    assert "its checkpoint cannot continue this run (checkpoint" in capsys.readouterr().out
 
 
 def test_a_time_limited_sweep_resumes_unfinished_runs_and_stops_with_the_same_command(tmp_path, capsys, monkeypatch):

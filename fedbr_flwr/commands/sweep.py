@@ -309,21 +309,45 @@ def finished_with_same_config(cfg: Mapping[str, Any], say_damaged: bool = True) 
 
 def resumable_round(cfg: Mapping[str, Any]) -> int | None:
     """The round of the checkpoint in the run's folder when the run can continue from it (``fedbr-run --resume``);
-    None when there is none, or it is of other settings (then the run starts again, and a line says why)."""
-    from ..app.server_app import check_resumable
-    from ..runfiles.checkpoint import CHECKPOINT_NAME, load_checkpoint
-
+    None when there is none, or it or its records cannot be read (then the run starts again, and a line says why).
+    A checkpoint of other settings is an error (``unfinished_run``): its run is never replaced."""
     out = Path(common(cfg).output_dir)
-    if not (out / CHECKPOINT_NAME).exists():
-        return None
+    header, unreadable = unfinished_run(cfg)
     try:
-        _, header = load_checkpoint(out)
-        check_resumable(header["config"], {**cfg, "resume": True}, int(header["round"]))
+        if unreadable is not None:
+            raise ConfigError(unreadable)
+        if header is None:
+            return None
         check_records_continue(out, int(header["round"]))
     except ConfigError as exc:
         print_line(f"fedbr-sweep: {out}: its checkpoint cannot continue this run ({exc}); starting it again")
         return None
     return int(header["round"])
+
+
+def unfinished_run(cfg: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """(the header of the checkpoint in the run's folder, or None where there is none; why it cannot be read,
+    or None). A ConfigError where the checkpoint is of settings this run cannot continue: like a finished run
+    of other settings, it is not replaced."""
+    from ..app.server_app import check_resumable
+    from ..runfiles.checkpoint import CHECKPOINT_NAME, load_checkpoint
+
+    out = Path(common(cfg).output_dir)
+    if not (out / CHECKPOINT_NAME).exists():
+        return None, None
+    try:
+        _, header = load_checkpoint(out)
+        rounds_done = int(header["round"])
+    except (ConfigError, KeyError, TypeError, ValueError) as exc:
+        return None, str(exc)
+    try:
+        check_resumable(header["config"], {**cfg, "resume": True}, rounds_done)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{out} holds an unfinished run that this one cannot continue ({exc}); pick another --out or remove "
+            "that folder"
+        ) from None
+    return header, None
 
 
 class RunsStopped(Exception):
@@ -570,8 +594,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs = plan(args.file, args.overrides, out, args.only, args.seeds)
         if not args.dry_run:  # a file in the way stops the sweep now, not with a traceback or after its runs
             check_output_dir(out, "--out")
-            for _, _, cfg in [] if args.table_only else jobs:
-                finished_with_same_config(cfg, say_damaged=False)  # one of other settings: before any run starts
+            for _, _, cfg in [] if args.table_only else jobs:  # one of other settings: before any run starts
+                if not finished_with_same_config(cfg, say_damaged=False):
+                    unfinished_run(cfg)
             if args.table_only and not any(Path(common(cfg).output_dir).is_dir() for _, _, cfg in jobs):
                 raise ConfigError(
                     f"--out {out} holds no run of this sweep: run it first (without --table-only), or give the "
