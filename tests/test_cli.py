@@ -233,6 +233,42 @@ def test_the_loser_of_two_runs_started_at_once_into_one_folder_exits_2(capsys, t
             proc.wait()
 
 
+@pytest.mark.parametrize(
+    "items, message",
+    [
+        (["lr={[1]: 2}"], "config key 'lr' must be float"),  # TypeError: unhashable type: 'list'
+        (["lr=!!float abc"], "config key 'lr' must be float"),  # ValueError from YAML's float constructor
+        (["output-dir=2024-13-01"], None),  # a date YAML could not build: the text is the folder's name
+        (["git-commit=abc\x01"], "holds a control character"),  # an invalid run_config.toml, and its folder
+        (["data-dir=/tmp/d\udcff"], "bytes that are not UTF-8"),  # an argument's undecodable byte
+        (["output-dir=~nosuchuser_fedbr/x"], "the home folder of an unknown user"),
+        (["--resume", "~nosuchuser_fedbr/x"], "the home folder of an unknown user"),
+        (["--resume", "x\udcff"], "bytes that are not UTF-8"),
+        (["--resume", ""], "--resume needs the folder of the run to continue"),  # ignored: a new run started
+    ],
+    ids=[
+        "unhashable",
+        "float-tag",
+        "date",
+        "control",
+        "not-utf8",
+        "user",
+        "resume-user",
+        "resume-utf8",
+        "resume-empty",
+    ],
+)
+def test_a_value_no_run_can_take_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch, items, message):
+    """Each raised a traceback (exit 1), or wrote the run's folder before failing, or was ignored."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(capsys, *items, "--dry-run")
+    if message is None:
+        assert code == 0 and "2024-13-01" in out
+        return
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("command", ["fedbr-run", "fedbr-run --resume", "fedbr-sweep"])
 def test_an_over_long_path_is_one_line_and_exit_2(capsys, tmp_path, command):
     from fedbr_flwr.commands import sweep

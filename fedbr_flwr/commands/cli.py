@@ -159,7 +159,9 @@ def early_host(args: argparse.Namespace) -> RunHost | None:
 
 def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
     try:
-        if args.resume:
+        if args.resume is not None:
+            if not args.resume.strip():
+                raise ConfigError("--resume needs the folder of the run to continue")
             plan = plan_resumed(Path(args.resume), args.items, superlink=args.superlink)
         else:
             plan = plan_run(build_config(args.items), args.overwrite, superlink=args.superlink)

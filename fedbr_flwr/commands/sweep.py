@@ -78,7 +78,7 @@ from ..launch.timelimit import (
     stopped_line,
 )
 from ..runfiles import runlock, tracking
-from ..runfiles.run_io import check_output_dir, check_path_length, check_records_continue, finished_run_problem
+from ..runfiles.run_io import check_output_dir, check_path, check_records_continue, finished_run_problem
 from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
 
 SWEEP_KEYS = ("seeds", "runs", "title", "headline", "grid", "decide")
@@ -581,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_intermixed_args(argv)
-    out = (args.out or Path("runs") / Path(args.file).stem).expanduser()
+    out = args.out or Path("runs") / Path(args.file).stem
     again = shlex.join(["fedbr-sweep", *argv])
     # the report's command, as a user would type it: without the switches that only skip work
     report_command = shlex.join(["fedbr-sweep", *(a for a in argv if a not in ("--table-only", "--quiet"))])
@@ -589,8 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         deadline = None if args.time_limit is None else stop_deadline(started, parse_duration(args.time_limit))
         if args.jobs < 1:
             raise ConfigError(f"--jobs {args.jobs}: give how many runs may go at once, 1 or more")
-        check_path_length(out, "--out")
-        out = out.resolve()
+        out = check_path(out, "--out").resolve()
         jobs = plan(args.file, args.overrides, out, args.only, args.seeds)
         if not args.dry_run:  # a file in the way stops the sweep now, not with a traceback or after its runs
             check_output_dir(out, "--out")

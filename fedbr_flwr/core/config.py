@@ -20,7 +20,7 @@ import yaml
 
 from ..data.catalog import INFO
 from ..server.robust import RULES, WEIGHTED_RULES, minimum_updates, trimmed_count
-from .errors import ConfigError, quoted
+from .errors import ConfigError, describe, quoted
 from .settings import (
     BELOW_ONE,
     FRACTION,
@@ -362,6 +362,10 @@ def _coerce(key: str, spec: Key, value: Any) -> Any:
             return value
     elif isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
         value = str(value)  # YAML reads attack-ids=3 or output-dir=2024 as a number: the text was meant
+        if not value.isprintable():  # run_config.toml, Flower's copy of it, could not hold it
+            raise ConfigError(
+                f"config key '{key}' = {quoted(value)} holds a control character or bytes that are not UTF-8 text"
+            )
         return ",".join(v.strip() for v in value.split(",")) if spec.names else value
     raise ConfigError(
         f"config key '{key}' must be {'a list of names' if spec.names else type(default).__name__}, "
@@ -671,7 +675,10 @@ class BoundedLoader(yaml.SafeLoader):
 
 
 def read_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=BoundedLoader)  # noqa: S506  (a safe loader, bounded)
+    try:
+        return yaml.load(text, Loader=BoundedLoader)  # noqa: S506  (a safe loader, bounded)
+    except (TypeError, ValueError, OverflowError) as exc:  # a value YAML's constructors cannot build: {[1]: 2},
+        raise yaml.YAMLError(f"a value that cannot be read ({describe(exc)})") from None  # 2024-13-01, !!float x
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

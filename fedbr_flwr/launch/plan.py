@@ -22,7 +22,7 @@ from ..core.config import (
     parse_override,
     validate,
 )
-from ..runfiles.run_io import check_output_dir, check_path_length, check_records_continue, git_commit
+from ..runfiles.run_io import check_output_dir, check_path, check_records_continue, git_commit
 from ..runfiles.runlock import check_free
 from ..runfiles.tracking import check_available
 from .launcher import PROJECT_DIR
@@ -68,8 +68,7 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
     from ..app.server_app import check_resumable
     from ..runfiles.checkpoint import load_checkpoint
 
-    check_path_length(out_dir, "--resume")
-    out_dir = out_dir.expanduser().resolve()
+    out_dir = check_path(out_dir, "--resume").resolve()
     check_free(out_dir)  # a live run (or one left running) is writing there
     _, header = load_checkpoint(out_dir)
     check_output_dir(out_dir)
@@ -194,8 +193,7 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
     if not cfg["output-dir"]:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg["output-dir"] = str(Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}")
-    check_path_length(Path(cfg["output-dir"]))
-    out = Path(cfg["output-dir"]).expanduser().resolve()
+    out = check_path(Path(cfg["output-dir"])).resolve()
     check_free(out)  # also with --overwrite: a live run (or one left running) is writing there
     if cfg["resume"]:
         check_resume_key(out)
@@ -203,7 +201,7 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
         check_no_run(out)
     cfg["output-dir"] = str(out)
     if cfg["data-dir"]:  # Flower runs the app from a copy elsewhere: hand it absolute paths only
-        cfg["data-dir"] = str(Path(cfg["data-dir"]).expanduser().resolve())
+        cfg["data-dir"] = str(check_path(Path(cfg["data-dir"]), "data-dir").resolve())
     cfg["git-commit"] = cfg["git-commit"] or git_commit(PROJECT_DIR) or "unknown"
     check_pyproject()
     if cfg["num-clients"]:  # 0 (a deployment: one client per SuperNode) is checked when the nodes are known

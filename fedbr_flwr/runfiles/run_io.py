@@ -40,6 +40,22 @@ def resolve_output_dir(cfg: Mapping[str, Any]) -> Path:
     return (Path.cwd() / "runs" / f"{run.strategy}-{run.dataset}-{stamp}").resolve()
 
 
+def check_path(path: Path, what: str = "output-dir") -> Path:
+    """``path`` with ``~`` expanded; a ConfigError, said once before a file operation fails on it with a
+    traceback, where it is not UTF-8 text, names the home folder of a user this machine does not have, or is
+    longer than this system allows."""
+    try:
+        str(path).encode()
+    except UnicodeEncodeError:
+        raise ConfigError(f"{what} {quoted(str(path))} holds bytes that are not UTF-8 text: rename it") from None
+    try:
+        expanded = Path(path).expanduser()
+    except RuntimeError:  # ~name of no user here
+        raise ConfigError(f"{what} {quoted(str(path))} starts with the home folder of an unknown user") from None
+    check_path_length(expanded, what)
+    return expanded
+
+
 def check_path_length(path: Path, what: str = "output-dir") -> None:
     """ConfigError when ``path`` is longer than this system allows (a name over NAME_MAX, the whole over
     PATH_MAX), said once, before any file operation fails on it with a traceback."""
