@@ -1,6 +1,7 @@
 """fedbr-run input handling: every bad input stops before Flower starts, with one clear message."""
 
 import json
+import re
 
 import pytest
 
@@ -267,6 +268,12 @@ def test_a_value_no_run_can_take_is_one_line_and_exit_2(capsys, tmp_path, monkey
         return
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not list(tmp_path.iterdir())
+
+
+def test_the_later_of_two_spellings_of_a_key_wins(capsys, tmp_path):
+    """num_rounds=3 num-rounds=4 num_rounds=5 ran 4 rounds: the first spelling kept its place in the dict."""
+    code, out, _ = run_cli(capsys, "num_rounds=3", "num-rounds=4", "num_rounds=5", "--dry-run")
+    assert code == 0 and re.search(r"num-rounds\s*=?\s*5\b", out), out
 
 
 @pytest.mark.parametrize("command", ["fedbr-run", "fedbr-run --resume", "fedbr-sweep"])

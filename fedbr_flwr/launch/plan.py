@@ -43,14 +43,15 @@ def settings_from(items: Sequence[str]) -> dict[str, Any]:
     for item in items:
         if "=" in item and not item.endswith((".yaml", ".yml")):
             key, value = parse_override(item)
-            overrides[key] = value
+            given = {key: value}
         else:
-            data = load_yaml(item)
-            if "sweep" in data:
+            given = load_yaml(item)
+            if "sweep" in given:
                 raise ConfigError(
                     f"{item} describes several runs (it has a 'sweep' block): run it with `fedbr-sweep {item}`"
                 )
-            overrides.update(data)
+        spelled = {normalise_key(k) for k in given}  # num_rounds=3 then num-rounds=4: the later one wins
+        overrides = {k: v for k, v in overrides.items() if normalise_key(k) not in spelled} | given
     return overrides
 
 
