@@ -270,6 +270,28 @@ def test_a_value_no_run_can_take_is_one_line_and_exit_2(capsys, tmp_path, monkey
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    "command, args, message",
+    [
+        ("fedbr-run", ["--bogus"], "fedbr-run: error: unrecognized arguments: --bogus (see fedbr-run --help)"),
+        ("fedbr-run", ["--resume"], "argument --resume: expected one argument"),
+        ("fedbr-sweep", ["experiments/quickstart.yaml", "--seeds", "abc"], "argument --seeds: invalid int value"),
+        ("fedbr-deploy", ["bogus"], "argument command: invalid choice: 'bogus'"),
+        ("fedbr-bench", ["--bogus"], "fedbr-bench: error: unrecognized arguments: --bogus"),
+    ],
+)
+def test_a_flag_argparse_refuses_is_one_line_and_exit_2(capsys, command, args, message):
+    """argparse printed the whole usage before its error: 3 to 6 lines."""
+    from fedbr_flwr import bench
+    from fedbr_flwr.commands import deploy, sweep
+
+    main = {"fedbr-run": cli.main, "fedbr-sweep": sweep.main, "fedbr-deploy": deploy.main, "fedbr-bench": bench.main}
+    with pytest.raises(SystemExit) as stop:
+        main[command](args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
 def test_the_later_of_two_spellings_of_a_key_wins(capsys, tmp_path):
     """num_rounds=3 num-rounds=4 num_rounds=5 ran 4 rounds: the first spelling kept its place in the dict."""
     code, out, _ = run_cli(capsys, "num_rounds=3", "num-rounds=4", "num_rounds=5", "--dry-run")

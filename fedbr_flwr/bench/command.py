@@ -42,6 +42,7 @@ import torch
 from ..app.raycluster import requested_address
 from ..core.algorithm import client_class
 from ..core.config import ConfigError, common, resolved_model
+from ..core.errors import OneLineParser
 from ..core.model import SplitModel
 from ..core.training import autocast, use_device
 from ..data.catalog import INFO
@@ -781,7 +782,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fedbr-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")

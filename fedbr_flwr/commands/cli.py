@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 from ..app.raycluster import requested_address
 from ..core.config import ConfigError, pyproject_table, schema
+from ..core.errors import OneLineParser
 from ..launch.launcher import PROJECT_DIR, RunFailed, RunHost, run_flower
 from ..launch.plan import build_config, plan_resumed, plan_run
 from ..launch.timelimit import (
@@ -110,9 +111,7 @@ OPTIONS: dict[str, dict[str, Any]] = {"--resume": {"metavar": "DIR"}, "--time-li
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fedbr-run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(prog="fedbr-run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
     for flag, help in HELP.items():
         parser.add_argument(flag, help=help, **OPTIONS.get(flag, {"action": "store_true"}))

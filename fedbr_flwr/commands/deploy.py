@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ..core.config import common
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, OneLineParser
 from ..launch import watchdog
 from ..launch.launcher import (
     RunFailed,
@@ -710,7 +710,7 @@ def cmd_compare(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fedbr-deploy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)

@@ -67,6 +67,7 @@ from ..core.config import (
     schema,
     unknown_key,
 )
+from ..core.errors import OneLineParser
 from ..launch.launcher import Echo, RunFailed, RunHost, print_line, run_flower
 from ..launch.plan import config_from_settings, plan_run
 from ..launch.timelimit import (
@@ -522,7 +523,7 @@ def shared_host(jobs: list[Job]) -> Iterator[RunHost | None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fedbr-sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("file", help="sweep YAML file")

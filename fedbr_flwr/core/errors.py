@@ -1,6 +1,7 @@
 """The error a user can fix from its message alone (exit code 2 in the commands)."""
 
-from typing import Any
+import argparse
+from typing import Any, NoReturn
 
 
 class ConfigError(ValueError):
@@ -21,3 +22,11 @@ def describe(exc: BaseException) -> str:
     if not text and isinstance(exc, MemoryError):
         text = "out of memory"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A command's argument parser whose errors are one line on stderr and exit code 2, like every other
+    refusal of the commands (argparse's own print the whole usage first: 3 to 6 lines)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
