@@ -162,6 +162,9 @@ def test_a_killed_run_resumed_from_its_checkpoint_ends_like_an_uninterrupted_one
     assert [r["after_round"] for r in manifest["resumed"]] == [resumed_from]
 
 
+NODE = ["supernode", "--insecure", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "1"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -182,6 +185,11 @@ def test_a_killed_run_resumed_from_its_checkpoint_ends_like_an_uninterrupted_one
         (["certs", "keys", "--host", ""], "--host '': give the SuperLink's IP address or DNS name, without a port"),
         (["certs", "keys", "--host", "10.0.0.1:8000"], "--host '10.0.0.1:8000': give the SuperLink's IP address"),
         (["certs", "keys", "--host", "not a host!"], "--host 'not a host!': give"),
+        # these raised a traceback, or started Flower, which exited with the reason only in its log
+        (["superlink", "--insecure", "--state-dir", "/dev/null"], "--state-dir /dev/null cannot be used: it is a file"),
+        (NODE + ["--state-dir", "/dev/null/x"], "--state-dir /dev/null/x cannot be made: /dev/null in its path"),
+        (["superlink", "--insecure", "--host", "not_a_host"], "--host 'not_a_host': give the address to listen on"),
+        (NODE + ["--auth-key", "nokey"], "--auth-key nokey: no such file"),
     ],
 )
 def test_deploy_command_errors_are_one_clear_message(capsys, monkeypatch, tmp_path, args, message):

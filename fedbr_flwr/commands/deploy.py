@@ -799,6 +799,13 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(f"--gpu {gpu!r}: give a CUDA device index (0, 1, ...) or several, comma-separated")
     if getattr(args, "certs", None) and getattr(args, "insecure", False):
         raise ConfigError("give --certs DIR (TLS) or --insecure (no TLS), not both")
+    if getattr(args, "state_dir", None) is not None:
+        check_output_dir(Path(args.state_dir), "--state-dir")
+    if args.command == "superlink" and not is_host(args.host):
+        raise ConfigError(f"--host {args.host!r}: give the address to listen on (an IP address or a name)")
+    auth_key = getattr(args, "auth_key", None)
+    if auth_key and not Path(auth_key).is_file():
+        raise ConfigError(f"--auth-key {auth_key}: no such file (fedbr-deploy certs --supernodes N makes the keys)")
     if args.command == "certs":
         check_output_dir(Path(args.out), "certs folder")
         if (Path(args.out) / CA).exists():

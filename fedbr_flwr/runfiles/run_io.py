@@ -87,7 +87,7 @@ def check_output_dir(out: Path, what: str = "output-dir") -> None:
             f"{what} {out} cannot be used: it is a file, not a folder; pick another {what} or move the file"
         ) from None
     except NotADirectoryError as exc:
-        blocker = next((p for p in out.parents if p.is_file()), exc.filename)
+        blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), exc.filename)
         raise ConfigError(
             f"{what} {out} cannot be made: {blocker} in its path is a file, not a folder; pick another {what}"
         ) from None
