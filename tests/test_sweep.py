@@ -515,6 +515,8 @@ def test_seed_or_output_dir_on_a_sweeps_command_line_is_an_error_not_ignored(tmp
         sweep.plan(write(tmp_path), ["seed=3"], tmp_path / "out", None)
     with pytest.raises(ConfigError, match="output-dir on the command line would be ignored: .* use --out"):
         sweep.plan(write(tmp_path), ["output_dir=elsewhere"], tmp_path / "out", None)
+    with pytest.raises(ConfigError, match="output-dir in .* would be ignored: .* use --out"):  # was ignored
+        sweep.plan(write(tmp_path, "output-dir: /tmp/elsewhere\n" + GRID), [], tmp_path / "out", None)
 
 
 @pytest.mark.parametrize(

@@ -225,6 +225,7 @@ def plan(
             raise ConfigError(f"--only names unknown runs: {', '.join(missing)}. Runs: {', '.join(runs)}")
         runs = {name: runs[name] for name in runs if name in only}
     cli_overrides = dict(parse_override(item) for item in overrides)
+    check_set_per_run(spec.base, f"in {path}")
     check_set_per_run(cli_overrides, "on the command line")
     for name, settings in runs.items():
         check_set_per_run(settings, f"in run '{name}'")
