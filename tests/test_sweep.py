@@ -527,6 +527,8 @@ def test_seed_or_output_dir_on_a_sweeps_command_line_is_an_error_not_ignored(tmp
         ("{method: FedBR, baseline: FedAvg, metrics: [mean_acc]}", "Did you mean 'mean_acc_best5'\\?"),
         ("{method: FedBR, baseline: FedAvg, spread: -1}", "spread must be a number of standard deviations >= 0"),
         ("{method: FedBR, baseline: FedAvg, margin: 1}", "unknown key\\(s\\) margin"),
+        ("{method: FedBR, baseline: FedAvg, metrics: [[x]]}", "unknown metric \\['x'\\]"),  # raised TypeError
+        ("{method: [FedBR], baseline: FedAvg}", "'sweep.decide'.method must name one of the runs"),
     ],
 )
 def test_bad_decision_rules_stop_before_any_run(tmp_path, decide, message):

@@ -384,7 +384,7 @@ class Rule:
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (valid: {', '.join(RULE_KEYS)})")
         for role in ("method", "baseline"):
-            if block.get(role) not in runs:
+            if not isinstance(block.get(role), str) or block[role] not in runs:
                 names = ", ".join(runs)
                 raise ConfigError(f"{where}.{role} must name one of the runs ({names}), got {block.get(role)!r}")
         if block["method"] == block["baseline"]:
@@ -393,7 +393,7 @@ class Rule:
         if not isinstance(metrics, list) or not metrics:
             raise ConfigError(f"{where}.metrics must be a non-empty list of: {', '.join(decidable())}")
         for metric in metrics:
-            if metric not in decidable():
+            if not isinstance(metric, str) or metric not in decidable():
                 close = difflib.get_close_matches(str(metric), list(decidable()), n=1)
                 hint = f" Did you mean '{close[0]}'?" if close else ""
                 raise ConfigError(f"{where}.metrics: unknown metric {metric!r}.{hint} Valid: {', '.join(decidable())}")
