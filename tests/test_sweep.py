@@ -536,6 +536,26 @@ def test_bad_decision_rules_stop_before_any_run(tmp_path, decide, message):
         sweep.plan(write(tmp_path, GRID + f"  decide: {decide}\n"), [], tmp_path / "out", None)
 
 
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_what_this_machine_cannot_run_stops_the_sweep_before_its_folder(tmp_path, capsys, dry_run):
+    """device=cuda on a machine without CUDA stopped only the first run, after the sweep's lock file was written,
+    and --dry-run passed it."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = tmp_path / "out"
+    for setting in ("device=cuda", f"client-cpus={(os.cpu_count() or 1) + 1}"):
+        code = sweep.main([write(tmp_path), setting, "--out", str(out), *(["--dry-run"] if dry_run else [])])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "FedAvg seed 0: " in err, err
+        assert not out.exists()
+    code = sweep.main([write(tmp_path), "device=cuda", "--out", str(out), "--table-only"])  # runs made elsewhere
+    assert code == 2 and "holds no run of this sweep" in capsys.readouterr().err
+
+
 def test_a_bad_grid_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "out"
     assert sweep.main([write(tmp_path, GRID.replace("local_steps", "local_stepz")), "--out", str(out)]) == 2

@@ -69,7 +69,7 @@ from ..core.config import (
 )
 from ..core.errors import OneLineParser
 from ..launch.launcher import Echo, RunFailed, RunHost, print_line, run_flower
-from ..launch.plan import config_from_settings, plan_run
+from ..launch.plan import check_local_resources, config_from_settings, plan_run
 from ..launch.timelimit import (
     EXIT_TIME_LIMIT,
     RoundWatch,
@@ -253,6 +253,16 @@ def plan(
                     jobs.append((setting, seed, cfg))
     check_cells_differ(spec.grid, [setting for setting, seed, _ in jobs if seed == seeds[0]])
     return jobs
+
+
+def check_this_machine_runs(jobs: list[Job]) -> None:
+    """This machine's refusals of a run (a CUDA device it lacks, more cores than it has), for each of ``jobs``:
+    before the sweep's folder or any run, and with --dry-run too."""
+    for setting, seed, cfg in jobs:
+        try:
+            check_local_resources(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"{setting.label} seed {seed}: {exc}") from None
 
 
 def check_set_per_run(settings: Mapping[str, Any], where: str) -> None:
@@ -593,6 +603,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--jobs {args.jobs}: give how many runs may go at once, 1 or more")
         out = check_path(out, "--out").resolve()
         jobs = plan(args.file, args.overrides, out, args.only, args.seeds)
+        if not args.table_only:
+            check_this_machine_runs(jobs)
         if not args.dry_run:  # a file in the way stops the sweep now, not with a traceback or after its runs
             check_output_dir(out, "--out")
             for _, _, cfg in [] if args.table_only else jobs:  # one of other settings: before any run starts

@@ -132,6 +132,17 @@ def size_resources(
     return cfg
 
 
+def check_local_resources(cfg: dict[str, Any]) -> None:
+    """``size_resources``' refusals (a CUDA device or a GPU share without CUDA, more cores than this machine has),
+    for a run that will not join a Ray cluster (one that does is checked against the cluster when it starts)."""
+    import torch
+
+    from ..app.raycluster import requested_address
+
+    if requested_address(cfg["ray-address"]) is None:
+        size_resources(cfg, torch.cuda.is_available(), os.cpu_count() or 1)
+
+
 def size_for_runtime(cfg: dict[str, Any], cluster: Cluster | None = None, superlink: bool = False) -> dict[str, Any]:
     """``size_resources`` for the runtime the run will use: this machine's cores and GPUs, or those of the
     running Ray cluster it joins (``ray-address``, else ``RAY_ADDRESS``; ``cluster``: already described), whose
