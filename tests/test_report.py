@@ -289,7 +289,7 @@ def test_a_page_with_damaged_markers_is_left_as_it_was(tmp_path, capsys):
     fake_run(out / "FedAvg" / "seed0", [0.3, 0.5])
     page.write_text("# Results\n" + report._begin("s") + "\n")
     assert sweep.main([path, "--out", str(out), "--seeds", "0", "--table-only", "--report", str(page)]) == 2
-    assert "cannot write the report" in capsys.readouterr().err
+    assert "the page's markers of section 's' are damaged" in capsys.readouterr().err  # said before the runs
     assert page.read_text() == "# Results\n" + report._begin("s") + "\n"
     assert not (tmp_path / "results").exists() or not list((tmp_path / "results").iterdir())
 

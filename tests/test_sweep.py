@@ -570,11 +570,15 @@ def test_a_bad_grid_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
         (["--out", "{tmp}/taken"], "--out {tmp}/taken cannot be used: it is a file, not a folder"),
         (["--out", "{tmp}/taken/out"], "in its path is a file, not a folder; pick another --out"),
         (["--out", "{tmp}/out", "--report", "{tmp}"], "--report {tmp} is a folder: give the markdown page"),
+        # these stopped only after the runs, the second with a traceback
+        (["--out", "{tmp}/out", "--report", "{tmp}/taken/page.md"], "--report's folder {tmp}/taken cannot be used"),
+        (["--out", "{tmp}/out", "--report", "{tmp}/latin1.md"], "--report {tmp}/latin1.md is not UTF-8 text"),
     ],
-    ids=["out-is-a-file", "out-under-a-file", "report-is-a-folder"],
+    ids=["out-is-a-file", "out-under-a-file", "report-is-a-folder", "report-under-a-file", "report-not-utf8"],
 )
 def test_a_file_in_the_way_stops_a_sweep_before_its_runs(tmp_path, capsys, monkeypatch, where, message):
     (tmp_path / "taken").write_text("a file where a folder should be")
+    (tmp_path / "latin1.md").write_bytes("# Résultats\n".encode("latin-1"))
     monkeypatch.setattr(sweep, "run_all", lambda *a: pytest.fail("the runs started"))
     argv = [write(tmp_path), *(w.format(tmp=tmp_path) for w in where), "--quiet"]
     assert sweep.main(argv) == 2

@@ -24,6 +24,7 @@ from ..core.config import CommonSettings
 from ..core.errors import ConfigError
 from ..runfiles.checkpoint import checkpoint_round
 from ..runfiles.metrics import CLIENT_METRICS, format_accuracy_axes, read_jsonl, run_problem
+from ..runfiles.run_io import check_output_dir
 
 Cell = tuple[tuple[str, Any], ...]  # a grid cell: (key, value) per factor, in the grid's order
 
@@ -600,6 +601,24 @@ def _end(key: str) -> str:
     return f"<!-- end of fedbr-sweep report {key} -->"
 
 
+def check_report_page(page: Path, key: str) -> None:
+    """ConfigError, before a sweep's runs, where ``write_report`` could not write ``key``'s section of ``page``
+    after them: a folder in its place, a folder it cannot be written in, a page that is not UTF-8 text or whose
+    markers of that section are damaged."""
+    if page.is_dir():
+        raise ConfigError(f"--report {page} is a folder: give the markdown page to write (a .md file)")
+    check_output_dir(page.parent, "--report's folder")
+    if page.exists():
+        replace_section(read_page(page), key, "")
+
+
+def read_page(page: Path) -> str:
+    try:
+        return page.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"--report {page} is not UTF-8 text: give a markdown page") from None
+
+
 def replace_section(text: str, key: str, section: str) -> str:
     """The page with ``key``'s section (between its markers) replaced, or appended where it has none."""
     begin, end = _begin(key), _end(key)
@@ -783,7 +802,7 @@ def write_report(
     ``rule``, also the heatmap of its decisions)."""
     plot = page.parent / "results" / f"{key}.png"
     plot.parent.mkdir(parents=True, exist_ok=True)
-    text = page.read_text() if page.exists() else "# Results\n"
+    text = read_page(page) if page.exists() else "# Results\n"
     relative = plot.relative_to(page.parent).as_posix()
     section = report_section(key, title, command, out, names, seeds, relative, rule, headline)
     new_text = replace_section(text, key, section)  # before the plots: damaged markers change nothing

@@ -80,7 +80,7 @@ from ..launch.timelimit import (
 )
 from ..runfiles import runlock, tracking
 from ..runfiles.run_io import check_output_dir, check_path, check_records_continue, finished_run_problem
-from .report import HEADLINES, Rule, Setting, cell_name, run_folder, write_comparison, write_report
+from .report import HEADLINES, Rule, Setting, cell_name, check_report_page, run_folder, write_comparison, write_report
 
 SWEEP_KEYS = ("seeds", "runs", "title", "headline", "grid", "decide")
 Factor = list[dict[str, Any]]  # a grid factor's values, each as the config keys it sets
@@ -615,8 +615,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"--out {out} holds no run of this sweep: run it first (without --table-only), or give the "
                     "--out it ran into"
                 )
-            if args.report and args.report.is_dir():
-                raise ConfigError(f"--report {args.report} is a folder: give the markdown page to write (a .md file)")
+            if args.report:
+                check_report_page(args.report, Path(args.file).stem)
     except ConfigError as exc:
         print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
         return 2
