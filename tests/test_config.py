@@ -163,6 +163,11 @@ def test_resolved_model():
         ("data-dir=~", ("data-dir", "~")),  # the home folder, not YAML's null (which read as the default folder)
         ("data-dir=null", ("data-dir", "")),
         (" seed =3", ("seed", 3)),
+        # YAML 1.2's numbers: PyYAML's 1.1 read these as octal 8, sexagesimal 90 and a date
+        ("num-rounds=010", ("num-rounds", 10)),
+        ("num-rounds=1:30", ("num-rounds", "1:30")),
+        ("output-dir=2024-01-01", ("output-dir", "2024-01-01")),
+        ("seed=0x10", ("seed", 16)),
     ],
 )
 def test_parse_override(text, expected):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -674,6 +675,26 @@ class BoundedLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
+YAML_INT, YAML_TIMESTAMP = "tag:yaml.org,2002:int", "tag:yaml.org,2002:timestamp"
+# YAML 1.2's integers rather than PyYAML's 1.1 ones (010 is ten, not octal 8; 1:30 is text, not 90), and no
+# timestamps (no key takes a date; output-dir=2024-01-01 is a folder's name)
+BoundedLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag not in (YAML_INT, YAML_TIMESTAMP)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+BoundedLoader.add_implicit_resolver(
+    YAML_INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+
+
+def yaml12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = str(loader.construct_scalar(node))
+    return int(text, 0) if text[:2] in ("0o", "0x") else int(text, 10)
+
+
+BoundedLoader.add_constructor(YAML_INT, yaml12_int)
+
+
 def read_yaml(text: str) -> Any:
     try:
         return yaml.load(text, Loader=BoundedLoader)  # noqa: S506  (a safe loader, bounded)
@@ -764,6 +785,7 @@ CONFIGURATION_PAGE_HEAD = """# Configuration reference
 
 Every key a run takes, with its type, default, allowed values and meaning. Set them in an experiment
 file (YAML), as `key=value` on the command line (later ones win), or in `flwr run --run-config`.
+Values read as YAML 1.2 numbers: `010` is ten, and `1:30` or `2024-01-01` stay text.
 `fedbr-run` checks every key and type before anything starts: an unknown key (with a "did you mean"),
 a value of the wrong type or outside its range, or a key of an algorithm the run does not use, stops
 the run with exit 2 and one line. `fedbr-run --list` prints the same in a terminal.
