@@ -120,6 +120,24 @@ def test_a_finished_run_is_continued_to_more_rounds_but_never_replaced_by_fewer(
     assert not sweep.finished_with_same_config(cfg)
 
 
+def test_a_run_resumed_to_more_rounds_is_finished_at_its_new_count(tmp_path):
+    """The manifest keeps its start's config (num-rounds 4) and adds the resumed piece's (6): read from the start,
+    a run trained on to round 6 was never finished, so the same sweep command run again stopped on it, and the
+    table called it paused after round 6 of 4."""
+    from fedbr_flwr.commands import report
+
+    (name, seed, cfg), *_ = sweep.plan(write(tmp_path), ["num-rounds=4"], tmp_path / "out", None)
+    folder = tmp_path / "out" / "FedAvg" / "seed0"
+    fake_run(folder, cfg, [0.1, 0.2, 0.3], last_round=6)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["resumed"] = [{"after_round": 4, "config": {**cfg, "num-rounds": 6, "resume": True}}]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert sweep.finished_with_same_config({**cfg, "num-rounds": 6})
+    assert report.stored_settings(folder).num_rounds == 6
+    with pytest.raises(ConfigError, match="different settings \\(num-rounds\\)"):
+        sweep.finished_with_same_config(cfg)  # fewer rounds than it has: never replaced
+
+
 def runs_that_finish(monkeypatch) -> list[dict]:
     """Runs of a sweep that write a finished run's files at once; the configs of those started, in order."""
     ran = []

@@ -24,7 +24,7 @@ from ..core.config import CommonSettings
 from ..core.errors import ConfigError
 from ..runfiles.checkpoint import checkpoint_round
 from ..runfiles.metrics import CLIENT_METRICS, format_accuracy_axes, read_jsonl, run_problem
-from ..runfiles.run_io import check_output_dir
+from ..runfiles.run_io import check_output_dir, manifest_config
 
 Cell = tuple[tuple[str, Any], ...]  # a grid cell: (key, value) per factor, in the grid's order
 
@@ -475,7 +475,8 @@ def seed_values(out: Path, setting: Setting, seeds: list[int], metric: str) -> l
 
 def stored_settings(folder: Path) -> CommonSettings:
     """The typed common settings of the run in ``folder``, from its manifest."""
-    return CommonSettings.from_config(json.loads((folder / "manifest.json").read_text()).get("config", {}), stored=True)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    return CommonSettings.from_config(manifest_config(manifest) if "config" in manifest else {}, stored=True)
 
 
 def verdict(method: list[float], baseline: list[float], spread: float, higher_is_better: bool) -> str:

@@ -79,7 +79,13 @@ from ..launch.timelimit import (
     stopped_line,
 )
 from ..runfiles import runlock, tracking
-from ..runfiles.run_io import check_output_dir, check_path, check_records_continue, finished_run_problem
+from ..runfiles.run_io import (
+    check_output_dir,
+    check_path,
+    check_records_continue,
+    finished_run_problem,
+    manifest_config,
+)
 from .report import HEADLINES, Rule, Setting, cell_name, check_report_page, run_folder, write_comparison, write_report
 
 SWEEP_KEYS = ("seeds", "runs", "title", "headline", "grid", "decide")
@@ -298,7 +304,7 @@ def finished_with_same_config(cfg: Mapping[str, Any], say_damaged: bool = True) 
     if not manifest.exists() or not summary.exists():
         return False  # an unfinished run: start it again
     try:
-        old = as_it_ran(json.loads(manifest.read_text())["config"])  # a sweep continued after an upgrade keeps it
+        old = as_it_ran(manifest_config(json.loads(manifest.read_text())))  # after an upgrade: as it ran
         last_round = json.loads(summary.read_text()).get("last_round")
     except (ValueError, KeyError, TypeError, AttributeError):
         if say_damaged:

@@ -40,6 +40,13 @@ def resolve_output_dir(cfg: Mapping[str, Any]) -> Path:
     return (Path.cwd() / "runs" / f"{run.strategy}-{run.dataset}-{stamp}").resolve()
 
 
+def manifest_config(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The config a run last ran with, from its ``manifest``: its latest resumed piece's (which may have raised
+    num-rounds), else its start's; ``resume`` as at the start."""
+    pieces = [manifest, *(p for p in manifest.get("resumed", []) if isinstance(p, dict) and "config" in p)]
+    return {**pieces[-1]["config"], "resume": manifest["config"].get("resume", False)}
+
+
 def check_path(path: Path, what: str = "output-dir") -> Path:
     """``path`` with ``~`` expanded; a ConfigError, said once before a file operation fails on it with a
     traceback, where it is not UTF-8 text, names the home folder of a user this machine does not have, or is
