@@ -212,7 +212,24 @@ def test_a_table_over_a_damaged_summary_names_it_instead_of_a_traceback(tmp_path
     (out / "FedBR_no_max" / "seed1" / "summary.json").write_text("[1]")  # not an object
     assert sweep.main([path, "--out", str(out), "--table-only"]) == 0
     table = (out / "comparison.md").read_text()
-    assert table.count("seed 1 failed: its summary.json or manifest.json is damaged") == 2
+    assert table.count("seed 1 failed: its summary.json, manifest.json or rounds.jsonl is damaged") == 2
+
+
+def test_a_table_reads_run_files_a_crash_cut_short_and_names_a_damaged_one(tmp_path, capsys):
+    """A last line cut short, which a crash leaves and a resume drops, raised JSONDecodeError out of --table-only."""
+    path, out = write(tmp_path), tmp_path / "out"
+    for *_, cfg in sweep.plan(path, [], out.resolve(), None):
+        fake_run(Path(cfg["output-dir"]), cfg, [0.3, 0.4], last_round=cfg["num-rounds"])
+        rounds = "".join(json.dumps({"round": r}) + "\n" for r in range(1, cfg["num-rounds"] + 1))
+        (Path(cfg["output-dir"]) / "rounds.jsonl").write_text(rounds)
+    for name in ("metrics.jsonl", "rounds.jsonl"):
+        cut = out / "FedAvg" / "seed0" / name
+        cut.write_text(cut.read_text() + '{"round": 9, "mean_')  # cut short: no newline
+    rounds = out / "FedAvg" / "seed1" / "rounds.jsonl"
+    rounds.write_text("not json\n" + rounds.read_text())  # damaged before its end
+    assert sweep.main([path, "--out", str(out), "--table-only"]) == 0
+    table = (out / "comparison.md").read_text()
+    assert "seed 0 failed" not in table and table.count("failed: its summary.json, manifest.json or rounds") == 1
 
 
 def test_a_table_of_some_seeds_says_which_other_seeds_its_out_holds(tmp_path, capsys):

@@ -133,7 +133,11 @@ def seed_curves(out: Path, setting: Setting, seeds: list[int], key: str) -> dict
     """Round -> the run's ``key`` (a fraction) in each seed that evaluated that round."""
     curves: dict[int, list[float]] = {}
     for seed in seeds:
-        for rec in read_jsonl(setting.folder(out, seed) / "metrics.jsonl"):
+        try:
+            records = read_jsonl(setting.folder(out, seed) / "metrics.jsonl")
+        except ValueError:  # damaged: the table says so (seed_result), and the plot leaves it out
+            continue
+        for rec in records:
             if rec.get(key) is not None:  # null: missing
                 curves.setdefault(int(rec["round"]), []).append(rec[key])
     return curves
@@ -423,7 +427,7 @@ class Decision:
     results: dict[str, tuple[float, str] | None]
 
 
-DAMAGED = "failed: its summary.json or manifest.json is damaged"
+DAMAGED = "failed: its summary.json, manifest.json or rounds.jsonl is damaged"
 
 
 def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
@@ -432,7 +436,10 @@ def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
     rewritten at every evaluation, so a run that died leaves one that looks like a shorter run's."""
     if not folder.is_dir():
         return None, ""
-    rounds = [int(r["round"]) for r in read_jsonl(folder / "rounds.jsonl") if "round" in r]
+    try:
+        rounds = [int(r["round"]) for r in read_jsonl(folder / "rounds.jsonl") if "round" in r]
+    except (ValueError, TypeError):
+        return None, DAMAGED
     stopped = f"failed after round {max(rounds)}" if rounds else "failed before its first round"
     if not (folder / "summary.json").exists() or not (folder / "manifest.json").exists():
         return None, stopped

@@ -235,10 +235,22 @@ def _notes(summary: dict[str, Any]) -> list[str]:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSON-lines file, without a last line that a crash cut short (as a resume drops it); a
+    ValueError for any other line that is not JSON."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = [line for line in text.splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1 and not text.endswith("\n"):
+                break
+            raise
+    return records
 
 
 def plot_history(history: list[dict], path: str | Path, title: str = "") -> None:
