@@ -105,8 +105,8 @@ def test_client_state_is_collected_at_checkpoints_and_handed_back_once(tmp_path)
 
 
 def test_checkpoint_replaces_atomically_and_reads_back(tmp_path):
-    save_checkpoint(tmp_path, {"a": np.arange(3)}, {"round": 1})
-    save_checkpoint(tmp_path, {"a": np.arange(4)}, {"round": 2})
+    save_checkpoint(tmp_path, {"a": np.arange(3)}, {"round": 1, "config": {}})
+    save_checkpoint(tmp_path, {"a": np.arange(4)}, {"round": 2, "config": {}})
     arrays, header = load_checkpoint(tmp_path)
     assert header["round"] == 2 and arrays["a"].tolist() == [0, 1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME]  # no temporary left behind
@@ -121,6 +121,23 @@ def test_a_checkpoint_of_another_algorithm_or_format_stops_with_a_clear_message(
     arrays, header = load_checkpoint(tmp_path)
     codec.write(tmp_path / CHECKPOINT_NAME, {"__header__": np.frombuffer(b'{"format": 1}', np.uint8)})
     with pytest.raises(ConfigError, match="has format 1, this code reads 2"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (b"[2]", "a header that is not a JSON object"),
+        (b'{"format": 2, "config": {}}', "header whose round is None, not a whole number >= 0"),
+        (b'{"format": 2, "round": "two", "config": {}}', "header whose round is 'two'"),
+        (b'{"format": 2, "round": 2, "config": [1]}', "header whose config is [1], not a mapping of keys"),
+        (b'{"format": 2, "round": 2, "config": {}, "elapsed": "x"}', "header whose elapsed is 'x'"),
+    ],
+)
+def test_a_checkpoint_header_a_resume_cannot_read_is_one_clear_message(tmp_path, header, message):
+    """Each raised KeyError, ValueError, TypeError or AttributeError out of fedbr-run --resume and the report."""
+    codec.write(tmp_path / CHECKPOINT_NAME, {"__header__": np.frombuffer(header, np.uint8)})
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_checkpoint(tmp_path)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, quoted
 from . import codec
 
 CHECKPOINT_NAME = "checkpoint.npz"
@@ -65,9 +65,27 @@ def load_checkpoint(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, Any
             f"{Path(out_dir) / 'manifest.json'}), or put back an intact copy of {CHECKPOINT_NAME} "
             "if you kept one"
         ) from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"checkpoint {path} has a header that is not a JSON object, so the run cannot be resumed")
     if header.get("format") != FORMAT_VERSION:
         raise ConfigError(f"checkpoint {path} has format {header.get('format')}, this code reads {FORMAT_VERSION}")
+    problem = header_problem(header)
+    if problem is not None:
+        raise ConfigError(f"checkpoint {path} has a header whose {problem}, so the run cannot be resumed")
     return arrays, header
+
+
+def header_problem(header: dict[str, Any]) -> str | None:
+    """What a readable checkpoint header lacks that a resume reads: a whole round >= 0, the config, the elapsed
+    seconds."""
+    round_, elapsed = header.get("round"), header.get("elapsed", 0.0)
+    if isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0:
+        return f"round is {quoted(round_)}, not a whole number >= 0"
+    if not isinstance(header.get("config"), dict):
+        return f"config is {quoted(header.get('config'))}, not a mapping of keys"
+    if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)):
+        return f"elapsed is {quoted(elapsed)}, not a number of seconds"
+    return None
 
 
 def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
