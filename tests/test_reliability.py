@@ -87,6 +87,8 @@ def test_a_damaged_checkpoint_stops_resume_with_one_line_and_exit_2(tmp_path, ca
         ("fedbr-lambda", ".inf", {"strategy": "fedbr"}),
         ("lr", "1e999", {}),
         ("lr", ".nan", {}),
+        ("lr", "nan", {}),  # was "must be float, got str 'nan'"
+        ("momentum", "-inf", {}),
     ],
 )
 def test_non_finite_floats_in_yaml_stop_with_the_key_named(tmp_path, capsys, monkeypatch, key, value, extra):

@@ -375,10 +375,14 @@ def _coerce(key: str, spec: Key, value: Any) -> Any:
 
 
 def _yaml_number(text: str) -> Any:
-    try:
-        return float(text) if any(c in text for c in ".eE") else int(text)
-    except ValueError:
-        return text
+    """A number YAML left as text: ``1e-3`` (1.1 wants a dot), and ``nan`` or ``inf`` (it wants ``.nan``, which
+    the finite check then names); other text stays text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def normalise_key(key: str) -> str:
