@@ -154,6 +154,8 @@ def test_list_shows_strategies_and_keys(capsys):
         ),
         ({"rounds.jsonl": '{"round": 1}\n'}, "without a checkpoint, so it cannot be resumed", "--resume"),
         ({"metrics.jsonl": '{"round": 5}\n', "checkpoint.npz": "x"}, "`fedbr-run --resume", None),
+        # a folder of other work: a run removed its offsets.npz and rewrote its manifest.json without a word
+        ({"manifest.json": '{"name": "my app"}', "offsets.npz": "x"}, "holds manifest.json, offsets.npz", "--resume"),
     ],
 )
 def test_a_used_folder_offers_resume_only_when_there_is_a_checkpoint(capsys, tmp_path, files, says, not_says):

@@ -22,7 +22,7 @@ from ..core.config import (
     parse_override,
     validate,
 )
-from ..runfiles.run_io import check_output_dir, check_path, check_records_continue, git_commit
+from ..runfiles.run_io import PREVIOUS_RUN_FILES, check_output_dir, check_path, check_records_continue, git_commit
 from ..runfiles.runlock import check_free
 from ..runfiles.tracking import check_available
 from .launcher import PROJECT_DIR
@@ -268,6 +268,12 @@ def check_no_run(out: Path) -> None:
         raise ConfigError(
             f"{out} holds the empty files of a run that stopped before its first round (no "
             "checkpoint to resume from); pick another output-dir or start it again (`fedbr-run --overwrite`)"
+        )
+    replaced = [name for name in PREVIOUS_RUN_FILES if (out / name).exists()]
+    if replaced:  # a folder of other files: a new run would remove or rewrite these without a word
+        raise ConfigError(
+            f"{out} holds {', '.join(replaced)}, which a run writes: pick another output-dir, or replace them "
+            "(`fedbr-run --overwrite`)"
         )
 
 
