@@ -116,6 +116,7 @@ def test_a_checkpoint_of_another_algorithm_or_format_stops_with_a_clear_message(
     cfg = run_cfg("fedavg")
     save_checkpoint(tmp_path, {"global/model/other": np.zeros(2)}, {"round": 2, "config": cfg, "elapsed": 0.0})
     (tmp_path / "rounds.jsonl").write_text('{"round": 1}\n{"round": 2}\n')  # the records are whole
+    (tmp_path / "metrics.jsonl").write_text('{"round": 2}\n')
     with pytest.raises(ConfigError, match="has no global array model/"):
         in_process_federation({**cfg, "resume": True}, tmp_path)
     arrays, header = load_checkpoint(tmp_path)
@@ -244,11 +245,23 @@ def test_a_sweep_starts_again_a_run_whose_records_are_damaged(tmp_path, capsys):
     cfg = validate({"output-dir": str(tmp_path)})
     save_checkpoint(tmp_path, {"global/w": np.ones(3, np.float32)}, {"round": 2, "config": cfg})
     (tmp_path / "rounds.jsonl").write_text('{"round": 1}\n{"round": 2}\n')
+    (tmp_path / "metrics.jsonl").write_text('{"round": 2}\n')
     assert resumable_round(cfg) == 2
     (tmp_path / "rounds.jsonl").write_text('{"round": 1}\n')
     assert resumable_round(cfg) is None
     said = capsys.readouterr().out
     assert "no record of round 2" in said and said.rstrip().endswith("starting it again")
+
+
+def test_a_resume_refuses_a_run_whose_metrics_jsonl_is_gone(tmp_path):
+    """It resumed without a word and wrote a metrics.jsonl of the later rounds only: the evaluations up to the
+    checkpoint were lost from the records and the summary."""
+    from fedbr_flwr.runfiles.run_io import check_records_continue
+
+    out = damaged_run(tmp_path, WHOLE)
+    (out / "metrics.jsonl").unlink()
+    with pytest.raises(ConfigError, match="metrics.jsonl is missing"):
+        check_records_continue(out, 3)
 
 
 def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_file(tmp_path, monkeypatch):

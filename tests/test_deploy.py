@@ -394,6 +394,7 @@ def test_resuming_a_local_deployment_with_another_supernode_count_stops_before_a
     cfg = validate({"num-clients": 2, "num-rounds": 4, "output-dir": str(run)})
     save_checkpoint(run, {"global/w": np.ones(3, np.float32)}, {"round": 2, "config": cfg})
     (run / "rounds.jsonl").write_text('{"round": 1}\n{"round": 2}\n')
+    (run / "metrics.jsonl").write_text('{"round": 2}\n')
     assert deploy.main(["local", "--supernodes", "3", "--resume", str(run)]) == 2
     assert "has num-clients = 2: resume it with --supernodes 2" in capsys.readouterr().err
 

@@ -246,6 +246,7 @@ def test_a_resumed_run_runs_where_the_resume_command_says(tmp_path, monkeypatch)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     save_checkpoint(tmp_path, {}, {"round": 2, "config": validate({"num-rounds": 4, "ray-address": "10.0.0.5:6379"})})
     (tmp_path / "rounds.jsonl").write_text('{"round": 1}\n{"round": 2}\n')  # what the run wrote up to it
+    (tmp_path / "metrics.jsonl").write_text('{"round": 2}\n')
     assert plan.resume_config(tmp_path, [])["ray-address"] == ""
     assert plan.resume_config(tmp_path, ["ray-address=auto"])["ray-address"] == "auto"
 

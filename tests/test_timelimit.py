@@ -132,6 +132,7 @@ def checkpoint_of(cfg, round_, **changed):
     save_checkpoint(cfg["output-dir"], {"global/x": np.zeros(1)}, {"round": round_, "config": {**cfg, **changed}})
     records = "".join(json.dumps({"round": r}) + "\n" for r in range(1, round_ + 1))
     (Path(cfg["output-dir"]) / "rounds.jsonl").write_text(records)
+    (Path(cfg["output-dir"]) / "metrics.jsonl").write_text(records)
 
 
 def test_a_sweep_continues_a_run_from_its_checkpoint_and_refuses_one_of_other_settings(tmp_path, capsys):

@@ -183,8 +183,10 @@ def check_records_continue(out_dir: Path, last_round: int) -> None:
     """A ConfigError when the records of the run in ``out_dir`` cannot go on after its checkpoint's
     ``last_round``: a line of rounds.jsonl or metrics.jsonl that is not a record with a whole round number
     (other than a last line a crash cut short), a round up to ``last_round`` with no record in rounds.jsonl (one
-    is written every round, before the checkpoint), or a manifest that is not a JSON object. Continuing would
-    drop or trip over them, and write a summary with holes."""
+    is written every round, before the checkpoint), no metrics.jsonl, or a manifest that is not a JSON object.
+    Continuing would drop or trip over them, and write a summary with holes."""
+    if not (out_dir / "metrics.jsonl").is_file():  # written at the run's start: gone since
+        raise _damaged(out_dir, "metrics.jsonl is missing (its evaluations up to the checkpoint would be lost)")
     _record_rounds(out_dir, "metrics.jsonl")  # raises at a damaged line; its rounds are not needed
     missing = sorted(set(range(1, last_round + 1)) - set(_record_rounds(out_dir, "rounds.jsonl")))
     if missing:
