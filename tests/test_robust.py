@@ -151,6 +151,9 @@ def test_mean_plan_is_named_mean_bit_for_bit():
             {"aggregation": "median", "num-clients": 4, "fraction-fit": 0.5},
             "the 2 clients sampled a round is their mean",
         ),
+        # one sampled client: every round had fewer updates than the median needs, and kept the model
+        ({"aggregation": "median", "num-clients": 1}, "over the 1 client sampled a round is their mean"),
+        ({"aggregation": "norm-bound", "num-clients": 1}, "sample at least 3, or set norm-bound"),
         ({"aggregation": "krum", "strategy": "groupdro"}, "groupdro weighs clients by its own rule"),
         ({"aggregation": "krum", "num-clients": 4}, "needs n > 2f + 2, i.e. at least 5 clients a round, but 4"),
         ({"aggregation": "multi-krum", "num-clients": 10, "fraction-fit": 0.5, "byzantine-clients": 2}, "at least 7"),

@@ -592,8 +592,9 @@ def check_sampling(cfg: Mapping[str, Any]) -> None:
 
 
 def check_aggregation(cfg: Mapping[str, Any]) -> None:
-    """A rule without a weighted form refuses weights; Krum needs n > 2f + 2 sampled clients (once num-clients
-    is known)."""
+    """A rule without a weighted form refuses weights; once num-clients is known, each rule needs the sampled
+    clients it can aggregate as itself (``minimum_updates``: Krum's n > 2f + 2, 3 for the median and relative
+    norm-bound; trimmed mean a cut at each end)."""
     rule = cfg["aggregation"]
     if rule not in WEIGHTED_RULES:
         if cfg["weighting"] == "samples":
@@ -608,19 +609,18 @@ def check_aggregation(cfg: Mapping[str, Any]) -> None:
     if not cfg["num-clients"]:
         return
     sampled = sampled_per_round(cfg["fraction-fit"], cfg["num-clients"])
+    need = minimum_updates(rule, cfg["byzantine-clients"], cfg["trim-fraction"], cfg["norm-bound"])
+    clients = f"the {sampled} client{'s' if sampled > 1 else ''} sampled a round"
     if rule == "trimmed-mean":
         check_trim_cuts(cfg["trim-fraction"], sampled)
-    if rule == "median" and sampled == 2:
-        raise ConfigError("aggregation=median over the 2 clients sampled a round is their mean: sample at least 3")
-    if rule == "norm-bound" and not cfg["norm-bound"] and sampled == 2:
+    elif rule == "median" and sampled < need:
+        raise ConfigError(f"aggregation=median over {clients} is their mean: sample at least {need}")
+    elif rule == "norm-bound" and sampled < need:
         raise ConfigError(
-            "aggregation=norm-bound relative to the median norm of the 2 clients sampled a round is relative to their "
-            "mean norm, which one of them sets: sample at least 3, or set norm-bound"
+            f"aggregation=norm-bound relative to the median norm of {clients} is relative to their mean norm, which "
+            f"one of them sets: sample at least {need}, or set norm-bound"
         )
-    if rule not in ("krum", "multi-krum"):
-        return
-    need = minimum_updates(rule, cfg["byzantine-clients"])
-    if sampled < need:
+    elif rule in ("krum", "multi-krum") and sampled < need:
         raise ConfigError(
             f"aggregation={rule} with byzantine-clients = {cfg['byzantine-clients']} needs n > 2f + 2, i.e. at least "
             f"{need} clients a round, but {sampled} are sampled: lower byzantine-clients or sample more clients"
