@@ -330,17 +330,16 @@ def resumable_round(cfg: Mapping[str, Any]) -> int | None:
     None when there is none, or it or its records cannot be read (then the run starts again, and a line says why).
     A checkpoint of other settings is an error (``unfinished_run``): its run is never replaced."""
     out = Path(common(cfg).output_dir)
-    header, unreadable = unfinished_run(cfg)
-    try:
-        if unreadable is not None:
-            raise ConfigError(unreadable)
-        if header is None:
-            return None
-        check_records_continue(out, int(header["round"]))
-    except ConfigError as exc:
-        print_line(f"fedbr-sweep: {out}: its checkpoint cannot continue this run ({exc}); starting it again")
+    header, problem = unfinished_run(cfg)
+    if header is not None:
+        try:
+            check_records_continue(out, header["round"])
+        except ConfigError as exc:
+            problem = str(exc)
+    if problem is not None:
+        print_line(f"fedbr-sweep: {out}: its checkpoint cannot continue this run ({problem}); starting it again")
         return None
-    return int(header["round"])
+    return None if header is None else header["round"]
 
 
 def unfinished_run(cfg: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
@@ -354,12 +353,11 @@ def unfinished_run(cfg: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str |
     if not (out / CHECKPOINT_NAME).exists():
         return None, None
     try:
-        _, header = load_checkpoint(out)
-        rounds_done = int(header["round"])
-    except (ConfigError, KeyError, TypeError, ValueError) as exc:
+        _, header = load_checkpoint(out)  # its round and config checked there
+    except ConfigError as exc:
         return None, str(exc)
     try:
-        check_resumable(header["config"], {**cfg, "resume": True}, rounds_done)
+        check_resumable(header["config"], {**cfg, "resume": True}, header["round"])
     except ConfigError as exc:
         raise ConfigError(
             f"{out} holds an unfinished run that this one cannot continue ({exc}); pick another --out or remove "
