@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from procs import flower_processes
 
-from fedbr_flwr.commands import cli
+from fedbr_flwr.commands import cli, report
 from fedbr_flwr.core.config import validate
 from fedbr_flwr.launch import plan
 from fedbr_flwr.launch.launcher import RunFailed, RunHost, run_flower
@@ -467,6 +467,8 @@ def test_a_killed_cohort_run_resumes_rejects_a_nan_member_and_equals_the_client_
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 143 and flower_processes() <= before
+    # paused, whether or not round 3 was recorded before the stop: fedbr-run wrote it last in the events
+    assert report.seed_result(out) == (None, "paused after round 2 of 4 (resumes from its checkpoint)")
     assert cli.main(["--resume", str(out), "cohort-step=vmap", "backend=ray", "--quiet"]) == 0
     assert flower_processes() <= before
 

@@ -121,10 +121,35 @@ def test_a_run_paused_at_its_checkpoint_is_shown_as_paused_not_failed(tmp_path):
     lines = report.write_comparison(out, ["A"], [0, 1], "t").splitlines()
     assert lines[2].endswith("| 59.20 / paused | seed 1 paused after round 3 of 10 (resumes from its checkpoint) |")
     section = report.report_section("k", "t", "cmd", out, ["A"], [0, 1], "results/k.png")
-    assert "- **in progress**: paused by a time limit, A seed 1 at round 3 of 10 (" in section
+    assert "- **in progress**: paused (by a time limit or a stop), A seed 1 at round 3 of 10 (" in section
     save_checkpoint(paused, {"w": np.zeros(2, dtype=np.float32)}, {"round": 2, "config": {}})
     lines = report.write_comparison(out, ["A"], [0, 1], "t").splitlines()
     assert lines[2].endswith("| 59.20 / failed | seed 1 failed after round 3 |")
+
+
+def test_a_run_its_command_stopped_between_a_round_and_its_checkpoint_is_paused_not_failed(tmp_path):
+    """SIGTERM came after round 3's record and before its checkpoint (round 2's is the last), and before any
+    evaluation: the stop the command wrote in the run's events makes it paused at round 2, not failed. A stop
+    followed by later events (the run resumed, then crashed) is a failure again."""
+    from fedbr_flwr.runfiles.checkpoint import save_checkpoint
+    from fedbr_flwr.runfiles.progress import Progress, mark_stopped
+
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.2, 0.6, 0.7, 0.72, 0.74])
+    stopped = out / "A" / "seed1"
+    fake_run(stopped, [0.9], cfg={"num-rounds": 10})
+    (stopped / "summary.json").unlink()
+    (stopped / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in (1, 2, 3)))
+    save_checkpoint(stopped, {"w": np.zeros(2, dtype=np.float32)}, {"round": 2, "config": {}})
+    progress = Progress(stopped)
+    progress.emit("round", "round 3/10", round=3)
+    assert report.seed_result(stopped) == (None, "failed after round 3")
+    mark_stopped(stopped, "SIGTERM")
+    assert report.seed_result(stopped) == (None, "paused after round 2 of 10 (resumes from its checkpoint)")
+    section = report.report_section("k", "t", "cmd", out, ["A"], [0, 1], "results/k.png")
+    assert "A seed 1 at round 2 of 10 (0.0 min)" in section
+    progress.emit("error", "the run failed in round 3")
+    assert report.seed_result(stopped) == (None, "failed after round 3")
 
 
 def test_a_run_continued_on_another_machine_names_every_piece_s_commit_and_machine(tmp_path):

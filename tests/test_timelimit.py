@@ -4,12 +4,15 @@ its checkpoint. End to end (real Flower runs): test_e2e.py and test_campaign.py.
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from fedbr_flwr.commands import cli, sweep
 from fedbr_flwr.core.errors import ConfigError
+from fedbr_flwr.launch import launcher
+from fedbr_flwr.launch.launcher import RunFailed
 from fedbr_flwr.launch.timelimit import (
     EXIT_TIME_LIMIT,
     RoundWatch,
@@ -20,6 +23,7 @@ from fedbr_flwr.launch.timelimit import (
     stopped_line,
 )
 from fedbr_flwr.runfiles.checkpoint import save_checkpoint
+from fedbr_flwr.runfiles.progress import PROGRESS_FILE, read_events, stopped_on_purpose
 
 
 @pytest.mark.parametrize(
@@ -116,6 +120,46 @@ def test_fedbr_run_at_its_time_limit_exits_75_with_the_resume_command(tmp_path, 
         f"fedbr-run: time limit reached after round 4 of 9 in {out} (checkpoint saved); "
         f"continue with: fedbr-run --resume {out} --time-limit 10m"
     )
+
+
+@pytest.mark.parametrize(
+    "stop, how",
+    [(TimeLimitReached(4), "time limit"), (KeyboardInterrupt(), "interrupted"), (SystemExit(143), "SIGTERM")],
+)
+def test_a_run_its_command_stops_says_so_last_in_its_events_after_its_processes_are_down(
+    tmp_path, monkeypatch, stop, how
+):
+    """The report tells a run stopped on purpose (it continues from its checkpoint) from one that crashed by
+    this last event; the run's simulation process is stopped first, so that no event of it comes after."""
+    events = tmp_path / PROGRESS_FILE
+    events.write_text(json.dumps({"kind": "round", "round": 3, "message": "round 3/9"}) + "\n")
+    order = []
+
+    class Host:
+        def close(self):
+            order.append(("closed", stopped_on_purpose(tmp_path)))
+
+    def stopped(*args):
+        raise stop
+
+    monkeypatch.setattr(launcher, "_run_flower", stopped)
+    plan = SimpleNamespace(out_dir=tmp_path)
+    with pytest.raises(type(stop)):
+        launcher.run_flower(plan, host=Host())
+    assert order == [("closed", False)] and stopped_on_purpose(tmp_path)
+    assert read_events(events)[0][-1]["message"] == f"run stopped ({how}); continue it from its last checkpoint"
+
+
+def test_a_run_that_failed_is_not_marked_stopped(tmp_path, monkeypatch):
+    (tmp_path / PROGRESS_FILE).write_text("")
+
+    def failed(*args):
+        raise RunFailed("boom")
+
+    monkeypatch.setattr(launcher, "_run_flower", failed)
+    with pytest.raises(RunFailed):
+        launcher.run_flower(SimpleNamespace(out_dir=tmp_path))
+    assert not stopped_on_purpose(tmp_path) and (tmp_path / PROGRESS_FILE).read_text() == ""
 
 
 def sweep_file(tmp_path):

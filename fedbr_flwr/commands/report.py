@@ -24,6 +24,7 @@ from ..core.config import CommonSettings
 from ..core.errors import ConfigError
 from ..runfiles.checkpoint import checkpoint_round
 from ..runfiles.metrics import CLIENT_METRICS, format_accuracy_axes, read_jsonl, run_problem
+from ..runfiles.progress import stopped_on_purpose
 from ..runfiles.run_io import check_output_dir, manifest_config
 
 Cell = tuple[tuple[str, Any], ...]  # a grid cell: (key, value) per factor, in the grid's order
@@ -441,18 +442,20 @@ def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
     except (ValueError, TypeError):
         return None, DAMAGED
     stopped = f"failed after round {max(rounds)}" if rounds else "failed before its first round"
-    if not (folder / "summary.json").exists() or not (folder / "manifest.json").exists():
+    if not (folder / "manifest.json").exists():
         return None, stopped
     try:
-        summary = json.loads((folder / "summary.json").read_text())
         num_rounds = stored_settings(folder).num_rounds
+        summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else {}
     except (ValueError, AttributeError, TypeError):  # torn or edited JSON: the sweep starts such a run again
         return None, DAMAGED
     if not isinstance(summary, dict):
         return None, DAMAGED
     if summary.get("last_round") != num_rounds:
-        if rounds and checkpoint_round(folder) == max(rounds):  # a time limit (or Ctrl-C) paused it
-            return None, f"paused after round {max(rounds)} of {num_rounds} (resumes from its checkpoint)"
+        saved = checkpoint_round(folder)
+        # paused: stopped at a checkpoint, or its command stopped it (time limit, Ctrl-C, SIGTERM) after one
+        if rounds and saved is not None and (saved == max(rounds) or stopped_on_purpose(folder)):
+            return None, f"paused after round {saved} of {num_rounds} (resumes from its checkpoint)"
         return None, stopped
     if run_problem(summary):
         return None, "failed: no round trained"
@@ -657,7 +660,7 @@ def _manifests_and_paused(
             if (folder / "manifest.json").exists() and (folder / "summary.json").exists() and why != DAMAGED:
                 manifests.append(json.loads((folder / "manifest.json").read_text()))
             if summary is None and why.startswith("paused"):
-                done = json.loads((folder / "summary.json").read_text())
+                done = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else {}
                 minutes = (done.get("wall_time_s") or 0.0) / 60
                 where = f"at round {checkpoint_round(folder)} of {stored_settings(folder).num_rounds}"
                 paused.append(f"{setting.label} seed {seed} {where} ({minutes:.1f} min)")
@@ -785,7 +788,7 @@ def paused_line(paused: list[str]) -> list[str]:
     if not paused:
         return []
     return [
-        f"- **in progress**: paused by a time limit, {'; '.join(paused)}: left out of the table until they "
+        f"- **in progress**: paused (by a time limit or a stop), {'; '.join(paused)}: left out of the table until they "
         "finish; their curves so far are in the plot"
     ]
 

@@ -26,7 +26,7 @@ from ..app.raycluster import log_tail, ray_environment, requested_address
 from ..core.config import common, to_toml
 from ..core.errors import ConfigError
 from ..runfiles import runlock
-from ..runfiles.progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower
+from ..runfiles.progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower, mark_stopped
 from . import watchdog
 from .protocol import RunPlan, RunReply, RunRequest
 from .timelimit import RoundWatch, TimeLimitReached
@@ -170,6 +170,23 @@ def run_flower(
     started for), used instead of a new process (not with ``superlink``). ``watch``: a time limit's
     (``timelimit.RoundWatch``): the run is stopped, with all it started, when the watch says so, and
     TimeLimitReached is raised."""
+    try:
+        return _run_flower(plan, echo, superlink, host, watch)
+    except (TimeLimitReached, KeyboardInterrupt, SystemExit) as exc:
+        if host is not None:
+            host.close()  # its run is stopped before the stop is written: no event of it comes after
+        with contextlib.suppress(OSError):
+            mark_stopped(plan.out_dir, stop_cause(exc))
+        raise
+
+
+def stop_cause(exc: BaseException) -> str:
+    if isinstance(exc, TimeLimitReached):
+        return "time limit"
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else "SIGTERM"
+
+
+def _run_flower(plan: RunPlan, echo: Echo, superlink: bool, host: "RunHost | None", watch: RoundWatch | None) -> dict:
     run, out_dir = plan.settings, plan.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     address = requested_address(run.ray_address)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from . import jsonsafe
 
 SUMMARY_EVENT = "summary"  # the last event of a run that ended normally (run files complete)
+STOPPED_EVENT = "stopped"  # the last event of a run its command stopped on purpose (time limit, Ctrl-C, SIGTERM)
 PROGRESS_FILE = "progress.jsonl"
 LEVELS = {"warning": logging.WARNING, "error": logging.ERROR}  # every other kind is logged as INFO
 log = logging.getLogger("flwr")
@@ -29,10 +30,28 @@ class Progress:
             self.path.write_text("")
 
     def emit(self, kind: str, message: str, **fields: Any) -> None:
-        event = {"kind": kind, **fields, "message": message, "time": round(time.time(), 3)}
-        with open(self.path, "a") as f:
-            f.write(jsonsafe.dumps(event) + "\n")
+        append_event(self.path, kind, message, **fields)
         log.log(LEVELS.get(kind, logging.INFO), "[fedbr] %s", message)
+
+
+def append_event(path: Path, kind: str, message: str, **fields: Any) -> None:
+    event = {"kind": kind, **fields, "message": message, "time": round(time.time(), 3)}
+    with open(path, "a") as f:
+        f.write(jsonsafe.dumps(event) + "\n")
+
+
+def mark_stopped(out_dir: Path, how: str) -> None:
+    """Say in the run's events that its command stopped it on purpose (``how``), once its processes are down:
+    the report then tells such a run, which continues from its checkpoint, from one that crashed."""
+    path = Path(out_dir) / PROGRESS_FILE
+    if path.exists():  # a run that never started has nothing to continue
+        append_event(path, STOPPED_EVENT, f"run stopped ({how}); continue it from its last checkpoint")
+
+
+def stopped_on_purpose(out_dir: Path) -> bool:
+    """Whether the run's last event says its command stopped it (``mark_stopped``)."""
+    events, _ = read_events(Path(out_dir) / PROGRESS_FILE)
+    return bool(events) and events[-1].get("kind") == STOPPED_EVENT
 
 
 def read_events(path: Path, start: int = 0) -> tuple[list[dict], int]:
