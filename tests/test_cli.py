@@ -130,6 +130,15 @@ def test_later_items_override_earlier(tmp_path):
     assert cfg["lr"] == 0.2 and cfg["seed"] == 5
 
 
+def test_a_value_ending_in_yaml_is_an_override_and_a_file_with_an_equals_sign_an_experiment(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert plan.settings_from(["wandb-project=runs.yaml"]) == {"wandb-project": "runs.yaml"}
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "lr=0.1.yaml").write_text("lr: 0.1\n")
+    (tmp_path / "seed=2.yml").write_text("seed: 2\n")
+    assert plan.settings_from(["runs/lr=0.1.yaml", "seed=2.yml"]) == {"lr": 0.1, "seed": 2}
+
+
 def test_existing_run_is_not_overwritten(capsys, tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"round": 2}) + "\n")
     code, _, err = run_cli(capsys, f"output-dir={tmp_path}")

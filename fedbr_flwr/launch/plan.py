@@ -41,7 +41,7 @@ def settings_from(items: Sequence[str]) -> dict[str, Any]:
     """The settings that experiment files and ``key=value`` overrides give, later ones winning."""
     overrides: dict[str, Any] = {}
     for item in items:
-        if "=" in item and not item.endswith((".yaml", ".yml")):
+        if is_override(item):
             key, value = parse_override(item)
             given = {key: value}
         else:
@@ -53,6 +53,15 @@ def settings_from(items: Sequence[str]) -> dict[str, Any]:
         spelled = {normalise_key(k) for k in given}  # num_rounds=3 then num-rounds=4: the later one wins
         overrides = {k: v for k, v in overrides.items() if normalise_key(k) not in spelled} | given
     return overrides
+
+
+def is_override(item: str) -> bool:
+    """Whether a command-line item is ``key=value`` (``data-dir=/d/x.yaml`` too), not an experiment file
+    (``runs/lr=0.1.yaml``, or such a file here)."""
+    if "=" not in item:
+        return False
+    key = item.split("=", 1)[0]
+    return not item.endswith((".yaml", ".yml")) or ("/" not in key and not Path(item).is_file())
 
 
 def config_from_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +84,7 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
     check_output_dir(out_dir)
     overrides: dict[str, Any] = {}
     for item in items:
-        if "=" not in item or item.endswith((".yaml", ".yml")):
+        if not is_override(item):
             raise ConfigError(
                 f"--resume takes the config from {out_dir}'s checkpoint; give only key=value overrides "
                 f"of {CHANGEABLE_ON_RESUME}"
