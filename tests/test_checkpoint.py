@@ -197,8 +197,14 @@ WHOLE = '{"round": 1}\n{"round": 2}\n{"round": 3}\n'
         (WHOLE + '{"round": "4"}\n{"round": 5}\n', "", "{}", "line 4 of rounds.jsonl is not a record"),
         (WHOLE, "", "[1, 2]", "manifest.json is not a JSON object"),
         (WHOLE, "", "{not json", "manifest.json is not a JSON object"),
+        (
+            WHOLE,
+            "",
+            '{"config": {"lr": 0.5}}',
+            "its checkpoint is of another run than its manifest.json (lr = 0.05 in the checkpoint, 0.5 in the",
+        ),
     ],
-    ids=["gap", "emptied", "garbage-line", "round-not-a-number", "manifest-list", "manifest-torn"],
+    ids=["gap", "emptied", "garbage-line", "round-not-a-number", "manifest-list", "manifest-torn", "other-run"],
 )
 def test_a_resume_over_damaged_records_stops_with_one_line_and_writes_nothing(
     tmp_path, rounds, metrics, manifest, problem
@@ -211,6 +217,15 @@ def test_a_resume_over_damaged_records_stops_with_one_line_and_writes_nothing(
         resume_config(out, [])
     assert "\n" not in str(e.value) and "start the run again with --overwrite" in str(e.value)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_manifest_of_the_same_run_may_differ_in_what_a_resume_may_change(tmp_path):
+    """Its latest piece raised num-rounds and moved the folder; its start used another lr (the latest counts)."""
+    from fedbr_flwr.launch.plan import resume_config
+
+    piece = {"config": {"num-rounds": 9, "output-dir": "/moved", "lr": 0.05}}
+    out = damaged_run(tmp_path, WHOLE, manifest=json.dumps({"config": {"lr": 0.5}, "resumed": [piece]}))
+    assert resume_config(out, [])["lr"] == 0.05
 
 
 def test_a_resume_cannot_move_its_run_to_another_output_dir(tmp_path):

@@ -46,7 +46,7 @@ def build_strategy(cfg: dict):
         checkpoint = load_checkpoint(out_dir)
         done = int(checkpoint[1]["round"])
         check_resumable(checkpoint[1]["config"], cfg, done)
-        check_records_continue(out_dir, done)  # plain `flwr run` with resume=true too
+        check_records_continue(out_dir, done, checkpoint[1]["config"])  # plain `flwr run` with resume=true too
         elapsed = float(checkpoint[1]["elapsed"])
     torch.manual_seed(run.seed)  # the initial model: what every client is sent in round 1
     device = use_device(cfg)

@@ -333,7 +333,7 @@ def resumable_round(cfg: Mapping[str, Any]) -> int | None:
     header, problem = unfinished_run(cfg)
     if header is not None:
         try:
-            check_records_continue(out, header["round"])
+            check_records_continue(out, header["round"], header["config"])
         except ConfigError as exc:
             problem = str(exc)
     if problem is not None:

@@ -100,7 +100,7 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
     here = {"ray-address": "", "backend": "auto"}  # where it runs now: the resume command's choice
     cfg = validate({**saved, **here, **overrides, "resume": True, "output-dir": str(out_dir)})
     check_resumable(saved, cfg, int(header["round"]))
-    check_records_continue(out_dir, int(header["round"]))
+    check_records_continue(out_dir, int(header["round"]), saved)
     check_available(cfg)
     cfg["git-commit"] = git_commit(PROJECT_DIR) or "unknown"
     print(f"fedbr-run: resuming {out_dir} after round {header['round']} of {cfg['num-rounds']}", flush=True)

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..core.config import common
+from ..core.config import RESUMABLE_KEYS, as_it_ran, common
 from ..core.errors import ConfigError, quoted
 from . import jsonsafe
 from .checkpoint import CHECKPOINT_NAME
@@ -179,11 +179,12 @@ def git_commit(path: Path | None = None) -> str:
         return ""
 
 
-def check_records_continue(out_dir: Path, last_round: int) -> None:
+def check_records_continue(out_dir: Path, last_round: int, saved: Mapping[str, Any] | None = None) -> None:
     """A ConfigError when the records of the run in ``out_dir`` cannot go on after its checkpoint's
     ``last_round``: a line of rounds.jsonl or metrics.jsonl that is not a record with a whole round number
     (other than a last line a crash cut short), a round up to ``last_round`` with no record in rounds.jsonl (one
-    is written every round, before the checkpoint), no metrics.jsonl, or a manifest that is not a JSON object.
+    is written every round, before the checkpoint), no metrics.jsonl, a manifest that is not a JSON object, or
+    one of a run other than the checkpoint's config ``saved`` (a checkpoint copied from another run's folder).
     Continuing would drop or trip over them, and write a summary with holes."""
     if not (out_dir / "metrics.jsonl").is_file():  # written at the run's start: gone since
         raise _damaged(out_dir, "metrics.jsonl is missing (its evaluations up to the checkpoint would be lost)")
@@ -196,8 +197,24 @@ def check_records_continue(out_dir: Path, last_round: int) -> None:
             "rounds its checkpoint covers are missing)",
         )
     manifest = out_dir / "manifest.json"
-    if manifest.exists() and not isinstance(_json_or_none(manifest.read_text(errors="replace")), dict):
+    stored = _json_or_none(manifest.read_text(errors="replace")) if manifest.exists() else {}
+    if not isinstance(stored, dict):
         raise _damaged(out_dir, "manifest.json is not a JSON object")
+    differ = _settings_differ(stored, saved or {})
+    if differ:
+        raise _damaged(out_dir, f"its checkpoint is of another run than its manifest.json ({differ})")
+
+
+def _settings_differ(manifest: dict[str, Any], saved: Mapping[str, Any]) -> str:
+    """The first setting, other than those a resume may change, whose value in a run's manifest differs from
+    the checkpoint's config ``saved``; "" where none does (or the manifest has no config)."""
+    try:
+        ran = as_it_ran(manifest_config(manifest))
+    except (KeyError, TypeError, AttributeError):
+        return ""
+    saved = as_it_ran(saved)
+    differ = sorted(k for k in saved if k not in RESUMABLE_KEYS and ran.get(k, saved[k]) != saved[k])
+    return f"{differ[0]} = {saved[differ[0]]!r} in the checkpoint, {ran[differ[0]]!r} in the manifest" if differ else ""
 
 
 def _record_rounds(out_dir: Path, name: str) -> list[int]:
