@@ -207,3 +207,93 @@ def test_a_sweep_labels_each_run_for_its_wandb_group_before_it_runs(tmp_path, mo
         for name, label in (("FedAvg", "FedAvg"), ("FedBR/lr=0.01", "FedBR lr=0.01"))
         for seed in (0, 1)
     }
+
+
+class HeldStepRun:
+    """W&B's rule for a step: held in the process until it is committed or a later step is logged; a run stopped
+    then (a time limit, SIGTERM) loses it."""
+
+    def __init__(self):
+        self.committed, self.held = [], None
+
+    def log(self, data, step, commit=None):
+        if self.held is not None and step != self.held[0]:
+            self.committed.append(self.held)
+            self.held = None
+        self.held = (step, {**(self.held or (step, {}))[1], **data})
+        if commit:
+            self.committed.append(self.held)
+            self.held = None
+
+    def finish(self):
+        if self.held is not None:  # what it holds is written
+            self.committed.append(self.held)
+        self.held, self.finished = None, True
+
+
+def test_each_round_reaches_wandb_before_its_checkpoint_and_only_then_counts_as_logged(tmp_path, monkeypatch):
+    """A run stopped right after round 2's checkpoint had round 2 held by W&B and counted as logged: it was
+    lost, and its resume skipped it. Now each round (its training and evaluation) is one committed step when it
+    ends; a round not yet ended is not counted, so a resume logs it again."""
+    wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed here")
+    run = HeldStepRun()
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
+    cfg = run_cfg(tracking="wandb", **{"checkpoint-every": 1})
+    strategy, _, proxies = in_process_federation(cfg, tmp_path)
+    run_rounds(strategy, proxies, 2)  # stopped after round 2's checkpoint: the process ends without a word
+    assert [step for step, _ in run.committed] == [1, 2] and run.held is None
+    assert {"train/loss", "eval/mean_acc"} <= set(run.committed[1][1])
+    assert tracking.read_state(tmp_path)["wandb_step"] == 2
+
+    resumed = tracking.Tracking(cfg, tmp_path, resume_round=2, warn=print)
+    resumed.log_round({"round": 3, "train": {"loss": 1.0}})
+    assert tracking.read_state(tmp_path)["wandb_step"] == 2  # round 3 has not ended: a resume logs it again
+    assert resumed in tracking.OPEN
+    tracking.stop_open_trackers()  # the process is stopped in round 3: W&B finishes without it
+    assert run.finished and [step for step, _ in run.committed] == [1, 2]
+    assert resumed not in tracking.OPEN and tracking.read_state(tmp_path)["wandb_step"] == 2
+
+
+STOPPED_WHILE_TRACKING = """
+import signal, sys, time
+from pathlib import Path
+from fedbr_flwr.core.config import validate
+from fedbr_flwr.launch import simulation
+from fedbr_flwr.runfiles.tracking import Tracking
+
+signal.signal(signal.SIGTERM, simulation.stop_on_sigterm)  # as the simulation process does
+trackers = Tracking(validate({"tracking": "wandb"}), Path(sys.argv[1]), None, warn=print)
+for round_ in (1, 2):
+    trackers.log_round({"round": round_, "train": {"loss": 1.0 / round_}})
+    trackers.flush()  # the round ended
+trackers.log_round({"round": 3, "train": {"loss": 0.3}})
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_stopped_simulation_process_finishes_wandb_with_the_rounds_that_ended(tmp_path, monkeypatch):
+    """The launcher stops a run's simulation process (a time limit, SIGTERM): W&B, which writes what it was handed
+    only when its run finishes, keeps rounds 1 and 2 (they ended) and not round 3 (its resume logs it again)."""
+    pytest.importorskip("wandb", reason="the wandb extra is not installed here")
+    import subprocess
+    import sys
+
+    from fedbr_flwr.launch.launcher import TRACKERS_STOP_S, stop_tree
+
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED_WHILE_TRACKING, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        stop_tree(proc, grace_s=0.5, first_s=TRACKERS_STOP_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    records = [r for f in (out / "wandb").glob("offline-run-*/run-*.wandb") for r in wandb_records(f)]
+    assert [r.history.step.num for r in records if r.WhichOneof("record_type") == "history"] == [1, 2]
+    assert tracking.read_state(out)["wandb_step"] == 2

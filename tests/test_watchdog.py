@@ -170,3 +170,39 @@ def test_a_process_whose_main_thread_ended_is_stopped_with_its_threads_and_its_l
     finally:
         proc.kill()
         proc.wait()
+
+
+ENDS_ON_SIGTERM = """
+import os, signal, subprocess, sys, time
+child = subprocess.Popen(["sleep", "7776"])
+
+def stop(*_):
+    time.sleep(0.3)  # as a W&B run finishing would take, with the processes it needs
+    with open(sys.argv[1], "w") as f:
+        f.write("child running" if child.poll() is None else "child gone")
+    os._exit(143)
+
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_stopped_process_may_end_first_while_what_it_started_still_runs(tmp_path):
+    """stop_tree(first_s=...) sends SIGTERM to the process alone first (the simulation process finishes its
+    run's trackers then, with their helper processes alive), and then to all it started; without first_s every
+    process is sent SIGTERM at once."""
+    from fedbr_flwr.launch.launcher import stop_tree
+
+    for first_s, said in ((5.0, "child running"), (0.0, "child gone")):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ENDS_ON_SIGTERM, str(tmp_path / "said")], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert proc.stdout.readline() == "ready\n"
+            stop_tree(proc, grace_s=2.0, first_s=first_s)
+            assert proc.returncode == 143 and (tmp_path / "said").read_text() == said
+            assert not sleepers()
+        finally:
+            if proc.poll() is None:
+                proc.kill()

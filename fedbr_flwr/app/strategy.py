@@ -203,6 +203,7 @@ class FlowerStrategy(Strategy):
         return is_eval_round(self.cfg, server_round)
 
     def end_round(self, server_round: int) -> None:
+        self.recorder.tracking.flush()
         if self.latest is not None:
             self.checkpointer.round_completed(server_round, self.latest, self.checkpoint_state())
 

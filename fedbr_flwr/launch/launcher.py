@@ -49,13 +49,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+def stop_tree(proc: subprocess.Popen, grace_s: float = 5.0, first_s: float = 0.0) -> None:
     """SIGTERM a process and everything it started (also children that left its session, and the members of
     sessions its descendants lead, whose parent may have died first), then SIGKILL whatever of them is still
-    alive after ``grace_s``, with whatever they started meanwhile, until none is left."""
+    alive after ``grace_s``, with whatever they started meanwhile, until none is left. ``first_s``: the process
+    itself is sent SIGTERM first, and may take that long to end while the processes it started still run."""
     table = watchdog.proc_table()
     pids = [proc.pid, *sorted(watchdog.with_sessions({proc.pid}, table) - {proc.pid})]
     roots = {pid: (table[pid][2], table[pid][1] == pid) for pid in pids if pid in table}  # start time, leader
+    if first_s > 0:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=first_s)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
@@ -217,6 +223,7 @@ def simulate_run(plan: RunPlan, address: str | None, echo: Echo, watch: RoundWat
 
 
 EXIT_GRACE_S = 10.0  # how long a simulation process whose replies have ended may take to exit
+TRACKERS_STOP_S = 20.0  # how long a stopped simulation process may take to finish its run's W&B run
 
 
 class RunHost:
@@ -245,7 +252,9 @@ class RunHost:
 
     def close(self) -> None:
         if self.proc is not None:
-            stop_tree(self.proc, grace_s=0.5)  # every run file is complete: no need for Ray's orderly stop
+            # every run file is complete: no need for Ray's orderly stop; a run stopped in progress has its
+            # trackers end first (simulation.stop_on_sigterm)
+            stop_tree(self.proc, grace_s=0.5, first_s=TRACKERS_STOP_S)
             self.proc = None
         if self.home is not None:
             watchdog.remove_temp_dir(self.home)

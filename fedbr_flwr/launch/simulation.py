@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import traceback
@@ -29,6 +30,7 @@ from ..app.flower_adapter import (
 )
 from ..core.config import CommonSettings
 from ..core.errors import describe
+from ..runfiles.tracking import stop_open_trackers
 from .protocol import RunReply, RunRequest
 
 SERVER_APP = "fedbr_flwr.app.server_app:app"
@@ -279,7 +281,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     replies = os.fdopen(os.dup(1), "w")  # stdout itself goes to each run's log
     os.dup2(2, 1)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     return serve(sys.stdin, replies)
+
+
+def stop_on_sigterm(*_: Any) -> None:
+    """The launcher stops this process (``launcher.RunHost.close``: a time limit, Ctrl-C, SIGTERM, or the end of
+    its runs): the trackers of a run in progress end first, so W&B keeps the rounds that ended."""
+    stop_open_trackers()
+    os._exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ it logged. A sweep labels its runs there too (``label_sweep_run``): W&B groups t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
 import secrets
 import shutil
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
@@ -94,7 +96,11 @@ def label_sweep_run(out_dir: Path, group: str, name: str, tags: list[str]) -> No
 class Sink(Protocol):
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, list[float]]) -> None: ...
 
+    def flush(self) -> None: ...
+
     def close(self) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 class TensorBoardSink:
@@ -122,14 +128,21 @@ class TensorBoardSink:
             self.writer.add_scalar(tag, value, step)
         for tag, values in histograms.items():
             self.writer.add_histogram(tag, np.asarray(values), step)
+
+    def flush(self) -> None:
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
 
+    def stop(self) -> None:
+        self.writer.close()  # a resume purges the steps after its checkpoint
+
 
 class WandbSink:
-    """A W&B run (online, or offline with WANDB_MODE=offline) whose id is kept in ``<run>/tracking.json``."""
+    """A W&B run (online, or offline with WANDB_MODE=offline) whose id is kept in ``<run>/tracking.json``. A
+    round's records go to W&B as one step when the round ends (``flush``), and only then count as logged: W&B
+    holds an uncommitted step in this process, where a stopped run would lose it."""
 
     def __init__(self, cfg: Mapping[str, Any], out_dir: Path, resume_round: int | None):
         import os
@@ -142,6 +155,8 @@ class WandbSink:
             state = {**state, "wandb_id": secrets.token_hex(4), "wandb_step": 0}  # a new W&B run
         self.state = state
         self.logged_through = int(state.get("wandb_step", 0))  # a resumed run's rounds W&B already has
+        self.pending: dict[str, Any] = {}
+        self.pending_step = 0
         write_state(self.out_dir, state)
         self.wandb = wandb
         self.run = wandb.init(
@@ -160,13 +175,25 @@ class WandbSink:
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, list[float]]) -> None:
         if step <= self.logged_through:
             return
-        data: dict[str, Any] = {**scalars, **{tag: self.wandb.Histogram(v) for tag, v in histograms.items()}}
-        self.run.log(data, step=step)
-        if step > self.state["wandb_step"]:
-            self.state["wandb_step"] = step
-            write_state(self.out_dir, self.state)
+        if step != self.pending_step:
+            self.flush()
+        self.pending_step = step
+        self.pending.update({**scalars, **{tag: self.wandb.Histogram(v) for tag, v in histograms.items()}})
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        self.run.log(self.pending, step=self.pending_step, commit=True)
+        self.pending = {}
+        self.logged_through = self.state["wandb_step"] = self.pending_step
+        write_state(self.out_dir, self.state)
 
     def close(self) -> None:
+        self.flush()
+        self.run.finish()
+
+    def stop(self) -> None:
+        self.pending = {}  # the round in progress: its resume logs it again
         self.run.finish()
 
 
@@ -182,7 +209,8 @@ def one_line(exc: BaseException) -> str:
 
 
 class Tracking:
-    """The run's trackers. Never raises: a tracker that fails is reported through ``warn`` once and dropped."""
+    """The run's trackers. Never raises: a tracker that fails is reported through ``warn`` once and dropped.
+    Until closed, it is among the ``OPEN`` ones that ``stop_open_trackers`` ends when the process is stopped."""
 
     def __init__(
         self, cfg: Mapping[str, Any], out_dir: Path, resume_round: int | None, warn: Callable[[str], None]
@@ -194,6 +222,7 @@ class Tracking:
                 self.sinks[name] = OPENERS[name](cfg, Path(out_dir), resume_round)
             except Exception as exc:  # noqa: BLE001  (tracking must never fail the run)
                 self._failed(name, exc)
+        OPEN.add(self)
 
     def log_round(self, record: Mapping[str, Any]) -> None:
         if self.sinks:
@@ -205,9 +234,23 @@ class Tracking:
             step, scalars, histograms = int(record["round"]), eval_scalars(record), eval_histograms(record)
             self._each(lambda sink: sink.log(step, scalars, histograms))
 
+    def flush(self) -> None:
+        """Hand the round's records to the trackers for good (at its end, before its checkpoint)."""
+        self._each(lambda sink: sink.flush())
+
     def close(self) -> None:
         self._each(lambda sink: sink.close())
         self.sinks.clear()
+        OPEN.discard(self)
+
+    def stop(self) -> None:
+        """End the trackers of a run being stopped, without its round in progress (from another thread: the run's
+        own calls find no tracker meanwhile)."""
+        sinks, self.sinks = self.sinks, {}
+        for sink in sinks.values():
+            with contextlib.suppress(Exception):
+                sink.stop()
+        OPEN.discard(self)
 
     def _each(self, call: Callable[[Sink], None]) -> None:
         for name, sink in list(self.sinks.items()):
@@ -219,3 +262,13 @@ class Tracking:
 
     def _failed(self, name: str, exc: BaseException) -> None:
         self.warn(f"tracking: {name} failed ({one_line(exc)}); the run goes on without it")
+
+
+OPEN: "weakref.WeakSet[Tracking]" = weakref.WeakSet()
+
+
+def stop_open_trackers() -> None:
+    """End every run's trackers in this process (it is being stopped: a time limit, Ctrl-C, SIGTERM): W&B keeps
+    the rounds it was handed only where its run finishes, and loses them where the process just ends."""
+    for trackers in list(OPEN):
+        trackers.stop()
