@@ -231,15 +231,22 @@ def test_certs_refuse_to_replace_a_ca_and_take_a_long_host_name(tmp_path, capsys
     assert (tmp_path / "keys" / deploy.CA).read_bytes() == ca
 
 
-@pytest.mark.parametrize("stop_works", [True, False])
-def test_a_stopped_deploy_run_stops_its_run_on_the_superlink_and_says_so(tmp_path, capsys, monkeypatch, stop_works):
+@pytest.mark.parametrize("stop_works, earlier_piece", [(True, False), (False, False), (True, True)])
+def test_a_stopped_deploy_run_stops_its_run_on_the_superlink_and_says_so(
+    tmp_path, capsys, monkeypatch, stop_works, earlier_piece
+):
     """SIGTERM (a scheduler, `timeout`) or Ctrl-C on `fedbr-deploy run`: the run it submitted must not go on
-    alone on the SuperLink, holding its folder; `flwr stop` is sent for the run id Flower's log names."""
+    alone on the SuperLink, holding its folder; `flwr stop` is sent for the run id Flower's log names after
+    this command started (a resumed run's log holds its earlier pieces' too)."""
     calls = []
+    if earlier_piece:
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "flower.log").write_text("🎊 Successfully started run 1111\nround 1\n")
 
     def submitted_then_signalled(cfg, env, connection, out, echo):
         out.mkdir(parents=True, exist_ok=True)  # as submit_run makes it
-        (out / "flower.log").write_text("Loading project...\n🎊 Successfully started run 4242\nround 1\n")
+        with open(out / "flower.log", "a") as log:
+            log.write("Loading project...\n🎊 Successfully started run 4242\nround 1\n")
         os.kill(os.getpid(), signal.SIGTERM)  # arrives while the run is followed
         time.sleep(5)
 

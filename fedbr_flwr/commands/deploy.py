@@ -53,6 +53,7 @@ from ..launch.launcher import (
 )
 from ..launch.worker import write_private
 from ..runfiles import runlock
+from ..runfiles.progress import read_lines
 from ..runfiles.run_io import check_output_dir
 
 CONNECTION = "fedbr"
@@ -424,6 +425,8 @@ def cmd_run(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the run on the SuperLink is stopped too
     try:
         env = deploy_env(home, args.superlink, certs)
+        log = out / "flower.log"
+        before = log.stat().st_size if log.is_file() else 0  # a resumed run's log holds the earlier pieces' too
         try:
             submit_run(cfg, env, CONNECTION, out, echo=args.echo)
         except (KeyboardInterrupt, SystemExit) as exc:
@@ -431,18 +434,18 @@ def cmd_run(args) -> int:
                 raise
             how = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by SIGTERM"
             again = f"fedbr-deploy run --superlink {args.superlink} ... --resume {out}"
-            print(f"fedbr-deploy: {how}; {stop_remote_run(env, out)}; continue with `{again}`", file=sys.stderr)
+            print(f"fedbr-deploy: {how}; {stop_remote_run(env, out, before)}; continue with `{again}`", file=sys.stderr)
             return 130 if isinstance(exc, KeyboardInterrupt) else 143
     finally:
         watchdog.remove_temp_dir(home)
     return _print_result(out)
 
 
-def stop_remote_run(env: dict[str, str], out: Path) -> str:
+def stop_remote_run(env: dict[str, str], out: Path, since: int = 0) -> str:
     """Stop the run this command submitted on the SuperLink (``flwr stop``), which would otherwise go on
-    without anyone following it and hold its run folder; what became of it, in words."""
-    log = out / "flower.log"
-    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    without anyone following it and hold its run folder; what became of it, in words. ``since``: where this
+    submission's part of ``flower.log`` starts."""
+    lines, _ = read_lines(out / "flower.log", since)
     run_id = next((i for i in map(started_run_id, lines) if i is not None), None)
     if run_id is None:
         return "no run had started on the SuperLink"
