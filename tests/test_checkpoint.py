@@ -308,7 +308,8 @@ def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_file(tmp_
 
 
 def test_a_run_started_again_in_a_folder_leaves_nothing_of_the_old_run_to_resume_or_report(tmp_path):
-    """--overwrite: a new run stopped before its first checkpoint must not resume the old run's checkpoint
+    """Without overwrite the server refuses the folder (a run submitted from another machine was checked only
+    there). --overwrite: a new run stopped before its first checkpoint must not resume the old run's checkpoint
     (which would join two runs' records), nor leave its summary where a report or the CLI reads it."""
     cfg = run_cfg("fedavg", **{"output-dir": str(tmp_path)})
     strategy, _, proxies = in_process_federation(cfg, tmp_path)
@@ -317,7 +318,10 @@ def test_a_run_started_again_in_a_folder_leaves_nothing_of_the_old_run_to_resume
         name for name in ("summary.json", "summary.md", "manifest.json", CHECKPOINT_NAME) if (tmp_path / name).exists()
     }
     assert old == {"summary.json", "summary.md", "manifest.json", CHECKPOINT_NAME}
-    strategy, _, proxies = in_process_federation({**cfg, "lr": cfg["lr"] / 2}, tmp_path)  # started again
+    with pytest.raises(ConfigError, match="already holds a run; pick another output-dir"):
+        in_process_federation({**cfg, "lr": cfg["lr"] / 2}, tmp_path)  # a deploy's server checks it too
+    assert {name for name in old if (tmp_path / name).exists()} == old
+    strategy, _, proxies = in_process_federation({**cfg, "lr": cfg["lr"] / 2, "overwrite": True}, tmp_path)
     run_rounds(strategy, proxies, 1)  # stopped before its first checkpoint (round 2)
     with pytest.raises(ConfigError, match="no checkpoint"):
         load_checkpoint(tmp_path)

@@ -19,7 +19,7 @@ from ..core.training import use_device
 from ..data.dataset import load_server_tests
 from ..runfiles import runlock
 from ..runfiles.checkpoint import load_checkpoint
-from ..runfiles.run_io import RunRecorder, check_records_continue, resolve_output_dir
+from ..runfiles.run_io import RunRecorder, check_no_run, check_records_continue, resolve_output_dir
 from .checkpointing import ResumedRun
 from .flower_adapter import chooses_backend_per_run, receive_replies_promptly
 
@@ -42,6 +42,8 @@ def build_strategy(cfg: dict):
     cfg = {**cfg, "output-dir": str(out_dir)}
     checkpoint, done, elapsed = None, None, 0.0  # done: None for a new run
     run = common(cfg)
+    if not run.resume and not run.overwrite:  # a run submitted from another machine was checked there only
+        check_no_run(out_dir)
     if run.resume:
         checkpoint = load_checkpoint(out_dir)
         done = int(checkpoint[1]["round"])

@@ -286,6 +286,11 @@ class CommonSettings(Settings):
     resume: bool = common_key(
         False, "continue the run in output-dir from its checkpoint (`fedbr-run --resume DIR` sets it)"
     )
+    overwrite: bool = common_key(
+        False,
+        "start the run again in an output-dir that holds one, replacing its files (`fedbr-run --overwrite` sets "
+        "it); without it the server refuses such a folder",
+    )
     # experiment tracking (server side; docs/running.md)
     tracking: tuple[str, ...] = common_key(
         "none",
@@ -310,7 +315,7 @@ def common(cfg: Mapping[str, Any]) -> CommonSettings:
 # where a run's data and clients are, not what it computes (``Key.placement``)
 PLACEMENT_KEYS = tuple(name for name, key in COMMON.items() if key.placement)
 # ... and the keys that only record or report it: a sweep keeps a finished run that differs in these only
-NO_EFFECT_KEYS = (*PLACEMENT_KEYS, "output-dir", "git-commit", "checkpoint-every", "tracking")
+NO_EFFECT_KEYS = (*PLACEMENT_KEYS, "output-dir", "git-commit", "checkpoint-every", "tracking", "overwrite")
 # a run continued from its checkpoint (fedbr-run --resume) may differ in these too: it may run longer, evaluate
 # on another schedule or wait for other clients; any other key must equal the checkpoint's
 RESUMABLE_KEYS = (*NO_EFFECT_KEYS, "num-rounds", "round-timeout", "min-fit-clients", "eval-every", "resume")

@@ -22,7 +22,7 @@ from ..core.config import (
     parse_override,
     validate,
 )
-from ..runfiles.run_io import PREVIOUS_RUN_FILES, check_output_dir, check_path, check_records_continue, git_commit
+from ..runfiles.run_io import check_no_run, check_output_dir, check_path, check_records_continue, git_commit
 from ..runfiles.runlock import check_free
 from ..runfiles.tracking import check_available
 from .launcher import PROJECT_DIR
@@ -218,6 +218,7 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
     check_free(out)  # also with --overwrite: a live run (or one left running) is writing there
     if cfg["resume"]:
         check_resume_key(out)
+    cfg["overwrite"] = overwrite = overwrite or cfg["overwrite"]
     if not overwrite:
         check_no_run(out)
     cfg["output-dir"] = str(out)
@@ -256,34 +257,6 @@ def check_proxy_dataset(cfg: dict[str, Any]) -> None:
     from ..data.catalog import load_raw
 
     load_raw(proxy_dataset(cfg), cfg["data-dir"], cfg["download"])
-
-
-def check_no_run(out: Path) -> None:
-    """ConfigError when ``out`` holds a run's files; --resume is offered only with a checkpoint to resume."""
-    from ..runfiles.checkpoint import CHECKPOINT_NAME
-
-    found = [name for name in ("metrics.jsonl", "rounds.jsonl", CHECKPOINT_NAME) if (out / name).exists()]
-    if CHECKPOINT_NAME in found:
-        raise ConfigError(
-            f"{out} already holds a run; pick another output-dir, start it again (`fedbr-run --overwrite`), or "
-            f"continue it (`fedbr-run --resume {out}`, or `fedbr-deploy local|run ... --resume {out}`)"
-        )
-    if any((out / name).stat().st_size for name in found):
-        raise ConfigError(
-            f"{out} already holds a run (without a checkpoint, so it cannot be resumed); pick "
-            "another output-dir or start it again (`fedbr-run --overwrite`)"
-        )
-    if found:
-        raise ConfigError(
-            f"{out} holds the empty files of a run that stopped before its first round (no "
-            "checkpoint to resume from); pick another output-dir or start it again (`fedbr-run --overwrite`)"
-        )
-    replaced = [name for name in PREVIOUS_RUN_FILES if (out / name).exists()]
-    if replaced:  # a folder of other files: a new run would remove or rewrite these without a word
-        raise ConfigError(
-            f"{out} holds {', '.join(replaced)}, which a run writes: pick another output-dir, or replace them "
-            "(`fedbr-run --overwrite`)"
-        )
 
 
 def check_pyproject(path: Path = PROJECT_DIR / "pyproject.toml") -> None:
