@@ -297,3 +297,19 @@ def test_a_stopped_simulation_process_finishes_wandb_with_the_rounds_that_ended(
     records = [r for f in (out / "wandb").glob("offline-run-*/run-*.wandb") for r in wandb_records(f)]
     assert [r.history.step.num for r in records if r.WhichOneof("record_type") == "history"] == [1, 2]
     assert tracking.read_state(out)["wandb_step"] == 2
+
+
+def test_a_run_started_again_in_its_folder_leaves_nothing_of_the_old_runs_trackers(tmp_path):
+    """--overwrite: the old run's TensorBoard curves and W&B files would show as the new run's (a sweep folder's
+    TensorBoard, `wandb sync`), and its W&B id would be reopened; a sweep's labels for the new run stay."""
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out.tfevents.1").write_bytes(b"old")
+    (tmp_path / "wandb" / "offline-run-1-abcd").mkdir(parents=True)
+    tracking.write_state(tmp_path, {"wandb_id": "abcd", "wandb_step": 9, "group": "s", "name": "A/seed0", "tags": []})
+    RunRecorder(run_cfg(), tmp_path)
+    assert not (tmp_path / "tensorboard").exists() and not (tmp_path / "wandb").exists()
+    assert tracking.read_state(tmp_path) == {"group": "s", "name": "A/seed0", "tags": []}
+    (tmp_path / "wandb").mkdir()
+    tracking.write_state(tmp_path, {"wandb_id": "ef01", "wandb_step": 2})
+    RunRecorder(run_cfg(), tmp_path, resume_round=2)  # a resume keeps them
+    assert (tmp_path / "wandb").exists() and tracking.read_state(tmp_path)["wandb_id"] == "ef01"

@@ -25,7 +25,7 @@ from .checkpoint import CHECKPOINT_NAME
 from .jsonsafe import write_text_atomically
 from .metrics import is_partial, plot_history, read_jsonl, run_problem, summarize, summary_table
 from .progress import SUMMARY_EVENT, Progress
-from .tracking import Tracking
+from .tracking import Tracking, clear_previous
 
 PACKAGES = ("flwr", "torch", "torchvision", "numpy", "ray", "mlxtend", "pyyaml", "matplotlib")
 CODE_PACKAGES = ("fedbr_flwr", "clients", "strategies", "pseudodata")
@@ -323,6 +323,7 @@ class RunRecorder:
         if resume_round is None:  # a run started again in its folder (--overwrite): `--resume` must not find
             for name in PREVIOUS_RUN_FILES:  # the old run's checkpoint, nor a report its old summary
                 (out_dir / name).unlink(missing_ok=True)
+            clear_previous(out_dir)
         self.start = time.time() - elapsed
         self.title = f"{run.strategy} on {run.dataset}"
         self.progress = Progress(out_dir, resumed=resume_round is not None)

@@ -25,6 +25,8 @@ from ..core.errors import ConfigError
 
 TENSORBOARD_DIR = "tensorboard"
 TRACKING_FILE = "tracking.json"
+WANDB_DIR = "wandb"  # W&B's own files (offline runs) under the run folder
+SWEEP_LABELS = ("group", "name", "tags")  # what a sweep writes to tracking.json before its run starts
 # metrics.jsonl fields that are no curve: the round (the step), the training means (rounds.jsonl's, logged
 # with the round) and the per-client accuracies (a histogram)
 EVAL_NOT_SCALARS = ("round", "train", "per_client_acc")
@@ -91,6 +93,15 @@ def label_sweep_run(out_dir: Path, group: str, name: str, tags: list[str]) -> No
     (run, seed)."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     write_state(out_dir, {**read_state(out_dir), "group": group, "name": name, "tags": tags})
+
+
+def clear_previous(out_dir: Path) -> None:
+    """A run started again in its folder: the old run's TensorBoard curves, W&B files and W&B run id go (a
+    sweep's labels for the new run stay), so that no tracker shows them as this run's."""
+    for name in (TENSORBOARD_DIR, WANDB_DIR):
+        shutil.rmtree(Path(out_dir) / name, ignore_errors=True)
+    if (Path(out_dir) / TRACKING_FILE).exists():
+        write_state(out_dir, {k: v for k, v in read_state(out_dir).items() if k in SWEEP_LABELS})
 
 
 class Sink(Protocol):
