@@ -107,6 +107,22 @@ def test_a_run_that_did_not_finish_is_shown_as_failed_and_never_averaged(tmp_pat
     assert rows[0]["seeds"] == "1" and rows[0]["not_finished"] == "seed 1 failed after round 3"
 
 
+def test_a_figure_that_a_finished_seed_lacks_says_over_how_many_seeds_it_is(tmp_path):
+    """Seed 1 finished, but no evaluation reached every client (its accuracy figures are None): A's accuracies
+    are seed 0's alone, and the cell says so beside the row's 2 seeds."""
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.2, 0.6, 0.7, 0.72, 0.74])
+    fake_run(out / "A" / "seed1", [0.3, 0.5])
+    summary = json.loads((out / "A" / "seed1" / "summary.json").read_text())
+    summary.update(mean_acc_best5=None, worst_acc_best5=None, final_mean_acc=None)
+    (out / "A" / "seed1" / "summary.json").write_text(json.dumps(summary))
+    lines = report.write_comparison(out, ["A"], [0, 1], "t").splitlines()
+    a = dict(zip(lines[0].split(" | "), lines[2].split(" | ")))
+    assert a["seeds"] == "2" and a["mean acc, best 5 (%)"] == "59.20 (1/2 seeds)"
+    assert a["final worst client (%)"] == "31.00 ± 8.49"  # both seeds have it
+    assert a["rounds to 50%"] == "4"
+
+
 def test_a_run_paused_at_its_checkpoint_is_shown_as_paused_not_failed(tmp_path):
     """A time limit stopped seed 1 after round 3 of 10, with its checkpoint at round 3: the table says it paused
     and resumes, and still leaves it out of the means. A checkpoint behind the last round means it died."""

@@ -175,7 +175,7 @@ def compare(
             elif why:
                 failed[seed] = why
         row: dict[str, Any] = {"run": setting.run, **{k: dict(setting.cell).get(k) for k in factors}}
-        row["seeds"] = len(summaries)  # the finished seeds, which every figure of the row is over
+        row["seeds"] = len(summaries)  # the finished seeds; a figure some of them lack says over how many
         row["not_finished"] = "; ".join(f"seed {seed} {why}" for seed, why in failed.items())
         num_rounds = max((s.get("last_round") or 0 for s in summaries.values()), default=0)
         for f in columns:
@@ -236,8 +236,8 @@ def _cell(row: dict[str, Any], column: str, kind: str) -> str:
         text = f"{mean:.0f}"
     else:  # one seed has no spread to show
         text = f"{100 * mean:.2f} ± {100 * std:.2f}" if n > 1 else f"{100 * mean:.2f}"
-    if kind == "rounds" and n < row["seeds"]:
-        text += f" ({n}/{row['seeds']} reached)"
+    if n < row["seeds"]:  # a seed without the figure: no target reached, or no evaluation of every client
+        text += f" ({n}/{row['seeds']} reached)" if kind == "rounds" else f" ({n}/{row['seeds']} seeds)"
     return text
 
 
