@@ -730,7 +730,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("superlink", help="start a SuperLink (foreground)")
     security(p)
-    p.add_argument("--auth", action="store_true", help="accept only registered SuperNode keys (needs --certs)")
+    p.add_argument(
+        "--auth",
+        action="store_true",
+        help="accept only registered SuperNode keys (needs --certs); registering keys and submitting runs "
+        "stay open to any machine that reaches the port and has ca.crt (docs/deployment.md: firewall it)",
+    )
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--state-dir", default="superlink-state", help="its database and logs")
