@@ -190,6 +190,8 @@ NODE = ["supernode", "--insecure", "--superlink", "h:1", "--partition-id", "0", 
         (NODE + ["--state-dir", "/dev/null/x"], "--state-dir /dev/null/x cannot be made: /dev/null in its path"),
         (["superlink", "--insecure", "--host", "not_a_host"], "--host 'not_a_host': give the address to listen on"),
         (NODE + ["--auth-key", "nokey"], "--auth-key nokey: no such file"),
+        (["run", "--superlink", "http://127.0.0.1:8000", "--insecure"], "as HOST:PORT (no http://)"),
+        (["register", "--superlink", "127.0.0.1:1", "--insecure", "nosuch.pub"], "public key nosuch.pub: no such"),
     ],
 )
 def test_deploy_command_errors_are_one_clear_message(capsys, monkeypatch, tmp_path, args, message):
@@ -198,6 +200,22 @@ def test_deploy_command_errors_are_one_clear_message(capsys, monkeypatch, tmp_pa
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_node_key_of_the_wrong_kind_or_without_tls_is_one_line_before_flower_starts(tmp_path, capsys, no_process):
+    """Flower exited with codes 302 and 303 (its log saying why), and `register` blamed TLS for a private key."""
+    assert deploy.main(["certs", str(tmp_path / "k"), "--supernodes", "1"]) == 0
+    private, public = tmp_path / "k" / "supernode-0", tmp_path / "k" / "supernode-0.pub"
+    node = ["supernode", "--certs", str(tmp_path / "k"), "--superlink", "h:1", "--partition-id", "0"]
+    for args, message in (
+        (node + ["--num-partitions", "1", "--auth-key", str(public)], "not a private key (give supernode-N, not"),
+        ([*NODE, "--auth-key", str(private)], "--auth-key: SuperNode authentication needs TLS"),
+        (["register", "--superlink", "h:1", "--insecure", str(private)], "not an OpenSSH public key"),
+    ):
+        capsys.readouterr()
+        assert deploy.main(args) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
 
 
 def test_certificates_name_the_hosts_and_node_keys_are_openssh(tmp_path):

@@ -798,8 +798,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     one made the SuperLink or SuperNode exit, or retry for ever, with only its log saying why."""
     if getattr(args, "superlink", None) is not None:
         host, colon, port = args.superlink.rpartition(":")
-        if not (colon and host and port.isdigit() and 1 <= int(port) <= 65535):
-            raise ConfigError(f"--superlink {args.superlink!r}: give the SuperLink as HOST:PORT, e.g. 10.0.0.1:8000")
+        if not (
+            colon and is_host(host.removeprefix("[").removesuffix("]")) and port.isdigit() and 1 <= int(port) <= 65535
+        ):
+            raise ConfigError(
+                f"--superlink {args.superlink!r}: give the SuperLink as HOST:PORT (no http://), e.g. 10.0.0.1:8000"
+            )
     if getattr(args, "port", None) is not None and not 1 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: give a TCP port, 1 to 65535")
     gpu = getattr(args, "gpu", None)
@@ -812,8 +816,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.command == "superlink" and not is_host(args.host):
         raise ConfigError(f"--host {args.host!r}: give the address to listen on (an IP address or a name)")
     auth_key = getattr(args, "auth_key", None)
-    if auth_key and not Path(auth_key).is_file():
-        raise ConfigError(f"--auth-key {auth_key}: no such file (fedbr-deploy certs --supernodes N makes the keys)")
+    if auth_key:
+        check_key_file(Path(auth_key), "--auth-key", private=True)
+        if args.insecure:
+            raise ConfigError("--auth-key: SuperNode authentication needs TLS: give --certs DIR, not --insecure")
+    for key in getattr(args, "keys", None) or []:
+        check_key_file(Path(key), "public key", private=False)
     if args.command == "certs":
         check_output_dir(Path(args.out), "certs folder")
         if (Path(args.out) / CA).exists():
@@ -824,6 +832,19 @@ def check_arguments(args: argparse.Namespace) -> None:
         for host in args.host or []:
             if not is_host(host):
                 raise ConfigError(f"--host {host!r}: give the SuperLink's IP address or DNS name, without a port")
+
+
+def check_key_file(path: Path, what: str, private: bool) -> None:
+    """ConfigError unless ``path`` is a file holding an OpenSSH private key (``private``) or public key, as
+    `fedbr-deploy certs` writes them (supernode-N and supernode-N.pub): Flower's own error says neither."""
+    if not path.is_file():
+        raise ConfigError(f"{what} {path}: no such file (fedbr-deploy certs --supernodes N makes the keys)")
+    with open(path, "rb") as f:
+        start = f.read(100)
+    if private and b"PRIVATE KEY-----" not in start:
+        raise ConfigError(f"{what} {path}: not a private key (give supernode-N, not supernode-N.pub)")
+    if not private and not start.startswith((b"ecdsa-", b"ssh-")):
+        raise ConfigError(f"{what} {path}: not an OpenSSH public key (give supernode-N.pub, not supernode-N)")
 
 
 def is_host(text: str) -> bool:
