@@ -433,8 +433,8 @@ def cmd_run(args) -> int:
             if isinstance(exc, SystemExit) and exc.code != 143:
                 raise
             how = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by SIGTERM"
-            again = f"fedbr-deploy run --superlink {args.superlink} ... --resume {out}"
-            print(f"fedbr-deploy: {how}; {stop_remote_run(env, out, before)}; continue with `{again}`", file=sys.stderr)
+            again = f"`fedbr-deploy run --superlink {args.superlink} ... --resume {out}` on a machine that sees {out}"
+            print(f"fedbr-deploy: {how}; {stop_remote_run(env, out, before)}; continue with {again}", file=sys.stderr)
             return 130 if isinstance(exc, KeyboardInterrupt) else 143
     finally:
         watchdog.remove_temp_dir(home)
