@@ -650,3 +650,20 @@ def test_one_attacking_supernode_under_the_median_gives_the_simulations_accuracy
     assert len(rounds) == fed["num-rounds"] and all(r["clients"] == fed["num-clients"] for r in rounds)
     deployed = evals[-1]["global_acc"]
     assert deployed == pytest.approx(simulated, abs=0.02) and deployed > honest - 0.07, (deployed, simulated, honest)
+
+
+def test_a_flower_process_that_exits_is_named_with_the_error_its_log_ends_on(tmp_path, capsys):
+    """An unregistered key, a port in use: the SuperNode exited with code and reason in its log only."""
+    said = "\x1b[91mERROR \x1b[0m:   Exit Code 305: the SuperNode's public key is not registered"
+    dep = deploy.Deployment(dict(os.environ), tmp_path)
+    dep.start("supernode-0", [sys.executable, "-c", f"print({said!r}); print('INFO : bye'); raise SystemExit(1)"])
+    signal_handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert deploy._foreground(dep) == 1
+    finally:
+        signal.signal(signal.SIGTERM, signal_handler)
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"fedbr-deploy: supernode-0 exited: ERROR :   Exit Code 305: the SuperNode's public key is not registered; "
+        f"see {tmp_path}"
+    )

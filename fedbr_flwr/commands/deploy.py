@@ -41,11 +41,13 @@ from ..core.config import common
 from ..core.errors import ConfigError, OneLineParser
 from ..launch import watchdog
 from ..launch.launcher import (
+    EXIT_LINE,
     RunFailed,
     flags,
     flower_env,
     flower_tool,
     free_port,
+    last_error,
     started_run_id,
     stop_tree,
     submit_run,
@@ -613,7 +615,8 @@ def _foreground(deployment: Deployment, hint=None) -> int:
                     print(f"fedbr-deploy: warning: {message}", file=sys.stderr, flush=True)
             time.sleep(0.5)
         ended = [k for k, p in deployment.procs.items() if p.poll() is not None]
-        print(f"fedbr-deploy: {', '.join(ended)} exited; see {deployment.log_dir}", file=sys.stderr)
+        why = last_error(deployment.log_dir / f"{ended[0]}.log", EXIT_LINE)
+        print(f"fedbr-deploy: {', '.join(ended)} exited{why}; see {deployment.log_dir}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -559,17 +559,19 @@ def how_it_ended(code: int) -> str:
     return f"was killed by {name}{hint}"
 
 
-def last_error(log_path: Path) -> str:
-    """The last line of the Flower log that names an error, to show beside 'the run failed' ("" where there is
-    none, or no log: a process that ended before it opened one)."""
+ERROR_LINE = r"Error|Exception"
+EXIT_LINE = r"ERROR|Error|Exception|Errno|Exit Code"  # also Flower's log level and its exit codes
+
+
+def last_error(log_path: Path, pattern: str = ERROR_LINE) -> str:
+    """The last line of the Flower log that names an error (``pattern``), to show beside 'the run failed' (""
+    where there is none, or no log: a process that ended before it opened one)."""
     try:
         text = log_path.read_text(errors="replace")
     except OSError:
         return ""
     lines = [
-        ANSI_ESCAPE.sub("", ln).strip()
-        for ln in text.splitlines()
-        if re.search(r"Error|Exception", ln) and "Traceback" not in ln
+        ANSI_ESCAPE.sub("", ln).strip() for ln in text.splitlines() if re.search(pattern, ln) and "Traceback" not in ln
     ]
     return f": {lines[-1][:500]}" if lines else ""
 
