@@ -12,6 +12,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -667,3 +668,38 @@ def test_a_flower_process_that_exits_is_named_with_the_error_its_log_ends_on(tmp
         f"fedbr-deploy: supernode-0 exited: ERROR :   Exit Code 305: the SuperNode's public key is not registered; "
         f"see {tmp_path}"
     )
+
+
+def test_a_local_deployment_stopped_by_sigterm_says_how_to_continue_and_marks_its_run_stopped(
+    tmp_path, capsys, monkeypatch
+):
+    """It had no handler: SIGTERM killed it and left only the watchdog's line, and the run read as failed."""
+    from fedbr_flwr.runfiles.progress import PROGRESS_FILE, stopped_on_purpose
+
+    stopped = []
+
+    @contextmanager
+    def deployment(out, *args):
+        try:
+            yield SimpleNamespace(env={})
+        finally:
+            stopped.append(True)  # its processes are stopped as the signal unwinds
+
+    def submitted_then_signalled(cfg, env, connection, out, echo):
+        (out / PROGRESS_FILE).write_text(json.dumps({"kind": "round", "round": 1, "message": "round 1"}) + "\n")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    monkeypatch.setattr(deploy, "local_deployment", deployment)
+    monkeypatch.setattr(deploy, "submit_run", submitted_then_signalled)
+    out, handler = tmp_path / "run", signal.getsignal(signal.SIGTERM)
+    try:
+        code = deploy.main(["local", "--supernodes", "2", "num-clients=2", f"output-dir={out}"])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert code == 143 and stopped == [True] and stopped_on_purpose(out)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"fedbr-deploy: stopped by SIGTERM; its processes stopped; continue with `fedbr-deploy local --supernodes 2 "
+        f"--resume {out}` once a checkpoint exists"
+    ]

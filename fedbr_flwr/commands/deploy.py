@@ -22,6 +22,7 @@ every message in both isolation modes. ``--resume DIR`` continues a run from its
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import ipaddress
 import re
@@ -55,7 +56,7 @@ from ..launch.launcher import (
 )
 from ..launch.worker import write_private
 from ..runfiles import runlock
-from ..runfiles.progress import read_lines
+from ..runfiles.progress import mark_stopped, read_lines
 from ..runfiles.run_io import check_output_dir
 
 CONNECTION = "fedbr"
@@ -414,9 +415,31 @@ def cmd_local(args) -> int:
         f"{' with TLS' if args.tls or args.auth else ''}{' and SuperNode auth' if args.auth else ''} -> {out}",
         flush=True,
     )
-    with runlock.hold(out), local_deployment(out, args.supernodes, args.tls, args.auth, not args.no_worker) as dep:
-        submit_run(cfg, dep.env, CONNECTION, out, echo="progress")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every process it started is stopped
+    try:
+        with runlock.hold(out), local_deployment(out, args.supernodes, args.tls, args.auth, not args.no_worker) as dep:
+            submit_run(cfg, dep.env, CONNECTION, out, echo="progress")
+    except (KeyboardInterrupt, SystemExit) as exc:
+        how, code = stop_of(exc)
+        with contextlib.suppress(OSError):
+            mark_stopped(out, how.removeprefix("stopped by "))
+        again = f"fedbr-deploy local --supernodes {args.supernodes} --resume {out}"
+        print(
+            f"fedbr-deploy: {how}; its processes stopped; continue with `{again}` once a checkpoint exists",
+            file=sys.stderr,
+        )
+        return code
     return _print_result(out)
+
+
+def stop_of(exc: BaseException) -> tuple[str, int]:
+    """How Ctrl-C or SIGTERM (the handler's SystemExit(143)) stopped a command, and its exit code; any other
+    SystemExit goes on."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", 130
+    if isinstance(exc, SystemExit) and exc.code == 143:
+        return "stopped by SIGTERM", 143
+    raise exc
 
 
 def cmd_run(args) -> int:
@@ -432,12 +455,10 @@ def cmd_run(args) -> int:
         try:
             submit_run(cfg, env, CONNECTION, out, echo=args.echo)
         except (KeyboardInterrupt, SystemExit) as exc:
-            if isinstance(exc, SystemExit) and exc.code != 143:
-                raise
-            how = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped by SIGTERM"
+            how, code = stop_of(exc)
             again = f"`fedbr-deploy run --superlink {args.superlink} ... --resume {out}` on a machine that sees {out}"
             print(f"fedbr-deploy: {how}; {stop_remote_run(env, out, before)}; continue with {again}", file=sys.stderr)
-            return 130 if isinstance(exc, KeyboardInterrupt) else 143
+            return code
     finally:
         watchdog.remove_temp_dir(home)
     return _print_result(out)
