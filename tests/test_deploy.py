@@ -423,7 +423,9 @@ def test_resuming_a_local_deployment_with_another_supernode_count_stops_before_a
     (run / "rounds.jsonl").write_text('{"round": 1}\n{"round": 2}\n')
     (run / "metrics.jsonl").write_text('{"round": 2}\n')
     assert deploy.main(["local", "--supernodes", "3", "--resume", str(run)]) == 2
-    assert "has num-clients = 2: resume it with --supernodes 2" in capsys.readouterr().err
+    said = capsys.readouterr()
+    assert "has num-clients = 2: resume it with --supernodes 2" in said.err
+    assert said.out.startswith(f"fedbr-deploy: resuming {run.resolve()} after round 2")  # not fedbr-run's name
 
 
 def test_compare_stops_on_what_a_deployment_cannot_run_before_the_simulation(tmp_path, capsys, monkeypatch):

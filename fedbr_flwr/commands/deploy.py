@@ -346,7 +346,7 @@ def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -
     from ..launch.plan import prepare, resume_config
 
     if resume:
-        cfg = check_deployable(resume_config(Path(resume), items))
+        cfg = check_deployable(resume_config(Path(resume), items, "fedbr-deploy"))
         if num_clients is not None and common(cfg).num_clients not in (0, num_clients):
             raise ConfigError(
                 f"the run in {resume} has num-clients = {common(cfg).num_clients}: resume it with --supernodes "

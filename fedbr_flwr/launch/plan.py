@@ -72,7 +72,7 @@ def config_from_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
+def resume_config(out_dir: Path, items: Sequence[str], command: str = "fedbr-run") -> dict[str, Any]:
     """The config of the run in ``out_dir`` (from its checkpoint), with ``resume`` on and the overrides
     a resumed run may take (num-rounds, checkpoint-every, ...); anything else stops with a message."""
     from ..app.server_app import check_resumable
@@ -103,7 +103,7 @@ def resume_config(out_dir: Path, items: Sequence[str]) -> dict[str, Any]:
     check_records_continue(out_dir, int(header["round"]), saved)
     check_available(cfg)
     cfg["git-commit"] = git_commit(PROJECT_DIR) or "unknown"
-    print(f"fedbr-run: resuming {out_dir} after round {header['round']} of {cfg['num-rounds']}", flush=True)
+    print(f"{command}: resuming {out_dir} after round {header['round']} of {cfg['num-rounds']}", flush=True)
     return cfg
 
 
