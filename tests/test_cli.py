@@ -145,6 +145,15 @@ def test_existing_run_is_not_overwritten(capsys, tmp_path):
     assert code == 2 and "--overwrite" in err
 
 
+def test_list_with_settings_is_refused_rather_than_leaving_them_unread(capsys):
+    code, out, err = run_cli(capsys, "--list", "lr=abc")
+    assert (
+        code == 2
+        and out == ""
+        and err == "fedbr-run: error: --list takes no settings or experiment files (got 'lr=abc')\n"
+    )
+
+
 def test_list_shows_strategies_and_keys(capsys):
     code, out, _ = run_cli(capsys, "--list")
     assert code == 0 and "fedavg" in out and "local-steps" in out

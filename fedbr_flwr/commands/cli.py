@@ -127,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         return error(exc, 2)
     if args.list:
+        if args.items:  # it would list every key and leave them unread
+            return error(f"--list takes no settings or experiment files (got {args.items[0]!r})", 2)
         print(list_keys())
         return 0
     if args.write_pyproject or args.write_docs:
