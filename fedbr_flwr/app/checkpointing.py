@@ -9,7 +9,6 @@ update was used (``fedbr_flwr.core.algorithm.ClientAlgorithm.settle_pending``)."
 from __future__ import annotations
 
 import io
-import logging
 import time
 import zipfile
 from datetime import datetime, timezone
@@ -26,7 +25,6 @@ from ..runfiles.checkpoint import rng_state, save_checkpoint, set_rng_state
 from ..runfiles.run_io import RunRecorder, code_hash
 from .federation import Federation
 
-log = logging.getLogger("flwr")
 Named = dict[str, np.ndarray]
 
 

@@ -12,7 +12,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..app.raycluster import Cluster
 from ..core.config import (
     CHANGEABLE_ON_RESUME,
     ConfigError,
@@ -152,10 +151,10 @@ def check_local_resources(cfg: dict[str, Any]) -> None:
         size_resources(cfg, torch.cuda.is_available(), os.cpu_count() or 1)
 
 
-def size_for_runtime(cfg: dict[str, Any], cluster: Cluster | None = None, superlink: bool = False) -> dict[str, Any]:
+def size_for_runtime(cfg: dict[str, Any], superlink: bool = False) -> dict[str, Any]:
     """``size_resources`` for the runtime the run will use: this machine's cores and GPUs, or those of the
-    running Ray cluster it joins (``ray-address``, else ``RAY_ADDRESS``; ``cluster``: already described), whose
-    resolved address it records; and its ``backend`` (``choose_backend``; ``superlink``: fedbr-run --superlink)."""
+    running Ray cluster it joins (``ray-address``, else ``RAY_ADDRESS``), whose resolved address it records; and
+    its ``backend`` (``choose_backend``; ``superlink``: fedbr-run --superlink)."""
     import torch
 
     from ..app.raycluster import describe, requested_address
@@ -163,13 +162,12 @@ def size_for_runtime(cfg: dict[str, Any], cluster: Cluster | None = None, superl
     address = requested_address(cfg["ray-address"])
     if address is None:
         return choose_backend(size_resources(cfg, torch.cuda.is_available(), os.cpu_count() or 1), superlink)
-    if cluster is None:
-        cluster = describe(address)
-        print(
-            f"fedbr-run: joining the Ray cluster at {cluster.address}: {cluster.nodes} node(s), {cluster.cpus} "
-            f"CPU(s), {cluster.gpus} GPU(s)",
-            flush=True,
-        )
+    cluster = describe(address)
+    print(
+        f"fedbr-run: joining the Ray cluster at {cluster.address}: {cluster.nodes} node(s), {cluster.cpus} "
+        f"CPU(s), {cluster.gpus} GPU(s)",
+        flush=True,
+    )
     joined = {**cfg, "ray-address": cluster.address}
     sized = size_resources(joined, cluster.gpus > 0, cluster.cpus, cluster.gpus, cluster.largest_node_cpus)
     return choose_backend(sized, superlink, cluster=True)

@@ -50,8 +50,7 @@ def encode(arrays: Mapping[str, np.ndarray], compressed: bool = False) -> bytes:
 
 
 def decode(payload: bytes) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(payload), allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}
+    return read(io.BytesIO(payload))
 
 
 def to_uint8(payload: bytes) -> np.ndarray:
@@ -67,6 +66,6 @@ def write(path: Path, arrays: Mapping[str, np.ndarray], compressed: bool = False
     return path
 
 
-def read(path: Path) -> dict[str, np.ndarray]:
+def read(path: Path | io.BytesIO) -> dict[str, np.ndarray]:
     with np.load(path, allow_pickle=False) as data:
         return {k: data[k] for k in data.files}
