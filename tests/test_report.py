@@ -85,6 +85,17 @@ def test_comparison_gives_mean_std_per_seed_and_the_late_move(tmp_path):
     assert lines[3].startswith("| B | 1 | 26.00 | 13.00 | 30.00 | 15.00 | not reached | 0.00 | 10 |")
     rows = list(csv.DictReader(open(out / "comparison.csv")))
     assert rows[0]["run"] == "A" and float(rows[0]["last_fifth_move"]) == pytest.approx(0.04)
+    assert rows[0]["rounds_to_target"] == "5.0" and rows[0]["target_acc"] == "0.5"  # the CSV says of what target
+
+
+def test_the_csv_leaves_the_spread_of_a_missing_late_move_empty(tmp_path):
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.2, 0.6], cfg={"num-rounds": 20})
+    summary = json.loads((out / "A" / "seed0" / "summary.json").read_text())
+    (out / "A" / "seed0" / "summary.json").write_text(json.dumps({**summary, "last_round": 20}))
+    report.write_comparison(out, ["A"], [0], "t")  # finished, but no evaluation in the last fifth of 20 rounds
+    row = next(csv.DictReader(open(out / "comparison.csv")))
+    assert row["seeds"] == "1" and row["last_fifth_move"] == "" and row["last_fifth_move_std"] == ""
 
 
 def test_a_run_that_did_not_finish_is_shown_as_failed_and_never_averaged(tmp_path):

@@ -176,12 +176,17 @@ def compare(
                 failed[seed] = why
         row: dict[str, Any] = {"run": setting.run, **{k: dict(setting.cell).get(k) for k in factors}}
         row["seeds"] = len(summaries)  # the finished seeds; a figure some of them lack says over how many
+        row["target_acc"] = next((s.get("target_acc") for s in summaries.values()), None)  # of rounds_to_target
         row["not_finished"] = "; ".join(f"seed {seed} {why}" for seed, why in failed.items())
         num_rounds = max((s.get("last_round") or 0 for s in summaries.values()), default=0)
         for f in columns:
             if f.column == "last_fifth_move":  # of the mean curve over seeds, so no spread
                 move = last_fifth_move(seed_curves(out, setting, list(summaries), "mean_acc"), num_rounds)
-                stats: tuple[float | None, float | None, int] = move, 0.0, int(move is not None)
+                stats: tuple[float | None, float | None, int] = (
+                    move,
+                    None if move is None else 0.0,
+                    int(move is not None),
+                )
             else:
                 stats = _stats([s.get(f.column) for s in summaries.values()])
             row[f.column], row[f"{f.column}_std"], row[f"{f.column}_n"] = stats
