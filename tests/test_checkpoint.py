@@ -195,6 +195,7 @@ WHOLE = '{"round": 1}\n{"round": 2}\n{"round": 3}\n'
         ("", "", "{}", "no record of round 1 (3 of the 3 rounds"),
         (WHOLE, 'x\n{"round": 2}\n', "{}", "line 1 of metrics.jsonl is not a record of a round"),
         (WHOLE + '{"round": "4"}\n{"round": 5}\n', "", "{}", "line 4 of rounds.jsonl is not a record"),
+        (WHOLE + "{not json}\n", "", "{}", "line 4 of rounds.jsonl is not a record"),
         (WHOLE, "", "[1, 2]", "manifest.json is not a JSON object"),
         (WHOLE, "", "{not json", "manifest.json is not a JSON object"),
         (
@@ -204,7 +205,16 @@ WHOLE = '{"round": 1}\n{"round": 2}\n{"round": 3}\n'
             "its checkpoint is of another run than its manifest.json (lr = 0.05 in the checkpoint, 0.5 in the",
         ),
     ],
-    ids=["gap", "emptied", "garbage-line", "round-not-a-number", "manifest-list", "manifest-torn", "other-run"],
+    ids=[
+        "gap",
+        "emptied",
+        "garbage-line",
+        "round-not-a-number",
+        "ended-garbage-last-line",
+        "manifest-list",
+        "manifest-torn",
+        "other-run",
+    ],
 )
 def test_a_resume_over_damaged_records_stops_with_one_line_and_writes_nothing(
     tmp_path, rounds, metrics, manifest, problem

@@ -219,15 +219,16 @@ def _settings_differ(manifest: dict[str, Any], saved: Mapping[str, Any]) -> str:
 
 def _record_rounds(out_dir: Path, name: str) -> list[int]:
     """The rounds of the records in the JSON-lines file ``name``; ConfigError at a line that is not a record of a
-    round, unless it is the last (a crash cut it short)."""
+    round, unless it is the last and unended (a crash cut it short: ``metrics.read_jsonl``'s rule too)."""
     path = out_dir / name
-    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    lines = text.splitlines()
     rounds = []
     for number, line in enumerate(lines, 1):
         round_ = _round_of(line)
         if round_ is not None:
             rounds.append(round_)
-        elif line.strip() and number < len(lines):
+        elif line.strip() and (number < len(lines) or text.endswith("\n")):
             raise _damaged(out_dir, f"line {number} of {name} is not a record of a round")
     return rounds
 
