@@ -311,6 +311,46 @@ def test_a_sweep_runs_each_job_in_order_then_keeps_them(tmp_path, capsys, monkey
     assert hosts[4:] == [None] * 4  # each run a process of its own
 
 
+def test_a_later_runs_missing_dataset_stops_the_sweep_before_any_run(tmp_path, capsys, monkeypatch):
+    """It was found when that run started, after the runs before it, and stopped the sweep there (with --jobs,
+    halting the run in progress without a word)."""
+    monkeypatch.setattr(sweep, "run_flower", lambda *a, **k: pytest.fail("a run started"))
+    text = SWEEP.replace(
+        "    FedBR no max: {strategy: fedbr, fedbr-max-step: false}\n",
+        f"    Full: {{dataset: mnist, data-dir: '{tmp_path / 'none'}', download: never}}\n",
+    )
+    assert sweep.main([write(tmp_path, text), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedbr-sweep: error: Full seed 0: ") and "mnist" in err[0]
+    assert not (tmp_path / "out" / "FedAvg").exists()
+
+
+def test_a_run_that_cannot_start_fails_alone_and_the_others_go_on(tmp_path, capsys, monkeypatch):
+    """A ConfigError found only as a run starts (its folder taken by a live run, say) is that run's failure, as
+    the docs promise for a failed run: the others run, and the sweep exits 1 naming it."""
+    plan_run, ran = sweep.plan_run, []
+
+    def taken_for_fedavg_seed_1(cfg, overwrite):
+        if cfg["strategy"] == "fedavg" and cfg["seed"] == 1:
+            raise ConfigError(f"{cfg['output-dir']} is in use by a live run")
+        return plan_run(cfg, overwrite)
+
+    def finished_run(plan, echo, host, watch=None):
+        ran.append((plan.config["strategy"], plan.config["seed"]))
+        fake_run(plan.out_dir, dict(plan.config), [0.3, 0.5], last_round=plan.config["num-rounds"])
+
+    monkeypatch.setattr(sweep, "plan_run", taken_for_fedavg_seed_1)
+    monkeypatch.setattr(sweep, "run_flower", finished_run)
+    monkeypatch.setattr(sweep, "shared_host", lambda jobs: __import__("contextlib").nullcontext(None))
+    assert sweep.main([write(tmp_path), "--out", str(tmp_path / "out"), "--quiet"]) == 1
+    assert ran == [("fedavg", 0), ("fedbr", 0), ("fedbr", 1)]
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("FedAvg seed 1 failed: " + str(tmp_path / "out" / "FedAvg" / "seed1") + " is in use by a live run")
+    )
+
+
 def records(folder):
     """A run's per-round records without the fields that measure the machine (time, memory, Ray's node ids)."""
     timed = ("seconds", "time", "elapsed", "wall", "rss", "nodes")

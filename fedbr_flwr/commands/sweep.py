@@ -69,7 +69,7 @@ from ..core.config import (
 )
 from ..core.errors import OneLineParser
 from ..launch.launcher import Echo, RunFailed, RunHost, print_line, run_flower
-from ..launch.plan import check_local_resources, config_from_settings, plan_run
+from ..launch.plan import check_local_resources, check_proxy_dataset, config_from_settings, plan_run
 from ..launch.timelimit import (
     EXIT_TIME_LIMIT,
     RoundWatch,
@@ -271,6 +271,20 @@ def check_this_machine_runs(jobs: list[Job]) -> None:
             raise ConfigError(f"{setting.label} seed {seed}: {exc}") from None
 
 
+def check_data_of(jobs: list[Job]) -> None:
+    """Each run's dataset, split and proxy dataset, read as its start reads them: a missing dataset or an
+    impossible split stops the sweep before any run, not after the runs before it."""
+    from ..data.dataset import make_partition
+
+    for setting, seed, cfg in jobs:
+        try:
+            if common(cfg).num_clients:
+                make_partition(cfg)
+            check_proxy_dataset(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"{setting.label} seed {seed}: {exc}") from None
+
+
 def check_set_per_run(settings: Mapping[str, Any], where: str) -> None:
     """``seed`` and ``output-dir`` are set per run by the sweep: given anywhere else they would be ignored."""
     for key, instead in (("seed", "sweep.seeds or --seeds"), ("output-dir", "--out")):
@@ -396,7 +410,11 @@ class SweepRuns:
         TimeLimitReached (``where``: this run) when the limit stops it or leaves no time to start it."""
         name, seed, cfg = job
         label = f"[{i}/{self.total}] {name.label} seed {seed}"
-        run_plan = plan_run(cfg, overwrite=True)
+        try:
+            run_plan = plan_run(cfg, overwrite=True)
+        except ConfigError as exc:  # found only now (its folder taken by a live run, say): the others go on
+            print_line(f"fedbr-sweep: {label}: failed: {exc}")
+            return f"failed: {exc}"
         run, out_dir = run_plan.settings, run_plan.out_dir  # what the changes below (resume, ...) leave alone
         if finished_with_same_config(run_plan.config):
             problem = finished_run_problem(out_dir)
@@ -621,6 +639,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             if args.report:
                 check_report_page(args.report, Path(args.file).stem)
+            if not args.table_only:
+                check_data_of(jobs)
     except ConfigError as exc:
         print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
         return 2
