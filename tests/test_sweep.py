@@ -553,6 +553,8 @@ def test_a_grid_key_of_an_algorithm_a_run_does_not_use_is_not_crossed_with_it(tm
     ]
     assert len([x for x in labels if x.startswith("DisTrans")]) == 2 * 3 * 2
     assert "DisTrans lr=0.001,distrans-offset-lr=0.1,classes-per-client=2" in labels
+    baseline = sweep.plan(write(tmp_path, text), [], tmp_path, ["FedAvg"])  # the baseline of the grid alone
+    assert [n.label for n, s, _ in baseline if s == 0] == [x for x in labels if x.startswith("FedAvg")]
 
 
 @pytest.mark.parametrize(

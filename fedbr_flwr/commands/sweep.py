@@ -229,7 +229,6 @@ def plan(
         missing = sorted(set(only) - set(runs))
         if missing:
             raise ConfigError(f"--only names unknown runs: {', '.join(missing)}. Runs: {', '.join(runs)}")
-        runs = {name: runs[name] for name in runs if name in only}
     cli_overrides = dict(parse_override(item) for item in overrides)
     check_set_per_run(spec.base, f"in {path}")
     check_set_per_run(cli_overrides, "on the command line")
@@ -240,6 +239,8 @@ def plan(
     unused = [key for key in grid_keys(spec.grid) if not any(key in f for f in factors.values())]
     if unused:
         raise ConfigError(f"{path}: grid key(s) {', '.join(unused)} apply to none of the runs {', '.join(runs)}")
+    if only:  # a grid key of the runs left out is not crossed with these (the baseline of a grid alone)
+        runs = {name: runs[name] for name in runs if name in only}
     jobs: list[Job] = []
     folders = set()
     for seed in seeds:
