@@ -58,6 +58,7 @@ def test_plan_orders_settings_file_then_command_line_then_run_then_seed(tmp_path
         ("sweep:\n  runs: {A: {}}\n  seed: [1]\n", "unknown key"),
         ("sweep:\n  title: [a]\n  runs: {A: {}}\n", "'sweep.title' must be a string"),
         ("sweep:\n  runs: {'a b': {}, 'a/b': {}}\n", "must differ"),
+        ("sweep:\n  runs: {comparison.csv: {}}\n", "run name 'comparison.csv' is a file the sweep writes"),
         ("sweep:\n  runs: {'..': {}}\n", "must differ"),  # its folder would be beside --out, not in it
         ("sweep:\n  runs: {A: {seed: 3}}\n", "seed in run 'A' would be ignored: .* use sweep.seeds or --seeds"),
         ("sweep:\n  runs: {A: {output_dir: x}}\n", "output-dir in run 'A' would be ignored: .* use --out"),

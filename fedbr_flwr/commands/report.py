@@ -434,6 +434,7 @@ class Decision:
 
 
 DAMAGED = "failed: its summary.json, manifest.json or rounds.jsonl is damaged"
+SWEEP_FILES = ("comparison.md", "comparison.csv", "comparison.png", "decisions.png")  # in a sweep's --out
 
 
 def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:

@@ -86,7 +86,18 @@ from ..runfiles.run_io import (
     finished_run_problem,
     manifest_config,
 )
-from .report import HEADLINES, Rule, Setting, cell_name, check_report_page, run_folder, write_comparison, write_report
+from ..runfiles.runlock import SWEEP_LOCK
+from .report import (
+    HEADLINES,
+    SWEEP_FILES,
+    Rule,
+    Setting,
+    cell_name,
+    check_report_page,
+    run_folder,
+    write_comparison,
+    write_report,
+)
 
 SWEEP_KEYS = ("seeds", "runs", "title", "headline", "grid", "decide")
 Factor = list[dict[str, Any]]  # a grid factor's values, each as the config keys it sets
@@ -135,6 +146,9 @@ def load_sweep(path: str) -> SweepFile:
     folders = [run_folder(Path("."), name, 0) for name in runs]
     if len(set(folders)) != len(folders) or any(f.parent.name in ("", "..") for f in folders):  # ".." leaves --out
         raise ConfigError(f"{path}: run names must differ in their letters and digits: {', '.join(runs)}")
+    taken = [f.parent.name for f in folders if f.parent.name in (*SWEEP_FILES, SWEEP_LOCK)]
+    if taken:
+        raise ConfigError(f"{path}: run name {taken[0]!r} is a file the sweep writes in its --out: rename the run")
     grid = load_grid(sweep.get("grid", {}), path)
     rule = Rule.from_block(sweep["decide"], list(runs), f"{path}: 'sweep.decide'") if "decide" in sweep else None
     return SweepFile(data, seeds, runs, grid, rule, sweep.get("title"), sweep.get("headline", "best5"))
