@@ -335,6 +335,26 @@ def test_sweep_report_writes_the_section_with_its_provenance_and_again_identical
     assert page.read_text() == text + "\nWhat this shows (hand-written).\n"  # same runs: same section
 
 
+def test_two_reports_written_to_one_page_at_once_keep_both_sections(tmp_path, monkeypatch):
+    """Another sweep's report lands on the page while this one draws its plots (seconds): the page is read again
+    under a lock when written, so neither section is lost."""
+    out, page = tmp_path / "out", tmp_path / "docs" / "results.md"
+    for name in ("A", "B"):
+        fake_run(out / name / "seed0", [0.3, 0.5])
+    draw, other = report.plot_comparison, []
+
+    def another_report_meanwhile(*args):
+        draw(*args)
+        if not other:
+            other.append("started")
+            report.write_report(page, "other", "Other", "cmd", out, ["B"], [0])
+
+    monkeypatch.setattr(report, "plot_comparison", another_report_meanwhile)
+    report.write_report(page, "mine", "Mine", "cmd", out, ["A"], [0])
+    text = page.read_text(encoding="utf-8")
+    assert "## Mine\n" in text and "## Other\n" in text
+
+
 def test_a_page_with_damaged_markers_is_left_as_it_was(tmp_path, capsys):
     path = write(tmp_path)
     out, page = tmp_path / "out", tmp_path / "results.md"

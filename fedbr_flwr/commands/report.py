@@ -13,16 +13,20 @@
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
+import os
 import re
 import statistics
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..core.config import CommonSettings
 from ..core.errors import ConfigError
 from ..runfiles.checkpoint import checkpoint_round
+from ..runfiles.jsonsafe import write_text_atomically
 from ..runfiles.metrics import CLIENT_METRICS, format_accuracy_axes, read_jsonl, run_problem
 from ..runfiles.progress import stopped_on_purpose
 from ..runfiles.run_io import check_output_dir, manifest_config
@@ -262,8 +266,8 @@ def write_comparison(
         decisions = decide(out, names, seeds, rule)
         text += f"\n#### {rule.method} against {rule.baseline}\n\n{decision_table(decisions, rule, seeds)}"
         plot_decisions(decisions, rule, out / "decisions.png", title)
-    (out / "comparison.md").write_text(text)
-    with open(out / "comparison.csv", "w", newline="") as f:
+    (out / "comparison.md").write_text(text, encoding="utf-8")
+    with open(out / "comparison.csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
@@ -819,12 +823,24 @@ def write_report(
     ``rule``, also the heatmap of its decisions)."""
     plot = page.parent / "results" / f"{key}.png"
     plot.parent.mkdir(parents=True, exist_ok=True)
-    text = read_page(page) if page.exists() else "# Results\n"
     relative = plot.relative_to(page.parent).as_posix()
     section = report_section(key, title, command, out, names, seeds, relative, rule, headline)
-    new_text = replace_section(text, key, section)  # before the plots: damaged markers change nothing
+    replace_section(read_page(page) if page.exists() else "# Results\n", key, section)  # damaged markers: no plots
     plot_comparison(out, names, seeds, plot, title)
     if rule is not None:
         plot_decisions(decide(out, names, seeds, rule), rule, page.parent / decisions_plot(relative), title)
-    page.write_text(new_text)
+    with page_lock(page.parent):  # another sweep's report on the page meanwhile keeps its section
+        text = read_page(page) if page.exists() else "# Results\n"
+        write_text_atomically(page, replace_section(text, key, section))
     return plot
+
+
+@contextmanager
+def page_lock(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (the report page's) while a page in it is read and rewritten."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
