@@ -67,6 +67,25 @@ def test_the_campaigns_limit_is_minutes_or_a_duration(tmp_path, given, limit):
     assert ran.stdout.split()[-4:] == ["--time-limit", limit, "engine=cohort", "data-dir=/d"]
 
 
+@pytest.mark.parametrize(
+    "args, tail",
+    [
+        (["data-dir=/d"], ["--time-limit", "14m", "engine=cohort", "data-dir=/d"]),  # MINUTES left out
+        (["5", "--seeds", "3", "data-dir=/d"], ["5m", "engine=cohort", "data-dir=/d", "--seeds", "3"]),
+        (["--jobs", "2"], ["--time-limit", "14m", "engine=cohort", "--jobs", "2"]),
+    ],
+)
+def test_the_campaign_passes_settings_before_options_that_would_take_them_as_values(tmp_path, args, tail):
+    """fedbr-sweep's --seeds takes every value after it: a setting after it was read as a seed."""
+    stub = tmp_path / "fedbr-sweep"
+    stub.write_text('#!/bin/sh\necho "$@"\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    ran = subprocess.run(["bash", CAMPAIGN, *args], env=env, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split()[-len(tail) :] == tail
+
+
 @pytest.mark.e2e
 def test_the_campaign_in_pieces_ends_with_the_records_of_uninterrupted_runs(tmp_path, capsys, monkeypatch):
     """Three pieces of the campaign's command (tiny config, one seed). Each watch lets 3 rounds pass, then the next
