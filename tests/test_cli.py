@@ -298,6 +298,9 @@ def test_a_value_no_run_can_take_is_one_line_and_exit_2(capsys, tmp_path, monkey
         ("fedbr-sweep", ["experiments/quickstart.yaml", "--seeds", "abc"], "argument --seeds: invalid int value"),
         ("fedbr-deploy", ["bogus"], "argument command: invalid choice: 'bogus'"),
         ("fedbr-bench", ["--bogus"], "fedbr-bench: error: unrecognized arguments: --bogus"),
+        # an abbreviation went into a report's command as written, to mean something else to a later parser
+        ("fedbr-sweep", ["experiments/quickstart.yaml", "--table"], "unrecognized arguments: --table (see"),
+        ("fedbr-run", ["--dry"], "fedbr-run: error: unrecognized arguments: --dry (see fedbr-run --help)"),
     ],
 )
 def test_a_flag_argparse_refuses_is_one_line_and_exit_2(capsys, command, args, message):

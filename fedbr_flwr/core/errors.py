@@ -26,7 +26,11 @@ def describe(exc: BaseException) -> str:
 
 class OneLineParser(argparse.ArgumentParser):
     """A command's argument parser whose errors are one line on stderr and exit code 2, like every other
-    refusal of the commands (argparse's own print the whole usage first: 3 to 6 lines)."""
+    refusal of the commands (argparse's own print the whole usage first: 3 to 6 lines). Options are spelled in
+    full: a command recorded in a report (``--table`` for ``--table-only``) must mean the same when run again."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
