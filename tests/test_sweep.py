@@ -614,6 +614,27 @@ def test_bad_decision_rules_stop_before_any_run(tmp_path, decide, message):
         sweep.plan(write(tmp_path, GRID + f"  decide: {decide}\n"), [], tmp_path / "out", None)
 
 
+def test_a_rule_whose_baseline_is_crossed_with_a_key_its_method_is_not_stops_before_any_run(tmp_path):
+    """It decided 0 of 0 cells, without a word: no FedAvg cell has one DisTrans cell to compare with."""
+    text = GRID.replace("FedBR: {strategy: fedbr}", "DisTrans: {strategy: distrans}").replace(
+        "local_steps: [1, 2]", "distrans-offset-lr: [0.001, 0.01]"
+    )
+    with pytest.raises(ConfigError, match="the baseline DisTrans is crossed with grid key\\(s\\) distrans-offset-lr"):
+        sweep.plan(write(tmp_path, text + "  decide: {method: FedAvg, baseline: DisTrans}\n"), [], tmp_path, None)
+    jobs = sweep.plan(write(tmp_path, text + "  decide: {method: DisTrans, baseline: FedAvg}\n"), [], tmp_path, None)
+    assert len(jobs) == 2 * (2 + 2 * 2)
+
+
+def test_a_table_of_only_one_side_of_the_rule_has_no_decisions(tmp_path, capsys):
+    """--only FedAvg: the rule's method ran in no cell; the table said "0 of 0 cells" where it said nothing."""
+    out = tmp_path / "out"
+    path = write(tmp_path, GRID + "  decide: {method: FedBR, baseline: FedAvg}\n")
+    for setting, seed, cfg in sweep.plan(path, [], out, ["FedAvg"]):
+        fake_run(setting.folder(out, seed), cfg, [0.3, 0.5], last_round=cfg["num-rounds"])
+    assert sweep.main([path, "--out", str(out), "--only", "FedAvg", "--table-only"]) == 0
+    assert "against" not in (out / "comparison.md").read_text() and not (out / "decisions.png").exists()
+
+
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_what_this_machine_cannot_run_stops_the_sweep_before_its_folder(tmp_path, capsys, dry_run):
     """device=cuda on a machine without CUDA stopped only the first run, after the sweep's lock file was written,

@@ -213,6 +213,17 @@ def run_factors(name: str, settings: dict[str, Any], grid: dict[str, Factor]) ->
     return [key for key in grid_keys(grid) if keys[key].owner is None or keys[key].owner in owners]
 
 
+def check_rule_has_cells(rule: Rule | None, factors: dict[str, list[str]]) -> None:
+    """A rule decides each cell of its method against the one baseline cell with the same values of the
+    baseline's factors: a baseline crossed with a grid key its method is not would leave no cell decided."""
+    extra = [] if rule is None else sorted(set(factors[rule.baseline]) - set(factors[rule.method]))
+    if rule is not None and extra:
+        raise ConfigError(
+            f"'sweep.decide': the baseline {rule.baseline} is crossed with grid key(s) {', '.join(extra)} and the "
+            f"method {rule.method} is not, so no cell of {rule.method} has one baseline cell: swap them"
+        )
+
+
 def check_grid_is_alone(grid: dict[str, Factor], cli: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
     """A grid key set on the command line or by a run would silently replace the grid's values: stop."""
     factor_keys = grid_keys(grid)
@@ -253,6 +264,7 @@ def plan(
     unused = [key for key in grid_keys(spec.grid) if not any(key in f for f in factors.values())]
     if unused:
         raise ConfigError(f"{path}: grid key(s) {', '.join(unused)} apply to none of the runs {', '.join(runs)}")
+    check_rule_has_cells(spec.rule, factors)
     if only:  # a grid key of the runs left out is not crossed with these (the baseline of a grid alone)
         runs = {name: runs[name] for name in runs if name in only}
     jobs: list[Job] = []
@@ -697,7 +709,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the command-line overrides say what the file alone does not
     spec = load_sweep(args.file)
     title = " ".join([spec.title or Path(args.file).stem, *args.overrides])
-    rule = spec.rule
+    chosen = {name.run for name in names}  # --only may leave out the rule's method or baseline: no cell to decide
+    rule = spec.rule if spec.rule and {spec.rule.method, spec.rule.baseline} <= chosen else None
     table = write_comparison(out, names, seeds, title, rule, spec.headline)
     print("\n" + table)
     print(f"comparison: {out / 'comparison.md'}, comparison.csv, comparison.png" + (", decisions.png" if rule else ""))
