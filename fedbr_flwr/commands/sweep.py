@@ -135,7 +135,7 @@ def load_sweep(path: str) -> SweepFile:
         raise ConfigError(f"{path}: 'sweep.headline' must be one of {', '.join(HEADLINES)}, got {sweep['headline']!r}")
     if not isinstance(sweep.get("title", ""), str):
         raise ConfigError(f"{path}: 'sweep.title' must be a string, got {sweep['title']!r}")
-    seeds = sweep.get("seeds", [data.get("seed", 0)])
+    seeds = sweep.get("seeds", [0])  # a top-level seed is refused (check_set_per_run)
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
         raise ConfigError(f"{path}: 'sweep.seeds' must be a list of integers >= 0, got {seeds!r}")
     runs = {}
