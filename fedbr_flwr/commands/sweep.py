@@ -54,7 +54,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..core.config import (
     NO_EFFECT_KEYS,
@@ -69,7 +69,7 @@ from ..core.config import (
 )
 from ..core.errors import OneLineParser
 from ..launch.launcher import Echo, RunFailed, RunHost, print_line, run_flower
-from ..launch.plan import check_local_resources, check_proxy_dataset, config_from_settings, plan_run
+from ..launch.plan import check_data, check_local_resources, config_from_settings, plan_run
 from ..launch.timelimit import (
     EXIT_TIME_LIMIT,
     RoundWatch,
@@ -288,26 +288,11 @@ def plan(
     return jobs
 
 
-def check_this_machine_runs(jobs: list[Job]) -> None:
-    """This machine's refusals of a run (a CUDA device it lacks, more cores than it has), for each of ``jobs``:
-    before the sweep's folder or any run, and with --dry-run too."""
+def check_each(jobs: list[Job], check: Callable[[dict[str, Any]], None]) -> None:
+    """``check`` on each job's config before any run starts, its refusal naming the run."""
     for setting, seed, cfg in jobs:
         try:
-            check_local_resources(cfg)
-        except ConfigError as exc:
-            raise ConfigError(f"{setting.label} seed {seed}: {exc}") from None
-
-
-def check_data_of(jobs: list[Job]) -> None:
-    """Each run's dataset, split and proxy dataset, read as its start reads them: a missing dataset or an
-    impossible split stops the sweep before any run, not after the runs before it."""
-    from ..data.dataset import make_partition
-
-    for setting, seed, cfg in jobs:
-        try:
-            if common(cfg).num_clients:
-                make_partition(cfg)
-            check_proxy_dataset(cfg)
+            check(cfg)
         except ConfigError as exc:
             raise ConfigError(f"{setting.label} seed {seed}: {exc}") from None
 
@@ -653,7 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = check_path(out, "--out").resolve()
         jobs = plan(args.file, args.overrides, out, args.only, args.seeds)
         if not args.table_only:
-            check_this_machine_runs(jobs)
+            check_each(jobs, check_local_resources)  # a CUDA device or cores it lacks: with --dry-run too
         if not args.dry_run:  # a file in the way stops the sweep now, not with a traceback or after its runs
             check_output_dir(out, "--out")
             for _, _, cfg in [] if args.table_only else jobs:  # one of other settings: before any run starts
@@ -666,8 +651,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             if args.report:
                 check_report_page(args.report, Path(args.file).stem)
-            if not args.table_only:
-                check_data_of(jobs)
+            if not args.table_only:  # a missing dataset or an impossible split: not after the runs before it
+                check_each(jobs, check_data)
     except ConfigError as exc:
         print(f"fedbr-sweep: error: {exc}", file=sys.stderr)
         return 2

@@ -207,8 +207,6 @@ def plan_resumed(out_dir: Path, items: Sequence[str], superlink: bool = False) -
 
 
 def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
-    from ..data.dataset import make_partition
-
     if not cfg["output-dir"]:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg["output-dir"] = str(Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}")
@@ -224,12 +222,20 @@ def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
         cfg["data-dir"] = str(check_path(Path(cfg["data-dir"]), "data-dir").resolve())
     cfg["git-commit"] = cfg["git-commit"] or git_commit(PROJECT_DIR) or "unknown"
     check_pyproject()
-    if cfg["num-clients"]:  # 0 (a deployment: one client per SuperNode) is checked when the nodes are known
-        make_partition(cfg)  # fails here, before Flower starts, on a missing dataset or an impossible split
-    check_proxy_dataset(cfg)
+    check_data(cfg)
     check_available(cfg)
     check_output_dir(out)  # a file in its place, no permission: a message now, not a traceback from Flower
     return cfg
+
+
+def check_data(cfg: dict[str, Any]) -> None:
+    """The run's dataset, split and proxy dataset, read as its start reads them: a ConfigError now, before
+    Flower starts, on a missing dataset or an impossible split."""
+    from ..data.dataset import make_partition
+
+    if cfg["num-clients"]:  # 0 (a deployment: one client per SuperNode) is checked when the nodes are known
+        make_partition(cfg)
+    check_proxy_dataset(cfg)
 
 
 def check_resume_key(out: Path) -> None:
