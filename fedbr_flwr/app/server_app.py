@@ -13,7 +13,7 @@ from flwr.server.compat import start_grid
 from strategies.base import strategy_class
 
 from ..core.algorithm import client_class
-from ..core.config import CHANGEABLE_ON_RESUME, RESUMABLE_KEYS, as_it_ran, common, from_run_config
+from ..core.config import CHANGEABLE_ON_RESUME, as_it_ran, changed_on_resume, common, from_run_config
 from ..core.errors import ConfigError
 from ..core.training import use_device
 from ..data.dataset import load_server_tests
@@ -25,8 +25,8 @@ from .flower_adapter import chooses_backend_per_run, receive_replies_promptly
 
 
 def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], rounds_done: int) -> None:
-    run, saved = common(cfg), as_it_ran(saved)
-    changed = sorted(k for k in cfg if k not in RESUMABLE_KEYS and k in saved and saved[k] != cfg[k])
+    run, changed = common(cfg), changed_on_resume(saved, cfg)
+    saved = as_it_ran(saved)
     if changed:
         diffs = ", ".join(f"{k} = {saved[k]!r} in the checkpoint, {cfg[k]!r} now" for k in changed)
         raise ConfigError(f"cannot resume with a different config ({diffs}); only {CHANGEABLE_ON_RESUME} may change")

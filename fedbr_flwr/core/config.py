@@ -345,6 +345,13 @@ def as_it_ran(saved: Mapping[str, Any]) -> dict[str, Any]:
     return {**defaults(), **saved}
 
 
+def changed_on_resume(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """The keys of ``now`` that a resume may not change (not RESUMABLE_KEYS) whose value differs from the stored
+    run's config ``saved`` (as it ran)."""
+    ran = as_it_ran(saved)
+    return sorted(k for k in now if k not in RESUMABLE_KEYS and k in ran and ran[k] != now[k])
+
+
 def _coerce(key: str, spec: Key, value: Any) -> Any:
     default = spec.default
     if spec.names and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):

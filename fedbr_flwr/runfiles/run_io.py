@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..core.config import RESUMABLE_KEYS, as_it_ran, common
+from ..core.config import as_it_ran, changed_on_resume, common
 from ..core.errors import ConfigError, quoted
 from . import jsonsafe
 from .checkpoint import CHECKPOINT_NAME
@@ -213,7 +213,7 @@ def _settings_differ(manifest: dict[str, Any], saved: Mapping[str, Any]) -> str:
     except (KeyError, TypeError, AttributeError):
         return ""
     saved = as_it_ran(saved)
-    differ = sorted(k for k in saved if k not in RESUMABLE_KEYS and ran.get(k, saved[k]) != saved[k])
+    differ = changed_on_resume(ran, saved)
     return f"{differ[0]} = {saved[differ[0]]!r} in the checkpoint, {ran[differ[0]]!r} in the manifest" if differ else ""
 
 
