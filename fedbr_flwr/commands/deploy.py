@@ -50,6 +50,7 @@ from ..launch.launcher import (
     free_port,
     last_error,
     started_run_id,
+    stop_cause,
     stop_tree,
     submit_run,
     wait_healthy,
@@ -422,7 +423,7 @@ def cmd_local(args) -> int:
     except (KeyboardInterrupt, SystemExit) as exc:
         how, code = stop_of(exc)
         with contextlib.suppress(OSError):
-            mark_stopped(out, how.removeprefix("stopped by "))
+            mark_stopped(out, stop_cause(exc))
         again = f"fedbr-deploy local --supernodes {args.supernodes} --resume {out}"
         print(
             f"fedbr-deploy: {how}; its processes stopped; continue with `{again}` once a checkpoint exists",
