@@ -295,7 +295,7 @@ def test_a_value_no_run_can_take_is_one_line_and_exit_2(capsys, tmp_path, monkey
     [
         ("fedbr-run", ["--bogus"], "fedbr-run: error: unrecognized arguments: --bogus (see fedbr-run --help)"),
         ("fedbr-run", ["--resume"], "argument --resume: expected one argument"),
-        ("fedbr-sweep", ["experiments/quickstart.yaml", "--seeds", "abc"], "argument --seeds: invalid int value"),
+        ("fedbr-sweep", ["experiments/quickstart.yaml", "--seeds", "abc"], "argument --seeds: invalid seed 'abc'"),
         ("fedbr-deploy", ["bogus"], "argument command: invalid choice: 'bogus'"),
         ("fedbr-bench", ["--bogus"], "fedbr-bench: error: unrecognized arguments: --bogus"),
         # an abbreviation went into a report's command as written, to mean something else to a later parser

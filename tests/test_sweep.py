@@ -1,6 +1,7 @@
 """fedbr-sweep: the plan of runs, its errors, resuming (no processes), plus one short real sweep. Its
 tables, plots and results page: test_report.py."""
 
+import contextlib
 import json
 import re
 import shutil
@@ -73,6 +74,24 @@ def test_bad_sweep_files_stop_before_any_run(tmp_path, text, message):
 def test_only_with_an_unknown_name_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="unknown runs: Nope"):
         sweep.plan(write(tmp_path), [], tmp_path / "out", ["Nope"])
+
+
+@pytest.mark.parametrize("options", [["--only", "FedAvg", "lr=0.3"], ["--seeds", "1", "lr=0.3"]])
+def test_settings_typed_after_only_or_seeds_are_settings_of_every_run(tmp_path, monkeypatch, options):
+    ran = runs_that_finish(monkeypatch)
+    assert sweep.main([write(tmp_path), "--out", str(tmp_path / "out"), "--quiet", *options]) == 0
+    assert ran and {c["lr"] for c in ran} == {0.3}
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [(["--seeds", "lr=0.3"], "--seeds names no seed: lr=0.3"), (["--seeds", "0", "one"], "invalid seed 'one'")],
+)
+def test_seeds_that_are_not_seeds_stop_with_one_line(tmp_path, capsys, options, message):
+    with pytest.raises(SystemExit) if "invalid" in message else contextlib.nullcontext():
+        assert sweep.main([write(tmp_path), "--out", str(tmp_path / "out"), *options]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and not (tmp_path / "out").exists()
 
 
 def fake_run(folder, cfg, accs, target=0.5, last_round=None):

@@ -575,7 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", help="key=value settings for every run")
     parser.add_argument("--out", type=Path, help="output folder (default: runs/<file name>)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these runs of the file")
-    parser.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="these seeds instead of the file's")
+    parser.add_argument(
+        "--seeds", nargs="+", type=seed_or_setting, metavar="SEED", help="these seeds instead of the file's"
+    )
     parser.add_argument("--dry-run", action="store_true", help="validate every run and list them, then exit")
     parser.add_argument("--table-only", action="store_true", help="do not run; rebuild the comparison")
     parser.add_argument("--quiet", action="store_true", help="no per-round progress")
@@ -611,6 +613,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def seed_or_setting(text: str) -> int | str:
+    """A --seeds value, or a key=value setting typed after the seeds (argparse hands it to the list before it)."""
+    if "=" in text:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid seed {text!r}: seeds are whole numbers") from None
+
+
+def settings_to_overrides(args: argparse.Namespace) -> None:
+    """Move the key=value settings that followed --only or --seeds out of those lists, into the overrides: the
+    same command means the same run whether its settings come before or after the options."""
+    for name in ("only", "seeds"):
+        values = getattr(args, name)
+        if values:
+            kept = [v for v in values if not (isinstance(v, str) and "=" in v)]
+            if not kept:
+                noun = {"only": "run", "seeds": "seed"}[name]
+                raise ConfigError(f"--{name} names no {noun}: {' '.join(map(str, values))} are settings")
+            args.overrides += [v for v in values if v not in kept]
+            setattr(args, name, kept)
+
+
 def seeds_left_out(jobs: list[Job], seeds: list[int]) -> list[int]:
     """The other seeds that have a run beside this sweep's runs in their folders (a sweep continued into the same
     --out with other --seeds), which its comparison does not cover."""
@@ -632,6 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the report's command, as a user would type it: without the switches that only skip work
     report_command = shlex.join(["fedbr-sweep", *(a for a in argv if a not in ("--table-only", "--quiet"))])
     try:
+        settings_to_overrides(args)
         deadline = None if args.time_limit is None else stop_deadline(started, parse_duration(args.time_limit))
         if args.jobs < 1:
             raise ConfigError(f"--jobs {args.jobs}: give how many runs may go at once, 1 or more")
