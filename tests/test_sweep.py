@@ -644,6 +644,14 @@ def test_a_rule_whose_baseline_is_crossed_with_a_key_its_method_is_not_stops_bef
     assert len(jobs) == 2 * (2 + 2 * 2)
 
 
+def test_a_rule_on_the_global_test_stops_before_runs_that_never_run_it(tmp_path):
+    """Their summaries never hold global_acc_best5: every cell stayed "incomplete" however long they ran."""
+    rule = "  decide: {method: FedBR, baseline: FedAvg, metrics: [mean_acc_best5, global_acc_best5]}\n"
+    with pytest.raises(ConfigError, match="global_acc_best5, .*FedAvg, FedBR run\\(s\\) without it"):
+        sweep.plan(write(tmp_path, GRID + rule), ["global-test=false"], tmp_path / "out", None)
+    assert sweep.plan(write(tmp_path, GRID + rule), [], tmp_path / "out", None)
+
+
 def test_a_table_of_only_one_side_of_the_rule_has_no_decisions(tmp_path, capsys):
     """--only FedAvg: the rule's method ran in no cell; the table said "0 of 0 cells" where it said nothing."""
     out = tmp_path / "out"

@@ -224,6 +224,19 @@ def check_rule_has_cells(rule: Rule | None, factors: dict[str, list[str]]) -> No
         )
 
 
+def check_rule_metrics_recorded(rule: Rule | None, jobs: list[Job]) -> None:
+    """A rule on the global test's figure decides nothing where its runs never run that test: every cell would
+    stay "incomplete"."""
+    if rule is None or "global_acc_best5" not in rule.metrics:
+        return
+    off = sorted({s.run for s, _, cfg in jobs if s.run in (rule.method, rule.baseline) and not common(cfg).global_test})
+    if off:
+        raise ConfigError(
+            f"'sweep.decide' decides global_acc_best5, which only runs with global-test=true record; "
+            f"{', '.join(off)} run(s) without it: set global-test: true, or drop that metric"
+        )
+
+
 def check_grid_is_alone(grid: dict[str, Factor], cli: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
     """A grid key set on the command line or by a run would silently replace the grid's values: stop."""
     factor_keys = grid_keys(grid)
@@ -285,6 +298,7 @@ def plan(
                     folders.add(folder)
                     jobs.append((setting, seed, cfg))
     check_cells_differ(spec.grid, [setting for setting, seed, _ in jobs if seed == seeds[0]])
+    check_rule_metrics_recorded(spec.rule, jobs)
     return jobs
 
 
