@@ -1,6 +1,7 @@
 """SCAFFOLD (Karimireddy et al. 2020, Algorithm 1 with option II). Client i keeps its control variate
 c_i across rounds (its node state; zero at first). The server sends c as 'control/<key>'. Each local
-step corrects the gradient: y <- y - lr (g(y) - c_i + c). After K steps: c_i+ = c_i - c + (x - y) / (K lr).
+step corrects the gradient: y <- y - lr (g(y) - c_i + c). After K steps: c_i+ = c_i - c + (x - y) / (K lr)
+(with SGD momentum, K is the steps the momentum amounts to: ``steps_along_gradient``).
 The client returns y, and Delta c_i = c_i+ - c_i as 'control-delta/<key>' (the server adds
 sum_i Delta c_i / N to c).
 """
@@ -13,7 +14,7 @@ from clients.fedavg import SupervisedStep
 from fedbr_flwr.core.algorithm import ClientAlgorithm
 from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_client
-from fedbr_flwr.core.training import parameter_tensors, state_arrays
+from fedbr_flwr.core.training import parameter_tensors, state_arrays, steps_along_gradient
 
 CONTROL = "control"  # the server's c, as sent
 CONTROL_DELTA = "control-delta"  # the client's change of c_i, as returned
@@ -39,7 +40,7 @@ class ScaffoldStep(SupervisedStep):
     def new_control_variate(self) -> list[torch.Tensor]:
         """Option II: c_i+ = c_i - c + (x - y) / (K lr), with y the weights after the K local steps."""
         run = common(self.cfg)
-        scale = 1.0 / (run.local_steps * run.lr)
+        scale = 1.0 / (steps_along_gradient(run.local_steps, run.momentum) * run.lr)
         return [
             cl - cg + (x0 - p) * scale for cl, cg, x0, p in zip(self.c_local, self.c_global, self.start, self.params)
         ]

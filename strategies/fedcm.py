@@ -1,5 +1,6 @@
 """FedCM's server part: the global update direction Delta = (x_round_start - x_new) / (lr K) over the
-model's arrays (the mean client step, in gradient units; zero before the first round), sent to every
+model's arrays (the mean client step, in gradient units; zero before the first round; with SGD momentum, K is
+the steps the momentum amounts to, ``steps_along_gradient``), sent to every
 sampled client as 'fedcm-delta/<key>'. A server component: with ``strategy=fedcm`` it rides on FedAvg's
 strategy, with ``fedbr-with=fedcm`` on FedBR's."""
 
@@ -9,13 +10,14 @@ import numpy as np
 
 from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_server_component
+from fedbr_flwr.core.training import steps_along_gradient
 from fedbr_flwr.server.components import ServerComponent
 
 DELTA = "fedcm-delta"  # as the clients read it (clients/fedcm.py)
 MODEL = "model/"
 
 
-def global_update_direction(start: np.ndarray, new: np.ndarray, lr: float, steps: int) -> np.ndarray:
+def global_update_direction(start: np.ndarray, new: np.ndarray, lr: float, steps: float) -> np.ndarray:
     return ((start - new) / (lr * steps)).astype(start.dtype)
 
 
@@ -35,7 +37,12 @@ class GlobalDirection(ServerComponent):
     def after_aggregate(self, new_global):
         run = common(self.cfg)
         self.delta = {
-            key: global_update_direction(self.round_start[key], new_global[MODEL + key], run.lr, run.local_steps)
+            key: global_update_direction(
+                self.round_start[key],
+                new_global[MODEL + key],
+                run.lr,
+                steps_along_gradient(run.local_steps, run.momentum),
+            )
             for key in self.delta
         }
 

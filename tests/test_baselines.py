@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from clients.dann import DANNStep, build_discriminator, reverse_gradient
 from clients.fedavg import SupervisedStep
 from clients.fedbr import FedBRClient, FedBRStep
+from clients.fedcm import blend_with_global_momentum
 from clients.feddecorr import decorrelation_loss
 from clients.fedmix import FedMixClient, fedmix_loss, mean_data
 from clients.fedntd import not_true_distillation_loss
@@ -28,7 +29,7 @@ from fedbr_flwr.core.algorithm import UPDATE_USED, MemoryState, component_class
 from fedbr_flwr.core.config import ConfigError, components_of, validate
 from fedbr_flwr.core.model import build_model
 from fedbr_flwr.core.registry import algorithm_names
-from fedbr_flwr.core.training import module_arrays, parameter_tensors, state_arrays
+from fedbr_flwr.core.training import module_arrays, parameter_tensors, round_sgd, state_arrays, steps_along_gradient
 from fedbr_flwr.data.dataset import ClientData
 from fedbr_flwr.runfiles.run_io import RunRecorder
 from strategies.fedavg import FedAvgStrategy
@@ -155,6 +156,36 @@ def test_scaffold_step_and_control_variate_follow_the_paper():
     new = algo.new_control_variate()  # option II: c_i - c + (x - y) / (K lr)
     by_hand = [cl - cg + (s - p) / (3 * LR) for cl, cg, s, p in zip(c_local, c_global, start, params_of(model))]
     assert close(new, by_hand, atol=1e-5)
+
+
+def test_scaffold_control_variate_under_momentum_is_the_mean_corrected_gradient():
+    """(x - y) / (K lr) is the mean gradient only without momentum: at 0.9 it overstated it about 3-fold over 4
+    steps, and the variates grew by that each round (736 times the momentum-0 size after 5 rounds)."""
+    model = small_model()
+    g = torch.Generator().manual_seed(5)
+    c_global = [0.1 * torch.randn(p.shape, generator=g) for p in model.parameters()]
+    c_local = [0.1 * torch.randn(p.shape, generator=g) for p in model.parameters()]
+    algo = ScaffoldStep(model, cfg_of("scaffold", **{"local-steps": 4, "momentum": 0.9}), c_global, c_local)
+    start = params_of(model)
+    for seed in range(4):
+        algo.update(*batch(seed))
+    steps = 1 + 1.9 + 2.71 + 3.439  # sum of (1 - 0.9^k) / 0.1 over k = 1..4
+    by_hand = [cl - cg + (s - p) / (steps * LR) for cl, cg, s, p in zip(c_local, c_global, start, params_of(model))]
+    assert close(algo.new_control_variate(), by_hand, atol=1e-5)
+
+
+def test_a_constant_gradient_moves_sgd_by_lr_times_its_steps_along_the_gradient():
+    assert steps_along_gradient(7, 0.0) == 7.0
+    assert math.isclose(steps_along_gradient(50, 0.9), sum((1 - 0.9**k) / 0.1 for k in range(1, 51)))
+    for momentum in (0.0, 0.5, 0.9):
+        owner = torch.nn.Linear(3, 1)
+        optimizer = round_sgd(owner, owner.parameters(), cfg_of("fedavg", momentum=momentum))
+        before = owner.weight.detach().clone()
+        for _ in range(50):
+            owner.weight.grad, owner.bias.grad = torch.ones_like(owner.weight), torch.zeros_like(owner.bias)
+            optimizer.step()
+        moved = (before - owner.weight.detach()) / LR
+        torch.testing.assert_close(moved, torch.full_like(moved, steps_along_gradient(50, momentum)), rtol=1e-5, atol=0)
 
 
 def test_scaffold_server_control_moves_by_the_mean_change_over_all_clients():
@@ -441,6 +472,24 @@ def test_fedcm_server_direction_is_the_mean_step_in_gradient_units(tmp_path):
     strategy.aggregate_fit(1, [(None, fit_res(moved, 10, {"partition-id": i})) for i in range(2)], [])
     for d in strategy.round_arrays(2, moved).values():
         np.testing.assert_allclose(d, 0.2 / (LR * 4), rtol=1e-5)
+
+
+def test_fedcm_direction_under_momentum_decays_on_a_flat_loss_instead_of_growing():
+    """On a flat loss each round's direction is (1 - alpha) of the last one. Divided by lr K, the momentum's
+    own push made it 7.4 times the last one at momentum 0.9 and K = 50: FedCM diverged whatever the loss."""
+    alpha, steps = 0.1, 50
+    cfg = cfg_of("fedcm", **{"fedcm-alpha": alpha, "momentum": 0.9, "local-steps": steps})
+    owner = torch.nn.Linear(4, 1, bias=False)
+    weight, delta = owner.weight, torch.ones(1, 4)
+    for _ in range(3):
+        optimizer, start = round_sgd(owner, [weight], cfg), weight.detach().numpy().copy()
+        for _ in range(steps):
+            weight.grad = torch.zeros(1, 4)  # no gradient of its own: the step is the blend's (1 - alpha) delta
+            blend_with_global_momentum([weight.grad], [delta], alpha)
+            optimizer.step()
+        new = global_update_direction(start, weight.detach().numpy(), LR, steps_along_gradient(steps, 0.9))
+        np.testing.assert_allclose(new, (1 - alpha) * delta.numpy(), rtol=1e-4)
+        delta = torch.as_tensor(new)
 
 
 def test_parameter_tensors_and_state_arrays_are_inverse():
