@@ -103,6 +103,13 @@ def set_metric(name, value):
     return change
 
 
+def set_loss(loss):
+    def change(res):
+        res.loss = loss
+
+    return change
+
+
 def set_count(n):
     def change(res):
         res.num_examples = n
@@ -120,8 +127,20 @@ def set_count(n):
         (set_metric("accuracy", "high"), "reports accuracy 'high', not a finite number"),
         (set_count(10**9), "reports 1000000000 test samples, but its partition holds"),
         (set_count(0), "reports 0 test samples"),
+        (set_metric("accuracy", 10**400), "not a finite number"),  # OverflowError out of the server
+        (set_loss(10**400), "not a number >= 0"),
     ],
-    ids=["acc-5", "acc-minus-3", "acc-nan", "acc-missing", "acc-str", "huge-test-count", "no-test-samples"],
+    ids=[
+        "acc-5",
+        "acc-minus-3",
+        "acc-nan",
+        "acc-missing",
+        "acc-str",
+        "huge-test-count",
+        "no-test-samples",
+        "acc-huge-int",
+        "loss-huge-int",
+    ],
 )
 def test_a_tampered_evaluation_is_not_counted_and_the_evaluation_is_partial(tmp_path, change, reason):
     _, rounds, evals = federation(tmp_path, evaluate=change)
@@ -158,7 +177,10 @@ def test_a_fit_reply_with_too_many_or_too_long_metrics_is_rejected(tmp_path, ext
         ("fedavg", "loss", [1.0, 2.0]),
         ("fedbr", "pseudo-version", "abc"),  # which pseudo-data it holds: read before any screening
         ("fedbr", "pseudo-version", float("nan")),
+        ("fedavg", "loss", 10**400),  # an int past float's range: OverflowError in the round's mean
+        ("groupdro", "first-loss", 10**400),  # and in GroupDRO's weights
     ],
+    ids=["str-seconds", "bytes-loss", "list-loss", "str-version", "nan-version", "huge-int-loss", "huge-int-first"],
 )
 def test_a_fit_metric_that_is_no_number_rejects_the_update_and_raises_nothing(tmp_path, strategy, name, value):
     """Each of these raised out of the server's aggregate_fit, and so stopped the run."""
@@ -242,6 +264,7 @@ def test_counts_are_whole_numbers_within_the_known_size():
     assert "not a whole number" in count_problem(3.0, 400, "training samples")
     assert "not a whole number" in count_problem(True, 400, "training samples")
     assert "holds 400" in count_problem(401, 400, "training samples")
+    assert "2**63 or more" in count_problem(10**400, None, "training samples")  # its weight overflowed the mean
 
 
 def test_an_error_message_quotes_a_long_value_cut_short():

@@ -26,7 +26,7 @@ class FakeProxy(OfflineProxy):
         self.pid, self.phash, self.num_partitions = pid, phash, num_partitions
 
     def get_properties(self, ins, timeout, group_id):
-        props = {"partition-id": self.pid, "partition-hash": self.phash}
+        props = {"partition-id": self.pid, "partition-hash": self.phash, "num-train": 40, "num-test": 10}
         if self.num_partitions is not None:
             props["num-partitions"] = self.num_partitions
         return GetPropertiesRes(Status(Code.OK, ""), props)
@@ -126,8 +126,26 @@ class PropertiesProxy(FakeProxy):
         ({"partition-hash": None}, "partition-hash None is not a string"),
         ({"partition-id": float("inf")}, "OverflowError"),
         ({"class-counts": "9" * 20 + ",3" * 9}, "OverflowError"),
+        ({"num-train": float("inf")}, "num-train inf is not a sample count"),
+        ({"num-train": "9" * 400}, "num-train '9999.* is not a sample count"),
+        ({"num-test": -3}, "num-test -3 is not a sample count"),
+        ({"num-train": True}, "num-train True is not a sample count"),
+        ({"num-train": 2**63}, "num-train 9223372036854775808 is not a sample count"),
     ],
-    ids=["partition-id", "class-counts-text", "negative-count", "two-counts", "no-hash", "inf-id", "huge-count"],
+    ids=[
+        "partition-id",
+        "class-counts-text",
+        "negative-count",
+        "two-counts",
+        "no-hash",
+        "inf-id",
+        "huge-count",
+        "inf-size",
+        "text-size",
+        "negative-size",
+        "bool-size",
+        "int64-size",
+    ],
 )
 def test_a_node_whose_partition_cannot_be_read_stops_discovery_with_one_message(tmp_path, changed, reason):
     """These raised a bare ValueError or TypeError that named no node (or, for counts, went into DisTrans' DH)."""
@@ -138,19 +156,17 @@ def test_a_node_whose_partition_cannot_be_read_stops_discovery_with_one_message(
         strategy.configure_fit(1, payload.to_parameters({}), manager)
 
 
-@pytest.mark.parametrize(
-    "size", [float("inf"), "9" * 400, -3, 0, True, None], ids=["inf", "huge", "negative", "zero", "bool", "none"]
-)
-def test_a_size_a_node_cannot_have_is_unknown_and_feddyn_scales_it_by_one(size):
-    """A node's reported training-sample count of inf raised OverflowError out of discovery, and one of 0 made
-    FedDyn's alpha_k divide by zero; the server then knows no size for it, as for an unreadable one."""
+def test_a_node_of_no_training_samples_has_every_update_rejected_and_feddyn_scales_it_by_one():
+    """A node's reported size of 0 made FedDyn's alpha_k divide by zero; an unreadable one was taken as unknown,
+    and its later counts were then bounded by nothing (any weight under weighting=samples)."""
     from fedbr_flwr.app.federation import Federation
-    from fedbr_flwr.server.updates import size_share
+    from fedbr_flwr.server.updates import count_problem, known_size, size_share
 
     federation = Federation(validate({"strategy": "feddyn"}))
-    federation._add_sizes(0, {"num-train": size, "num-test": 5})
+    federation._add_sizes(0, {"num-train": 0, "num-test": 5})
     federation._add_sizes(1, {"num-train": 40, "num-test": 5})
-    assert federation.sizes == {1: (40, 5)} and size_share(federation.sizes, 0) == 1.0
+    assert federation.sizes == {0: (0, 5), 1: (40, 5)} and size_share(federation.sizes, 0) == 1.0
+    assert "its partition holds 0" in count_problem(1, known_size(federation.sizes, 0, 0), "training samples")
     assert size_share({0: (0, 5), 1: (0, 5)}, 0) == 1.0  # FedDyn's alpha_k = alpha / share: no zero division
     assert size_share({0: (10, 5), 1: (30, 5)}, 0) == 0.5
 

@@ -16,9 +16,10 @@ from flwr.server.client_proxy import ClientProxy
 
 from ..core import seeds
 from ..core.config import common, sampled_per_round
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, quoted
 from ..data.catalog import INFO
 from ..data.partition import heterogeneity_from_counts
+from ..server.updates import MAX_COUNT, is_real
 from . import cohort, payload
 
 log = logging.getLogger("flwr")
@@ -114,10 +115,8 @@ class Federation:
             self.class_counts[pid] = read_class_counts(class_counts, pid, INFO[common(self.cfg).dataset].num_classes)
 
     def _add_sizes(self, pid: int, props: dict) -> None:
-        # an unreadable size is unknown: replies are checked against the server's own partition, or not at all
-        train, test = reported_count(props.get("num-train")), reported_count(props.get("num-test"))
-        if train and test is not None:
-            self.sizes[pid] = (train, test)
+        # what a node says here bounds its later counts where the server lacks the dataset: it must say something
+        self.sizes[pid] = (reported_count(props, "num-train"), reported_count(props, "num-test"))
 
     def is_cohort(self, proxy: ClientProxy | None) -> bool:
         return proxy is not None and proxy.cid in self.members_by_cid
@@ -217,16 +216,14 @@ def read_partition(add: Callable[[ClientProxy, dict, int], str], proxy: ClientPr
         ) from None
 
 
-def reported_count(value: Any) -> int | None:
-    """A sample count a node reports in its properties, where it reads as a whole number that numpy can hold,
-    >= 0 (else None)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        count = int(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return count if 0 <= count < 2**63 else None
+def reported_count(props: dict, key: str) -> int:
+    """The sample count a node reports under ``key`` in its properties: a whole number that numpy can hold,
+    >= 0; else ValueError (a discovery error)."""
+    value: Any = props.get(key)
+    count = None if isinstance(value, (bool, float)) or not is_real(value) else int(value)
+    if count is None or not 0 <= count < MAX_COUNT:
+        raise ValueError(f"{key} {quoted(value, 60)} is not a sample count")
+    return count
 
 
 def partition_hash(props: dict) -> str:

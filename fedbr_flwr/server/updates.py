@@ -63,6 +63,7 @@ NUMERIC_KINDS = "biuf"  # bool, integer, unsigned, float: what an array in an up
 # a client reports a few dozen metrics with short names, and each one a round averages becomes a key of that
 # round's rounds.jsonl line (and a tracked scalar): more, or longer names, are no client of ours
 MAX_METRICS, MAX_METRIC_NAME = 256, 100
+MAX_COUNT = 2**63  # a sample count past int64 is no client's, and a weight of it overflows float64's mean
 
 
 def update_problem(
@@ -145,15 +146,23 @@ def count_problem(n: Any, known: int | None, what: str) -> str | None:
     ``known`` size of the client's partition (None: not known)."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
         return f"reports {what} {quoted(n, 60)}, not a whole number"
-    if n < 1:
-        return f"reports {n} {what}"
+    if not 1 <= n < MAX_COUNT:
+        return f"reports {n if n < 1 else '2**63 or more'} {what}"
     if known is not None and n > known:
         return f"reports {n} {what}, but its partition holds {known}"
     return None
 
 
 def is_real(value: Any) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    """A real number that a float holds (NaN and Inf included); a Python int past float's range is none: the
+    server's means and checks of it would raise OverflowError."""
+    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def evaluation_problem(loss: Any, n: Any, accuracy: Any, known_test: int | None) -> str | None:
