@@ -112,9 +112,17 @@ class FederatedStrategy(FlowerStrategy):
         """The new global arrays from the round's accepted updates (``rnd.combine``: every mean goes through it)."""
         return rnd.combine(self.global_names, relative_to=rnd.sent)
 
-    def after_aggregate(self, new_global: Named) -> None:
-        for component in self.components:
-            component.after_aggregate(new_global)
+    def finite_or_kept(self, rnd: AggregationRound, what: str, new: Named, old: Named, *derived: Named) -> Named:
+        """``new`` server state, or ``old`` with a warning where it or arrays ``derived`` from it hold Inf or NaN:
+        accepted but huge updates can sum past float32's largest, and every client would be sent Inf from then on."""
+        if all(np.isfinite(a).all() for arrays in (new, *derived) for a in arrays.values()):
+            return new
+        self._warn(rnd.number, [f"{what} would hold Inf: it is kept"])
+        return old
+
+    def after_aggregate(self, new_global: Named) -> list[str]:
+        """The components' ``after_aggregate``; their warnings."""
+        return [line for component in self.components for line in component.after_aggregate(new_global)]
 
     def after_discovery(self) -> dict[str, Any]:
         """Called once every client has reported its partition; returns extra manifest entries."""

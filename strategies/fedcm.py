@@ -36,15 +36,16 @@ class GlobalDirection(ServerComponent):
 
     def after_aggregate(self, new_global):
         run = common(self.cfg)
-        self.delta = {
-            key: global_update_direction(
-                self.round_start[key],
-                new_global[MODEL + key],
-                run.lr,
-                steps_along_gradient(run.local_steps, run.momentum),
-            )
-            for key in self.delta
-        }
+        steps = steps_along_gradient(run.local_steps, run.momentum)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught below
+            delta = {
+                key: global_update_direction(self.round_start[key], new_global[MODEL + key], run.lr, steps)
+                for key in self.delta
+            }
+        if not all(np.isfinite(d).all() for d in delta.values()):  # every client would be sent Inf from then on
+            return ["FedCM's global direction would hold Inf: the last one is kept"]
+        self.delta = delta
+        return []
 
     def checkpoint_state(self):
         return {f"fedcm/delta/{key}": d for key, d in self.delta.items()}

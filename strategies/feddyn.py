@@ -29,14 +29,17 @@ class FedDynStrategy(FederatedStrategy):
 
     def aggregate(self, rnd):
         alpha, m = self.settings.alpha, common(self.cfg).num_clients  # its settings, declared in clients/feddyn.py
-        mean = self.mean = super().aggregate(rnd)
-        for name, h in self.h.items():
-            if rnd.plan.is_mean or rnd.plan.selected is not None:  # the sum itself, over the updates used
-                drift = sum(u.arrays[name] - rnd.sent[name] for u in rnd.used)
-            else:  # a per-coordinate rule's or a clipped mean's estimate of it
-                drift = len(rnd.used) * (mean[name] - rnd.sent[name])
-            self.h[name] = (h - alpha / m * drift).astype(h.dtype)
-        return {name: (mean[name] - self.h[name] / alpha).astype(mean[name].dtype) for name in mean}
+        mean, moved = super().aggregate(rnd), {}
+        with np.errstate(over="ignore", invalid="ignore"):  # an Inf is caught by finite_or_kept
+            for name, h in self.h.items():
+                if rnd.plan.is_mean or rnd.plan.selected is not None:  # the sum itself, over the updates used
+                    drift = sum(u.arrays[name] - rnd.sent[name] for u in rnd.used)
+                else:  # a per-coordinate rule's or a clipped mean's estimate of it
+                    drift = len(rnd.used) * (mean[name] - rnd.sent[name])
+                moved[name] = (h - alpha / m * drift).astype(h.dtype)
+            new = {name: (mean[name] - moved[name] / alpha).astype(mean[name].dtype) for name in mean}
+        self.mean, self.h = mean, self.finite_or_kept(rnd, "FedDyn's h", moved, self.h, new)
+        return new if self.h is moved else mean  # h kept: this round serves the clients' mean
 
     def reported_arrays(self, served):
         return served if self.mean is None else self.mean

@@ -54,12 +54,9 @@ class ScaffoldStrategy(FederatedStrategy):
             robust = rnd.combine(list(self.delta_names()), weights=[1.0] * len(rnd.updates))
             deltas = {key: [len(rnd.used) * robust[f"{CONTROL_DELTA}/{key}"]] for key in self.control}
         num_clients = common(self.cfg).num_clients
-        with np.errstate(over="ignore"):  # an overflow is caught below
+        with np.errstate(over="ignore"):  # an Inf is caught by finite_or_kept
             moved = {key: update_server_control(c, deltas[key], num_clients) for key, c in self.control.items()}
-        if all(np.isfinite(c).all() for c in moved.values()):
-            self.control = moved
-        else:  # finite changes near float32's largest sum past it: every client would be sent Inf from then on
-            self._warn(rnd.number, ["the server control variate would hold Inf: it is kept"])
+        self.control = self.finite_or_kept(rnd, "the server control variate", moved, self.control)
         with np.errstate(over="ignore"):  # a norm past float32's range is recorded as null
             norm = np.sqrt(sum(float((c**2).sum()) for c in self.control.values()))
         self.server_metrics = {"control-norm": float(norm)}

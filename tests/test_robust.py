@@ -404,6 +404,25 @@ def test_scaffold_keeps_its_control_variate_when_finite_changes_would_sum_past_f
     assert max(float(np.abs(c).max()) for c in s.control.values()) == pytest.approx(3e38, rel=1e-3)
 
 
+@pytest.mark.parametrize("strategy", ["feddyn", "fedcm"])
+def test_feddyn_and_fedcm_keep_their_state_when_finite_updates_would_take_it_past_float32(tmp_path, strategy):
+    """Two clients' models of 3e38 took FedDyn's h (a float32 sum) and of -3e38 FedCM's direction (over lr K < 1)
+    to Inf: every later update was NaN and rejected, and no round trained again."""
+    from fedbr_flwr.app.strategy import aggregate_accepted
+
+    s, g, ups = strategy_with_updates(tmp_path, strategy, "mean", 3, 3)
+    s.sent = g
+    for u in ups[:2]:
+        u.arrays = {n: np.full_like(a, 3e38 if strategy == "feddyn" else -3e38) for n, a in u.arrays.items()}
+    for server_round in (1, 2):
+        s.round_arrays(server_round, s.sent)  # FedCM's round start
+        _, skipped = aggregate_accepted(s, server_round, ups)
+        state = s.h.values() if strategy == "feddyn" else s.components[0].delta.values()
+        assert not skipped and all(np.isfinite(a).all() for a in (*state, *s.latest.values()))
+    warnings = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert [w["round"] for w in warnings if "would hold Inf: " in w["message"]] == [1, 2]
+
+
 def test_norm_bound_relative_to_the_median_refuses_two_sampled_clients():
     with pytest.raises(ConfigError, match="sample at least 3, or set norm-bound"):
         validate({"aggregation": "norm-bound", "num-clients": 2})

@@ -45,7 +45,7 @@ class FlowerStrategy(Strategy):
     aggregation_weights: Callable[[list[ClientUpdate]], list[float]]
     judged_groups: Callable[[], tuple[JudgedGroup, ...]]
     aggregate: Callable[[AggregationRound], payload.Named]
-    after_aggregate: Callable[[payload.Named], None]
+    after_aggregate: Callable[[payload.Named], list[str]]
     after_discovery: Callable[[], dict[str, Any]]
     global_test_module: Callable[[], torch.nn.Module]
     reported_arrays: Callable[[payload.Named], payload.Named]
@@ -235,7 +235,7 @@ def aggregate_accepted(
     weights = strategy.aggregation_weights(accepted)
     rnd = AggregationRound(server_round, sent, accepted, weights, plan)
     strategy.latest = strategy.aggregate(rnd)
-    strategy.after_aggregate(strategy.latest)
+    strategy._warn(server_round, strategy.after_aggregate(strategy.latest))
     strategy.checkpointer.updates_used(server_round, [u.pid for u in rnd.used])
     return plan, False
 

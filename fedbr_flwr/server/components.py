@@ -23,8 +23,10 @@ class ServerComponent:
         """Arrays sent to every sampled client beside the global ones (serialised once per round)."""
         return {}
 
-    def after_aggregate(self, new_global: Named) -> None:
-        """Called with the new global arrays after each round that changed them."""
+    def after_aggregate(self, new_global: Named) -> list[str]:
+        """Called with the new global arrays after each round that changed them; returns warnings for the round's
+        record (a state it kept instead of one it could not take)."""
+        return []
 
     def checkpoint_state(self) -> Named:
         return {}
