@@ -389,6 +389,23 @@ def test_a_robust_rule_leaves_the_model_unchanged_when_failures_leave_it_too_few
     assert max(float(np.abs(a).max()) for a in s.latest.values() if a.dtype.kind == "f") < 1e3
 
 
+def test_a_fixed_norm_bound_needs_three_updates_where_it_judges_arrays_beside_the_model(tmp_path):
+    """Those are bounded by a multiple of their median size: of two updates the mean, so one client's Delta c_i
+    of 1e30 was only halved (2.5e29 in c), and a round's one valid update passed whole."""
+    from fedbr_flwr.app.strategy import aggregate_accepted
+
+    with pytest.raises(ConfigError, match="bounds scaffold's arrays beside the model .* sample at least 3"):
+        validate({"strategy": "scaffold", "aggregation": "norm-bound", "norm-bound": 1.0, "num-clients": 2})
+    s, g, ups = strategy_with_updates(tmp_path, "scaffold", "norm-bound", 3, 3, **{"norm-bound": 1.0})
+    s.sent = g
+    for name in s.delta_names():
+        ups[1].arrays[name] = np.full_like(ups[1].arrays[name], 1e30)
+    _, skipped = aggregate_accepted(s, 1, ups[:2])  # the third failed
+    assert skipped and max(float(np.abs(c).max()) for c in s.control.values()) == 0
+    _, skipped = aggregate_accepted(s, 2, ups)
+    assert not skipped and max(float(np.abs(c).max()) for c in s.control.values()) < 10
+
+
 def test_scaffold_keeps_its_control_variate_when_finite_changes_would_sum_past_float32(tmp_path):
     """Under the mean, one client's finite control changes of 3e38 a round took the server's c to Inf in the
     fourth round, and Inf was sent to every client from then on."""

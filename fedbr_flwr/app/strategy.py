@@ -223,7 +223,7 @@ def aggregate_accepted(
     """The round's aggregation of the ``accepted`` updates into ``strategy.latest`` (its robust rule's plan), or
     the global model left unchanged where they are too few (then True: the round was skipped)."""
     plan = RoundPlan(strategy.robust_rule)
-    problem = too_few_updates(strategy.cfg, strategy.robust_rule, len(accepted))
+    problem = too_few_updates(strategy.cfg, strategy.robust_rule, len(accepted), bool(strategy.judged_groups()))
     if problem is not None:
         strategy.recorder.progress.emit("error", f"round {server_round}: {problem}", round=server_round)
         strategy.latest = strategy.sent if strategy.sent is not None else strategy.latest
@@ -306,10 +306,11 @@ def expected_updates(
     return shapes, dtypes
 
 
-def too_few_updates(cfg: dict[str, Any], rule: RobustRule, valid: int) -> str | None:
-    """Why a round with ``valid`` updates leaves the global model unchanged (None: it aggregates)."""
+def too_few_updates(cfg: dict[str, Any], rule: RobustRule, valid: int, judged: bool = False) -> str | None:
+    """Why a round with ``valid`` updates (with ``judged`` groups beside the model or without) leaves the global
+    model unchanged (None: it aggregates)."""
     run = common(cfg)
-    fewest = max(run.min_fit_clients, rule.fewest_updates())
+    fewest = max(run.min_fit_clients, rule.fewest_updates(judged))
     if valid >= fewest:
         return None
     needs = "" if rule.name == "mean" else f", aggregation={rule.name} needs {fewest}"

@@ -621,12 +621,19 @@ def check_aggregation(cfg: Mapping[str, Any]) -> None:
     if not cfg["num-clients"]:
         return
     sampled = sampled_per_round(cfg["fraction-fit"], cfg["num-clients"])
-    need = minimum_updates(rule, cfg["byzantine-clients"], cfg["trim-fraction"], cfg["norm-bound"])
+    # SCAFFOLD's control changes and DisTrans' averaged offsets are bounded by a multiple of their median size
+    judged = cfg["strategy"] == "scaffold" or (cfg["strategy"] == "distrans" and cfg.get("distrans-agg") == "avg")
+    need = minimum_updates(rule, cfg["byzantine-clients"], cfg["trim-fraction"], cfg["norm-bound"], judged)
     clients = f"the {sampled} client{'s' if sampled > 1 else ''} sampled a round"
     if rule == "trimmed-mean":
         check_trim_cuts(cfg["trim-fraction"], sampled)
     elif rule == "median" and sampled < need:
         raise ConfigError(f"aggregation=median over {clients} is their mean: sample at least {need}")
+    elif rule == "norm-bound" and sampled < need and cfg["norm-bound"] > 0:
+        raise ConfigError(
+            f"aggregation=norm-bound bounds {cfg['strategy']}'s arrays beside the model by a multiple of their median "
+            f"size, and over {clients} that is their mean size, which one of them sets: sample at least {need}"
+        )
     elif rule == "norm-bound" and sampled < need:
         raise ConfigError(
             f"aggregation=norm-bound relative to the median norm of {clients} is relative to their mean norm, which "

@@ -90,13 +90,14 @@ def clip_scales(norms: np.ndarray, bound: float) -> np.ndarray:
     return np.minimum(1.0, np.divide(bound, norms, out=np.ones_like(norms), where=norms > bound))
 
 
-def minimum_updates(rule: str, byzantine: int, trim: float = 0.1, bound: float = 0.0) -> int:
+def minimum_updates(rule: str, byzantine: int, trim: float = 0.1, bound: float = 0.0, judged: bool = False) -> int:
     """The fewest updates the rule can aggregate and still be itself, not the mean of what an attacker chose:
     Krum's n > 2f + 2; three for the median and for norm-bound's multiple of the median norm (of two, the
-    median is their mean); for trimmed-mean, enough that it cuts a value at each end; else one."""
+    median is their mean), which also bounds ``judged`` groups whatever the model's bound; for trimmed-mean,
+    enough that it cuts a value at each end; else one."""
     if rule in ("krum", "multi-krum"):
         return 2 * byzantine + 3
-    if rule == "median" or (rule == "norm-bound" and bound <= 0):
+    if rule == "median" or (rule == "norm-bound" and (bound <= 0 or judged)):
         return 3
     if rule == "trimmed-mean" and trim > 0:
         return next(n for n in itertools.count(3) if trimmed_count(n, trim) >= 1)
@@ -168,8 +169,9 @@ class RobustRule:
             self, scales=tuple(float(x) for x in scales), bound=bound, group_scales=group_scales, centres=centres
         )
 
-    def fewest_updates(self) -> int:
-        return minimum_updates(self.name, self.byzantine, self.trim, self.bound)
+    def fewest_updates(self, judged: bool = False) -> int:
+        """``minimum_updates`` of this rule, with ``judged`` groups beside the model or without."""
+        return minimum_updates(self.name, self.byzantine, self.trim, self.bound, judged)
 
     def clip_group(
         self, group: JudgedGroup, updates: Sequence[Mapping[str, np.ndarray]], model_scales: np.ndarray
