@@ -59,6 +59,7 @@ def test_trimmed_mean_cuts_floor_fraction_n_at_each_end():
     assert trimmed_mean(stack, 0.2)[0] == 3.0  # 1 and 100 cut: (2 + 3 + 4) / 3
     assert trimmed_mean(stack, 0.39)[0] == 3.0  # floor(1.95) = 1 cut at each end
     assert trimmed_mean(stack, 0.19)[0] == 22.0  # floor(0.95) = 0: the plain mean
+    assert trimmed_count(100, 0.29) == 29  # 0.29 * 100 is 28.999... in binary
     plan, out = aggregate(RobustRule("trimmed-mean", trim=0.4), updates([-50], [2], [3], [4], [60]))
     assert out[0] == 3.0  # two cut at each end
     assert plan.record([5, 6, 7, 8, 9]) == {"rule": "trimmed-mean", "cut": 2}

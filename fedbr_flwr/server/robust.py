@@ -32,8 +32,9 @@ def coordinate_median(stack: np.ndarray) -> np.ndarray:
 
 
 def trimmed_count(n: int, fraction: float) -> int:
-    """How many values trimmed-mean cuts at each end: floor(fraction * n)."""
-    return int(np.floor(fraction * n))
+    """How many values trimmed-mean cuts at each end: floor(fraction * n), of the decimal fraction (0.29 * 100 is
+    28.999... in binary)."""
+    return int(np.floor(fraction * n + 1e-9))
 
 
 def trimmed_mean(stack: np.ndarray, fraction: float) -> np.ndarray:
