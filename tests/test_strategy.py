@@ -184,6 +184,25 @@ def test_the_server_takes_its_own_class_histograms_not_a_nodes_word(tmp_path):
     assert manifest["class_counts"][1] == strategy.federation.class_counts[1].tolist() != [1000] + [0] * 9
 
 
+def test_a_resume_onto_another_partition_stops_at_discovery_and_keeps_the_one_it_started_on(tmp_path):
+    """Another numpy or other dataset files can deal the same config differently: the resumed run trained on it
+    without a word, and partition.npz was replaced by it."""
+    strategy, manager = make_strategy(tmp_path, [FakeProxy("a", 0), FakeProxy("b", 1)])
+    strategy.configure_fit(1, payload.to_parameters({}), manager)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "partition_hash": "0" * 16}))
+    saved = (tmp_path / "partition.npz").read_bytes()
+    cfg = strategy.cfg
+    resumed = FedAvgStrategy(cfg, RunRecorder(cfg, tmp_path, resume_round=1), {"model": torch.nn.Linear(2, 2)}, None)
+    with pytest.raises(ConfigError, match="started on partition 0{16} but its clients now deal partition [0-9a-f]{16}"):
+        resumed.configure_fit(2, payload.to_parameters({}), manager)
+    assert (tmp_path / "partition.npz").read_bytes() == saved
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    FedAvgStrategy(
+        cfg, RunRecorder(cfg, tmp_path, resume_round=1), {"model": torch.nn.Linear(2, 2)}, None
+    ).configure_fit(2, payload.to_parameters({}), manager)
+
+
 def test_discovery_saves_the_partition_and_its_hash(tmp_path):
     strategy, manager = make_strategy(tmp_path, [FakeProxy("a", 1), FakeProxy("b", 0), FakeProxy("c", 2)])
     strategy.configure_fit(1, payload.to_parameters({}), manager)

@@ -246,6 +246,7 @@ def discover(strategy: FlowerStrategy, client_manager: ClientManager) -> None:
     federation.discover(client_manager, say=lambda text: recorder.progress.emit("waiting", text))
     num = len(federation.clients_by_pid)
     cfg["num-clients"] = recorder.cfg["num-clients"] = num
+    recorder.check_same_partition(federation.partition_hash)  # before partition.npz is written again
     server_hash = check_partition(cfg, federation, recorder)
     extra = {**strategy.after_discovery(), **attack_manifest(cfg)}
     run = common(cfg)

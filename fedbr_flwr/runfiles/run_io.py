@@ -334,6 +334,20 @@ class RunRecorder:
     def elapsed(self) -> float:
         return time.time() - self.start
 
+    def check_same_partition(self, partition_hash: str) -> None:
+        """A resumed run must train on the partition it started with: another numpy, other dataset files or
+        other partition code can deal the same config differently, and nothing else would notice."""
+        manifest = self.out_dir / "manifest.json"
+        if self.resume_round is None or not manifest.is_file():
+            return
+        started = json.loads(manifest.read_text()).get("partition_hash")
+        if started is not None and started != partition_hash:
+            raise ConfigError(
+                f"this run started on partition {started} but its clients now deal partition {partition_hash}: "
+                "resume it with the dataset files and package versions it started with (manifest.json), or start "
+                "it again"
+            )
+
     def write_manifest(self, **extra: Any) -> None:
         """A resumed run keeps the manifest of its start and adds an entry under ``resumed``."""
         run = common(self.cfg)
