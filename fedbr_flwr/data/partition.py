@@ -1,7 +1,8 @@
 """Label partitioners (SPEC section 2 and 3). Pure numpy, seeded, and bounded: none loops forever.
 
 Each partitioner maps a label vector to one index array per client; every sample goes to at most
-one client, and every partitioner here assigns every sample (tests check both).
+one client, and every partitioner here assigns every sample (tests check both), but for ``classes`` with
+fewer clients x classes each than classes, which the configuration refuses.
 """
 
 from __future__ import annotations
