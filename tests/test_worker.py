@@ -73,3 +73,21 @@ def test_client_app_without_a_worker_says_how_to_start_one(tmp_path):
     context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
     with pytest.raises(RuntimeError, match="no fedbr worker answers at .*start it with `fedbr-worker"):
         WorkerClient(str(tmp_path / "none.sock"), context).get_properties({})
+
+
+def test_the_code_hash_covers_the_projects_sources_and_moves_with_them(tmp_path):
+    """After the modules moved into one folder per layer it hashed no file (sha256 of nothing, e3b0c442...): every
+    version had the same hash, and a worker ran a run of another version without a word."""
+    import hashlib
+    import shutil
+
+    from fedbr_flwr.runfiles.run_io import CODE_PACKAGES, PROJECT_ROOT
+
+    assert all((PROJECT_ROOT / pkg / "__init__.py").is_file() for pkg in CODE_PACKAGES)
+    assert code_hash() != hashlib.sha256().hexdigest()[:16]
+    for pkg in CODE_PACKAGES:
+        shutil.copytree(PROJECT_ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    assert code_hash(tmp_path) == code_hash()
+    with open(tmp_path / "clients" / "fedbr.py", "a") as f:
+        f.write("# changed\n")
+    assert code_hash(tmp_path) != code_hash()

@@ -29,6 +29,7 @@ from .tracking import Tracking, clear_previous
 
 PACKAGES = ("flwr", "torch", "torchvision", "numpy", "ray", "mlxtend", "pyyaml", "matplotlib")
 CODE_PACKAGES = ("fedbr_flwr", "clients", "strategies", "pseudodata")
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds CODE_PACKAGES
 log = logging.getLogger("flwr")
 
 
@@ -146,9 +147,8 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def code_hash() -> str:
+def code_hash(root: Path = PROJECT_ROOT) -> str:
     """sha256 over this project's Python sources as they are running (also inside a Flower FAB)."""
-    root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
     for pkg in CODE_PACKAGES:
         for f in sorted((root / pkg).rglob("*.py")):
@@ -162,7 +162,7 @@ def git_commit(path: Path | None = None) -> str:
     which commit it is), else HEAD of the git checkout at ``path`` (+ '-dirty' with local changes), or ''."""
     if os.environ.get("FEDBR_COMMIT"):
         return os.environ["FEDBR_COMMIT"]
-    cwd = path or Path(__file__).resolve().parent.parent
+    cwd = path or PROJECT_ROOT
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
