@@ -326,7 +326,11 @@ def test_sigterm_during_a_run_says_it_was_stopped_and_how_to_resume(tmp_path, ca
     out = tmp_path / "run"
     assert cli.main(["num-rounds=2", f"output-dir={out}"]) == 143
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"fedbr-run: stopped by SIGTERM; {cli.stopped_run(out)}"] and f"--resume {out}" in err[0]
+    assert err == [f"fedbr-run: stopped by SIGTERM; {cli.stopped_run(out)}"]
+    assert "no round was checkpointed, so there is nothing to continue" in err[0]  # it said to resume it
+    out.mkdir(exist_ok=True)
+    (out / "checkpoint.npz").touch()
+    assert cli.stopped_run(out).endswith(f"continue with `fedbr-run --resume {out}`")
 
 
 def test_a_process_killed_by_a_signal_is_named_by_its_signal():

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from ..app.raycluster import requested_address
 from ..core.config import ConfigError, pyproject_table, schema
 from ..core.errors import OneLineParser
-from ..launch.launcher import PROJECT_DIR, RunFailed, RunHost, run_flower
+from ..launch.launcher import PROJECT_DIR, RunFailed, RunHost, how_to_continue, run_flower
 from ..launch.plan import build_config, plan_resumed, plan_run
 from ..launch.timelimit import (
     EXIT_TIME_LIMIT,
@@ -231,10 +231,7 @@ def again(args: argparse.Namespace, out: Path, stop: TimeLimitReached) -> str:
 
 
 def stopped_run(out: Path) -> str:
-    return (
-        f"Flower processes stopped; partial run files in {out} (continue with `fedbr-run --resume {out}` once a "
-        "checkpoint exists)"
-    )
+    return f"Flower processes stopped; partial run files in {out}; {how_to_continue(out, f'fedbr-run --resume {out}')}"
 
 
 def print_result(out: Path, command: str, files: str = "") -> int:

@@ -48,6 +48,7 @@ from ..launch.launcher import (
     flower_env,
     flower_tool,
     free_port,
+    how_to_continue,
     last_error,
     started_run_id,
     stop_cause,
@@ -426,7 +427,7 @@ def cmd_local(args) -> int:
             mark_stopped(out, stop_cause(exc))
         again = f"fedbr-deploy local --supernodes {args.supernodes} --resume {out}"
         print(
-            f"fedbr-deploy: {how}; its processes stopped; continue with `{again}` once a checkpoint exists",
+            f"fedbr-deploy: {how}; its processes stopped; {how_to_continue(out, again)}",
             file=sys.stderr,
         )
         return code

@@ -26,6 +26,7 @@ from ..app.raycluster import log_tail, ray_environment, requested_address
 from ..core.config import common, to_toml
 from ..core.errors import ConfigError
 from ..runfiles import runlock
+from ..runfiles.checkpoint import CHECKPOINT_NAME
 from ..runfiles.progress import PROGRESS_FILE, SUMMARY_EVENT, Follower, LogFollower, mark_stopped
 from . import watchdog
 from .protocol import RunPlan, RunReply, RunRequest
@@ -184,6 +185,14 @@ def run_flower(
         with contextlib.suppress(OSError):
             mark_stopped(plan.out_dir, stop_cause(exc))
         raise
+
+
+def how_to_continue(out: Path, resume: str) -> str:
+    """The end of a stopped run's last line: the ``resume`` command where the run left a checkpoint, else that
+    there is nothing to continue."""
+    if (out / CHECKPOINT_NAME).is_file():
+        return f"continue with `{resume}`"
+    return "no round was checkpointed, so there is nothing to continue: start it again"
 
 
 def stop_cause(exc: BaseException) -> str:
