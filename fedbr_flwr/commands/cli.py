@@ -1,6 +1,6 @@
 """``fedbr-run``: validate an experiment, run it as a Flower simulation, report the result.
 
-    fedbr-run                                   # the quick main job (defaults)
+    fedbr-run                                   # one FedAvg run of the defaults
     fedbr-run experiments/fedavg_rotmnist5k.yaml seed=1 num-rounds=50
     fedbr-run --list                            # every key, its default and meaning
     fedbr-run --resume runs/fedbr-mnist5k-...   # continue a stopped run from its checkpoint
