@@ -274,3 +274,11 @@ def test_evaluation_schedule_metrics_line_and_final_files(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mean_acc_best5"] == pytest.approx(0.7) and summary["last_round"] == 5
     assert (tmp_path / "convergence.png").exists() and (tmp_path / "summary.md").exists()
+
+
+def test_a_result_of_an_unknown_node_whose_partition_id_is_no_number_is_refused_not_raised():
+    """int("abc") raised out of the server's round; -1 is a partition never sampled, whose reply is refused."""
+    from fedbr_flwr.app.federation import Federation
+
+    federation = Federation(validate({}))
+    assert [federation.pid_of(None, m) for m in ({"partition-id": "abc"}, {"partition-id": 2}, {})] == [-1, 2, -1]

@@ -130,11 +130,12 @@ class Federation:
         return list(groups.values())
 
     def pid_of(self, proxy: ClientProxy | None, metrics: dict) -> int:
-        """The partition a result comes from: the node's, as learnt at discovery (a broken client's
-        metrics may lack it)."""
+        """The partition a result comes from: the node's, as learnt at discovery, else what its metrics say where
+        that is a whole number (-1 otherwise: a partition never sampled, so the reply is refused)."""
         if proxy is not None and proxy.cid in self.pid_by_cid:
             return self.pid_by_cid[proxy.cid]
-        return int(metrics.get("partition-id", -1))
+        pid = metrics.get("partition-id", -1)
+        return pid if isinstance(pid, int) and not isinstance(pid, bool) else -1
 
     def sample(self, server_round: int) -> list[int]:
         """Seeded by (seed, round) over partition ids, so runs repeat whatever Flower's node ids are."""
