@@ -92,6 +92,14 @@ def test_client_train_test_sizes(cfg10, pid):
     np.testing.assert_array_equal(np.sort(np.concatenate([train_idx, test_idx])), parts[pid])
 
 
+def test_a_classes_split_that_would_leave_classes_to_no_client_is_refused():
+    """3 clients of 2 classes each on MNIST trained on 2,700 of its 4,500 samples, without a word."""
+    with pytest.raises(ConfigError, match="holds 6 of the 10 classes of mnist5k: the others' samples would go"):
+        make_partition(validate({"partition": "classes", "classes-per-client": 2, "num-clients": 3}))
+    parts, _ = make_partition(validate({"partition": "classes", "classes-per-client": 2, "num-clients": 5}))
+    assert sum(len(p) for p in parts) == 4500
+
+
 def one_class_cfg(classes_each, **more):
     return validate({"num-clients": 10, "partition": "classes", "classes-per-client": classes_each, **more})
 

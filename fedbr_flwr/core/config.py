@@ -533,13 +533,6 @@ def _check_consistency(cfg: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"'classes-per-client' = {cfg['classes-per-client']} exceeds the {num_classes} classes of {cfg['dataset']}"
         )
-    held = cfg["num-clients"] * cfg["classes-per-client"]
-    if cfg["partition"] == "classes" and 0 < held < num_classes:
-        raise ConfigError(
-            f"partition=classes with {cfg['num-clients']} clients of {cfg['classes-per-client']} class(es) each holds "
-            f"{held} of the {num_classes} classes of {cfg['dataset']}: the others' samples would go to no client "
-            "(use more clients or a larger 'classes-per-client')"
-        )
     check_batch_sizes(cfg)
     check_sampling(cfg)
     check_cohort_step(cfg)

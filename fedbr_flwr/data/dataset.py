@@ -145,6 +145,13 @@ def _cached_partition(dataset, folder, download, num_clients, method, alpha, cla
             f"num-clients = {num_clients} but {dataset} has {len(train.y)} training samples: every "
             "client needs at least 2 (one to train on, one to test on)"
         )
+    classes = len(np.unique(train.y))
+    if method == "classes" and num_clients * classes_each < classes:
+        raise ConfigError(
+            f"partition=classes with {num_clients} clients of {classes_each} class(es) each holds "
+            f"{num_clients * classes_each} of the {classes} classes of {dataset}: the others' samples would go to "
+            "no client (use more clients or a larger 'classes-per-client')"
+        )
     parts = partition(train.y, num_clients, method, seed, alpha=alpha, classes_each=classes_each)
     empty = [i for i, p in enumerate(parts) if len(p) < 2]
     if empty:

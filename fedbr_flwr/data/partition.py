@@ -2,7 +2,7 @@
 
 Each partitioner maps a label vector to one index array per client; every sample goes to at most
 one client, and every partitioner here assigns every sample (tests check both), but for ``classes`` with
-fewer clients x classes each than classes, which the configuration refuses.
+fewer clients x classes each than classes, which ``make_partition`` refuses.
 """
 
 from __future__ import annotations
