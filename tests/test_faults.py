@@ -216,10 +216,15 @@ def test_prerequisites_that_would_fail_inside_flower_stop_the_command_first(tmp_
     assert len(err) == 1 and "dataset 'cifar10' not found" in err[0] and not out.exists()
 
 
-def test_an_unexpected_server_error_checkpoints_the_last_finished_round_and_resumes_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("strategy", ["fedavg", "scaffold"])
+def test_an_unexpected_server_error_checkpoints_the_last_finished_round_and_resumes_exactly(
+    tmp_path, monkeypatch, strategy
+):
     """checkpoint-every=0, and the server fails in round 3 (after the clients trained): the ServerApp still
     checkpoints round 2, says so in one line naming the resume command, and fails as before. Resumed from
-    it, two more rounds give the records of an uninterrupted 4-round run."""
+    it, two more rounds give the records of an uninterrupted 4-round run. Not where clients keep state of their
+    own (SCAFFOLD's c_i): it was collected at the last checkpoint, and a resume from the server's round 2 with the
+    clients' state of another round gave other round-4 records."""
     from flwr.app import Context, RecordDict
 
     from fedbr_flwr.app import server_app
@@ -228,6 +233,7 @@ def test_an_unexpected_server_error_checkpoints_the_last_finished_round_and_resu
     from fakes import FixedClientManager, InProcessProxy, flower_client, records_without_timing, run_rounds
 
     settings = {"num-clients": 2, "local-steps": 2, "batch-size": 8, "global-test": False, "checkpoint-every": 0}
+    settings["strategy"] = strategy
     settings["model"] = "cnn-small"
     cfg = validate({**settings, "output-dir": str(tmp_path / "failed")})
 
@@ -250,9 +256,13 @@ def test_an_unexpected_server_error_checkpoints_the_last_finished_round_and_resu
     with pytest.raises(RuntimeError, match="a bug in round 3"):
         server_app.main(object(), context)
     out = tmp_path / "failed"
+    said = [json.loads(line)["message"] for line in (out / "progress.jsonl").read_text().splitlines()]
+    if strategy == "scaffold":
+        assert not (out / "checkpoint.npz").exists()
+        assert any("round 2 is not checkpointed, as its clients' own state is not at hand; start it" in s for s in said)
+        return
     _, header = load_checkpoint(out)
     assert header["round"] == 2
-    said = [json.loads(line)["message"] for line in (out / "progress.jsonl").read_text().splitlines()]
     assert any("round 2 is checkpointed" in s and f"fedbr-run --resume {out}" in s for s in said), said
 
     # resumed from that checkpoint, rounds 3-4 equal those of a run that never failed

@@ -90,12 +90,23 @@ class Checkpointer:
 
     def save_after_error(self, error: BaseException) -> None:
         """After an unexpected error, checkpoint the last finished round unless its checkpoint exists (whatever
-        checkpoint-every says), and say so in one line. The clients' own state is the one last collected (they
-        may be past that round, or unreachable)."""
+        checkpoint-every says), and say so in one line; not where clients keep state of their own, which was
+        collected at the last checkpoint (they may be past that round, or unreachable): a resume from the
+        server's state of one round and the clients' of another would not be the run."""
         if self.completed is None or self.completed[0] <= self.saved_round:  # saved already, or later
             return
         server_round, global_arrays, strategy_state = self.completed
         out = self.recorder.out_dir
+        if self.clients_have_state:
+            kept = max(self.saved_round, self.resumed_round)
+            self.recorder.progress.emit(
+                "error",
+                f"the run failed in round {server_round + 1} ({type(error).__name__}: {str(error)[:200]}); round "
+                f"{server_round} is not checkpointed, as its clients' own state is not at hand; "
+                + (f"continue from round {kept} with `fedbr-run --resume {out}`" if kept else "start it again"),
+                round=server_round,
+            )
+            return
         try:
             path = save_checkpoint(out, self._arrays(global_arrays, strategy_state, {}), self._header(server_round))
         except Exception as exc:  # noqa: BLE001 - the run is failing already: say why this failed too
