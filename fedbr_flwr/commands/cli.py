@@ -99,8 +99,9 @@ HELP = {
     "--dry-run": "validate and print the config, then exit",
     "--overwrite": "reuse an output-dir that holds a run",
     "--resume": "continue the run in DIR from its last checkpoint",
-    "--time-limit": "stop before DURATION (90s, 15m, 1h30m, 2h) has passed: the run checkpoints after every round and "
-    "stops after the last round that fits, with exit code 75 and a line saying how to continue "
+    "--time-limit": "stop before DURATION (90s, 15m, 1h30m, 2h; a plain number is seconds) has passed: the run "
+    "checkpoints after every round and stops after the last round that fits, with exit code 75 and a line saying "
+    "how to continue "
     "(fedbr-run --resume DIR --time-limit ...); a round still running at the limit is lost",
     "--quiet": "print no progress (the log is in flower.log)",
     "--verbose": "echo all of Flower's log, not only progress",

@@ -598,8 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--time-limit",
         metavar="DURATION",
-        help="stop before DURATION (90s, 15m, 1h30m, 2h) has passed, shared by the runs: each checkpoints after "
-        "every round and the run in progress stops after the last round that fits; exit code 75 and a line with "
+        help="stop before DURATION (90s, 15m, 1h30m, 2h; a plain number is seconds) has passed, shared by the "
+        "runs: each checkpoints after every round and the run in progress stops after the last round that fits; "
+        "exit code 75 and a line with "
         "the command that continues (this same command: it resumes the unfinished run and keeps finished ones)",
     )
     parser.add_argument(
