@@ -402,3 +402,13 @@ def test_the_cpu_of_ray_or_a_superlink_is_not_taken_for_a_busy_machine(monkeypat
     monkeypatch.setattr(startup.os, "cpu_count", lambda: 2)
     assert startup.startup_main([], 1, [variant], None) == 0
     assert ("warning: the machine was not quiet" in capsys.readouterr().out) == warned
+
+
+def test_the_peak_a_suite_is_compared_with_is_that_of_the_arithmetic_it_ran():
+    """An fp32 suite with tf32=true (the default) runs its convolutions on TF32 tensor cores, but was set against
+    the 67 TFLOP/s of fp32 without them: "47% of peak" was 6% of the TF32 one."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert [bench.arithmetic({"precision": "fp32", "tf32": t}) for t in (True, False)] == ["tf32", "fp32"]
+    assert bench.arithmetic({"precision": "bf16", "tf32": True}) == "bf16"
+    assert [bench.peak_tflops(h100, a) for a in ("tf32", "fp32", "bf16")] == [494.7, 67.0, 989.0]
+    assert bench.peak_tflops("cpu", "tf32") is None

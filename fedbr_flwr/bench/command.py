@@ -221,6 +221,7 @@ def compare(cfg: dict, rounds: int) -> dict:
         "local_steps": run.local_steps,
         "batch_size": run.batch_size,
         "precision": run.precision,
+        "tf32": run.tf32,
         "compile": run.compile,
         "bare_s_per_round": bare_s,
         "flower_s_per_round": flower_s,
@@ -562,16 +563,22 @@ def cohort_step_main(cfg: dict, rounds: int, threads: int, json_path: Path | Non
     return 0
 
 
-# dense peak TFLOP/s of the cards we measure on (vendor figures; SXM parts), by precision
+# dense peak TFLOP/s of the cards we measure on (vendor figures; SXM parts), by the arithmetic the convolutions
+# and matrix products run in: fp32 without tensor cores, tf32 (fp32 runs with tf32=true, the default) and bf16
 PEAK_TFLOPS = {
-    "H100": {"fp32": 67.0, "bf16": 989.0},
-    "H200": {"fp32": 67.0, "bf16": 989.0},
-    "A100": {"fp32": 19.5, "bf16": 312.0},
+    "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.0},
+    "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.0},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0},
 }
 
 
-def peak_tflops(device: str, precision: str) -> float | None:
-    return next((p[precision] for name, p in PEAK_TFLOPS.items() if name in device), None)
+def arithmetic(row: dict) -> str:
+    """What a bench row's convolutions and matrix products ran in: bf16, tf32 (fp32 with tf32=true) or fp32."""
+    return "tf32" if row["precision"] == "fp32" and row.get("tf32") else row["precision"]
+
+
+def peak_tflops(device: str, arithmetic: str) -> float | None:
+    return next((p[arithmetic] for name, p in PEAK_TFLOPS.items() if name in device), None)
 
 
 # The issue's shapes: RotatedMNIST's CNN at batch 64, and CIFAR-size VGG11 and CCT at batch 32 on
@@ -641,7 +648,7 @@ def suite_main(
 
 def print_suite_table(rows: list[dict], device: str) -> None:
     memory = rows[0]["memory"]
-    peak = peak_tflops(device, rows[0]["precision"])
+    peak = peak_tflops(device, arithmetic(rows[0]))
     print(
         f"\n| shape | strategy | batch | bare s/round | engine=clients s/round (/ bare) | engine=cohort s/round "
         f"(/ bare) | TFLOP/s bare / clients / cohort | peak {memory} MB per client process, cohort process "
@@ -656,7 +663,7 @@ def print_suite_table(rows: list[dict], device: str) -> None:
             f"{r['client_peak_mb']:.0f}, {r['cohort_peak_mb']:.0f} ({r['bare_peak_mb']:.0f}) | "
             f"{r['bytes_per_round'] / 1e6:.1f} |"
         )
-    peak_text = f"{peak:g} TFLOP/s ({rows[0]['precision']}, dense)" if peak else "unknown (not in PEAK_TFLOPS)"
+    peak_text = f"{peak:g} TFLOP/s ({arithmetic(rows[0])}, dense)" if peak else "unknown (not in PEAK_TFLOPS)"
     print(f"\ndevice peak: {peak_text}")
     print(
         "\n| shape | FedAvg s/step | FedBR s/step | DisTrans s/step | FedBR / FedAvg step | FedBR / FedAvg round "
