@@ -97,12 +97,12 @@ class Checkpointer:
             return
         server_round, global_arrays, strategy_state = self.completed
         out = self.recorder.out_dir
+        failed = f"the run failed in round {server_round + 1} ({type(error).__name__}: {str(error)[:200]}); round"
         if self.clients_have_state:
             kept = max(self.saved_round, self.resumed_round)
             self.recorder.progress.emit(
                 "error",
-                f"the run failed in round {server_round + 1} ({type(error).__name__}: {str(error)[:200]}); round "
-                f"{server_round} is not checkpointed, as its clients' own state is not at hand; "
+                f"{failed} {server_round} is not checkpointed, as its clients' own state is not at hand; "
                 + (f"continue from round {kept} with `fedbr-run --resume {out}`" if kept else "start it again"),
                 round=server_round,
             )
@@ -117,8 +117,7 @@ class Checkpointer:
         self.saved_round = server_round
         self.recorder.progress.emit(
             "error",
-            f"the run failed in round {server_round + 1} ({type(error).__name__}: {str(error)[:200]}); round "
-            f"{server_round} is checkpointed to {path}: continue with `fedbr-run --resume {out}`",
+            f"{failed} {server_round} is checkpointed to {path}: continue with `fedbr-run --resume {out}`",
             round=server_round,
         )
 
