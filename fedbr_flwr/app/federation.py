@@ -19,7 +19,7 @@ from ..core.config import common, sampled_per_round
 from ..core.errors import ConfigError, quoted
 from ..data.catalog import INFO
 from ..data.partition import heterogeneity_from_counts
-from ..server.updates import MAX_COUNT, is_real
+from ..server.updates import MAX_COUNT
 from . import cohort, payload
 
 log = logging.getLogger("flwr")
@@ -221,10 +221,10 @@ def reported_count(props: dict, key: str) -> int:
     """The sample count a node reports under ``key`` in its properties: a whole number that numpy can hold,
     >= 0; else ValueError (a discovery error)."""
     value: Any = props.get(key)
-    count = None if isinstance(value, (bool, float)) or not is_real(value) else int(value)
-    if count is None or not 0 <= count < MAX_COUNT:
+    whole = isinstance(value, (int, np.integer)) and not isinstance(value, bool)  # as count_problem reads one
+    if not whole or not 0 <= value < MAX_COUNT:
         raise ValueError(f"{key} {quoted(value, 60)} is not a sample count")
-    return count
+    return int(value)
 
 
 def partition_hash(props: dict) -> str:
