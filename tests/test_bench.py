@@ -412,3 +412,12 @@ def test_the_peak_a_suite_is_compared_with_is_that_of_the_arithmetic_it_ran():
     assert bench.arithmetic({"precision": "bf16", "tf32": True}) == "bf16"
     assert [bench.peak_tflops(h100, a) for a in ("tf32", "fp32", "bf16")] == [494.7, 67.0, 989.0]
     assert bench.peak_tflops("cpu", "tf32") is None
+
+
+def test_a_pcie_or_nvl_card_is_set_against_its_own_peak_not_the_sxm_one():
+    """torch names an H100 PCIe "NVIDIA H100 PCIe": matched on "H100" alone, it was set against the SXM part's
+    494.7 TFLOP/s, which it cannot reach, and its share of peak read low."""
+    assert bench.peak_tflops("NVIDIA H100 PCIe", "tf32") == 378.0
+    assert bench.peak_tflops("NVIDIA H100 NVL", "bf16") == 835.5
+    assert bench.peak_tflops("NVIDIA H200 NVL", "tf32") == 417.5
+    assert bench.peak_tflops("NVIDIA H200", "tf32") == 494.7

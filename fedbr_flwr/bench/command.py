@@ -563,11 +563,15 @@ def cohort_step_main(cfg: dict, rounds: int, threads: int, json_path: Path | Non
     return 0
 
 
-# dense peak TFLOP/s of the cards we measure on (vendor figures; SXM parts), by the arithmetic the convolutions
-# and matrix products run in: fp32 without tensor cores, tf32 (fp32 runs with tf32=true, the default) and bf16
+# dense peak TFLOP/s of the cards we measure on (vendor figures, half the sparse ones), by the arithmetic the
+# convolutions and matrix products run in: fp32 without tensor cores, tf32 (fp32 runs with tf32=true, the
+# default) and bf16. A card's name picks its longest entry: the PCIe and NVL parts are slower than the SXM ones.
 PEAK_TFLOPS = {
     "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.0},
+    "H100 PCIe": {"fp32": 51.2, "tf32": 378.0, "bf16": 756.0},
+    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5},
     "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.0},
+    "H200 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5},
     "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0},
 }
 
@@ -578,7 +582,8 @@ def arithmetic(row: dict) -> str:
 
 
 def peak_tflops(device: str, arithmetic: str) -> float | None:
-    return next((p[arithmetic] for name, p in PEAK_TFLOPS.items() if name in device), None)
+    names = [name for name in PEAK_TFLOPS if name in device]
+    return PEAK_TFLOPS[max(names, key=len)][arithmetic] if names else None
 
 
 # The shapes: RotatedMNIST's CNN at batch 64, and CIFAR-size VGG11 and CCT at batch 32 on
