@@ -101,6 +101,14 @@ def class_shares(counts: np.ndarray) -> np.ndarray:
     return np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
 
 
+def finite_mean(arrays: np.ndarray) -> np.ndarray:
+    """The mean over the first axis in the arrays' float32, or in float64 where a float32 sum overflows (two
+    finite offsets of 3e38 would otherwise give the global test an infinite one)."""
+    with np.errstate(over="ignore"):
+        mean = np.mean(arrays, axis=0)
+    return mean if np.isfinite(mean).all() else np.mean(arrays, axis=0, dtype=np.float64).astype(arrays.dtype)
+
+
 def resolve_mode(mode: str, dh: float, threshold: float) -> str:
     if mode != "auto":
         return mode
@@ -286,8 +294,8 @@ class DisTransStrategy(FederatedStrategy):
         robust ``aggregation``, their coordinate-wise median, which no single client moves far)."""
         if self.returned_offsets:
             latest = np.stack(list(self.returned_offsets.values()))
-            t = np.mean(latest, axis=0) if self.robust_rule.name == "mean" else coordinate_median(latest)
+            t = finite_mean(latest) if self.robust_rule.name == "mean" else coordinate_median(latest)
         else:
             t = np.zeros(self.returned_shapes()[OFFSET], dtype=np.float32)
-        t = torch.as_tensor(t, dtype=torch.float32, device=self._device())
-        return cast(Any, self.client_class).with_offset(self.model, t)  # DisTrans' client: the model with t
+        offset = torch.as_tensor(t, dtype=torch.float32, device=self._device())
+        return cast(Any, self.client_class).with_offset(self.model, offset)  # DisTrans' client: the model with it

@@ -34,6 +34,7 @@ from strategies.distrans import (
     OffsetGenerator,
     build_offset_network,
     class_shares,
+    finite_mean,
     resolve_mode,
 )
 
@@ -410,6 +411,16 @@ def test_global_test_sees_the_mean_of_the_returned_offsets(tmp_path):
     results = one_round(strategy, clients, 1)
     mean = np.mean([payload.from_parameters(res.parameters)["offset"] for _, res in results], axis=0)
     np.testing.assert_allclose(strategy.global_test_module().t.cpu().numpy(), mean, rtol=1e-6)
+
+
+def test_the_global_test_offset_stays_finite_when_the_offsets_sum_past_float32(tmp_path):
+    """Two valid offsets of 3e38 summed to Inf in float32: the recorded global test then saw an infinite offset."""
+    strategy, _ = make_strategy(tmp_path, "none", ONE_CLASS_COUNTS)
+    shape = strategy.returned_shapes()["offset"]
+    strategy.returned_offsets = {0: np.full(shape, 3e38, np.float32), 1: np.full(shape, 1e38, np.float32)}
+    np.testing.assert_allclose(strategy.global_test_module().t.cpu().numpy(), np.full(shape, 2e38), rtol=1e-6)
+    small = np.asarray([[1.0, 2.0], [2.0, 5.0]], dtype=np.float32)
+    np.testing.assert_array_equal(finite_mean(small), np.mean(small, axis=0))  # where finite: the float32 mean
 
 
 # ---------------------------------------------------------------- config
