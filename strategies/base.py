@@ -103,6 +103,12 @@ class FederatedStrategy(FlowerStrategy):
         """One weight per update, in order (GroupDRO's come from the clients' losses)."""
         return [u.num_examples if common(self.cfg).weighting == "samples" else 1.0 for u in updates]
 
+    @classmethod
+    def may_judge_groups(cls, cfg: dict[str, Any]) -> bool:
+        """Whether ``judged_groups`` may name arrays in a run of (validated) ``cfg``: the config checks ask before
+        any strategy is built."""
+        return False
+
     def judged_groups(self) -> tuple[JudgedGroup, ...]:
         """The arrays clients return beside the model update that ``aggregate`` averages: Krum and norm-bound
         judge each client on them too (SCAFFOLD's control-variate changes, DisTrans' offsets under ``avg``)."""

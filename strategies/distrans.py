@@ -232,6 +232,10 @@ class DisTransStrategy(FederatedStrategy):
         )
         return {"distrans": {"dh": dh, "offset_agg": mode, "distrans_agg_setting": s.agg}}
 
+    @classmethod
+    def may_judge_groups(cls, cfg):
+        return cfg["distrans-agg"] == "avg"  # auto chooses none or nn
+
     def judged_groups(self):
         """Under ``avg`` the offsets are averaged: an offset is no update of anything the server sent (in round 1
         it sent none), so its size is its distance from the round's coordinate-wise median."""

@@ -43,6 +43,10 @@ class ScaffoldStrategy(FederatedStrategy):
         """The arrays of a client's Delta c_i, as it returns them."""
         return tuple(f"{CONTROL_DELTA}/{key}" for key in self.control)
 
+    @classmethod
+    def may_judge_groups(cls, cfg):
+        return True
+
     def judged_groups(self):
         return (JudgedGroup(self.delta_names()),)
 

@@ -397,6 +397,11 @@ def test_a_fixed_norm_bound_needs_three_updates_where_it_judges_arrays_beside_th
 
     with pytest.raises(ConfigError, match="bounds scaffold's arrays beside the model .* sample at least 3"):
         validate({"strategy": "scaffold", "aggregation": "norm-bound", "norm-bound": 1.0, "num-clients": 2})
+    distrans = {"strategy": "distrans", "aggregation": "norm-bound", "norm-bound": 1.0, "num-clients": 2}
+    with pytest.raises(ConfigError, match="bounds distrans's arrays beside the model .* sample at least 3"):
+        validate({**distrans, "distrans-agg": "avg"})
+    for agg in ("auto", "nn", "none"):  # no offset is averaged (auto chooses none or nn)
+        validate({**distrans, "distrans-agg": agg})
     s, g, ups = strategy_with_updates(tmp_path, "scaffold", "norm-bound", 3, 3, **{"norm-bound": 1.0})
     s.sent = g
     for name in s.delta_names():

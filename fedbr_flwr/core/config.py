@@ -621,8 +621,10 @@ def check_aggregation(cfg: Mapping[str, Any]) -> None:
     if not cfg["num-clients"]:
         return
     sampled = sampled_per_round(cfg["fraction-fit"], cfg["num-clients"])
-    # SCAFFOLD's control changes and DisTrans' averaged offsets are bounded by a multiple of their median size
-    judged = cfg["strategy"] == "scaffold" or (cfg["strategy"] == "distrans" and cfg.get("distrans-agg") == "avg")
+    from .registry import lookup_strategy  # late import: the registry imports the algorithm packages
+
+    # arrays beside the model (SCAFFOLD's control changes) are bounded by a multiple of their median size
+    judged = lookup_strategy(cfg["strategy"]).may_judge_groups(cfg)
     need = minimum_updates(rule, cfg["byzantine-clients"], cfg["trim-fraction"], cfg["norm-bound"], judged)
     clients = f"the {sampled} client{'s' if sampled > 1 else ''} sampled a round"
     if rule == "trimmed-mean":
