@@ -149,6 +149,7 @@ def test_a_run_paused_at_its_checkpoint_is_shown_as_paused_not_failed(tmp_path):
     assert lines[2].endswith("| 59.20 / paused | seed 1 paused after round 3 of 10 (resumes from its checkpoint) |")
     section = report.report_section("k", "t", "cmd", out, ["A"], [0, 1], "results/k.png")
     assert "- **in progress**: paused (by a time limit or a stop), A seed 1 at round 3 of 10 (" in section
+    assert "- runs: 1 of 2 finished (1 setting x seeds 0, 1)," in section  # not "runs: 1" of a 2-run plan
     save_checkpoint(paused, {"w": np.zeros(2, dtype=np.float32)}, {"round": 2, "config": {}})
     lines = report.write_comparison(out, ["A"], [0, 1], "t").splitlines()
     assert lines[2].endswith("| 59.20 / failed | seed 1 failed after round 3 |")

@@ -760,7 +760,9 @@ def report_section(
     machines = sorted({describe_machine(m["host"]) for m in pieces if "host" in m})
     days = sorted({str(m.get("started_utc", ""))[:10] for m in manifests if m.get("started_utc")})
     walls = [r["wall_time_s"] * r["wall_time_s_n"] for r in rows if r["wall_time_s"] is not None]
-    runs = sum(r["seeds"] for r in rows)
+    runs, planned = sum(r["seeds"] for r in rows), len(names) * len(seeds)
+    finished = str(runs) if runs == planned else f"{runs} of {planned} finished"
+    settings = f"{len(names)} setting{'s' * (len(names) > 1)}"
     lines = [
         f"## {title}",
         "",
@@ -769,7 +771,7 @@ def report_section(
         "```",
         "",
         f"- commit: {', '.join(commits) or '-'}; machine: {'; '.join(machines) or '-'}",
-        f"- runs: {runs} ({len(names)} settings x seeds {', '.join(map(str, seeds))}), started "
+        f"- runs: {finished} ({settings} x seeds {', '.join(map(str, seeds))}), started "
         f"{' to '.join(dict.fromkeys([days[0], days[-1]])) if days else '-'}; wall time {sum(walls) / 60:.1f} min "
         "(the runs' own clocks, from the server's start to the last evaluation; Flower's start-up is not counted)",
         settings_line([piece["config"] for piece in pieces if "config" in piece]),
