@@ -209,6 +209,8 @@ def test_every_mode_refuses_an_unknown_key_with_a_message(mode, capsys):
         (["--sweep-startup", "0"], "--sweep-startup 0: give 1 or more"),
         (["--step", "--json", "/no/such/folder/x.json"], "not a file that can be written"),
         (["--step", "--json", "."], "not a file that can be written"),
+        (["--step", "--report", "."], "--report . is a folder"),
+        (["--step", "--report", "/dev/null/b.md"], "--report's folder /dev/null cannot be used"),
     ],
 )
 def test_bad_counts_and_json_paths_stop_before_measuring(args, message, capsys, monkeypatch):
@@ -216,6 +218,35 @@ def test_bad_counts_and_json_paths_stop_before_measuring(args, message, capsys, 
     assert bench.main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("fedbr-bench: error: ") and message in err and err.count("\n") == 1
+
+
+def test_report_writes_what_the_command_printed_as_its_section_of_the_page(tmp_path, monkeypatch, capsys):
+    """Measured figures belong on the benchmark page with the command, commit, machine and wall time that
+    produced them: --report writes the printed tables there; run again, the command replaces its own section,
+    and another command, or a failed run, leaves the rest of the page as it was."""
+    from fedbr_flwr.bench import page as bench_page
+
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmark\n\nHand-written text.\n")
+    figures = iter(["| a | 1.0 |", "| a | 2.0 |", "| b | 3.0 |"])
+    monkeypatch.setattr(bench, "run_mode", lambda *a: print(f"table:\n{next(figures)}") or 0)
+    monkeypatch.setattr(bench_page, "git_commit", lambda: "0123456789abcdef-dirty")
+    assert bench.main(["--step", "--steps", "3", "--report", str(page), "batch-size=8"]) == 0
+    assert "| a | 1.0 |" in capsys.readouterr().out  # still printed
+    first = page.read_text()
+    assert first.startswith("# Benchmark\n\nHand-written text.\n")
+    assert "### `fedbr-bench --step --steps 3 batch-size=8`" in first  # without --report
+    assert f"- commit: 0123456-dirty; machine: {bench_page.this_machine()}; date: " in first
+    assert "| a | 1.0 |" in first and first.count("<!-- fedbr-bench report bench-") == 1
+    assert bench.main(["--step", "--steps", "3", "--report", str(page), "batch-size=8"]) == 0
+    second = page.read_text()
+    assert "| a | 2.0 |" in second and "| a | 1.0 |" not in second and second.count("<!-- end of fedbr-bench") == 1
+    assert bench.main(["--step", f"--report={page}", "batch-size=4"]) == 0
+    third = page.read_text()
+    assert third.startswith(second) and "| b | 3.0 |" in third and third.count("<!-- end of fedbr-bench") == 2
+    monkeypatch.setattr(bench, "run_mode", lambda *a: print("| c | 4.0 |") or 1)
+    assert bench.main(["--step", "--report", str(page)]) == 1
+    assert page.read_text() == third
 
 
 def test_the_scale_benchmark_takes_a_cohort_step(monkeypatch, capsys):

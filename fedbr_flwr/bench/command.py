@@ -761,6 +761,8 @@ def scale_main(items: list[str], rounds: int, threads: int, json_path: Path | No
 HELP = {
     "--rounds": "timed rounds (after one warm-up round)",
     "--json": "also write the figures to this JSON file",
+    "--report": "also write what the command prints, with its command, commit, machine, date and wall time, as "
+    "its section of this markdown page (the same command on the same machine replaces its section)",
     "--step": "time one FedBR and one DisTrans local step against one FedAvg step instead of whole rounds",
     "--steps": "steps per timing repeat (--step, and --suite's step table)",
     "--suite": "bare loop against both Flower engines for FedAvg, FedBR and DisTrans on each shape "
@@ -785,6 +787,7 @@ HELP = {
 OPTIONS: dict[str, dict[str, Any]] = {
     "--rounds": {"type": int, "default": 5},
     "--json": {"type": Path},
+    "--report": {"type": Path, "metavar": "PAGE"},
     "--steps": {"type": int, "default": 20},
     "--shapes": {"default": ",".join(SUITE)},
     "--strategies": {"default": ",".join(SUITE_STRATEGIES)},
@@ -805,12 +808,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_intermixed_args(argv)
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     try:
-        check_arguments(args)
-        return run_mode(args, threads)
+        check_arguments(args, argv)
+        return run_mode(args, threads) if args.report is None else run_and_report(args, argv, threads)
     except ConfigError as exc:  # a bad key, or a dataset that is not in data-dir
         print(f"fedbr-bench: error: {exc}", file=sys.stderr)
         return 2
@@ -819,9 +823,9 @@ def main(argv=None) -> int:
         return 1
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-    """A count below one and a --json file that cannot be written stop the command before it measures, not
-    after (a mode given 0 ran another mode, or raised at its end with its figures lost)."""
+def check_arguments(args: argparse.Namespace, argv: list[str]) -> None:
+    """A count below one and a --json file or --report page that cannot be written stop the command before it
+    measures, not after (a mode given 0 ran another mode, or raised at its end with its figures lost)."""
     for flag in [flag for flag, kwargs in OPTIONS.items() if kwargs.get("type") is int]:  # the counts
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
@@ -830,6 +834,23 @@ def check_arguments(args: argparse.Namespace) -> None:
         folder = args.json.expanduser().absolute().parent
         if args.json.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
             raise ConfigError(f"--json {args.json}: not a file that can be written in an existing folder")
+    if args.report is not None:
+        from .page import check_page
+
+        check_page(args.report, argv)
+
+
+def run_and_report(args: argparse.Namespace, argv: list[str], threads: int) -> int:
+    """``run_mode``, then what it printed as this command's section of the --report page, where it succeeded."""
+    from .page import printed_and_kept, write_bench_report
+
+    start = time.perf_counter()
+    with printed_and_kept() as printed:
+        code = run_mode(args, threads)
+    if code == 0:
+        write_bench_report(args.report, argv, printed.getvalue(), time.perf_counter() - start)
+        print(f"report: this command's section of {args.report}")
+    return code
 
 
 def run_mode(args: argparse.Namespace, threads: int) -> int:

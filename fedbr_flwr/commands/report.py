@@ -612,17 +612,16 @@ def plot_decisions(decisions: list[Decision], rule: Rule, path: Path, title: str
 # ---------------------------------------------------------------- the results page
 
 
-def _begin(key: str) -> str:
-    return (
-        f"<!-- fedbr-sweep report {key}: written by the command below from its run folders; edits are overwritten -->"
-    )
+def _begin(key: str, tool: str = "fedbr-sweep") -> str:
+    source = " from its run folders" if tool == "fedbr-sweep" else ""
+    return f"<!-- {tool} report {key}: written by the command below{source}; edits are overwritten -->"
 
 
-def _end(key: str) -> str:
-    return f"<!-- end of fedbr-sweep report {key} -->"
+def _end(key: str, tool: str = "fedbr-sweep") -> str:
+    return f"<!-- end of {tool} report {key} -->"
 
 
-def check_report_page(page: Path, key: str) -> None:
+def check_report_page(page: Path, key: str, tool: str = "fedbr-sweep") -> None:
     """ConfigError, before a sweep's runs, where ``write_report`` could not write ``key``'s section of ``page``
     after them: a folder in its place, a folder it cannot be written in, a page that is not UTF-8 text or whose
     markers of that section are damaged."""
@@ -630,7 +629,7 @@ def check_report_page(page: Path, key: str) -> None:
         raise ConfigError(f"--report {page} is a folder: give the markdown page to write (a .md file)")
     check_output_dir(page.parent, "--report's folder")
     if page.exists():
-        replace_section(read_page(page), key, "")
+        replace_section(read_page(page), key, "", tool)
 
 
 def read_page(page: Path) -> str:
@@ -640,9 +639,9 @@ def read_page(page: Path) -> str:
         raise ConfigError(f"--report {page} is not UTF-8 text: give a markdown page") from None
 
 
-def replace_section(text: str, key: str, section: str) -> str:
-    """The page with ``key``'s section (between its markers) replaced, or appended where it has none."""
-    begin, end = _begin(key), _end(key)
+def replace_section(text: str, key: str, section: str, tool: str = "fedbr-sweep") -> str:
+    """The page with ``key``'s section (between ``tool``'s markers) replaced, or appended where it has none."""
+    begin, end = _begin(key, tool), _end(key, tool)
     block = f"{begin}\n{section.rstrip()}\n{end}\n"
     starts, ends = text.count(begin), text.count(end)
     if (starts, ends) == (0, 0):
