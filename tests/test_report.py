@@ -145,8 +145,10 @@ def test_a_run_paused_at_its_checkpoint_is_shown_as_paused_not_failed(tmp_path):
     fake_run(paused, [0.9], cfg={"num-rounds": 10})
     (paused / "rounds.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in (1, 2, 3)))
     save_checkpoint(paused, {"w": np.zeros(2, dtype=np.float32)}, {"round": 3, "config": {}})
-    lines = report.write_comparison(out, ["A"], [0, 1], "t").splitlines()
-    assert lines[2].endswith("| 59.20 / paused | seed 1 paused after round 3 of 10 (resumes from its checkpoint) |")
+    lines = report.write_comparison(out, ["A"], [0, 1, 2], "t").splitlines()
+    assert lines[2].endswith(
+        "| 59.20 / paused / not run | seed 1 paused after round 3 of 10 (resumes from its checkpoint) |"
+    )  # seed 2 has no folder: not "-", which a finished seed without the figure shows
     section = report.report_section("k", "t", "cmd", out, ["A"], [0, 1], "results/k.png")
     assert "- **in progress**: paused (by a time limit or a stop), A seed 1 at round 3 of 10 (" in section
     assert "- runs: 1 of 2 finished (1 setting x seeds 0, 1)," in section  # not "runs: 1" of a 2-run plan

@@ -220,7 +220,7 @@ def compare(
 
 def per_seed_cell(summary: dict[str, Any] | None, why: str) -> str:
     if summary is None:
-        return why.split(" ")[0].rstrip(":") if why else "-"  # failed, paused
+        return why.split(" ")[0].rstrip(":") if why else "not run"  # failed, paused; no folder yet
     return "-" if summary.get("mean_acc_best5") is None else f"{100 * summary['mean_acc_best5']:.2f}"
 
 
