@@ -335,3 +335,34 @@ def test_an_over_long_path_is_one_line_and_exit_2(capsys, tmp_path, command):
         err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "is too long for this system" in err, err
     assert len(err) < 400 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "command", [["fedbr-sweep", "experiments/quickstart.yaml", "--dry-run"], ["fedbr-run", "--list"]]
+)
+def test_a_command_whose_reader_left_stops_without_a_traceback(command):
+    """`fedbr-sweep x.yaml --dry-run | head -1` printed a BrokenPipeError traceback when head had gone."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    read, write = os.pipe()
+    os.close(read)  # the reader left before the first line: every write fails
+    try:
+        proc = subprocess.run(
+            command, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120, cwd=Path(__file__).parents[1]
+        )
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")
+
+
+def test_a_broken_pipe_that_is_not_standard_output_still_raises():
+    from fedbr_flwr.core.errors import quiet_when_its_reader_leaves
+
+    @quiet_when_its_reader_leaves
+    def main() -> int:
+        raise BrokenPipeError("a child's stdin")
+
+    with pytest.raises(BrokenPipeError):
+        main()

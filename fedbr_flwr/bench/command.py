@@ -42,7 +42,7 @@ import torch
 from ..app.raycluster import requested_address
 from ..core.algorithm import client_class
 from ..core.config import ConfigError, common, resolved_model
-from ..core.errors import OneLineParser
+from ..core.errors import OneLineParser, quiet_when_its_reader_leaves
 from ..core.model import SplitModel
 from ..core.training import autocast, use_device
 from ..data.catalog import INFO
@@ -806,6 +806,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_when_its_reader_leaves
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)

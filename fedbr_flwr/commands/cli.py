@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from ..app.raycluster import requested_address
 from ..core.config import ConfigError, pyproject_table, schema
-from ..core.errors import OneLineParser
+from ..core.errors import OneLineParser, quiet_when_its_reader_leaves
 from ..launch.launcher import PROJECT_DIR, RunFailed, RunHost, how_to_continue, run_flower
 from ..launch.plan import build_config, plan_resumed, plan_run
 from ..launch.timelimit import (
@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_when_its_reader_leaves
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     parser = build_parser()

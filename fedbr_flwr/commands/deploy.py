@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ..core.config import common
-from ..core.errors import ConfigError, OneLineParser
+from ..core.errors import ConfigError, OneLineParser, quiet_when_its_reader_leaves
 from ..launch import watchdog
 from ..launch.launcher import (
     EXIT_LINE,
@@ -884,6 +884,7 @@ def is_host(text: str) -> bool:
         return len(text) <= 253 and all(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", p) for p in labels)
 
 
+@quiet_when_its_reader_leaves
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

@@ -67,7 +67,7 @@ from ..core.config import (
     schema,
     unknown_key,
 )
-from ..core.errors import OneLineParser
+from ..core.errors import OneLineParser, quiet_when_its_reader_leaves
 from ..launch.launcher import Echo, RunFailed, RunHost, print_line, run_flower
 from ..launch.plan import check_data, check_local_resources, config_from_settings, plan_run
 from ..launch.timelimit import (
@@ -664,6 +664,7 @@ def seeds_left_out(jobs: list[Job], seeds: list[int]) -> list[int]:
     return sorted(found)
 
 
+@quiet_when_its_reader_leaves
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -1,7 +1,13 @@
 """The error a user can fix from its message alone (exit code 2 in the commands)."""
 
 import argparse
-from typing import Any, NoReturn
+import functools
+import os
+import select
+import sys
+from typing import Any, Callable, NoReturn, TypeVar
+
+Command = TypeVar("Command", bound=Callable[..., int])
 
 
 class ConfigError(ValueError):
@@ -34,3 +40,31 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+def quiet_when_its_reader_leaves(main: Command) -> Command:
+    """A command whose output's reader went away (``fedbr-sweep x.yaml --dry-run | head -1``) stops without a
+    traceback, with a shell's exit code for SIGPIPE, 141; its further output goes nowhere. A broken pipe of
+    anything but standard output still raises."""
+
+    @functools.wraps(main)
+    def command(*args: Any, **kwargs: Any) -> int:
+        try:
+            return main(*args, **kwargs)
+        except BrokenPipeError:
+            if not reader_gone(sys.stdout):
+                raise
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python's flush at exit complains
+            return 141
+
+    return command  # type: ignore[return-value]
+
+
+def reader_gone(stream: Any) -> bool:
+    """Whether ``stream`` is a pipe that nobody reads any more (poll reports an error on its write end)."""
+    try:
+        poll = select.poll()
+        poll.register(stream.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's captured stream)
+        return False
