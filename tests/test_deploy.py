@@ -292,6 +292,23 @@ def test_a_stopped_deploy_run_stops_its_run_on_the_superlink_and_says_so(
         assert "may still run on the SuperLink: `flwr stop 4242` failed (unreachable)" in err[0]
 
 
+def test_a_run_for_a_superlink_on_another_machine_leaves_its_folder_and_data_to_that_machine(
+    tmp_path, capsys, monkeypatch
+):
+    """output-dir is a path on the SuperLink's machine (its ServerApp writes and checks it). Checked on the
+    submitting machine, a folder this one cannot make refused the run, and one made for the check was left."""
+    submitted = []
+    monkeypatch.setattr(deploy, "submit_run", lambda cfg, env, connection, out, echo: submitted.append(out))
+    blocked = "/dev/null/runs/x"  # no folder can be made here
+    args = ["run", "--superlink", "10.0.0.1:8000", "--insecure", f"output-dir={blocked}", "num-clients=2"]
+    assert deploy.main(args) == 0 and submitted == [Path(blocked)]
+    assert "the run's files are on the SuperLink's machine" in capsys.readouterr().out
+    args[2] = "127.0.0.1:8000"  # this machine: checked here, before Flower is asked
+    assert deploy.main(args) == 2 and len(submitted) == 1
+    assert "output-dir /dev/null/runs/x cannot be made" in capsys.readouterr().err
+    assert [deploy.on_this_machine(a) for a in ("localhost:9093", "[::1]:9093", "10.0.0.1:8000")] == [1, 1, 0]
+
+
 def test_registering_again_skips_the_keys_the_superlink_has_and_registers_the_rest(tmp_path, capsys, monkeypatch):
     keys = tmp_path / "keys"
     assert deploy.main(["certs", str(keys), "--supernodes", "3"]) == 0

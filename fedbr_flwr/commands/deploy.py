@@ -342,9 +342,10 @@ def round_seconds(out_dir: Path) -> dict[str, float]:
 # ---------------------------------------------------------------- command line
 
 
-def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -> dict:
+def _config(items: Sequence[str], resume: str | None, num_clients: int | None, files_here: bool = True) -> dict:
     """The run's config from files and overrides (``num_clients``: the local SuperNodes, which it must
-    match), or from the checkpoint of the run being resumed."""
+    match), or from the checkpoint of the run being resumed. ``files_here=False``: the SuperLink is on another
+    machine, so its run folder and data are not checked on this one."""
     from ..launch.plan import prepare, resume_config
 
     if resume:
@@ -355,7 +356,7 @@ def _config(items: Sequence[str], resume: str | None, num_clients: int | None) -
                 f"{common(cfg).num_clients}"
             )
         return cfg
-    return prepare(new_run_config(items, num_clients), overwrite=False)  # new_run_config checks it
+    return prepare(new_run_config(items, num_clients), overwrite=False, files_here=files_here)
 
 
 def new_run_config(items: Sequence[str], num_clients: int | None) -> dict:
@@ -446,7 +447,7 @@ def stop_of(exc: BaseException) -> tuple[str, int]:
 
 def cmd_run(args) -> int:
     certs = _certs_arg(args)
-    cfg = _config(args.items, args.resume, None)
+    cfg = _config(args.items, args.resume, None, files_here=on_this_machine(args.superlink))
     home = watchdog.temp_dir("fedbr-deploy-")
     out = Path(common(cfg).output_dir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the run on the SuperLink is stopped too
@@ -464,6 +465,12 @@ def cmd_run(args) -> int:
     finally:
         watchdog.remove_temp_dir(home)
     return _print_result(out)
+
+
+def on_this_machine(address: str) -> bool:
+    """Whether a SuperLink ``address`` (host:port) names this machine: a loopback address or its own name."""
+    host = address.rsplit(":", 1)[0].strip("[]").lower()
+    return host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname().lower(), socket.getfqdn().lower())
 
 
 def stop_remote_run(env: dict[str, str], out: Path, since: int = 0) -> str:

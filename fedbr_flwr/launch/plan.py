@@ -206,26 +206,34 @@ def plan_resumed(out_dir: Path, items: Sequence[str], superlink: bool = False) -
     return RunPlan.of(size_for_runtime(resume_config(out_dir, items), superlink=superlink))
 
 
-def prepare(cfg: dict[str, Any], overwrite: bool) -> dict[str, Any]:
+def prepare(cfg: dict[str, Any], overwrite: bool, files_here: bool = True) -> dict[str, Any]:
+    """``cfg`` with its folder, commit and paths filled in, checked before Flower starts. ``files_here=False``:
+    the run's folder and data are on another machine (a remote SuperLink's), whose ServerApp checks them."""
     if not cfg["output-dir"]:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg["output-dir"] = str(Path.cwd() / "runs" / f"{cfg['strategy']}-{cfg['dataset']}-{stamp}")
     out = check_path(Path(cfg["output-dir"])).resolve()
-    check_free(out)  # also with --overwrite: a live run (or one left running) is writing there
-    if cfg["resume"]:
-        check_resume_key(out)
     cfg["overwrite"] = overwrite = overwrite or cfg["overwrite"]
-    if not overwrite:
-        check_no_run(out)
+    if files_here:
+        check_run_folder(cfg, out, overwrite)
     cfg["output-dir"] = str(out)
     if cfg["data-dir"]:  # Flower runs the app from a copy elsewhere: hand it absolute paths only
         cfg["data-dir"] = str(check_path(Path(cfg["data-dir"]), "data-dir").resolve())
     cfg["git-commit"] = cfg["git-commit"] or git_commit(PROJECT_DIR) or "unknown"
     check_pyproject()
-    check_data(cfg)
     check_available(cfg)
-    check_output_dir(out)  # a file in its place, no permission: a message now, not a traceback from Flower
+    if files_here:
+        check_data(cfg)
+        check_output_dir(out)  # a file in its place, no permission: a message now, not a traceback from Flower
     return cfg
+
+
+def check_run_folder(cfg: dict[str, Any], out: Path, overwrite: bool) -> None:
+    check_free(out)  # also with --overwrite: a live run (or one left running) is writing there
+    if cfg["resume"]:
+        check_resume_key(out)
+    if not overwrite:
+        check_no_run(out)
 
 
 def check_data(cfg: dict[str, Any]) -> None:
