@@ -8,6 +8,8 @@
 # A part that fails is recorded in OUT/failures.txt and the others still run. EXTRA (environment): key=value
 # settings appended to the commands that take the paper's settings (parts 2, 3, 5, 6, 7 and 8), e.g.
 # EXTRA="model=cnn-small device=cpu" to try the script on a CPU.
+# The fedbr-bench parts also write what they print, with command, commit, machine and wall time, as their
+# sections of OUT/benchmarks.md: copy those sections into docs/benchmarks.md.
 # Parts take minutes each (docs/benchmarks.md gives their wall times on one H100): in a short GPU slot, run only
 # the parts that fit before what must run after them.
 set -uo pipefail
@@ -41,7 +43,7 @@ fi
 if [[ $parts == *" 2 "* ]]; then
   for strategy in fedavg fedbr distrans; do
     measure "cohort-step-$strategy" fedbr-bench --cohort-step "${paper[@]}" "strategy=$strategy" --rounds 5 \
-      --json "$out/cohort-step-$strategy.json"
+      --json "$out/cohort-step-$strategy.json" --report "$out/benchmarks.md"
   done
 fi
 
@@ -59,13 +61,15 @@ fi
 # 4. 100 clients at 10% and 1000 at 1% on the one GPU: s/round and peak memory
 if [[ $parts == *" 4 "* ]]; then
   for step in vmap graph; do
-    measure "scale-$step" fedbr-bench --scale local-steps=50 "cohort-step=$step" --rounds 3 --json "$out/scale-$step.json"
+    measure "scale-$step" fedbr-bench --scale local-steps=50 "cohort-step=$step" --rounds 3 --json "$out/scale-$step.json" \
+      --report "$out/benchmarks.md"
   done
 fi
 
 # 5. the bare loop against both Flower engines, with the achieved TFLOP/s beside the card's peak
 if [[ $parts == *" 5 "* ]]; then
-  measure suite fedbr-bench --suite --shapes rotmnist-cnn "${paper[@]}" --rounds 5 --json "$out/suite.json"
+  measure suite fedbr-bench --suite --shapes rotmnist-cnn "${paper[@]}" --rounds 5 --json "$out/suite.json" \
+    --report "$out/benchmarks.md"
 fi
 
 # 6. the speed levers (tf32, cudnn-autotune, bf16, cohort-conv=matmul) against strict fp32, one cohort in process:
@@ -73,7 +77,7 @@ fi
 if [[ $parts == *" 6 "* ]]; then
   for strategy in fedavg fedbr; do
     measure "levers-$strategy" fedbr-bench --levers "${paper[@]}" "strategy=$strategy" --rounds 3 \
-      --json "$out/levers-$strategy.json"
+      --json "$out/levers-$strategy.json" --report "$out/benchmarks.md"
   done
 fi
 
@@ -109,7 +113,8 @@ if [[ $parts == *" 8 "* ]]; then
   for strategy in fedavg fedbr; do
     for conv in grouped matmul; do
       measure "kernels-$strategy-$conv" fedbr-bench --kernels "${paper[@]}" "strategy=$strategy" engine=cohort \
-        "cohort-conv=$conv" --json "$out/kernels-$strategy-$conv.json"
+        "cohort-conv=$conv" --json "$out/kernels-$strategy-$conv.json" \
+        --report "$out/benchmarks.md"
     done
   done
 fi
