@@ -719,8 +719,16 @@ def test_dry_run_lists_every_run_of_a_grid(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 17 and lines[-1] == "16 runs (8 settings x 2 seeds)"
     folder = out / "FedAvg" / "local-steps=1,lr=0.01" / "seed0"
-    assert lines[0] == f"FedAvg lr=0.01,local-steps=1 seed 0: strategy=fedavg -> {folder}"
+    assert lines[0] == f"FedAvg lr=0.01,local-steps=1 seed 0: strategy=fedavg local-steps=1 lr=0.01 -> {folder}"
     assert not out.exists()
+
+
+def test_dry_run_shows_what_each_run_sets_that_the_others_do_not(tmp_path, capsys):
+    """It showed only each run's strategy: "FedBR no max" read as FedBR. A key of FedBR's is not shown for
+    FedAvg, which ignores it."""
+    assert sweep.main([write(tmp_path), "--out", str(tmp_path / "out"), "--dry-run", "--seeds", "0"]) == 0
+    lines = [line.split(" -> ")[0] for line in capsys.readouterr().out.splitlines()]
+    assert lines[:2] == ["FedAvg seed 0: strategy=fedavg", "FedBR no max seed 0: strategy=fedbr fedbr-max-step=false"]
 
 
 def test_a_grid_sweep_runs_each_cell_once_then_keeps_them(tmp_path, capsys, monkeypatch):

@@ -59,6 +59,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from ..core.config import (
     NO_EFFECT_KEYS,
     ConfigError,
+    active_owners,
     as_it_ran,
     common,
     load_yaml,
@@ -68,6 +69,7 @@ from ..core.config import (
     unknown_key,
 )
 from ..core.errors import OneLineParser, quiet_when_its_reader_leaves
+from ..core.registry import owned_keys
 from ..launch.launcher import Echo, RunFailed, RunHost, print_line, run_flower
 from ..launch.plan import check_data, check_local_resources, config_from_settings, plan_run
 from ..launch.timelimit import (
@@ -95,6 +97,7 @@ from .report import (
     cell_name,
     check_report_page,
     run_folder,
+    setting_value,
     write_comparison,
     write_report,
 )
@@ -664,6 +667,23 @@ def seeds_left_out(jobs: list[Job], seeds: list[int]) -> list[int]:
     return sorted(found)
 
 
+def run_settings(configs: list[dict[str, Any]]) -> list[list[str]]:
+    """Each run's strategy and the settings in which the runs differ (but their folder and seed; an algorithm's
+    key only for the runs it applies to), as key=value: what --dry-run shows of each run."""
+    owned = owned_keys()
+    varied = sorted(
+        {k for c in configs for k in c if len({setting_value(d.get(k)) for d in configs}) > 1}
+        - {"strategy", "output-dir", "seed"}
+    )
+    return [
+        [
+            f"strategy={c['strategy']}",
+            *(f"{k}={setting_value(c[k])}" for k in varied if k not in owned or owned[k].owner in active_owners(c)),
+        ]
+        for c in configs
+    ]
+
+
 @quiet_when_its_reader_leaves
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
@@ -702,9 +722,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(dict.fromkeys(name for name, _, _ in jobs))
     seeds = list(dict.fromkeys(seed for _, seed, _ in jobs))
     if args.dry_run:
-        for name, seed, cfg in jobs:
-            run = common(cfg)
-            print(f"{name.label} seed {seed}: strategy={run.strategy} -> {run.output_dir}")
+        for (name, seed, cfg), settings in zip(jobs, run_settings([cfg for _, _, cfg in jobs])):
+            print(f"{name.label} seed {seed}: {' '.join(settings)} -> {common(cfg).output_dir}")
         print(f"{len(jobs)} runs ({len(names)} settings x {len(seeds)} seeds)")
         return 0
     status = {}
