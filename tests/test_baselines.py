@@ -481,15 +481,17 @@ def test_fedcm_direction_under_momentum_decays_on_a_flat_loss_instead_of_growing
     cfg = cfg_of("fedcm", **{"fedcm-alpha": alpha, "momentum": 0.9, "local-steps": steps})
     owner = torch.nn.Linear(4, 1, bias=False)
     weight, delta = owner.weight, torch.ones(1, 4)
+    server = GlobalDirection(cfg, {"model/w": weight.detach().numpy().copy()})  # the server's own computation
     for _ in range(3):
         optimizer, start = round_sgd(owner, [weight], cfg), weight.detach().numpy().copy()
+        server.round_arrays(1, {"model/w": start})
         for _ in range(steps):
             weight.grad = torch.zeros(1, 4)  # no gradient of its own: the step is the blend's (1 - alpha) delta
             blend_with_global_momentum([weight.grad], [delta], alpha)
             optimizer.step()
-        new = global_update_direction(start, weight.detach().numpy(), LR, steps_along_gradient(steps, 0.9))
-        np.testing.assert_allclose(new, (1 - alpha) * delta.numpy(), rtol=1e-4)
-        delta = torch.as_tensor(new)
+        assert server.after_aggregate({"model/w": weight.detach().numpy().copy()}) == []
+        np.testing.assert_allclose(server.delta["w"], (1 - alpha) * delta.numpy(), rtol=1e-4)
+        delta = torch.as_tensor(server.delta["w"])
 
 
 def test_parameter_tensors_and_state_arrays_are_inverse():

@@ -128,6 +128,9 @@ def test_norm_bound_clips_each_judged_group_by_its_own_bound_too():
     assert plan.record([7, 8, 9])["clipped"] == [7]
     t_only = RobustRule("norm-bound", bound=10.0, multiple=2.0).plan(ups, g, judged)  # no model update clipped
     assert t_only.scales == (1.0, 1.0, 1.0) and t_only.record([7, 8, 9])["clipped"] == [7]
+    ups[0]["d"] = np.array([2.0], np.float32)  # d's own scales 1, 1, 1: the first client's is its model's 0.4
+    plan = RobustRule("norm-bound", bound=2.0, multiple=2.0).plan(ups, g, judged)
+    assert plan.combine(ups, [1, 1, 1], ["d"])["d"][0] == pytest.approx((0.4 * 2 + 2 + 1) / 3)
 
 
 def test_mean_plan_is_named_mean_bit_for_bit():
@@ -326,6 +329,21 @@ def test_feddyn_drift_under_multi_krum_is_the_sum_over_the_kept_clients_whatever
     drift = sum(u.arrays[name].astype(np.float64) - g[name] for u in rnd.used)
     assert len(rnd.used) == 4
     np.testing.assert_allclose(s.h[name], -s.settings.alpha / 5 * drift, rtol=1e-4, atol=1e-6)
+
+
+def test_scaffold_control_under_multi_krum_is_the_sum_over_the_kept_clients_whatever_their_weights(tmp_path):
+    """c moves by the sum of the kept clients' Delta c_i over N, as FedDyn's h: weighted by sample counts under
+    weighting=samples, Multi-Krum's mean of them was not that sum."""
+    from fedbr_flwr.server.robust import AggregationRound
+
+    s, g, ups = strategy_with_updates(tmp_path, "scaffold", "multi-krum", 5, 5, weighting="samples")
+    weights = [10.0, 20.0, 30.0, 40.0, 50.0]
+    rnd = AggregationRound(1, g, ups, weights, s.robust_rule.plan([u.arrays for u in ups], g, s.judged_groups()))
+    s.aggregate(rnd)
+    key = next(iter(s.control))
+    kept = sum(u.arrays[f"control-delta/{key}"].astype(np.float64) for u in rnd.used)
+    assert len(rnd.used) == 4
+    np.testing.assert_allclose(s.control[key], kept / 5, rtol=1e-4, atol=1e-6)
 
 
 def test_distrans_avg_sends_the_rules_aggregate_offset(tmp_path):
