@@ -284,6 +284,14 @@ def test_moon_negative_pair_is_the_clients_own_last_local_model():
         np.testing.assert_array_equal(got.numpy(), other_global[f"model/features.{key}"])
 
 
+def test_moon_weighs_its_contrastive_term_by_moon_mu():
+    cfg = cfg_of("moon", **{"moon-mu": 5.0})
+    settings = MoonSettings.from_config(cfg)
+    terms = MoonStep(moon_model(build_model("cnn", C, 1, 8), settings), cfg, settings, None).update(*batch())
+    assert terms["con"].item() > 0
+    assert terms["loss"].item() == pytest.approx(terms["ce"].item() + 5.0 * terms["con"].item(), rel=1e-6)
+
+
 def test_moon_first_round_contrastive_term_gives_no_gradient():
     settings = MoonSettings.from_config(cfg_of("moon"))
     model = moon_model(build_model("cnn", C, 1, 8), settings)
@@ -383,6 +391,16 @@ def test_vhl_labels_virtual_data_past_the_real_classes_and_predicts_real_ones():
     assert terms["ce-virtual"].item() == pytest.approx(expected_virtual, rel=1e-5)
 
 
+def test_vhl_weighs_its_virtual_cross_entropy_and_its_alignment_each_by_its_own_setting():
+    cfg = cfg_of("vhl", **{"vhl-weight": 2.0, "vhl-align-weight": 3.0})
+    vx, vy = virtual_data(C, 1, 8, 20, seed=0)
+    terms = VHLStep(vhl_model(build_model("cnn", C, 1, 8)), cfg, VHLSettings.from_config(cfg), vx, vy, 0).update(
+        *batch()
+    )
+    want = terms["ce"] + 2.0 * terms["ce-virtual"] + 3.0 * terms["align"]
+    assert terms["loss"].item() == pytest.approx(want.item(), rel=1e-6)
+
+
 def test_alignment_loss_by_hand():
     z_real = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     y_real = torch.tensor([0, 2])  # class 2 has no virtual sample: that anchor is left out
@@ -433,6 +451,9 @@ def test_fedntd_value_by_hand_and_teacher_frozen_at_round_start():
     p = torch.softmax(torch.tensor([0.0, 1.0]), 0)
     expected = float((q * (q / p).log()).sum())
     assert not_true_distillation_loss(logits, teacher, y, 1.0).item() == pytest.approx(expected, rel=1e-6)
+    q, p = torch.softmax(torch.tensor([0.5, 0.0]), 0), torch.softmax(torch.tensor([0.0, 0.5]), 0)  # tau = 2
+    expected = 4 * float((q * (q / p).log()).sum())  # tau^2 KL of both sides softened by tau
+    assert not_true_distillation_loss(logits, teacher, y, 2.0).item() == pytest.approx(expected, rel=1e-6)
     model = small_model()
     algo = fedavg_step(model, cfg_of("fedntd"))
     start = module_arrays("m", model)

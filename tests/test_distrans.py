@@ -96,8 +96,10 @@ def make_algorithm(**overrides):
     return DisTransStep(model, offset, cfg, DisTransSettings.from_config(cfg))
 
 
-def test_simultaneous_step_moves_model_and_offset_by_one_gradient_each():
-    algo = make_algorithm(**{"distrans-offset-lr": 0.5, "lr": 0.1})
+@pytest.mark.parametrize("decay", [0.0, 0.1])
+def test_simultaneous_step_moves_model_and_offset_by_one_gradient_each(decay):
+    """With weight-decay, the model decays and the offset does not (an input, not a weight: the authors' code)."""
+    algo = make_algorithm(**{"distrans-offset-lr": 0.5, "lr": 0.1, "weight-decay": decay})
     x, y = batch()
     t0 = algo.offset.t.detach().clone()
     w0 = [p.detach().clone() for p in algo.model.parameters()]
@@ -107,7 +109,7 @@ def test_simultaneous_step_moves_model_and_offset_by_one_gradient_each():
     assert grads[0].abs().sum() > 0  # the offset receives gradient ...
     torch.testing.assert_close(algo.offset.t.detach(), t0 - 0.5 * grads[0])  # ... and moves by it
     for p, p0, g in zip(algo.model.parameters(), w0, grads[1:]):
-        torch.testing.assert_close(p.detach(), p0 - 0.1 * g)
+        torch.testing.assert_close(p.detach(), p0 - 0.1 * (g + decay * p0))
 
 
 def test_alternating_step_moves_the_offset_first_then_the_model_on_the_moved_offset():
