@@ -386,6 +386,22 @@ def federation_with_one_bad_answer(tmp_path, strategy, request, bad, **extra):
     return server, proxies
 
 
+def test_shared_inputs_are_held_to_the_images_range_within_a_mean_s_rounding_and_labels_to_probabilities():
+    """A mutation audit found that a slack of 0.1 of the range instead of 1e-4, and labels whose rows do not sum
+    to 1, passed every test: each test's bad value broke a coarser rule too."""
+    from fedbr_flwr.data.catalog import INFO
+    from fedbr_flwr.server.updates import images_problem, soft_labels_problem
+
+    info = INFO["mnist5k"]
+    (low,), (high,) = info.input_range()
+    edge = np.full((2, *info.image_shape), high, np.float32)
+    assert images_problem(edge + 0.5e-4 * (high - low), 2, info) is None  # a float32 mean's rounding
+    assert "outside the images' range" in images_problem(edge + 2e-3 * (high - low), 2, info)
+    assert "outside the images' range" in images_problem(edge * 0 + low - 2e-3 * (high - low), 2, info)
+    assert soft_labels_problem(np.full((2, 4), 0.25, np.float32), 2, 4) is None
+    assert "not class probabilities" in soft_labels_problem(np.full((2, 4), 0.125, np.float32), 2, 4)
+
+
 @pytest.mark.parametrize(
     "bad, reason",
     [
