@@ -110,6 +110,12 @@ def test_mean_output_cross_entropy_uses_the_mean_softmax():
     assert mean_output_cross_entropy(logits, target).item() == pytest.approx(math.log(2.0), rel=1e-6)
     # per-sample soft CE of the same outputs is larger: each sample is confident
     assert soft_cross_entropy(logits, target).item() > math.log(2.0) + 0.1
+    # not symmetric, and mixture pseudo-data's labels differ per sample: the mean of the softmax outputs
+    # (3/8, 5/8), not the softmax of the mean logits, against the mean label (3/4, 1/4), not the first one
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]])
+    target = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    want = -(0.75 * math.log(3 / 8) + 0.25 * math.log(5 / 8))
+    assert mean_output_cross_entropy(logits, target).item() == pytest.approx(want, rel=1e-6)
 
 
 # ---------------------------------------------------------------- the projection head
@@ -355,7 +361,16 @@ def test_proxy_dataset_is_converted_to_the_runs_image_shape(tmp_path, monkeypatc
     write_cifar(tmp_path, "cifar100", per_file=6)  # torchvision's files (train, test, meta), md5s trusted
     trust_cifar(monkeypatch, tmp_path, "cifar100")
     cfg = fedbr_cfg(**{"pseudo-data": "mixture", "proxy-dataset": "cifar100", "data-dir": str(tmp_path)})
-    assert load_proxy(cfg).shape == (6, 1, 28, 28)  # grey, resized
+    proxy = load_proxy(cfg)
+    assert proxy.shape == (6, 1, 28, 28)  # grey, resized
+    from torch.nn import functional as F
+
+    from fedbr_flwr.data.catalog import INFO, load_raw
+    from fedbr_flwr.data.dataset import normalise, to_float
+
+    colour = to_float(load_raw("cifar100", str(tmp_path), False)[0].x)
+    grey = F.interpolate(colour.mean(dim=1, keepdim=True), size=(28, 28), mode="bilinear", antialias=True)
+    torch.testing.assert_close(proxy, normalise(grey, INFO["mnist5k"]))  # grey: the mean of the three channels
 
 
 def test_pseudo_payload_round_trips():

@@ -39,6 +39,21 @@ def test_the_server_sends_each_client_its_alpha_k_and_the_client_trains_with_it(
     assert client.make_step(1, {}).alpha == 0.1  # no size known: alpha
 
 
+def test_the_local_loss_adds_alpha_k_over_two_times_the_squared_distance_from_the_round_start():
+    """The step tests run at the round's weights, where the proximal term is zero whatever its weight."""
+    cfg = validate({"strategy": "feddyn", "num-clients": 3, "global-test": False, "lr": 0.5})
+    client = client_class("feddyn")(cfg, toy_data(), "cpu", MemoryState())
+    step = client.make_step(1, {"feddyn-alpha-k": 0.3})
+    x, y = client.data.x_train[:16], client.data.y_train[:16]
+    step.update(x, y)  # away from the round's weights
+    with torch.no_grad():
+        distance = sum(float(((p - s) ** 2).sum()) for p, s in zip(client.model.parameters(), step.start))
+        ce = F.cross_entropy(client.model(x), y).item()
+    terms = step.update(x, y)
+    assert terms["prox"].item() == pytest.approx(distance, rel=1e-5) and distance > 0
+    assert terms["loss"].item() == pytest.approx(ce + 0.3 / 2 * distance, rel=1e-5)
+
+
 def test_clip_norm_scales_a_gradient_above_the_norm_down_to_it_and_leaves_one_below():
     grads = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])]  # joint norm 5
     clip_norm_(grads, 1.0)
