@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fedbr_flwr.data.partition import (
+    dirichlet,
     distributional_heterogeneity,
     label_skew,
     partition,
@@ -171,3 +172,38 @@ def test_label_skew_ignores_empty_clients_and_bounds():
     parts = [np.arange(5), np.arange(5, 10), np.zeros(0, np.int64)]
     # each non-empty client holds one of two equal classes: TV = 0.5
     assert label_skew(labels, parts) == pytest.approx(0.5)
+
+
+class ScriptedRng:
+    """A numpy Generator's few draws the partitions make, scripted: what they are given is recorded."""
+
+    def __init__(self, dirichlet):
+        self.dirichlet_draw, self.calls = dirichlet, []
+
+    def permutation(self, x):
+        return np.asarray(x)
+
+    def dirichlet(self, concentration):
+        self.calls.append(("dirichlet", np.asarray(concentration)))
+        return np.asarray(self.dirichlet_draw, dtype=float)
+
+    def choice(self, n, p):
+        self.calls.append(("choice", np.asarray(p)))
+        return int(np.argmax(p))
+
+
+def test_dirichlet_keeps_the_first_draw_whose_smallest_client_holds_exactly_min_size():
+    """Redrawing a partition that already meets min_size moved every later draw of the run's generator."""
+    rng = ScriptedRng([0.5, 0.5])
+    parts = dirichlet(np.zeros(4, dtype=int), 2, 0.1, rng, min_size=2)  # type: ignore[arg-type]
+    assert [len(p) for p in parts] == [2, 2] and len(rng.calls) == 1
+
+
+def test_an_underflowed_dirichlet_puts_all_mass_on_one_class_drawn_from_the_prior():
+    from fedbr_flwr.data.partition import _dirichlet_over_available
+
+    rng = ScriptedRng([np.nan, np.nan])  # tiny concentrations underflow
+    q = _dirichlet_over_available(np.array([0.0, 1e-3, 3e-3]), rng)  # type: ignore[arg-type]
+    (_, prior) = rng.calls[-1]
+    np.testing.assert_allclose(prior, [0.25, 0.75])  # the positive entries' prior, not always the first
+    np.testing.assert_array_equal(q, [0.0, 0.0, 1.0])
