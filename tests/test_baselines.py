@@ -213,6 +213,11 @@ def test_scaffold_client_keeps_its_variate_across_rounds_and_returns_its_change(
         np.testing.assert_allclose(kept[name], change)
     out2, _, _ = client2.fit({**{k: out1[k] for k in weights}, **zero_c}, {"server-round": 2})
     assert not all(np.allclose(out2[k], 0) for k in first_change)
+    client3 = ScaffoldClient(cfg, toy_data(0), torch.device("cpu"), state)
+    client3.restore_state({UPDATE_USED: 2})
+    after = state_arrays(client3.model, "control-delta", client3.local_control())
+    for name in first_change:  # round 2 returns c_i+ - c_i, not c_i+ (the same in round 1, from c_i = 0)
+        np.testing.assert_allclose(out2[name], after[name] - kept[name], rtol=1e-5, atol=1e-7)
 
 
 def test_scaffold_strategy_averages_models_and_sends_its_control_variate(tmp_path):
@@ -409,6 +414,13 @@ def test_alignment_loss_by_hand():
     tau = 0.5
     expected = -math.log(math.exp(1 / tau) / (math.exp(1 / tau) + math.exp(0)))
     assert supervised_alignment_loss(z_real, y_real, z_virtual, y_virtual, tau).item() == pytest.approx(expected)
+    # two positives for the one anchor: the mean of their log-probabilities, not their sum
+    z_virtual, y_virtual = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), torch.tensor([0, 1, 0])
+    sims = [1 / tau, 0.0, 2**-0.5 / tau]
+    log_norm = math.log(sum(math.exp(s) for s in sims))
+    expected = -((sims[0] - log_norm) + (sims[2] - log_norm)) / 2
+    got = supervised_alignment_loss(z_real[:1], y_real[:1], z_virtual, y_virtual, tau).item()
+    assert got == pytest.approx(expected, rel=1e-6)
 
 
 # ---------------------------------------------------------------- FedDecorr, FedNTD
