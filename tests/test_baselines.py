@@ -356,6 +356,21 @@ def test_fedmix_mean_data_are_means_of_m_samples_with_mean_labels():
     assert means_x.shape == (5, 1, 1, 1) and means_y.shape == (5, 5)
     assert torch.allclose(means_y.sum(1), torch.ones(5))
     assert 4 * means_x.sum().item() == pytest.approx(x.sum().item())  # disjoint groups cover every sample
+    # each mean label is that of its own group: with each image its label's value, the two means agree
+    means_x, means_y = mean_data(y.float().view(20, 1, 1, 1), y, 4, 5, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(means_x.view(-1), means_y @ torch.arange(5.0))
+    assert len(set(means_x.view(-1).tolist())) > 1  # the groups differ: one sample's label would not do
+
+
+def test_fedmix_pairs_each_mean_image_with_its_own_mean_label():
+    from clients.fedmix import FedMixStep
+
+    mean_x = torch.arange(6.0).view(6, 1, 1, 1)
+    mean_y = torch.eye(6)  # mean i: image value i, label i
+    step = FedMixStep(small_model(), cfg_of("fedmix"), 0.1, mean_x, mean_y, seed=0)
+    x, y = batch()
+    inputs = step.draw(x, y)
+    torch.testing.assert_close(inputs["x_mean"].view(-1), inputs["y_mean"].argmax(dim=1).float())
 
 
 def test_fedmix_client_answers_with_means_only():
