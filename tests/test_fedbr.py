@@ -320,6 +320,9 @@ def test_rsm_allotment_gives_exactly_b_means_spread_evenly():
     assert allot(64, list(range(10)), 0, 1) == counts  # seeded
     few = allot(3, list(range(10)), 0, 1)
     assert sum(few.values()) == 3 and max(few.values()) == 1
+    # the remainder's clients are drawn anew each version (round), not always the first ones
+    extra = {pid for version in range(1, 6) for pid, n in allot(64, list(range(10)), 0, version).items() if n == 7}
+    assert not extra <= {0, 1, 2, 3}
 
 
 def test_assemble_keeps_the_given_order_and_repeats_the_means_that_came_for_those_left_out():
