@@ -347,6 +347,17 @@ def test_mixture_formula_and_labels_summing_to_one(k):
         assert torch.allclose(y[0, y_k[0, 0]], (1.0 / C + (y_k[:, 0] == y_k[0, 0]).sum()) / (k + 1))
 
 
+def test_mixture_draws_its_local_samples_from_the_whole_pool():
+    """An index drawn below len(pool) - 1 left the last local sample out of every mix; only golden files saw it."""
+    algo = make_algorithm(**{"pseudo-data": "mixture", "mixture-k": 1})
+    algo.local_pool = (torch.zeros(2, *algo.x_p.shape[1:]), torch.tensor([0, 1]))
+    seen: set[int] = set()
+    for _ in range(10):
+        mixed_in = 2 * algo.draw(*local_batch())["y_p"] - algo.y_p  # k = 1: y_p' = (y_p + one-hot) / 2
+        seen |= set(mixed_in.argmax(dim=1).tolist())
+    assert seen == {0, 1}
+
+
 def test_mixture_batches_change_every_step_and_keep_soft_labels():
     algo = make_algorithm(**{"pseudo-data": "mixture", "mixture-k": 1})
     x, y = local_batch()
