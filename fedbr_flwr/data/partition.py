@@ -33,8 +33,9 @@ def fedbr_lda(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random
         q = _dirichlet_over_available(alpha * remaining / remaining.sum(), rng)
         counts = np.zeros(len(classes), dtype=int)
         need = size
-        # Each pass either fills the client or exhausts at least one class: at most C + 1 passes.
-        while need > 0:
+        for _ in range(len(classes) + 1):  # each pass fills the client or exhausts a class: C + 1 at most
+            if need == 0:
+                break
             available = remaining - counts
             q = np.where(available > 0, q, 0.0)
             if q.sum() <= 0:
@@ -43,6 +44,8 @@ def fedbr_lda(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random
             draw = np.minimum(rng.multinomial(need, q), available.astype(int))
             counts += draw
             need -= int(draw.sum())
+        if need:  # a broken invariant would otherwise loop for ever
+            raise RuntimeError(f"the LDA split left {need} of a client's {size} samples unassigned")
         taken = []
         for c, n in zip(classes, counts):
             taken.extend(pools[c][:n])
