@@ -14,8 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, TextIO
 
-from ..commands.report import check_report_page, describe_machine, page_lock, read_page, replace_section
-from ..runfiles.jsonsafe import write_text_atomically
+from ..commands.report import check_report_page, describe_machine, short_commit, write_section
 from ..runfiles.run_io import git_commit, host_facts
 
 TOOL = "fedbr-bench"
@@ -54,8 +53,8 @@ def bench_section(command: str, printed: str, wall_s: float, machine: str, commi
         [
             f"### `{command}`",
             "",
-            f"- commit: {commit[:7] + ('-dirty' if commit.endswith('-dirty') else '') if commit else 'unknown'}; "
-            f"machine: {machine}; date: {day}; wall time {wall_s / 60:.1f} min",
+            f"- commit: {short_commit(commit) if commit else 'unknown'}; machine: {machine}; date: {day}; "
+            f"wall time {wall_s / 60:.1f} min",
             "",
             printed.strip(),
         ]
@@ -68,9 +67,7 @@ def write_bench_report(page: Path, argv: list[str], printed: str, wall_s: float)
     section = bench_section(command, printed, wall_s, machine, git_commit(), day)
     key = section_key(command, machine)
     page.parent.mkdir(parents=True, exist_ok=True)  # checked before the run, as fedbr-sweep's page
-    with page_lock(page.parent):
-        text = read_page(page) if page.exists() else "# Benchmark\n"
-        write_text_atomically(page, replace_section(text, key, section, TOOL))
+    write_section(page, key, section, TOOL, new_page="# Benchmark\n")
 
 
 class _Tee(io.StringIO):

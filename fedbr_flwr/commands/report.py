@@ -676,6 +676,11 @@ def _manifests_and_paused(
     return manifests, paused
 
 
+def short_commit(commit: str) -> str:
+    """A commit as a section names it: its first 7 characters, and "-dirty" where the tree had local changes."""
+    return commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
+
+
 def describe_machine(host: dict[str, Any]) -> str:
     cpu = host.get("cpu") or host.get("platform") or "unknown CPU"
     gpu = host.get("gpu")
@@ -749,13 +754,7 @@ def report_section(
     table, rows = compare(out, names, seeds, headline)
     # the run's start and each resumed piece (with its own commit and, since pieces record it, machine)
     pieces = [piece for m in manifests for piece in (m, *m.get("resumed", []))]
-    commits = sorted(
-        {
-            str(m.get("git_commit", "unknown"))[:7]
-            + ("-dirty" if str(m.get("git_commit", "")).endswith("-dirty") else "")
-            for m in pieces
-        }
-    )
+    commits = sorted({short_commit(str(m.get("git_commit", "unknown"))) for m in pieces})
     machines = sorted({describe_machine(m["host"]) for m in pieces if "host" in m})
     days = sorted({str(m.get("started_utc", ""))[:10] for m in manifests if m.get("started_utc")})
     walls = [r["wall_time_s"] * r["wall_time_s_n"] for r in rows if r["wall_time_s"] is not None]
@@ -830,10 +829,16 @@ def write_report(
     plot_comparison(out, names, seeds, plot, title)
     if rule is not None:
         plot_decisions(decide(out, names, seeds, rule), rule, page.parent / decisions_plot(relative), title)
-    with page_lock(page.parent):  # another sweep's report on the page meanwhile keeps its section
-        text = read_page(page) if page.exists() else "# Results\n"
-        write_text_atomically(page, replace_section(text, key, section))
+    write_section(page, key, section)
     return plot
+
+
+def write_section(page: Path, key: str, section: str, tool: str = "fedbr-sweep", new_page: str = "# Results\n") -> None:
+    """Write ``key``'s section of ``page`` (a page begun with ``new_page`` where there is none) under the page's
+    lock: another report on the page meanwhile keeps its section."""
+    with page_lock(page.parent):
+        text = read_page(page) if page.exists() else new_page
+        write_text_atomically(page, replace_section(text, key, section, tool))
 
 
 @contextmanager
