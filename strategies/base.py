@@ -30,7 +30,7 @@ from fedbr_flwr.runfiles import codec
 from fedbr_flwr.runfiles.run_io import RunRecorder
 from fedbr_flwr.server.components import server_component_class
 from fedbr_flwr.server.robust import AggregationRound, JudgedGroup
-from fedbr_flwr.server.updates import ClientUpdate
+from fedbr_flwr.server.updates import ClientUpdate, all_finite
 
 Named = dict[str, np.ndarray]
 
@@ -121,7 +121,7 @@ class FederatedStrategy(FlowerStrategy):
     def finite_or_kept(self, rnd: AggregationRound, what: str, new: Named, old: Named, *derived: Named) -> Named:
         """``new`` server state, or ``old`` with a warning where it or arrays ``derived`` from it hold Inf or NaN:
         accepted but huge updates can sum past float32's largest, and every client would be sent Inf from then on."""
-        if all(np.isfinite(a).all() for arrays in (new, *derived) for a in arrays.values()):
+        if all_finite(new, *derived):
             return new
         self._warn(rnd.number, [f"{what} would hold Inf: it is kept"])
         return old

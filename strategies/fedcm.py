@@ -12,6 +12,7 @@ from fedbr_flwr.core.config import common
 from fedbr_flwr.core.registry import register_server_component
 from fedbr_flwr.core.training import steps_along_gradient
 from fedbr_flwr.server.components import ServerComponent
+from fedbr_flwr.server.updates import all_finite
 
 DELTA = "fedcm-delta"  # as the clients read it (clients/fedcm.py)
 MODEL = "model/"
@@ -42,7 +43,7 @@ class GlobalDirection(ServerComponent):
                 key: global_update_direction(self.round_start[key], new_global[MODEL + key], run.lr, steps)
                 for key in self.delta
             }
-        if not all(np.isfinite(d).all() for d in delta.values()):  # every client would be sent Inf from then on
+        if not all_finite(delta):
             return ["FedCM's global direction would hold Inf: the last one is kept"]
         self.delta = delta
         return []

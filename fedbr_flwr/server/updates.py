@@ -153,6 +153,12 @@ def count_problem(n: Any, known: int | None, what: str) -> str | None:
     return None
 
 
+def all_finite(*named: Mapping[str, np.ndarray]) -> bool:
+    """Whether every array of ``named`` is free of Inf and NaN: server state that accepted but huge updates summed
+    past float32's largest would be sent to every client from then on."""
+    return all(np.isfinite(a).all() for arrays in named for a in arrays.values())
+
+
 def is_real(value: Any) -> bool:
     """A real number that a float holds (NaN and Inf included); a Python int past float's range is none: the
     server's means and checks of it would raise OverflowError."""
