@@ -10,6 +10,8 @@ import pytest
 # (`-n auto`, one worker per core) each worker takes one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
 
+from testtime import pytest_runtest_call, pytest_runtest_setup, pytest_runtest_teardown  # noqa: E402, F401
+
 import golden  # noqa: E402, F401  (pins torch's CPU kernels to those the golden files were recorded with)
 
 # Full MNIST for the tests that compare against recorded hashes (tests/test_download.py): the folder in
