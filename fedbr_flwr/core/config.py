@@ -118,8 +118,8 @@ class CommonSettings(Settings):
         "fp32",
         "local steps in fp32, or in bf16 (weights and optimiser stay fp32): per client and "
         "with cohort-step=loop under autocast (a region per step, no weight cache); with cohort-step=vmap/graph "
-        "every module cast to bf16 (norm layers and softmax too); both land about 3-4% of an "
-        "update from fp32, and from each other (docs/implementation-choices.md)",
+        "every module cast to bf16 (norm layers and softmax too); both land about equally far from fp32, "
+        "and as far from each other: bf16 rounding (docs/implementation-choices.md; measured: docs/benchmarks.md)",
         choices=("fp32", "bf16"),
     )
     compile: bool = common_key(
