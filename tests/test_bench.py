@@ -9,7 +9,7 @@ from fedbr_flwr.bench import command as bench
 from fedbr_flwr.launch.plan import config_from_settings
 
 
-@pytest.mark.parametrize("strategy", ["fedavg", "fedbr", "distrans"])
+@pytest.mark.parametrize("strategy", ["fedavg", "fedbr", "distrans", "fedmix", "vhl", "scaffold"])
 def test_bare_loop_runs_the_clients_fit_and_averages(strategy, monkeypatch):
     cfg = config_from_settings(
         {"strategy": strategy, "num-clients": 2, "local-steps": 1, "batch-size": 4, "device": "cpu"}
@@ -18,14 +18,52 @@ def test_bare_loop_runs_the_clients_fit_and_averages(strategy, monkeypatch):
     original = bench.client_class(strategy).fit
 
     def counting_fit(self, parameters, config):
-        fits.append((self.pid, config["server-round"], "pseudo-payload" in config))
+        fits.append((self.pid, config["server-round"], any(k.endswith("-payload") for k in config)))
         return original(self, parameters, config)
 
     monkeypatch.setattr(bench.client_class(strategy), "fit", counting_fit)
     times, peak_mb = bench.bare_loop_round_seconds(cfg, rounds=1)
     assert len(times) == 1 and times[0] > 0 and peak_mb > 50  # round 1 is the untimed warm-up
     assert [(pid, r) for pid, r, _ in fits] == [(0, 1), (1, 1), (0, 2), (1, 2)]
-    assert [payload for *_, payload in fits] == ([True, True, False, False] if strategy == "fedbr" else [False] * 4)
+    # the broadcast data (FedBR's pseudo-data, FedMix's means, VHL's virtual data) rides in round 1 only
+    broadcasts = strategy in ("fedbr", "fedmix", "vhl")
+    assert [payload for *_, payload in fits] == ([True, True, False, False] if broadcasts else [False] * 4)
+
+
+def test_the_bare_loop_sends_and_moves_scaffolds_control_variate_as_its_strategy_does(monkeypatch):
+    """The server's c goes to every client beside the model, and the clients' changes move it."""
+    from fedbr_flwr.bench.bare import bare_loop
+
+    cfg = config_from_settings(
+        {"strategy": "scaffold", "num-clients": 2, "local-steps": 2, "batch-size": 4, "device": "cpu"}
+    )
+    sent = []
+    original = bench.client_class("scaffold").fit
+
+    def recording_fit(self, parameters, config):
+        sent.append({k: v for k, v in parameters.items() if k.startswith("control/")})
+        return original(self, parameters, config)
+
+    monkeypatch.setattr(bench.client_class("scaffold"), "fit", recording_fit)
+    bare_loop(cfg, 2, torch.device("cpu"))
+    assert len(sent) == 4 and all(len(c) > 0 for c in sent)
+    assert all(not c.any() for c in sent[0].values())  # round 1: c = 0
+    assert any(c.any() for c in sent[2].values())  # round 2: moved by round 1's changes
+
+
+@pytest.mark.parametrize("strategy", ["fedmix", "vhl", "scaffold", "fedcm", "feddyn"])
+def test_a_fit_is_counted_for_algorithms_that_need_what_the_server_sends(strategy):
+    """FedMix's means, VHL's virtual data, SCAFFOLD's control variate, FedCM's direction, FedDyn's alpha_k: the
+    counted fit is sent what the strategy sends in round 1, so it runs, at least FedAvg's work."""
+
+    def flops(name):
+        settings = {"strategy": name, "num-clients": 2, "local-steps": 1, "batch-size": 4, "model": "cnn-small"}
+        return bench.fit_flops(config_from_settings({**settings, "device": "cpu"}))
+
+    fedavg, counted = flops("fedavg"), flops(strategy)
+    assert counted >= fedavg > 0
+    if strategy in ("fedmix", "vhl"):  # an input gradient in the loss; a virtual batch beside the local one
+        assert counted > 1.5 * fedavg
 
 
 def test_step_benchmark_times_both_algorithms_on_synthetic_cifar_shapes():

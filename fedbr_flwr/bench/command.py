@@ -52,7 +52,8 @@ from ..launch.plan import build_config, size_for_runtime, size_resources
 from ..launch.protocol import RunPlan
 from ..runfiles.metrics import read_jsonl
 from ..server.recording import node_key
-from .bare import bare_fit_config, bare_loop_round_seconds, initial_arrays, synchronize
+from .bare import BareServer, bare_loop_round_seconds, round_configs, synchronize
+from .bare import bare_fit_config as bare_fit_config  # the tests fit clients with it, as bench.bare_fit_config
 
 
 def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
@@ -254,32 +255,38 @@ def cohort_config(cfg: dict) -> dict:
 
 
 def fit_flops(cfg: dict) -> float:
-    """FLOPs of one client's fit (all its local steps, forward and backward), counted by torch."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """FLOPs of one client's fit in round 1 (all its local steps, forward and backward), counted by torch: the
+    fit of client 0 sent what the strategy sends it in round 1 (``BareServer``)."""
+    from .flops import FitFlopCounter
 
     device = use_device(cfg)
     client = client_class(common(cfg).strategy)(cfg, load_client_data(cfg, 0, device), device)
-    global_arrays = initial_arrays(cfg)
-    config = bare_fit_config(cfg, [client])(1)
-    counter = FlopCounterMode(display=False)
+    server = BareServer(cfg)
+    server.connect([client])
+    arrays, config = server.messages(1, server.initial_arrays())[client.pid]
+    counter = FitFlopCounter()
     with counter:
-        client.fit(global_arrays, config)
+        client.fit(arrays, config)
     return float(counter.get_total_flops())
 
 
-def bench_cohort(cfg: dict, device: torch.device) -> tuple[Any, list[int], Callable[[int], dict], dict]:
+def bench_cohort(cfg: dict, device: torch.device) -> tuple[Any, list[int], Callable[..., dict], dict]:
     """One cohort holding every client of ``cfg`` on ``device`` in this process (no Flower): the cohort, its
-    members' ids, the fit config of a round, and the server's initial arrays."""
+    members' ids, the fit config of a round (``config_of(server_round, pid)``), and the arrays the strategy sends
+    every client in round 1 (the server's initial weights, and SCAFFOLD's control variate, FedCM's direction)."""
     run = common(cfg)
     from ..app.node import CohortClient
 
     members, packed = load_cohort_data(cfg, list(range(run.num_clients)), device)
     cohort = CohortClient(client_class(run.strategy)(cfg, members[0], device), members, packed)
+    server = BareServer(cfg)
 
-    # what bare_fit_config asks for the RSM means; member(pid) rebinds the one algorithm, so it is asked per call
+    # what the strategy asks the clients (the RSM means); member(pid) rebinds the one algorithm, so it is asked per call
     asked = {pid: SimpleNamespace(answer=lambda config, pid=pid: cohort.member(pid).answer(config)) for pid in members}
-    config_of = bare_fit_config(cfg, asked)
-    return cohort, list(members), config_of, initial_arrays(cfg)
+    server.connect(asked)
+    initial = server.initial_arrays()
+    arrays = {**initial, **server.strategy.round_arrays(1, initial)}
+    return cohort, list(members), round_configs(server), arrays
 
 
 # The GPU speed levers, each against strict fp32. Besides config keys, a lever may set "step" (the cohort's step
@@ -369,7 +376,7 @@ def time_lever(cfg: dict, lever: dict, rounds: int) -> tuple[list[float], list[n
     times: list[float] = []
     first: list[np.ndarray] = []
     for server_round in range(1, rounds + 2):
-        parts = [(pid, start_from, config_of(server_round)) for pid in members]
+        parts = [(pid, start_from, config_of(server_round, pid)) for pid in members]
         synchronize(device)
         start = time.perf_counter()
         results = cohort.fit_together(parts, graph=graph)
@@ -441,11 +448,11 @@ def kernel_rows(cfg: dict) -> tuple[list[dict], dict[str, float], float, float]:
     cohort, members, config_of, arrays = bench_cohort(cfg, device)
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
-    cohort.fit_together([(pid, arrays, config_of(1)) for pid in members], graph=False)
+    cohort.fit_together([(pid, arrays, config_of(1, pid)) for pid in members], graph=False)
     synchronize(device)
     start = time.perf_counter()
     with profile(activities=activities) as profiler:
-        cohort.fit_together([(pid, arrays, config_of(2)) for pid in members], graph=False)
+        cohort.fit_together([(pid, arrays, config_of(2, pid)) for pid in members], graph=False)
         synchronize(device)
     wall = time.perf_counter() - start
     # on a GPU only the device's own events (kernels, copies): an operator's "self" device time may repeat
@@ -528,7 +535,7 @@ def cohort_step_seconds(cfg: dict, rounds: int) -> dict[str, float]:
         ways["graph"] = lambda parts: cohort.fit_together(parts, graph=True)
     times: dict[str, list[float]] = {name: [] for name in ways}
     for server_round in range(1, rounds + 2):
-        parts = [(pid, arrays, config_of(server_round)) for pid in members]
+        parts = [(pid, arrays, config_of(server_round, pid)) for pid in members]
         for name, fit in ways.items():
             synchronize(device)
             start = time.perf_counter()
