@@ -490,3 +490,63 @@ def test_a_pcie_or_nvl_card_is_set_against_its_own_peak_not_the_sxm_one():
     assert bench.peak_tflops("NVIDIA H100 NVL", "bf16") == 835.5
     assert bench.peak_tflops("NVIDIA H200 NVL", "tf32") == 417.5
     assert bench.peak_tflops("NVIDIA H200", "tf32") == 494.7
+
+
+def test_the_flop_counter_counts_attention_and_the_fused_transformer_layer_by_hand():
+    """torch counts no FLOPs for the CPU's attention kernel and its backward, nor for the fused forward of a
+    transformer layer (eval mode, no gradients) or of a multi-head attention: the bench's counter adds them.
+    A tiny CCT: every matrix product by hand, with 2 FLOPs a multiply-add."""
+    from torch import nn
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fedbr_flwr.bench.flops import FitFlopCounter
+    from fedbr_flwr.core.model import CCTFeatures
+
+    b, c, s, d, layers, heads, ratio = 2, 3, 8, 16, 2, 2, 2
+    torch.manual_seed(0)
+    model = CCTFeatures(c, s, d, layers, heads, ratio)
+    x = torch.randn(b, c, s, s)
+    t = ((s + 1) // 2) ** 2  # tokens after the stride-2 pool
+    conv = 2 * b * s * s * d * c * 9
+    linear = layers * 2 * b * t * (3 * d * d + d * d + 2 * d * d * ratio) + 2 * b * t * d  # + the pooling logit
+    attention = layers * 2 * (2 * b * t * t * d)  # q k^T, then its product with v, over all heads
+    # backward: the conv's weight gradient only (its input is data); a linear layer's input and weight gradients;
+    # attention: the scores again and four gradients (torch's count for its GPU kernels)
+    train = 2 * conv + 3 * linear + attention + attention * 5 // 2
+    with FitFlopCounter() as counter:
+        model(x).sum().backward()
+    assert counter.get_total_flops() == train
+    with FlopCounterMode(display=False) as plain:
+        model(x).sum().backward()
+    assert plain.get_total_flops() < train  # what torch's counter alone misses
+
+    model.eval()
+    with torch.no_grad(), FitFlopCounter() as counter:  # nn.TransformerEncoderLayer's fast path
+        model(x)
+    assert counter.get_total_flops() == conv + linear + attention
+
+    attend = nn.MultiheadAttention(d, heads, batch_first=True).eval()
+    tokens = torch.randn(b, t, d)
+    with torch.no_grad(), FitFlopCounter() as counter:  # nn.MultiheadAttention's fast path
+        attend(tokens, tokens, tokens)
+    assert counter.get_total_flops() == 2 * b * t * 4 * d * d + 4 * b * t * t * d
+
+
+def test_a_cct_fits_count_matches_the_hand_count():
+    """One image, one step of CCT-7/3x1 on 32x32 inputs: the forward (the tokenizer's conv, in each of 7 layers
+    the q, k, v, output and two feed-forward projections and the attention, the pooling logit, the classifier)
+    and its backward. FedNTD adds one forward of the frozen global model, which runs the fused layer."""
+    from fedbr_flwr.data.catalog import INFO
+
+    def flops(strategy):
+        settings = {"strategy": strategy, "dataset": "synthetic", "model": "cct", "num-clients": 2}
+        return bench.fit_flops(config_from_settings({**settings, "local-steps": 1, "batch-size": 1, "device": "cpu"}))
+
+    info = INFO["synthetic"]
+    d, t, layers, hidden = 256, (info.image_size // 2) ** 2, 7, 512
+    conv = 2 * info.image_size**2 * d * info.in_channels * 9
+    linear = layers * 2 * t * (4 * d * d + 2 * d * hidden) + 2 * t * d + 2 * d * info.num_classes
+    attention = layers * 4 * t * t * d
+    fedavg = flops("fedavg")
+    assert fedavg == 2 * conv + 3 * linear + attention * 7 // 2
+    assert flops("fedntd") - fedavg == conv + linear + attention
