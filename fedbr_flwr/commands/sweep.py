@@ -204,8 +204,6 @@ def grid_keys(grid: dict[str, Factor]) -> list[str]:
 def run_factors(name: str, settings: dict[str, Any], grid: dict[str, Factor]) -> list[str]:
     """The grid keys that apply to run ``name`` (its ``settings`` without the grid's): a key of an algorithm or
     component the run does not use (DisTrans' offset lr for FedAvg) is not crossed with it."""
-    from ..core.config import active_owners
-
     if not grid:
         return []
     try:
