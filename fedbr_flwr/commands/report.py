@@ -184,16 +184,11 @@ def compare(
         row["not_finished"] = "; ".join(f"seed {seed} {why}" for seed, why in failed.items())
         num_rounds = max((s.get("last_round") or 0 for s in summaries.values()), default=0)
         for f in columns:
-            if f.column == "last_fifth_move":  # of the mean curve over seeds, so no spread
-                move = last_fifth_move(seed_curves(out, setting, list(summaries), "mean_acc"), num_rounds)
-                stats: tuple[float | None, float | None, int] = (
-                    move,
-                    None if move is None else 0.0,
-                    int(move is not None),
-                )
+            if f.column == "last_fifth_move":  # of the mean curve over seeds: one value, so no spread
+                figures = [last_fifth_move(seed_curves(out, setting, list(summaries), "mean_acc"), num_rounds)]
             else:
-                stats = _stats([s.get(f.column) for s in summaries.values()])
-            row[f.column], row[f"{f.column}_std"], row[f"{f.column}_n"] = stats
+                figures = [s.get(f.column) for s in summaries.values()]
+            row[f.column], row[f"{f.column}_std"], row[f"{f.column}_n"] = _stats(figures)
         row["mean_acc_best5_per_seed"] = " / ".join(per_seed_cell(summaries.get(s), failed.get(s, "")) for s in seeds)
         rows.append(row)
     shown = [f for f in columns if _shown(rows, f.column)]
