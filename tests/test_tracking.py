@@ -2,8 +2,6 @@
 resumed from their round-2 checkpoint, read back with TensorBoard's own event reader and W&B's own record
 format: every round once, with the values of metrics.jsonl and rounds.jsonl."""
 
-import struct
-
 import numpy as np
 import pytest
 
@@ -81,35 +79,32 @@ def test_tensorboard_holds_every_round_once_with_the_values_of_the_run_files(tmp
     assert "_hparams_/experiment" in events.Tags()["tensors"] or events.PluginTagToContent("hparams")
 
 
-def wandb_records(path):
-    """The protobuf records of a .wandb file (a LevelDB-style log: 32 KiB blocks of chunks with a 7-byte header,
-    after the file's own 7-byte header)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, pos, pending, block = path.read_bytes(), 7, b"", 32768
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind == 0:
-            continue
-        pending = chunk if kind in (1, 2) else pending + chunk  # FULL or FIRST start a record
-        if kind in (1, 4):  # FULL or LAST end it
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            yield record
+wandb_records = tracking.wandb_log_records
 
 
-def test_wandb_offline_history_holds_every_round_once_with_the_values_of_the_run_files(tmp_path, monkeypatch):
+def offline_wandb(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="the wandb extra is not installed here")
-    import json
-
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(name, str(tmp_path / name.lower()))
     monkeypatch.setenv("WANDB_MODE", "offline")  # no network, no account
     monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def wandb_history(out):
+    """Every history row of the run folder's W&B files (its offline runs), by key."""
+    import json
+
+    files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    return [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for f in files
+        for r in wandb_records(f)
+        if r.WhichOneof("record_type") == "history"
+    ]
+
+
+def test_wandb_offline_history_holds_every_round_once_with_the_values_of_the_run_files(tmp_path, monkeypatch):
+    offline_wandb(tmp_path, monkeypatch)
     out = tmp_path / "sweep" / "FedAvg" / "seed0"
     out.mkdir(parents=True)
     tracking.label_sweep_run(out, "sweep", "FedAvg/seed0", ["FedAvg", "seed0"])
@@ -122,11 +117,7 @@ def test_wandb_offline_history_holds_every_round_once_with_the_values_of_the_run
     assert {(r.run_id, r.run_group, r.display_name, tuple(r.tags)) for r in runs} == {
         (tracking.read_state(out)["wandb_id"], "sweep", "FedAvg/seed0", ("FedAvg", "seed0"))
     }
-    history = [
-        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-        for r in records
-        if r.WhichOneof("record_type") == "history"
-    ]
+    history = wandb_history(out)
     assert [row["_step"] for row in history] == [1, 2, 3, 4]
     by_step = {row["_step"]: row for row in history}
     for tag, points in expected_curves(out).items():
@@ -134,6 +125,39 @@ def test_wandb_offline_history_holds_every_round_once_with_the_values_of_the_run
             continue
         assert [(step, by_step[step][tag]) for step, _ in points] == points, tag
     assert all(by_step[step]["eval/per_client_acc/_type"] == "histogram" for step in by_step)
+
+
+def test_a_resume_logs_again_the_rounds_a_killed_process_handed_wandb_but_it_never_wrote(tmp_path, monkeypatch):
+    """W&B writes its files every 15 s: a process killed sooner leaves them without the rounds it handed W&B, which
+    tracking.json counts as logged. The resume logs those from the run files (up to its checkpoint), then its own."""
+    offline_wandb(tmp_path, monkeypatch)
+    out = tmp_path / "run"
+    cfg = run_cfg(tracking="wandb")
+    first, _, proxies = in_process_federation(cfg, out)
+    run_rounds(first, proxies, 3)
+    for trackers in list(tracking.OPEN):
+        trackers.stop()  # W&B writes rounds 1 to 3 ...
+    (killed,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    killed.write_bytes(killed.read_bytes()[:7])  # ... and a process killed within 15 s of them would not have
+    assert tracking.read_state(out)["wandb_step"] == 3 and tracking.written_step(out, killed.stem[4:]) == 0
+    resumed, _, proxies = in_process_federation({**cfg, "resume": True}, out)
+    run_rounds(ResumedRun(resumed, 2), proxies, 2)
+
+    history = wandb_history(out)
+    assert [row["_step"] for row in history] == [1, 2, 3, 4]
+    by_step = {row["_step"]: row for row in history}
+    for tag, points in expected_curves(out).items():  # timings too: each round's are those of the run files
+        assert [(step, by_step[step][tag]) for step, _ in points] == points, tag
+
+
+def test_a_run_that_adds_wandb_on_resume_logs_its_earlier_rounds_from_the_run_files(tmp_path, monkeypatch):
+    offline_wandb(tmp_path, monkeypatch)
+    out = tmp_path / "run"
+    first, _, proxies = in_process_federation(run_cfg(), out)
+    run_rounds(first, proxies, 3)
+    resumed, _, proxies = in_process_federation({**run_cfg(tracking="wandb"), "resume": True}, out)
+    run_rounds(ResumedRun(resumed, 2), proxies, 2)
+    assert [row["_step"] for row in wandb_history(out)] == [1, 2, 3, 4]
 
 
 def test_an_unavailable_extra_stops_before_the_run_with_the_command_to_install_it(monkeypatch):
@@ -274,7 +298,8 @@ time.sleep(300)
 
 def test_a_stopped_simulation_process_finishes_wandb_with_the_rounds_that_ended(tmp_path, monkeypatch):
     """The launcher stops a run's simulation process (a time limit, SIGTERM): W&B, which writes what it was handed
-    only when its run finishes, keeps rounds 1 and 2 (they ended) and not round 3 (its resume logs it again)."""
+    to its files only every 15 s and when its run finishes, keeps rounds 1 and 2 (they ended) and not round 3 (its
+    resume logs it again)."""
     pytest.importorskip("wandb", reason="the wandb extra is not installed here")
     import subprocess
     import sys

@@ -330,6 +330,8 @@ class RunRecorder:
         self.progress = Progress(out_dir, resumed=resume_round is not None)
         # TensorBoard / W&B get exactly the records the line files get
         self.tracking = Tracking(cfg, out_dir, resume_round, warn=lambda text: self.progress.emit("warning", text))
+        if resume_round is not None and self.tracking.sinks:
+            self.tracking.catch_up(read_jsonl(self.rounds_path), read_jsonl(self.metrics_path))
 
     def elapsed(self) -> float:
         return time.time() - self.start

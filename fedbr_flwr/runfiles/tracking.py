@@ -6,7 +6,8 @@ run, which goes on.
 
 A resumed run continues the same curves: TensorBoard purges the steps after the checkpoint's round (they are
 written again), W&B reopens the run id kept in ``<run>/tracking.json`` and logs only rounds above the last one
-it logged. A sweep labels its runs there too (``label_sweep_run``): W&B groups them by sweep."""
+its files hold: those its stopped process handed it but never wrote (W&B writes every 15 s) are logged again
+from the run files (``catch_up``). A sweep labels its runs there too (``label_sweep_run``): W&B groups them by sweep."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import json
 import math
 import secrets
 import shutil
+import struct
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from ..core.config import common
 from ..core.errors import ConfigError
@@ -107,6 +109,8 @@ def clear_previous(out_dir: Path) -> None:
 class Sink(Protocol):
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, list[float]]) -> None: ...
 
+    def catch_up(self, rounds: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]]) -> None: ...
+
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
@@ -140,6 +144,9 @@ class TensorBoardSink:
         for tag, values in histograms.items():
             self.writer.add_histogram(tag, np.asarray(values), step)
 
+    def catch_up(self, rounds: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]]) -> None:
+        pass  # its files hold every round that ended: each is flushed at its end
+
     def flush(self) -> None:
         self.writer.flush()
 
@@ -152,8 +159,9 @@ class TensorBoardSink:
 
 class WandbSink:
     """A W&B run (online, or offline with WANDB_MODE=offline) whose id is kept in ``<run>/tracking.json``. A
-    round's records go to W&B as one step when the round ends (``flush``), and only then count as logged: W&B
-    holds an uncommitted step in this process, where a stopped run would lose it."""
+    round's records go to W&B as one step when the round ends (``flush``): W&B holds an uncommitted step in this
+    process, where a stopped run would lose it. A resumed run logs the rounds above the last one W&B's files hold
+    (``written_step``), which may be fewer than it was handed (``wandb_step`` in tracking.json)."""
 
     def __init__(self, cfg: Mapping[str, Any], out_dir: Path, resume_round: int | None):
         import os
@@ -165,7 +173,7 @@ class WandbSink:
         if resume_round is None or "wandb_id" not in state:
             state = {**state, "wandb_id": secrets.token_hex(4), "wandb_step": 0}  # a new W&B run
         self.state = state
-        self.logged_through = int(state.get("wandb_step", 0))  # a resumed run's rounds W&B already has
+        self.logged_through = int(state.get("wandb_step", 0))  # what W&B was handed; below, what its files hold
         self.pending: dict[str, Any] = {}
         self.pending_step = 0
         write_state(self.out_dir, state)
@@ -182,6 +190,10 @@ class WandbSink:
             reinit="finish_previous",
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True),
         )
+        if resume_round is not None:  # after init, which finishes a run of this process left open
+            written = written_step(self.out_dir, state["wandb_id"])
+            if written is not None:  # what W&B holds, where a killed process handed it more than it wrote
+                self.logged_through = written
 
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, list[float]]) -> None:
         if step <= self.logged_through:
@@ -190,6 +202,19 @@ class WandbSink:
             self.flush()
         self.pending_step = step
         self.pending.update({**scalars, **{tag: self.wandb.Histogram(v) for tag, v in histograms.items()}})
+
+    def catch_up(self, rounds: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]]) -> None:
+        """Log the rounds of the run files (a resumed run's, up to its checkpoint) that W&B's files lack."""
+        by_round: dict[int, tuple[dict[str, float], dict[str, list[float]]]] = {}
+        for record in rounds:
+            by_round.setdefault(int(record["round"]), ({}, {}))[0].update(round_scalars(record))
+        for record in evals:
+            scalars, histograms = by_round.setdefault(int(record["round"]), ({}, {}))
+            scalars.update(eval_scalars(record))
+            histograms.update(eval_histograms(record))
+        for step, (scalars, histograms) in sorted(by_round.items()):
+            self.log(step, scalars, histograms)
+        self.flush()
 
     def flush(self) -> None:
         if not self.pending:
@@ -206,6 +231,43 @@ class WandbSink:
     def stop(self) -> None:
         self.pending = {}  # the round in progress: its resume logs it again
         self.run.finish()
+
+
+def wandb_log_records(path: Path) -> Iterator[Any]:
+    """The protobuf records of a W&B transaction log (``run-<id>.wandb``: a LevelDB-style log of 32 KiB blocks of
+    chunks with a 7-byte header, after the file's own 7-byte header), up to a chunk a killed writer cut short."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, pending, block = path.read_bytes(), 7, b"", 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 or pos + 7 + length > len(data):  # nothing written from here on
+            return
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk  # FULL or FIRST start a record
+        if kind in (1, 4):  # FULL or LAST end it
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+            record.ParseFromString(pending)
+            yield record
+
+
+def written_step(out_dir: Path, run_id: str) -> int | None:
+    """The last step of W&B run ``run_id`` that its files in ``out_dir`` hold (its transaction logs, which `wandb
+    sync` uploads; 0: none); None where W&B's format could not be read."""
+    logs = {path.resolve() for path in (Path(out_dir) / WANDB_DIR).glob(f"*/run-{run_id}.wandb")}
+    try:
+        steps = [
+            record.history.step.num
+            for path in logs
+            for record in wandb_log_records(path)
+            if record.WhichOneof("record_type") == "history"
+        ]
+    except Exception:  # noqa: BLE001  (W&B's own format, which may change: then tracking.json's count stands)
+        return None
+    return max(steps, default=0)
 
 
 OPENERS: dict[str, Callable[[Mapping[str, Any], Path, int | None], Sink]] = {
@@ -245,6 +307,10 @@ class Tracking:
             step, scalars, histograms = int(record["round"]), eval_scalars(record), eval_histograms(record)
             self._each(lambda sink: sink.log(step, scalars, histograms))
 
+    def catch_up(self, rounds: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]]) -> None:
+        """A resumed run's records up to its checkpoint (its run files), for the trackers that lack some."""
+        self._each(lambda sink: sink.catch_up(rounds, evals))
+
     def flush(self) -> None:
         """Hand the round's records to the trackers for good (at its end, before its checkpoint)."""
         self._each(lambda sink: sink.flush())
@@ -279,7 +345,8 @@ OPEN: "weakref.WeakSet[Tracking]" = weakref.WeakSet()
 
 
 def stop_open_trackers() -> None:
-    """End every run's trackers in this process (it is being stopped: a time limit, Ctrl-C, SIGTERM): W&B keeps
-    the rounds it was handed only where its run finishes, and loses them where the process just ends."""
+    """End every run's trackers in this process (it is being stopped: a time limit, Ctrl-C, SIGTERM): W&B writes
+    the rounds it was handed to its files every 15 s and when its run finishes, so a process that just ends loses
+    the last ones."""
     for trackers in list(OPEN):
         trackers.stop()
