@@ -150,14 +150,22 @@ def test_a_resume_logs_again_the_rounds_a_killed_process_handed_wandb_but_it_nev
         assert [(step, by_step[step][tag]) for step, _ in points] == points, tag
 
 
-def test_a_run_that_adds_wandb_on_resume_logs_its_earlier_rounds_from_the_run_files(tmp_path, monkeypatch):
+def test_a_run_that_adds_its_trackers_on_resume_logs_its_earlier_rounds_from_the_run_files(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed here")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     offline_wandb(tmp_path, monkeypatch)
     out = tmp_path / "run"
     first, _, proxies = in_process_federation(run_cfg(), out)
     run_rounds(first, proxies, 3)
-    resumed, _, proxies = in_process_federation({**run_cfg(tracking="wandb"), "resume": True}, out)
+    resumed, _, proxies = in_process_federation({**run_cfg(tracking="tensorboard,wandb"), "resume": True}, out)
     run_rounds(ResumedRun(resumed, 2), proxies, 2)
+
     assert [row["_step"] for row in wandb_history(out)] == [1, 2, 3, 4]
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for tag, points in expected_curves(out).items():
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [(r, float(np.float32(v))) for r, v in points], tag
 
 
 def test_an_unavailable_extra_stops_before_the_run_with_the_command_to_install_it(monkeypatch):

@@ -106,6 +106,20 @@ def clear_previous(out_dir: Path) -> None:
         write_state(out_dir, {k: v for k, v in read_state(out_dir).items() if k in SWEEP_LABELS})
 
 
+def by_round(
+    rounds: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]]
+) -> list[tuple[int, dict[str, float], dict[str, list[float]]]]:
+    """The curves of the run files' lines (rounds.jsonl's, metrics.jsonl's) as each round logged them, by round."""
+    steps: dict[int, tuple[dict[str, float], dict[str, list[float]]]] = {}
+    for record in rounds:
+        steps.setdefault(int(record["round"]), ({}, {}))[0].update(round_scalars(record))
+    for record in evals:
+        scalars, histograms = steps.setdefault(int(record["round"]), ({}, {}))
+        scalars.update(eval_scalars(record))
+        histograms.update(eval_histograms(record))
+    return [(step, scalars, histograms) for step, (scalars, histograms) in sorted(steps.items())]
+
+
 class Sink(Protocol):
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, list[float]]) -> None: ...
 
@@ -128,6 +142,8 @@ class TensorBoardSink:
         log_dir = Path(out_dir) / TENSORBOARD_DIR
         if resume_round is None:
             shutil.rmtree(log_dir, ignore_errors=True)  # a run started again in its folder: not the old curves
+        # a resumed run that asks for TensorBoard only now: its earlier rounds come from the run files
+        self.new_on_resume = resume_round is not None and not any(log_dir.glob("events.out.tfevents.*"))
         # purge_step: the events of rounds after the checkpoint's are hidden; this run writes them again
         self.writer = SummaryWriter(
             str(log_dir), purge_step=None if resume_round is None else resume_round + 1, flush_secs=10
@@ -145,7 +161,9 @@ class TensorBoardSink:
             self.writer.add_histogram(tag, np.asarray(values), step)
 
     def catch_up(self, rounds: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]]) -> None:
-        pass  # its files hold every round that ended: each is flushed at its end
+        if self.new_on_resume:  # else its files hold every round that ended: each is flushed at its end
+            for step, scalars, histograms in by_round(rounds, evals):
+                self.log(step, scalars, histograms)
 
     def flush(self) -> None:
         self.writer.flush()
@@ -205,14 +223,7 @@ class WandbSink:
 
     def catch_up(self, rounds: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]]) -> None:
         """Log the rounds of the run files (a resumed run's, up to its checkpoint) that W&B's files lack."""
-        by_round: dict[int, tuple[dict[str, float], dict[str, list[float]]]] = {}
-        for record in rounds:
-            by_round.setdefault(int(record["round"]), ({}, {}))[0].update(round_scalars(record))
-        for record in evals:
-            scalars, histograms = by_round.setdefault(int(record["round"]), ({}, {}))
-            scalars.update(eval_scalars(record))
-            histograms.update(eval_histograms(record))
-        for step, (scalars, histograms) in sorted(by_round.items()):
+        for step, scalars, histograms in by_round(rounds, evals):
             self.log(step, scalars, histograms)
         self.flush()
 
