@@ -241,6 +241,21 @@ def test_a_sweep_labels_each_run_for_its_wandb_group_before_it_runs(tmp_path, mo
     }
 
 
+def test_wandb_run_group_in_the_environment_names_the_group_of_a_sweeps_runs(tmp_path, monkeypatch):
+    """W&B's own WANDB_RUN_GROUP wins over the sweep folder's name, which two sweeps in runs/a/x and runs/b/x share."""
+    wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed here")
+    opened = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: opened.append(kwargs))
+    tracking.label_sweep_run(tmp_path, "mysweep", "FedAvg/seed0", ["FedAvg", "seed0"])
+    tracking.WandbSink(validate({"tracking": "wandb"}), tmp_path, None)
+    monkeypatch.setenv("WANDB_RUN_GROUP", "exp1")
+    tracking.WandbSink(validate({"tracking": "wandb"}), tmp_path, None)
+    assert [(kwargs["group"], kwargs["name"]) for kwargs in opened] == [
+        ("mysweep", "FedAvg/seed0"),
+        ("exp1", "FedAvg/seed0"),
+    ]
+
+
 class HeldStepRun:
     """W&B's rule for a step: held in the process until it is committed or a later step is logged; a run stopped
     then (a time limit, SIGTERM) loses it."""

@@ -202,7 +202,7 @@ class WandbSink:
             id=state["wandb_id"],
             resume="allow",
             name=state.get("name") or self.out_dir.name,
-            group=state.get("group"),
+            group=os.environ.get("WANDB_RUN_GROUP") or state.get("group"),  # W&B's own variable wins
             tags=state.get("tags"),
             config=dict(cfg),
             reinit="finish_previous",
