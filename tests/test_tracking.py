@@ -150,6 +150,44 @@ def test_a_resume_logs_again_the_rounds_a_killed_process_handed_wandb_but_it_nev
         assert [(step, by_step[step][tag]) for step, _ in points] == points, tag
 
 
+def test_wandbs_files_read_up_to_where_a_killed_writer_stopped(tmp_path, monkeypatch):
+    """Cut anywhere, a transaction log gives the rounds it holds whole; a file of another format gives None (then
+    tracking.json's count stands)."""
+    offline_wandb(tmp_path, monkeypatch)
+    trackers = tracking.Tracking(validate({"tracking": "wandb"}), tmp_path, None, warn=print)
+    for round_ in (1, 2, 3):
+        trackers.log_round({"round": round_, "train": {f"m{i}": i / round_ for i in range(3000)}})  # 3 blocks each
+        trackers.flush()
+    trackers.close()
+    (log,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    run_id, whole = log.stem[4:], log.read_bytes()
+    assert tracking.written_step(tmp_path, run_id) == 3
+    held = []
+    for cut in range(7, len(whole) + 1, 211):
+        log.write_bytes(whole[:cut])
+        held.append(tracking.written_step(tmp_path, run_id))
+    assert held == sorted(held) and held[0] == 0 and set(held) == {0, 1, 2, 3}
+    log.write_bytes(b"PK\x03\x04" + whole[4:])
+    assert tracking.written_step(tmp_path, run_id) is None
+
+
+def test_wandbs_files_read_up_to_a_record_that_was_written_torn(tmp_path):
+    """A chunk of the full length whose bytes never reached the disk whole ends the log there."""
+    pytest.importorskip("wandb", reason="the wandb extra is not installed here")
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    record = wandb_internal_pb2.Record()
+    record.history.step.num = 5
+    body = record.SerializeToString()
+    chunk = lambda data: struct.pack("<IHB", 0, len(data), 1) + data  # noqa: E731  (a FULL chunk)
+    (tmp_path / "wandb" / "offline-run-x-abcd").mkdir(parents=True)
+    log = tmp_path / "wandb" / "offline-run-x-abcd" / "run-abcd.wandb"
+    log.write_bytes(b":W&B\xe1\xbe\x00" + chunk(body) + chunk(b"\xff" * 40) + chunk(body))
+    assert [r.history.step.num for r in tracking.wandb_log_records(log)] == [5]
+
+
 def test_a_run_that_adds_its_trackers_on_resume_logs_its_earlier_rounds_from_the_run_files(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed here")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

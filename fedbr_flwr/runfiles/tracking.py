@@ -246,22 +246,31 @@ class WandbSink:
 
 def wandb_log_records(path: Path) -> Iterator[Any]:
     """The protobuf records of a W&B transaction log (``run-<id>.wandb``: a LevelDB-style log of 32 KiB blocks of
-    chunks with a 7-byte header, after the file's own 7-byte header), up to a chunk a killed writer cut short."""
+    chunks with a 7-byte header, after the file's own 7-byte header, ":W&B" and a version), up to a chunk or record
+    that a killed writer left unfinished. ValueError for a file of another format."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
 
     data, pos, pending, block = path.read_bytes(), 7, b"", 32768
+    if not data.startswith(b":W&B"):
+        raise ValueError(f"{path} is not a W&B transaction log")
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0 or pos + 7 + length > len(data):  # nothing written from here on
+        if pos + 7 + length > len(data):  # cut short
             return
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            continue
         pending = chunk if kind in (1, 2) else pending + chunk  # FULL or FIRST start a record
         if kind in (1, 4):  # FULL or LAST end it
             record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
-            record.ParseFromString(pending)
+            try:
+                record.ParseFromString(pending)
+            except DecodeError:  # torn
+                return
             yield record
 
 
