@@ -1,5 +1,5 @@
 """``fedbr-bench``: seconds per round of the Flower simulation against a bare PyTorch loop that does
-the same local steps (same algorithm class, data, seeds) and the same averaging in one process, for
+the same local steps (same algorithm class, data, seeds) and the same aggregation in one process, for
 both engines (``engine=clients``: a Flower node per client; ``engine=cohort``: a node per cohort).
 
     fedbr-bench --suite                          # FedAvg, FedBR, DisTrans on the three shapes below
