@@ -479,3 +479,48 @@ def test_a_grid_of_more_than_twelve_settings_is_drawn_as_heatmaps(tmp_path):
     finally:
         matplotlib.axes.Axes.text = original
     assert drawn.count("?") == 1 and drawn.count("55.0") == 17  # best 5 of two evaluations: their mean
+
+
+def test_the_last_fifths_move_is_its_range_not_its_end_to_end_change():
+    """A curve that jumps and comes back within the last fifth has not levelled off."""
+    assert report.last_fifth_move({8: [0.5], 9: [0.7], 10: [0.5]}, 10) == pytest.approx(0.2)
+
+
+def test_the_last_fifths_move_is_that_of_the_finished_seeds_only(tmp_path):
+    out = tmp_path / "out"
+    fake_run(out / "FedAvg" / "seed0", [0.5, 0.6, 0.6, 0.6, 0.6])  # rounds 2..10: level at 0.6
+    fake_run(out / "FedAvg" / "seed1", [0.1, 0.9, 0.1, 0.9], cfg={"num-rounds": 10})  # failed after round 8
+    (row,) = report.compare(out, ["FedAvg"], [0, 1])[1]
+    assert row["last_fifth_move_n"] == 1 and row["last_fifth_move"] == 0.0  # seed 1's 0.9 at round 8 would make it 0.15
+
+
+def test_a_finished_run_in_which_no_round_trained_is_no_result(tmp_path):
+    """Every update rejected (NaN after a too large lr): the summary holds the initial model's accuracy."""
+    folder = tmp_path / "FedAvg" / "seed0"
+    fake_run(folder, [0.1, 0.1])
+    summary = json.loads((folder / "summary.json").read_text())
+    (folder / "summary.json").write_text(json.dumps({**summary, "rounds_trained": 0}))
+    assert report.seed_result(folder) == (None, "failed: no round trained")
+
+
+def test_a_method_cell_is_decided_against_the_baseline_cell_of_the_factors_the_baseline_uses(tmp_path):
+    """A baseline swept over lr alone against a method swept over lr and mu: each (lr, mu) cell is decided against
+    the baseline's lr cell; a method cell that two baseline cells fit is not decided at all."""
+    out = tmp_path / "out"
+    cells = [report.Setting("FedBR", (("lr", 0.01), ("mu", mu))) for mu in (0.1, 1.0)]
+    baseline = report.Setting("FedAvg", (("lr", 0.01),))
+    for setting in (*cells, baseline):
+        for seed in (0, 1):
+            fake_run(setting.folder(out, seed), [0.5, 0.6 + seed / 100])
+    rule = report.Rule("FedBR", "FedAvg", ("mean_acc_best5",), 1.0)
+    decisions = report.decide(out, [*cells, baseline], [0, 1], rule)
+    assert [(d.setting, d.baseline) for d in decisions] == [(cell, baseline) for cell in cells]
+    anywhere = report.Setting("FedAvg", ())
+    for seed in (0, 1):
+        fake_run(anywhere.folder(out, seed), [0.5, 0.6])
+    assert report.decide(out, [*cells, baseline, anywhere], [0, 1], rule) == []
+
+
+def test_a_rule_may_compare_plain_means_with_a_spread_of_zero():
+    rule = report.Rule.from_block({"method": "FedBR", "baseline": "FedAvg", "spread": 0}, ["FedAvg", "FedBR"], "x")
+    assert rule.spread == 0.0
