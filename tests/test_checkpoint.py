@@ -337,3 +337,12 @@ def test_a_run_started_again_in_a_folder_leaves_nothing_of_the_old_run_to_resume
         load_checkpoint(tmp_path)
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "summary.md").exists()
     assert json.loads((tmp_path / "manifest.json").read_text())["config"]["lr"] == cfg["lr"] / 2
+
+
+def test_a_header_of_round_0_is_whole_and_one_of_round_minus_1_or_true_is_not():
+    from fedbr_flwr.runfiles.checkpoint import header_problem
+
+    header = {"config": {}, "elapsed": 0.0}
+    assert header_problem({**header, "round": 0}) is None
+    assert "round is -1" in header_problem({**header, "round": -1})
+    assert "round is true" in header_problem({**header, "round": True}).lower()

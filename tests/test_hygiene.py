@@ -139,11 +139,22 @@ def test_progress_events_are_json_lines_and_the_follower_prints_only_new_complet
     assert [(e["kind"], e.get("round")) for e in events] == [("round", 1), ("eval", 2), ("info", None)]
     assert offset == progress.path.stat().st_size
     Progress(tmp_path, resumed=True).emit("info", "resumed")  # a resumed run appends
-    assert [e["message"] for e in read_events(progress.path)[0]][-1] == "resumed"
+    assert [e["message"] for e in read_events(progress.path)[0]][2:] == ["its end came", "resumed"]
     restarted = []
     with Follower(progress.path, restarted.append, poll_s=0.01):
         Progress(tmp_path).emit("start", "3 clients found")  # a new run in the folder starts the file again
     assert restarted == ["[fedbr] 3 clients found"]
+    assert [e["message"] for e in read_events(progress.path)[0]] == ["3 clients found"]
+
+
+def test_a_follower_prints_an_event_once_however_often_it_looks(tmp_path):
+    progress = Progress(tmp_path)
+    printed = []
+    follower = Follower(progress.path, printed.append)
+    progress.emit("round", "round 1/2 | loss 2.3000", round=1)
+    for _ in range(3):
+        follower._drain()
+    assert printed == ["[fedbr] round 1/2 | loss 2.3000"]
 
 
 def test_the_log_follower_prints_each_new_complete_line_and_starts_again_with_a_new_log(tmp_path):

@@ -117,3 +117,13 @@ def test_read_jsonl(tmp_path):
     assert read_jsonl(p) == []
     p.write_text("\n".join(json.dumps(r) for r in history()) + "\n\n")
     assert read_jsonl(p) == history()
+
+
+def test_a_damaged_line_that_a_crash_did_not_cut_short_is_an_error(tmp_path):
+    """Only a last line without its newline is what a crash leaves; a whole line that is no JSON is damage."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"round": 1}\n{"round": 2')
+    assert read_jsonl(path) == [{"round": 1}]
+    path.write_text('{"round": 1}\n{bad}\n')
+    with pytest.raises(ValueError):
+        read_jsonl(path)

@@ -399,3 +399,22 @@ def test_a_run_started_again_in_its_folder_leaves_nothing_of_the_old_runs_tracke
     tracking.write_state(tmp_path, {"wandb_id": "ef01", "wandb_step": 2})
     RunRecorder(run_cfg(), tmp_path, resume_round=2)  # a resume keeps them
     assert (tmp_path / "wandb").exists() and tracking.read_state(tmp_path)["wandb_id"] == "ef01"
+
+
+def test_per_client_accuracies_are_one_histogram_of_the_finite_ones_and_no_curves():
+    record = {"round": 3, "mean_acc": 0.5, "per_client_acc": {"0": 0.25, "1": float("nan"), "2": 0.75}}
+    assert tracking.eval_scalars(record) == {"eval/mean_acc": 0.5}
+    assert tracking.eval_histograms(record) == {"eval/per_client_acc": [0.25, 0.75]}
+
+
+def test_a_sweep_labelling_a_run_it_continues_keeps_its_wandb_run(tmp_path):
+    """A paused seed's W&B id and step stay, so its resume continues the same W&B run."""
+    tracking.write_state(tmp_path, {"wandb_id": "abcd1234", "wandb_step": 3})
+    tracking.label_sweep_run(tmp_path, "mysweep", "FedAvg/seed0", ["FedAvg", "seed0"])
+    assert tracking.read_state(tmp_path) == {
+        "wandb_id": "abcd1234",
+        "wandb_step": 3,
+        "group": "mysweep",
+        "name": "FedAvg/seed0",
+        "tags": ["FedAvg", "seed0"],
+    }
