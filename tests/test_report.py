@@ -524,3 +524,13 @@ def test_a_method_cell_is_decided_against_the_baseline_cell_of_the_factors_the_b
 def test_a_rule_may_compare_plain_means_with_a_spread_of_zero():
     rule = report.Rule.from_block({"method": "FedBR", "baseline": "FedAvg", "spread": 0}, ["FedAvg", "FedBR"], "x")
     assert rule.spread == 0.0
+
+
+def test_a_torn_manifest_leaves_its_seed_out_of_the_sections_provenance_without_stopping_it(tmp_path):
+    out = tmp_path / "out"
+    for seed in (0, 1):
+        fake_run(out / "FedAvg" / f"seed{seed}", [0.5, 0.6], commit=f"c{seed}" * 5)
+    manifest = out / "FedAvg" / "seed1" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:25])
+    manifests, paused = report._manifests_and_paused(out, ["FedAvg"], [0, 1])
+    assert [m["git_commit"] for m in manifests] == ["c0c0c0c0c0"] and paused == []
