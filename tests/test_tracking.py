@@ -135,8 +135,7 @@ def test_a_resume_logs_again_the_rounds_a_killed_process_handed_wandb_but_it_nev
     cfg = run_cfg(tracking="wandb")
     first, _, proxies = in_process_federation(cfg, out)
     run_rounds(first, proxies, 3)
-    for trackers in list(tracking.OPEN):
-        trackers.stop()  # W&B writes rounds 1 to 3 ...
+    first.recorder.tracking.stop()  # W&B writes rounds 1 to 3 ...
     (killed,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     killed.write_bytes(killed.read_bytes()[:7])  # ... and a process killed within 15 s of them would not have
     assert tracking.read_state(out)["wandb_step"] == 3 and tracking.written_step(out, killed.stem[4:]) == 0
