@@ -534,3 +534,18 @@ def test_a_torn_manifest_leaves_its_seed_out_of_the_sections_provenance_without_
     manifest.write_text(manifest.read_text()[:25])
     manifests, paused = report._manifests_and_paused(out, ["FedAvg"], [0, 1])
     assert [m["git_commit"] for m in manifests] == ["c0c0c0c0c0"] and paused == []
+
+
+def test_the_best_pooled_column_is_left_out_where_it_equals_the_best_mean(tmp_path):
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.5, 0.6, 0.9], pooled=0.62, best_pooled=0.9)
+    assert "pooled acc, best eval" not in report.compare(out, ["A"], [0], headline="best")[0]
+
+
+def test_rounds_to_target_reads_not_reached_only_where_a_seed_finished(tmp_path):
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.1, 0.2])  # finished, target 50% never reached
+    table = report.compare(out, ["A", "B"], [0])[0]  # B: no seed run
+    header, _, a, b = table.splitlines()[:4]
+    assert dict(zip(header.split(" | "), a.split(" | ")))["rounds to 50%"] == "not reached"
+    assert dict(zip(header.split(" | "), b.split(" | ")))["rounds to 50%"] == "-"
