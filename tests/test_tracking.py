@@ -90,17 +90,24 @@ def offline_wandb(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
 
 
-def wandb_history(out):
-    """Every history row of the run folder's W&B files (its offline runs), by key."""
+def wandb_history(out, rows=4):
+    """Every history row of the run folder's W&B files (its offline runs), by key, once they hold ``rows`` rows or
+    after 30 s: W&B's finish returns before its service has written the last records to the file."""
     import json
+    import time
 
-    files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
-    return [
-        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-        for f in files
-        for r in wandb_records(f)
-        if r.WhichOneof("record_type") == "history"
-    ]
+    deadline = time.monotonic() + 30
+    while True:
+        files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+        history = [
+            {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+            for f in files
+            for r in wandb_records(f)
+            if r.WhichOneof("record_type") == "history"
+        ]
+        if len(history) >= rows or time.monotonic() > deadline:
+            return history
+        time.sleep(0.1)
 
 
 def test_wandb_offline_history_holds_every_round_once_with_the_values_of_the_run_files(tmp_path, monkeypatch):
@@ -110,6 +117,7 @@ def test_wandb_offline_history_holds_every_round_once_with_the_values_of_the_run
     tracking.label_sweep_run(out, "sweep", "FedAvg/seed0", ["FedAvg", "seed0"])
     stopped_and_resumed(run_cfg(tracking="wandb"), out)
 
+    history = wandb_history(out)
     files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2  # the run, and its resumed part under the same id
     records = [r for f in files for r in wandb_records(f)]
@@ -117,7 +125,6 @@ def test_wandb_offline_history_holds_every_round_once_with_the_values_of_the_run
     assert {(r.run_id, r.run_group, r.display_name, tuple(r.tags)) for r in runs} == {
         (tracking.read_state(out)["wandb_id"], "sweep", "FedAvg/seed0", ("FedAvg", "seed0"))
     }
-    history = wandb_history(out)
     assert [row["_step"] for row in history] == [1, 2, 3, 4]
     by_step = {row["_step"]: row for row in history}
     for tag, points in expected_curves(out).items():
@@ -131,14 +138,24 @@ def test_a_resume_logs_again_the_rounds_a_killed_process_handed_wandb_but_it_nev
     """W&B writes its files every 15 s: a process killed sooner leaves them without the rounds it handed W&B, which
     tracking.json counts as logged. The resume logs those from the run files (up to its checkpoint), then its own."""
     offline_wandb(tmp_path, monkeypatch)
+    import wandb
+
+    class KilledBeforeItWrote:  # a W&B run handed every round, of a process killed before W&B wrote any
+        def log(self, *args, **kwargs):
+            pass
+
+        def finish(self):
+            pass
+
     out = tmp_path / "run"
     cfg = run_cfg(tracking="wandb")
-    first, _, proxies = in_process_federation(cfg, out)
-    run_rounds(first, proxies, 3)
-    first.recorder.tracking.stop()  # W&B writes rounds 1 to 3 ...
-    (killed,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
-    killed.write_bytes(killed.read_bytes()[:7])  # ... and a process killed within 15 s of them would not have
-    assert tracking.read_state(out)["wandb_step"] == 3 and tracking.written_step(out, killed.stem[4:]) == 0
+    with monkeypatch.context() as patched:
+        patched.setattr(wandb, "init", lambda **kwargs: KilledBeforeItWrote())
+        first, _, proxies = in_process_federation(cfg, out)
+        run_rounds(first, proxies, 3)
+        first.recorder.tracking.stop()
+    assert tracking.read_state(out)["wandb_step"] == 3
+    assert tracking.written_step(out, tracking.read_state(out)["wandb_id"]) == 0
     resumed, _, proxies = in_process_federation({**cfg, "resume": True}, out)
     run_rounds(ResumedRun(resumed, 2), proxies, 2)
 
@@ -158,6 +175,7 @@ def test_wandbs_files_read_up_to_where_a_killed_writer_stopped(tmp_path, monkeyp
         trackers.log_round({"round": round_, "train": {f"m{i}": i / round_ for i in range(3000)}})  # 3 blocks each
         trackers.flush()
     trackers.close()
+    assert len(wandb_history(tmp_path, rows=3)) == 3  # written
     (log,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     run_id, whole = log.stem[4:], log.read_bytes()
     assert tracking.written_step(tmp_path, run_id) == 3
