@@ -30,12 +30,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def initial_arrays(cfg: dict) -> dict:
-    """The server's seeded initial weights (its strategy built on a throw-away output-dir)."""
-    with tempfile.TemporaryDirectory(prefix="fedbr-bench-") as tmp:
-        return build_strategy({**cfg, "output-dir": tmp, "global-test": False}).initial_arrays()
-
-
 class InProcessNode(ClientProxy):
     """A client in this process as the strategy's federation reaches it: its named requests (FedBR's RSM means,
     FedMix's mean data) go to the client's ``answer``, as a node's ``get_parameters`` sends them. The bench calls

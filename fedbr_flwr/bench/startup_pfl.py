@@ -46,7 +46,7 @@ from ..core.config import common
 from ..core.training import BatchSampler, load_module_arrays
 from ..data.dataset import ClientData, load_client_data
 from ..launch.plan import build_config
-from .bare import initial_arrays, synchronize
+from .bare import BareServer, synchronize
 from .startup import milestone_main
 
 
@@ -153,7 +153,7 @@ def pfl_loop(cfg: dict, device: torch.device, on_start=None, on_round=None) -> t
     run = common(cfg)
     rounds, n = run.num_rounds, run.num_clients
     os.environ["PFL_PYTORCH_DEVICE"] = str(device)  # where pfl puts the model and every batch
-    initial = initial_arrays(cfg)  # the server's seeded initial weights
+    initial = BareServer(cfg).initial_arrays()  # the server's seeded initial weights
     model = client_class(run.strategy).build_modules(cfg, run.compile)["model"]
     load_module_arrays(model, "model", initial)
     module = PflModule(model).to(device)
