@@ -673,13 +673,13 @@ def run_settings(configs: list[dict[str, Any]]) -> list[list[str]]:
         {k for c in configs for k in c if len({setting_value(d.get(k)) for d in configs}) > 1}
         - {"strategy", "output-dir", "seed"}
     )
-    return [
-        [
-            f"strategy={c['strategy']}",
-            *(f"{k}={setting_value(c[k])}" for k in varied if k not in owned or owned[k].owner in active_owners(c)),
-        ]
-        for c in configs
-    ]
+
+    def shown(c: dict[str, Any]) -> list[str]:
+        active = active_owners(c)
+        applies = [k for k in varied if k not in owned or owned[k].owner in active]
+        return [f"strategy={c['strategy']}", *(f"{k}={setting_value(c[k])}" for k in applies)]
+
+    return [shown(c) for c in configs]
 
 
 @quiet_when_its_reader_leaves
