@@ -146,3 +146,13 @@ def records_without_timing(path):
         record.get("train", {}).pop("fit-seconds", None)
         out.append(record)
     return out
+
+
+def bare_fit_config(cfg, clients):
+    """The strategy's fit config of each round (``config_of(server_round, pid=None)``) for ``clients`` by partition
+    id, which the test fits itself (fedbr-bench's ``BareServer``)."""
+    from fedbr_flwr.bench.bare import BareServer, round_configs
+
+    server = BareServer(cfg)
+    server.connect(clients)
+    return round_configs(server)

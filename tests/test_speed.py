@@ -20,7 +20,7 @@ from fedbr_flwr.data.catalog import SYNTHETIC_SIZES, load_raw
 from fedbr_flwr.launch.plan import config_from_settings
 from fedbr_flwr.runfiles.metrics import read_jsonl
 
-from fakes import in_process_federation, run_rounds
+from fakes import bare_fit_config, in_process_federation, run_rounds
 
 NODE = {"partition-id": 1, "num-partitions": 2}
 
@@ -35,7 +35,7 @@ def fit_rounds(cfg: dict, get_client, rounds: int = 2) -> list[list[np.ndarray]]
     torch.manual_seed(0)
     first = get_client()
     weights = payload.from_list(first.get_parameters({}))
-    fit_config = bench.bare_fit_config(cfg, {1: first.algorithm})  # FedBR: the pseudo-data, sent at round 1
+    fit_config = bare_fit_config(cfg, {1: first.algorithm})  # FedBR: the pseudo-data, sent at round 1
     returned = []
     for server_round in range(1, rounds + 1):
         arrays, _, _ = get_client().fit(payload.to_list(weights), fit_config(server_round))
@@ -152,7 +152,7 @@ def local_losses(precision: str, compiled: bool = False, strategy: str = "fedbr"
     torch.manual_seed(0)
     client = build_client(config, NODE, RecordDict())
     weights = client.get_parameters({})
-    fit_config = bench.bare_fit_config(cfg, {1: client.algorithm})
+    fit_config = bare_fit_config(cfg, {1: client.algorithm})
     losses = []
     for server_round in range(1, 6):
         _, _, metrics = client.fit(weights, fit_config(server_round))  # the same start, other batches
@@ -184,7 +184,7 @@ def step_losses(precision: str, strategy: str, steps: int = 4) -> list[float]:
     torch.manual_seed(0)
     client = build_client(config, NODE, RecordDict())
     algorithm = client.algorithm
-    fit_config = bench.bare_fit_config(config_from_settings(config), {1: algorithm})
+    fit_config = bare_fit_config(config_from_settings(config), {1: algorithm})
     step, sampler = algorithm.start_fit(algorithm.weights(), fit_config(1))
     losses, update = [], step.update
     step.update = lambda x, y: (lambda stats: losses.append(float(stats["loss"])) or stats)(update(x, y))
@@ -326,7 +326,7 @@ def test_local_steps_on_cuda_wait_for_the_device_only_once_per_round(strategy):
     config = run_config(strategy=strategy, device="cuda", **{"local-steps": 5})
     cfg = config_from_settings(config)
     client = build_client(config, NODE, RecordDict())
-    fit_config = bench.bare_fit_config(cfg, {1: client.algorithm})
+    fit_config = bare_fit_config(cfg, {1: client.algorithm})
     client.fit(client.get_parameters({}), fit_config(1))  # round 1: FedBR's pseudo-data arrives
     algorithm = client.algorithm.make_step(2, fit_config(2))
     sampler = BatchSampler(client.algorithm.data, cfg["batch-size"], seed=1)

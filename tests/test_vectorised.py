@@ -20,13 +20,12 @@ import pytest
 import torch
 
 from fedbr_flwr.app import cohort, payload
-from fedbr_flwr.bench import command as bench
 from fedbr_flwr.core.algorithm import client_class
 from fedbr_flwr.core.config import ConfigError, validate
 from fedbr_flwr.core.registry import algorithm_names
 
 import golden
-from fakes import FixedClientManager, InProcessProxy, run_rounds
+from fakes import FixedClientManager, InProcessProxy, bare_fit_config, run_rounds
 
 REL = 1e-4  # the final weights and the logged figures, relative
 UPDATE_REL = 0.02  # the final weights' difference relative to how far the 3 rounds moved them
@@ -283,7 +282,7 @@ def cohort_of(settings: dict, members: int = 3, phase_index: int = 0):
     }
     cohort = build_client(cfg, {"partition-id": 0, "num-partitions": 1}, RecordDict())
     weights = cohort.algorithm.weights()
-    fit_config = bench.bare_fit_config(validate(cfg), {pid: copy.copy(cohort.member(pid)) for pid in cohort.members})
+    fit_config = bare_fit_config(validate(cfg), {pid: copy.copy(cohort.member(pid)) for pid in cohort.members})
     steps, own, draws = [], [], []
     for pid in cohort.members:
         algorithm = copy.copy(cohort.member(pid))
@@ -371,7 +370,7 @@ def test_every_backbone_trains_under_vmap_as_each_member_alone(backbone, strateg
     monkeypatch.setattr(dataset, "load_cohort_data", small_images)
     monkeypatch.setattr(algorithm, "build_model", lambda name, *a: tiny_backbone(backbone, *a))
     monkeypatch.setattr(node, "cohort_members", lambda cfg, cohort_id, n: list(range(cfg["num-clients"])))
-    # FedBR's server (bench.bare_fit_config builds the pseudo-data with it) checks the clients' means against the
+    # FedBR's server (bare_fit_config builds the pseudo-data with it) checks the clients' means against the
     # dataset's 28x28 images: these are shrunk to 8x8
     monkeypatch.setattr(fedbr_server, "images_problem", lambda *args: None)
     settings = {"strategy": strategy, "model": "cnn", "lr": 0.01}

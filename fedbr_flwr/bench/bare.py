@@ -178,14 +178,6 @@ def bare_loop(
     return times, clients, global_arrays
 
 
-def bare_fit_config(cfg: dict, clients: list | dict) -> Callable[..., dict]:
-    """The strategy's fit config of a round for ``clients`` (as ``BareServer.connect`` takes them), for callers
-    that fit the clients themselves: ``round_configs``."""
-    server = BareServer(cfg)
-    server.connect(clients)
-    return round_configs(server)
-
-
 def round_configs(server: BareServer) -> Callable[..., dict]:
     """``config_of(server_round, pid=None)``: the fit config ``server``'s strategy sends client ``pid`` (None: the
     first connected one) in that round. Each round's broadcast data is taken as held by every client once the next

@@ -53,7 +53,6 @@ from ..launch.protocol import RunPlan
 from ..runfiles.metrics import read_jsonl
 from ..server.recording import node_key
 from .bare import BareServer, bare_loop_round_seconds, round_configs, synchronize
-from .bare import bare_fit_config as bare_fit_config  # the tests fit clients with it, as bench.bare_fit_config
 
 
 def step_seconds(cfg: dict, steps: int, repeats: int = 3) -> dict[str, float]:
