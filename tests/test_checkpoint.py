@@ -13,7 +13,13 @@ from fedbr_flwr.app.checkpointing import ResumedRun
 from fedbr_flwr.app.server_app import check_resumable
 from fedbr_flwr.core.config import ConfigError, validate
 from fedbr_flwr.runfiles import codec
-from fedbr_flwr.runfiles.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from fedbr_flwr.runfiles.checkpoint import (
+    CHECKPOINT_NAME,
+    checkpoint_header,
+    checkpoint_round,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fedbr_flwr.runfiles.run_io import keep_rounds_up_to
 
 from fakes import in_process_federation, records_without_timing, run_rounds
@@ -139,6 +145,19 @@ def test_a_checkpoint_header_a_resume_cannot_read_is_one_clear_message(tmp_path,
     """Each raised KeyError, ValueError, TypeError or AttributeError out of fedbr-run --resume and the report."""
     codec.write(tmp_path / CHECKPOINT_NAME, {"__header__": np.frombuffer(header, np.uint8)})
     with pytest.raises(ConfigError, match=re.escape(message)):
+        load_checkpoint(tmp_path)
+
+
+def test_a_checkpoints_header_is_read_without_its_arrays(tmp_path):
+    """The report, a sweep's check before its runs and a time limit's watch read the round and config only, not
+    arrays that may be gigabytes; the resume reads them all, and finds one damaged."""
+    save_checkpoint(tmp_path, {"a": np.full(1000, 7, np.uint8)}, {"round": 3, "config": {}})
+    path = tmp_path / CHECKPOINT_NAME
+    data = path.read_bytes()
+    at = data.index(b"\x07" * 1000)
+    path.write_bytes(data[:at] + b"\x08" + data[at + 1 :])  # its CRC no longer matches
+    assert checkpoint_round(tmp_path) == 3 and checkpoint_header(tmp_path)["round"] == 3
+    with pytest.raises(ConfigError, match="damaged or truncated"):
         load_checkpoint(tmp_path)
 
 

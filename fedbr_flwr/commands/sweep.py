@@ -383,10 +383,10 @@ def resumable_round(cfg: Mapping[str, Any]) -> int | None:
     return None if header is None else header["round"]
 
 
-def unfinished_run(cfg: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+def unfinished_run(cfg: Mapping[str, Any], header_only: bool = False) -> tuple[dict[str, Any] | None, str | None]:
     """(the header of the checkpoint in the run's folder, or None where there is none; why it cannot be read,
-    or None). A ConfigError where the checkpoint is of settings this run cannot continue: like a finished run
-    of other settings, it is not replaced."""
+    its arrays unread with ``header_only``, or None). A ConfigError where the checkpoint is of settings this run
+    cannot continue: like a finished run of other settings, it is not replaced."""
     from ..app.server_app import check_resumable
     from ..runfiles.checkpoint import CHECKPOINT_NAME, load_checkpoint
 
@@ -394,7 +394,7 @@ def unfinished_run(cfg: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str |
     if not (out / CHECKPOINT_NAME).exists():
         return None, None
     try:
-        _, header = load_checkpoint(out)  # its round and config checked there
+        _, header = load_checkpoint(out, header_only)  # its round and config checked there
     except ConfigError as exc:
         return None, str(exc)
     try:
@@ -704,7 +704,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_output_dir(out, "--out")
             for _, _, cfg in [] if args.table_only else jobs:  # one of other settings: before any run starts
                 if not finished_with_same_config(cfg, say_damaged=False):
-                    unfinished_run(cfg)
+                    unfinished_run(cfg, header_only=True)
             if args.table_only and not any(Path(common(cfg).output_dir).is_dir() for _, _, cfg in jobs):
                 raise ConfigError(
                     f"--out {out} holds no run of this sweep: run it first (without --table-only), or give the "

@@ -249,9 +249,9 @@ def check_data(cfg: dict[str, Any]) -> None:
 def check_resume_key(out: Path) -> None:
     """``resume = true`` in a fresh run's settings: a ConfigError now (the run would fail inside Flower),
     saying whether there is a checkpoint and how to continue from it."""
-    from ..runfiles.checkpoint import load_checkpoint
+    from ..runfiles.checkpoint import checkpoint_header
 
-    load_checkpoint(out)  # none: "no checkpoint to resume from"
+    checkpoint_header(out)  # none: "no checkpoint to resume from"
     raise ConfigError(
         f"resume = true is set by `fedbr-run --resume`; to continue the run in {out}, use "
         f"`fedbr-run --resume {out}` (it takes the config from the checkpoint)"

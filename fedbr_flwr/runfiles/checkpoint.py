@@ -36,14 +36,20 @@ def save_checkpoint(out_dir: Path, arrays: Mapping[str, np.ndarray], header: Map
 
 
 def checkpoint_round(out_dir: Path) -> int | None:
-    """The round of the run folder's checkpoint; None where it has none that can be read."""
+    """The round of the run folder's checkpoint; None where it has none whose header can be read."""
     try:
-        return int(load_checkpoint(out_dir)[1]["round"])
+        return int(checkpoint_header(out_dir)["round"])
     except ConfigError:
         return None
 
 
-def load_checkpoint(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def checkpoint_header(out_dir: Path) -> dict[str, Any]:
+    """The header of the run folder's checkpoint (round, config, ...), read without its arrays, which may be
+    gigabytes (clients' state); ConfigError as ``load_checkpoint``'s, where its arrays are not checked."""
+    return load_checkpoint(out_dir, header_only=True)[1]
+
+
+def load_checkpoint(out_dir: Path, header_only: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """(arrays, header) of the run folder's checkpoint; ConfigError when there is none or it is unreadable."""
     path = Path(out_dir) / CHECKPOINT_NAME
     if not path.is_file():
@@ -52,7 +58,7 @@ def load_checkpoint(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, Any
             "checkpoint-every rounds; a run stopped before its first one must start again)"
         )
     try:
-        arrays, header = _read(path)
+        arrays, header = _read(path, header_only)
     except PermissionError as exc:
         raise ConfigError(f"checkpoint {path} cannot be read: {exc.strerror}") from None
     except ConfigError:
@@ -88,16 +94,16 @@ def header_problem(header: dict[str, Any]) -> str | None:
     return None
 
 
-def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The checkpoint's arrays and header; one of DAMAGED when the file is not whole. Bytes that are no
-    zip are refused before NumPy reads them (it would guess they were pickled)."""
+def _read(path: Path, header_only: bool) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The checkpoint's arrays (none: ``header_only``) and header; one of DAMAGED when the file is not whole.
+    Bytes that are no zip are refused before NumPy reads them (it would guess they were pickled)."""
     with open(path, "rb") as f:
         head = f.read(len(ZIP_MAGIC))
     if not head:
         raise EOFError("the file is empty")
     if head != ZIP_MAGIC:
         raise ValueError("it is not an .npz (zip) file")
-    arrays = codec.read(path)
+    arrays = codec.read(path, (HEADER_KEY,) if header_only else None)
     if HEADER_KEY not in arrays:
         raise ConfigError(f"{path} is not a checkpoint of this project (no header)")
     return arrays, json.loads(arrays.pop(HEADER_KEY).tobytes().decode())

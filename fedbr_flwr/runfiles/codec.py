@@ -66,6 +66,7 @@ def write(path: Path, arrays: Mapping[str, np.ndarray], compressed: bool = False
     return path
 
 
-def read(path: Path | io.BytesIO) -> dict[str, np.ndarray]:
+def read(path: Path | io.BytesIO, only: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file, or just those named ``only`` that it holds (the others are not read)."""
     with np.load(path, allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}
+        return {k: data[k] for k in data.files if only is None or k in only}
