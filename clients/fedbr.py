@@ -64,7 +64,9 @@ class FedBROwnSettings(Settings):
         "fedbr-contrastive", True, "component 2 (min-max contrastive step with the projection head)"
     )
     max_step: bool = setting(
-        "fedbr-max-step", True, "component 2's max step on the projection head (false: min step only)"
+        "fedbr-max-step",
+        True,
+        "component 2's max step on the projection head (false: min step only, theta stays at its initialisation)",
     )
     balance_loss: str = setting(
         "fedbr-balance-loss",
