@@ -249,6 +249,8 @@ def test_every_mode_refuses_an_unknown_key_with_a_message(mode, capsys):
         (["--step", "--json", "."], "not a file that can be written"),
         (["--step", "--report", "."], "--report . is a folder"),
         (["--step", "--report", "/dev/null/b.md"], "--report's folder /dev/null cannot be used"),
+        (["--suite", "--step"], "--step, --suite: give one of these modes"),
+        (["--levers", "--startup", "2", "--kernels"], "--levers, --kernels, --startup: give one of these modes"),
     ],
 )
 def test_bad_counts_and_json_paths_stop_before_measuring(args, message, capsys, monkeypatch):

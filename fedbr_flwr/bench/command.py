@@ -831,12 +831,15 @@ def main(argv=None) -> int:
 
 
 def check_arguments(args: argparse.Namespace, argv: list[str]) -> None:
-    """A count below one and a --json file or --report page that cannot be written stop the command before it
-    measures, not after (a mode given 0 ran another mode, or raised at its end with its figures lost)."""
+    """A count below one, two modes, and a --json file or --report page that cannot be written stop the command
+    before it measures, not after (a mode given 0 ran another mode, or raised at its end with its figures lost)."""
     for flag in [flag for flag, kwargs in OPTIONS.items() if kwargs.get("type") is int]:  # the counts
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: give 1 or more")
+    modes = [flag for flag in HELP if flag not in OPTIONS or flag in ("--startup", "--sweep-startup")]
+    if len(given := [flag for flag in modes if getattr(args, flag[2:].replace("-", "_"))]) > 1:  # one ran, unsaid
+        raise ConfigError(f"{', '.join(given)}: give one of these modes")
     if args.json is not None:
         folder = args.json.expanduser().absolute().parent
         if args.json.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
