@@ -614,6 +614,8 @@ def test_seed_or_output_dir_on_a_sweeps_command_line_is_an_error_not_ignored(tmp
         sweep.plan(write(tmp_path), ["output_dir=elsewhere"], tmp_path / "out", None)
     with pytest.raises(ConfigError, match="output-dir in .* would be ignored: .* use --out"):  # was ignored
         sweep.plan(write(tmp_path, "output-dir: /tmp/elsewhere\n" + GRID), [], tmp_path / "out", None)
+    with pytest.raises(ConfigError, match="resume on the command line would be ignored: .* continues each unfinished"):
+        sweep.plan(write(tmp_path), ["resume=true"], tmp_path / "out", None)  # every run failed: no checkpoint
 
 
 @pytest.mark.parametrize(

@@ -313,10 +313,15 @@ def check_each(jobs: list[Job], check: Callable[[dict[str, Any]], None]) -> None
 
 
 def check_set_per_run(settings: Mapping[str, Any], where: str) -> None:
-    """``seed`` and ``output-dir`` are set per run by the sweep: given anywhere else they would be ignored."""
-    for key, instead in (("seed", "sweep.seeds or --seeds"), ("output-dir", "--out")):
+    """``seed``, ``output-dir`` and ``resume`` are set per run by the sweep: given anywhere else they would be
+    ignored (``resume=true`` failed every run that had no checkpoint yet)."""
+    for key, instead in (
+        ("seed", "use sweep.seeds or --seeds"),
+        ("output-dir", "use --out"),
+        ("resume", "the same command continues each unfinished run from its checkpoint"),
+    ):
         if key in {normalise_key(k) for k in settings}:
-            raise ConfigError(f"{key} {where} would be ignored: a sweep sets it for each run; use {instead}")
+            raise ConfigError(f"{key} {where} would be ignored: a sweep sets it for each run; {instead}")
 
 
 def check_cells_differ(grid: dict[str, Factor], settings: list[Setting]) -> None:
