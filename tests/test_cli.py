@@ -154,6 +154,14 @@ def test_list_with_settings_is_refused_rather_than_leaving_them_unread(capsys):
     )
 
 
+def test_quiet_and_verbose_together_are_refused_rather_than_one_ignored(capsys, tmp_path):
+    small = ["model=lenet", "num-clients=2", "num-rounds=1", "local-steps=1"]  # what ran, one of them ignored
+    code, out, err = run_cli(capsys, "--quiet", "--verbose", *small, f"output-dir={tmp_path / 'run'}")
+    assert code == 2 and out == ""
+    assert err == "fedbr-run: error: --quiet and --verbose contradict each other: give one\n"
+    assert not list(tmp_path.iterdir())
+
+
 def test_list_shows_strategies_and_keys(capsys):
     code, out, _ = run_cli(capsys, "--list")
     assert code == 0 and "fedavg" in out and "local-steps" in out

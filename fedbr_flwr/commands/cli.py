@@ -128,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.deadline = None if args.time_limit is None else stop_deadline(started, parse_duration(args.time_limit))
     except ConfigError as exc:
         return error(exc, 2)
+    if args.quiet and args.verbose:  # the run printed nothing, its echo of Flower's log ignored
+        return error("--quiet and --verbose contradict each other: give one", 2)
     if args.list:
         if args.items:  # it would list every key and leave them unread
             return error(f"--list takes no settings or experiment files (got {args.items[0]!r})", 2)
