@@ -217,6 +217,15 @@ def test_a_run_with_damaged_files_is_started_again_with_one_line_saying_so(tmp_p
     assert [c["seed"] for c in ran] == [0] and (said.out + said.err).count("is damaged; starting it again") == 1
 
 
+def test_dry_run_with_table_only_is_refused_rather_than_the_table_left_unwritten(tmp_path, capsys):
+    out = tmp_path / "out"
+    fake_run(out / "FedAvg" / "seed0", {}, [0.5])
+    assert sweep.main([write(tmp_path), "--out", str(out), "--dry-run", "--table-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fedbr-sweep: error: --dry-run writes nothing and --table-only writes the table: give one"]
+    assert not (out / "comparison.md").exists()
+
+
 def test_table_only_without_the_sweeps_runs_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "typo"
     assert sweep.main([write(tmp_path), "--out", str(out), "--table-only"]) == 2

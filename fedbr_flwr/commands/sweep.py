@@ -698,6 +698,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report_command = shlex.join(["fedbr-sweep", *(a for a in argv if a not in ("--table-only", "--quiet"))])
     try:
         settings_to_overrides(args)
+        if args.dry_run and args.table_only:  # it listed the runs and left the table unwritten
+            raise ConfigError("--dry-run writes nothing and --table-only writes the table: give one")
         deadline = None if args.time_limit is None else stop_deadline(started, parse_duration(args.time_limit))
         if args.jobs < 1:
             raise ConfigError(f"--jobs {args.jobs}: give how many runs may go at once, 1 or more")
