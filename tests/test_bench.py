@@ -237,6 +237,21 @@ def test_every_mode_refuses_an_unknown_key_with_a_message(mode, capsys):
     assert err.startswith("fedbr-bench: error:") and "no-such-key" in err and "Traceback" not in err
 
 
+def test_one_configs_table_shows_both_engines_it_timed(monkeypatch, capsys):
+    timed = {
+        **dict(bare_s_per_round=0.1, flower_s_per_round=0.2, ratio=2.0, cohort_s_per_round=0.15, cohort_ratio=1.5),
+        **dict(flower_setup="2 simulated clients", flower_total_s_incl_startup=3.0, memory="host RSS"),
+        **dict(client_peak_mb=700.0, bytes_per_round=1e6),
+    }
+    monkeypatch.setattr(bench, "compare", lambda cfg, rounds: timed)
+    assert bench.main(["model=lenet", "num-clients=2", "--rounds", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[2:] == [  # the cohort engine was timed, then left out of the table
+        "| Flower simulation, engine=clients (2 simulated clients) | 0.200 | 2.00 |",
+        "| Flower simulation, engine=cohort (nodes and cores as fedbr-run engine=cohort sizes them) | 0.150 | 1.50 |",
+    ]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -908,7 +908,12 @@ def compare_main(cfg: dict, rounds: int, threads: int, json_path: Path | None) -
     print("\n| path | s/round (median) | ratio |\n|---|---|---|")
     print(f"| bare PyTorch loop ({result['bare_setup']}) | {result['bare_s_per_round']:.3f} | 1.00 |")
     print(
-        f"| Flower simulation ({result['flower_setup']}) | {result['flower_s_per_round']:.3f} | {result['ratio']:.2f} |"
+        f"| Flower simulation, engine={run.engine} ({result['flower_setup']}) | {result['flower_s_per_round']:.3f} | "
+        f"{result['ratio']:.2f} |"
+    )
+    print(
+        "| Flower simulation, engine=cohort (nodes and cores as fedbr-run engine=cohort sizes them) | "
+        f"{result['cohort_s_per_round']:.3f} | {result['cohort_ratio']:.2f} |"
     )
     print(
         f"\ndevice: {device}; Flower run incl. start-up and final evaluation: "
