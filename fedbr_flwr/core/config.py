@@ -481,9 +481,12 @@ def _check_ownership(cfg: Mapping[str, Any], overrides: Mapping[str, Any], keys:
 def parse_ids(text: str) -> list[int]:
     """``attack-ids`` ("0,4,7") as partition ids."""
     try:
-        return sorted({int(part) for part in text.split(",") if part.strip()})
+        ids = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
-        raise ConfigError(f"attack-ids = '{text}' must be partition ids separated by commas, e.g. 0,4,7") from None
+        ids = []
+    if not ids:  # "," named no client: an attack run without an attacker
+        raise ConfigError(f"attack-ids = '{text}' must be partition ids separated by commas, e.g. 0,4,7")
+    return ids
 
 
 def check_attack(cfg: Mapping[str, Any]) -> None:
