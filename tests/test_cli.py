@@ -145,12 +145,15 @@ def test_existing_run_is_not_overwritten(capsys, tmp_path):
     assert code == 2 and "--overwrite" in err
 
 
-def test_list_with_settings_is_refused_rather_than_leaving_them_unread(capsys):
-    code, out, err = run_cli(capsys, "--list", "lr=abc")
+@pytest.mark.parametrize("flag", ["--list", "--write-docs", "--write-pyproject"])
+def test_list_with_settings_is_refused_rather_than_leaving_them_unread(capsys, monkeypatch, flag):
+    monkeypatch.setattr(cli, "write_pyproject", lambda: pytest.fail("rewrote pyproject.toml"))
+    monkeypatch.setattr(cli, "write_configuration_page", lambda: pytest.fail("rewrote the configuration page"))
+    code, out, err = run_cli(capsys, flag, "lr=abc")
     assert (
         code == 2
         and out == ""
-        and err == "fedbr-run: error: --list takes no settings or experiment files (got 'lr=abc')\n"
+        and err == f"fedbr-run: error: {flag} takes no settings or experiment files (got 'lr=abc')\n"
     )
 
 

@@ -130,9 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return error(exc, 2)
     if args.quiet and args.verbose:  # the run printed nothing, its echo of Flower's log ignored
         return error("--quiet and --verbose contradict each other: give one", 2)
+    if args.items and (only := next((f for f in ("list", "write_pyproject", "write_docs") if getattr(args, f)), "")):
+        flag = "--" + only.replace("_", "-")  # it would list or write from the schema and leave them unread
+        return error(f"{flag} takes no settings or experiment files (got {args.items[0]!r})", 2)
     if args.list:
-        if args.items:  # it would list every key and leave them unread
-            return error(f"--list takes no settings or experiment files (got {args.items[0]!r})", 2)
         print(list_keys())
         return 0
     if args.write_pyproject or args.write_docs:
