@@ -100,6 +100,13 @@ def test_the_stop_line_says_where_the_run_stopped_and_how_to_continue():
     assert EXIT_TIME_LIMIT == 75
 
 
+def test_the_command_that_starts_a_run_again_names_its_folder_once():
+    args = SimpleNamespace(items=["x.yaml", "output_dir=runs/r", "lr=0.1"], time_limit="15m", superlink=False)
+    assert cli.again(args, Path("/abs/runs/r"), TimeLimitReached(None, "/abs/runs/r", 5)) == (
+        "fedbr-run x.yaml lr=0.1 output-dir=/abs/runs/r --overwrite --time-limit 15m"
+    )
+
+
 def test_fedbr_run_at_its_time_limit_exits_75_with_the_resume_command(tmp_path, capsys, monkeypatch):
     """The run's stop (the launcher raises TimeLimitReached) becomes exit 75 and one line; the run was told to
     checkpoint after every round and handed a watch with the limit."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..app.raycluster import requested_address
-from ..core.config import ConfigError, pyproject_table, schema
+from ..core.config import ConfigError, normalise_key, pyproject_table, schema
 from ..core.errors import OneLineParser, quiet_when_its_reader_leaves
 from ..launch.launcher import PROJECT_DIR, RunFailed, RunHost, how_to_continue, run_flower
 from ..launch.plan import build_config, plan_resumed, plan_run
@@ -231,7 +231,8 @@ def again(args: argparse.Namespace, out: Path, stop: TimeLimitReached) -> str:
     if stop.saved_round is not None:
         start = ["--resume", str(out)]
     else:
-        start = [*args.items, f"output-dir={out}", "--overwrite"]
+        kept = [i for i in args.items if not ("=" in i and normalise_key(i.partition("=")[0]) == "output-dir")]
+        start = [*kept, f"output-dir={out}", "--overwrite"]
     return shlex.join(["fedbr-run", *start, "--time-limit", args.time_limit, *superlink])
 
 
