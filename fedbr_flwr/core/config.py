@@ -815,8 +815,9 @@ Every key a run takes, with its type, default, allowed values and meaning. Set t
 file (YAML), as `key=value` on the command line (later ones win), or in `flwr run --run-config`.
 Values read as YAML 1.2 numbers: `010` is ten, and `1:30` or `2024-01-01` stay text.
 `fedbr-run` checks every key and type before anything starts: an unknown key (with a "did you mean"),
-a value of the wrong type or outside its range, or a key of an algorithm the run does not use, stops
-the run with exit 2 and one line. `fedbr-run --list` prints the keys with their defaults and choices in a terminal.
+a value of the wrong type or outside its range, or a key of an algorithm the run does not use set to other
+than its default, stops the run with exit 2 and one line. `fedbr-run --list` prints the keys with their
+defaults and choices in a terminal.
 
 This page is generated from the settings schema by `fedbr-run --write-docs`; a test fails when it is
 stale, so edit the `setting(...)` declarations, not this page.
