@@ -2,6 +2,7 @@
 a client killed mid-round, and a run killed and resumed. Every process started is stopped, also when a
 test fails."""
 
+import argparse
 import contextlib
 import json
 import os
@@ -449,6 +450,19 @@ def test_compare_stops_on_what_a_deployment_cannot_run_before_the_simulation(tmp
     monkeypatch.setattr("fedbr_flwr.commands.cli.main", lambda argv: pytest.fail("the simulation ran first"))
     assert deploy.main(["compare", "engine=cohort", "--out", str(tmp_path / "cmp")]) == 2
     assert "engine=cohort runs in simulation only" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert deploy.main(["compare", "--out", str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err == (
+        f"fedbr-deploy: error: --out {tmp_path / 'file'} cannot be used: it is a file, not a folder; pick another "
+        "--out or move the file\n"
+    )
+
+
+def test_every_option_of_every_deploy_command_says_what_it_does():
+    parser = deploy.build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, sub in commands.choices.items():
+        assert [a.option_strings or a.dest for a in sub._actions if not a.help] == [], name
 
 
 @pytest.mark.parametrize(

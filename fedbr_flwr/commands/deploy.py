@@ -724,6 +724,7 @@ def cmd_compare(args) -> int:
     _check_supernodes(args.supernodes)
     new_run_config([*args.items, f"num-clients={args.supernodes}"], args.supernodes)  # before the simulation runs
     base = Path(args.out).resolve()
+    check_output_dir(base, "--out")  # else the first run's error named fedbr-run's output-dir
     rows = []
     runs = [("simulation", None), ("deployment + worker", True), ("deployment, no worker", False)]
     for label, workers in runs:
@@ -745,6 +746,9 @@ def cmd_compare(args) -> int:
     return 0
 
 
+NO_WORKER_HELP = "run each message in Flower's fresh ClientApp process"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="fedbr-deploy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -756,7 +760,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--insecure", action="store_true", help="no TLS (trusted networks and tests only)")
 
     p = sub.add_parser("certs", help="make a CA, the SuperLink's certificate and SuperNode keys")
-    p.add_argument("out")
+    p.add_argument("out", help="the folder to write them into")
     p.add_argument("--host", action="append", help="the SuperLink's IP or name, as SuperNodes reach it (repeatable)")
     p.add_argument("--supernodes", type=int, default=0, help="SuperNode key pairs to make (for --auth)")
     p.set_defaults(func=cmd_certs)
@@ -769,8 +773,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept only registered SuperNode keys (needs --certs); registering keys and submitting runs "
         "stay open to any machine that reaches the port and has ca.crt (docs/deployment.md: firewall it)",
     )
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="0.0.0.0", help="the address it listens on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="the port SuperNodes and `run` connect to")
     p.add_argument("--state-dir", default="superlink-state", help="its database and logs")
     p.set_defaults(func=cmd_superlink)
 
@@ -783,13 +787,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("supernode", help="start a SuperNode and its worker (foreground)")
     security(p)
     p.add_argument("--superlink", required=True, help="HOST:PORT")
-    p.add_argument("--partition-id", type=int, required=True)
-    p.add_argument("--num-partitions", type=int, required=True)
+    p.add_argument("--partition-id", type=int, required=True, help="this node's client: its part of the split")
+    p.add_argument("--num-partitions", type=int, required=True, help="clients of the run, one per SuperNode")
     p.add_argument("--data-dir", help="this machine's dataset folder (overrides the run's data-dir)")
     p.add_argument("--gpu", help="CUDA device index for this client (sets CUDA_VISIBLE_DEVICES)")
     p.add_argument("--auth-key", help="this node's private key (SuperLink started with --auth)")
     p.add_argument("--port", type=int, default=9094, help="the SuperNode's local runtime API port")
-    p.add_argument("--no-worker", action="store_true", help="run each message in Flower's fresh ClientApp process")
+    p.add_argument("--no-worker", action="store_true", help=NO_WORKER_HELP)
     p.add_argument("--state-dir", default="supernode-state", help="its worker socket and logs")
     p.set_defaults(func=cmd_supernode)
 
@@ -812,16 +816,16 @@ def build_parser() -> argparse.ArgumentParser:
                 "(progress: when this machine sees the run folder), or nothing",
             )
         else:
-            p.add_argument("--supernodes", type=int, default=2)
-            p.add_argument("--tls", action="store_true")
+            p.add_argument("--supernodes", type=int, default=2, help="SuperNodes to start, one client each")
+            p.add_argument("--tls", action="store_true", help="TLS between them, with certificates made for the run")
             p.add_argument("--auth", action="store_true", help="SuperNode authentication (implies --tls)")
-            p.add_argument("--no-worker", action="store_true")
+            p.add_argument("--no-worker", action="store_true", help=NO_WORKER_HELP)
         p.set_defaults(func=func)
 
     p = sub.add_parser("compare", help="seconds per round: simulation vs local deployment, same config")
-    p.add_argument("items", nargs="*")
-    p.add_argument("--supernodes", type=int, default=2)
-    p.add_argument("--out", default="runs/deploy-compare")
+    p.add_argument("items", nargs="*", help="experiment YAML files and key=value overrides")
+    p.add_argument("--supernodes", type=int, default=2, help="clients, one SuperNode each in the deployments")
+    p.add_argument("--out", default="runs/deploy-compare", help="folder of the three runs")
     p.set_defaults(func=cmd_compare)
     return parser
 
