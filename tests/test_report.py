@@ -182,6 +182,35 @@ def test_a_run_its_command_stopped_between_a_round_and_its_checkpoint_is_paused_
     assert report.seed_result(stopped) == (None, "failed after round 3")
 
 
+def test_a_run_stopped_before_any_checkpoint_starts_again_and_one_not_started_is_not_run(tmp_path):
+    """A time limit stopped seed 1 in its start-up (no run file written yet) and seed 2 after round 1 with
+    checkpoints every 5 rounds: no checkpoint, so each starts again, stopped, not failed. Seed 3's folder holds
+    only the labels a sweep writes for its trackers before the run starts: not run. Seed 4 crashed in its
+    start-up."""
+    from fedbr_flwr.runfiles.progress import Progress, mark_stopped, read_events
+    from fedbr_flwr.runfiles.tracking import label_sweep_run
+
+    out = tmp_path / "out"
+    for seed in (1, 4):
+        (out / "A" / f"seed{seed}").mkdir(parents=True)
+        (out / "A" / f"seed{seed}" / "flower.log").write_text("starting\n")
+    mark_stopped(out / "A" / "seed1", "time limit")
+    started = out / "A" / "seed2"
+    fake_run(started, [0.9], cfg={"num-rounds": 10})
+    (started / "summary.json").unlink()
+    (started / "rounds.jsonl").write_text(json.dumps({"round": 1}) + "\n")
+    Progress(started).emit("round", "round 1/10", round=1)
+    mark_stopped(started, "time limit")
+    label_sweep_run(out / "A" / "seed3", "out", "A/seed3", ["A", "seed3"])
+    assert [report.seed_result(out / "A" / f"seed{seed}")[1] for seed in (1, 2, 3, 4)] == [
+        "stopped before its first round, with no checkpoint (starts again)",
+        "stopped after round 1, with no checkpoint (starts again)",
+        "",
+        "failed before its first round",
+    ]
+    assert read_events(started / "progress.jsonl")[0][-1]["message"] == "run stopped (time limit); start it again"
+
+
 def test_a_run_continued_on_another_machine_names_every_piece_s_commit_and_machine(tmp_path):
     out = tmp_path / "out"
     fake_run(out / "A" / "seed0", [0.5, 0.6])

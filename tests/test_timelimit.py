@@ -140,6 +140,7 @@ def test_a_run_its_command_stops_says_so_last_in_its_events_after_its_processes_
     this last event; the run's simulation process is stopped first, so that no event of it comes after."""
     events = tmp_path / PROGRESS_FILE
     events.write_text(json.dumps({"kind": "round", "round": 3, "message": "round 3/9"}) + "\n")
+    (tmp_path / "checkpoint.npz").write_bytes(b"")  # there is one to continue from
     order = []
 
     class Host:

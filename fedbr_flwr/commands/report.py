@@ -30,6 +30,7 @@ from ..runfiles.jsonsafe import write_text_atomically
 from ..runfiles.metrics import CLIENT_METRICS, format_accuracy_axes, read_jsonl, run_problem
 from ..runfiles.progress import stopped_on_purpose
 from ..runfiles.run_io import check_output_dir, manifest_config
+from ..runfiles.tracking import TRACKING_FILE
 
 Cell = tuple[tuple[str, Any], ...]  # a grid cell: (key, value) per factor, in the grid's order
 
@@ -440,15 +441,14 @@ def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
     """A seed's summary where its run finished (it evaluated its last round, and some round trained); else None
     and why not: "" where it never started, else how far it came ("failed after round 2"). summary.json is
     rewritten at every evaluation, so a run that died leaves one that looks like a shorter run's."""
-    if not folder.is_dir():
-        return None, ""
+    if not folder.is_dir() or {path.name for path in folder.iterdir()} <= {TRACKING_FILE}:
+        return None, ""  # a sweep labels a run's folder for its trackers before the run starts
     try:
         rounds = [int(r["round"]) for r in read_jsonl(folder / "rounds.jsonl") if "round" in r]
     except (ValueError, TypeError):
         return None, DAMAGED
-    stopped = f"failed after round {max(rounds)}" if rounds else "failed before its first round"
     if not (folder / "manifest.json").exists():
-        return None, stopped
+        return None, unfinished(folder, rounds)
     try:
         num_rounds = stored_settings(folder).num_rounds
         summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else {}
@@ -461,10 +461,19 @@ def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
         # paused: stopped at a checkpoint, or its command stopped it (time limit, Ctrl-C, SIGTERM) after one
         if rounds and saved is not None and (saved == max(rounds) or stopped_on_purpose(folder)):
             return None, f"paused after round {saved} of {num_rounds} (resumes from its checkpoint)"
-        return None, stopped
+        return None, unfinished(folder, rounds)
     if run_problem(summary):
         return None, "failed: no round trained"
     return summary, ""
+
+
+def unfinished(folder: Path, rounds: list[int]) -> str:
+    """How far a run that did not finish came, and whether it failed or its command stopped it (a time limit,
+    Ctrl-C, SIGTERM) where no checkpoint was left to resume: then it starts again."""
+    came = f"after round {max(rounds)}" if rounds else "before its first round"
+    if stopped_on_purpose(folder) and checkpoint_round(folder) is None:
+        return f"stopped {came}, with no checkpoint (starts again)"
+    return f"failed {came}"
 
 
 def seed_values(out: Path, setting: Setting, seeds: list[int], metric: str) -> list[float] | None:

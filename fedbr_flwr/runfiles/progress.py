@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import jsonsafe
+from .checkpoint import CHECKPOINT_NAME
 
 SUMMARY_EVENT = "summary"  # the last event of a run that ended normally (run files complete)
 STOPPED_EVENT = "stopped"  # the last event of a run its command stopped on purpose (time limit, Ctrl-C, SIGTERM)
@@ -42,10 +43,10 @@ def append_event(path: Path, kind: str, message: str, **fields: Any) -> None:
 
 def mark_stopped(out_dir: Path, how: str) -> None:
     """Say in the run's events that its command stopped it on purpose (``how``), once its processes are down:
-    the report then tells such a run, which continues from its checkpoint, from one that crashed."""
-    path = Path(out_dir) / PROGRESS_FILE
-    if path.exists():  # a run that never started has nothing to continue
-        append_event(path, STOPPED_EVENT, f"run stopped ({how}); continue it from its last checkpoint")
+    the report then tells such a run, which continues from its checkpoint or starts again, from one that
+    crashed. A run stopped in its start-up gets the file here (its start empties it)."""
+    then = "continue it from its last checkpoint" if (Path(out_dir) / CHECKPOINT_NAME).exists() else "start it again"
+    append_event(Path(out_dir) / PROGRESS_FILE, STOPPED_EVENT, f"run stopped ({how}); {then}")
 
 
 def stopped_on_purpose(out_dir: Path) -> bool:
