@@ -96,7 +96,8 @@ HELP = {
     "--list": "list strategies, components and config keys, then exit",
     "--write-pyproject": "rewrite pyproject.toml's run-config table from the schema (after adding a key), then exit",
     "--write-docs": "rewrite docs/configuration.md from the schema (after adding a key), then exit",
-    "--dry-run": "validate and print the config, then exit",
+    "--dry-run": "make every check a run makes (its folder, its data: download=auto fetches a missing dataset), "
+    "print the config, then exit",
     "--overwrite": "reuse an output-dir that holds a run",
     "--resume": "continue the run in DIR from its last checkpoint",
     "--time-limit": "stop before DURATION (90s, 15m, 1h30m, 2h; a plain number is seconds) has passed: the run "
