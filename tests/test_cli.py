@@ -312,6 +312,8 @@ def test_a_value_no_run_can_take_is_one_line_and_exit_2(capsys, tmp_path, monkey
         # an abbreviation went into a report's command as written, to mean something else to a later parser
         ("fedbr-sweep", ["experiments/quickstart.yaml", "--table"], "unrecognized arguments: --table (see"),
         ("fedbr-run", ["--dry"], "fedbr-run: error: unrecognized arguments: --dry (see fedbr-run --help)"),
+        # argparse also named the optional overrides as required
+        ("fedbr-sweep", ["--out", "x"], "fedbr-sweep: error: the following arguments are required: file (see"),
     ],
 )
 def test_a_flag_argparse_refuses_is_one_line_and_exit_2(capsys, command, args, message):

@@ -39,6 +39,10 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str) -> NoReturn:
+        required = "the following arguments are required: "
+        if message.startswith(required):  # argparse's intermixed parsing also names the optional positionals
+            optional = {a.dest for a in self._actions if not a.option_strings and a.nargs in ("*", "?")}
+            message = required + ", ".join(n for n in message[len(required) :].split(", ") if n not in optional)
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
