@@ -98,6 +98,12 @@ def test_summary_table_percentages():
     assert "not reached" in never
 
 
+def test_the_final_row_names_no_round_where_the_last_evaluation_is_complete():
+    """Only a final figure that is not the last evaluation's (a partial last one) names its round."""
+    table = summary_table(summarize(history(), 0.7))
+    assert "| final mean / worst acc (%) " in table and ", round" not in table
+
+
 def test_plot_history_writes_png_with_whole_rounds_on_its_axis(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
