@@ -215,6 +215,8 @@ WHOLE = '{"round": 1}\n{"round": 2}\n{"round": 3}\n'
         (WHOLE, 'x\n{"round": 2}\n', "{}", "line 1 of metrics.jsonl is not a record of a round"),
         (WHOLE + '{"round": "4"}\n{"round": 5}\n', "", "{}", "line 4 of rounds.jsonl is not a record"),
         (WHOLE + "{not json}\n", "", "{}", "line 4 of rounds.jsonl is not a record"),
+        (WHOLE + '{"round": true}\n', "", "{}", "line 4 of rounds.jsonl is not a record"),
+        ('{"round": 1}\nx\n{"round": 2}\n{"round": 3}\n{"rou', "", "{}", "line 2 of rounds.jsonl is not a record"),
         (WHOLE, "", "[1, 2]", "manifest.json is not a JSON object"),
         (WHOLE, "", "{not json", "manifest.json is not a JSON object"),
         (
@@ -230,6 +232,8 @@ WHOLE = '{"round": 1}\n{"round": 2}\n{"round": 3}\n'
         "garbage-line",
         "round-not-a-number",
         "ended-garbage-last-line",
+        "round-true",
+        "garbage-line-before-a-torn-last-one",
         "manifest-list",
         "manifest-torn",
         "other-run",
@@ -281,6 +285,13 @@ def test_a_resume_takes_a_line_a_crash_cut_short_and_a_missing_manifest(tmp_path
     out = damaged_run(tmp_path, WHOLE + '{"round": 4, "cli', '{"round": 2}\n{"rou')
     (out / "manifest.json").unlink()
     check_records_continue(out, 3)  # the torn lines come after the checkpoint; a new manifest is written
+
+
+def test_a_resume_passes_over_blank_lines_as_the_readers_of_the_records_do(tmp_path):
+    from fedbr_flwr.runfiles.run_io import check_records_continue
+
+    out = damaged_run(tmp_path, WHOLE.replace("\n", "\n\n"), '\n{"round": 2}\n\n')
+    check_records_continue(out, 3)
 
 
 def test_a_sweep_starts_again_a_run_whose_records_are_damaged(tmp_path, capsys):
