@@ -319,6 +319,16 @@ def test_a_resume_refuses_a_run_whose_metrics_jsonl_is_gone(tmp_path):
         check_records_continue(out, 3)
 
 
+def test_a_resumed_run_s_evaluations_count_its_wall_time_from_its_start(tmp_path):
+    """The checkpoint's elapsed seconds go on; the summary's wall time is the last evaluation's."""
+    from fedbr_flwr.runfiles.run_io import RunRecorder
+
+    recorder = RunRecorder(validate({"output-dir": str(tmp_path)}), tmp_path, resume_round=2, elapsed=1000.0)
+    recorder.log_eval({"round": 3, "mean_acc": 0.5, "worst_acc": 0.4, "loss": 1.0})
+    wall = json.loads((tmp_path / "metrics.jsonl").read_text())["wall_time"]
+    assert 1000.0 <= wall < 1100.0 and recorder.summary()["wall_time_s"] == wall
+
+
 def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_file(tmp_path, monkeypatch):
     """A write that fails part way (ENOSPC at the flush to disk, or at the rename) keeps the checkpoint and the
     text file that were there, and removes the half-written temporary file."""
