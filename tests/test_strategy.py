@@ -190,6 +190,7 @@ def test_a_resume_onto_another_partition_stops_at_discovery_and_keeps_the_one_it
     strategy, manager = make_strategy(tmp_path, [FakeProxy("a", 0), FakeProxy("b", 1)])
     strategy.configure_fit(1, payload.to_parameters({}), manager)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert len(manifest["partition_hash"]) == 16  # the manifest names the partition the run started on
     (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "partition_hash": "0" * 16}))
     saved = (tmp_path / "partition.npz").read_bytes()
     cfg = strategy.cfg
@@ -201,6 +202,9 @@ def test_a_resume_onto_another_partition_stops_at_discovery_and_keeps_the_one_it
     FedAvgStrategy(
         cfg, RunRecorder(cfg, tmp_path, resume_round=1), {"model": torch.nn.Linear(2, 2)}, None
     ).configure_fit(2, payload.to_parameters({}), manager)
+    manifest.pop("partition_hash")  # a manifest written before partition hashes: nothing to compare with
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    RunRecorder(cfg, tmp_path, resume_round=1).check_same_partition("f" * 16)
 
 
 def test_discovery_saves_the_partition_and_its_hash(tmp_path):
