@@ -167,6 +167,24 @@ def test_missing_or_corrupt_checkpoint_stops_with_a_clear_message(tmp_path):
     (tmp_path / CHECKPOINT_NAME).write_bytes(b"not a zip file")
     with pytest.raises(ConfigError, match="damaged or truncated"):
         load_checkpoint(tmp_path)
+    (tmp_path / CHECKPOINT_NAME).write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"damaged or truncated \(the file is empty\)"):
+        load_checkpoint(tmp_path)
+
+
+def test_an_npz_of_another_program_or_one_that_cannot_be_read_is_named_as_such(tmp_path, monkeypatch):
+    from fedbr_flwr.runfiles import checkpoint
+
+    codec.write(tmp_path / CHECKPOINT_NAME, {"weights": np.zeros(2)})
+    with pytest.raises(ConfigError, match="is not a checkpoint of this project"):
+        load_checkpoint(tmp_path)
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(checkpoint, "open", denied, raising=False)  # chmod would not stop root reading it
+    with pytest.raises(ConfigError, match="cannot be read: Permission denied"):
+        load_checkpoint(tmp_path)
 
 
 def test_resume_refuses_a_changed_config_or_nothing_left_to_do():
