@@ -118,6 +118,12 @@ def test_checkpoint_replaces_atomically_and_reads_back(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME]  # no temporary left behind
 
 
+def test_no_array_may_take_the_checkpoint_header_s_name(tmp_path):
+    with pytest.raises(ValueError, match="reserved for the checkpoint header"):
+        save_checkpoint(tmp_path, {"__header__": np.zeros(2)}, {"round": 1, "config": {}})
+    assert not (tmp_path / CHECKPOINT_NAME).exists()
+
+
 def test_a_checkpoint_of_another_algorithm_or_format_stops_with_a_clear_message(tmp_path):
     cfg = run_cfg("fedavg")
     save_checkpoint(tmp_path, {"global/model/other": np.zeros(2)}, {"round": 2, "config": cfg, "elapsed": 0.0})
@@ -139,6 +145,7 @@ def test_a_checkpoint_of_another_algorithm_or_format_stops_with_a_clear_message(
         (b'{"format": 2, "round": "two", "config": {}}', "header whose round is 'two'"),
         (b'{"format": 2, "round": 2, "config": [1]}', "header whose config is [1], not a mapping of keys"),
         (b'{"format": 2, "round": 2, "config": {}, "elapsed": "x"}', "header whose elapsed is 'x'"),
+        (b'{"format": 2, "round": 2, "config": {}, "elapsed": true}', "header whose elapsed is True"),
     ],
 )
 def test_a_checkpoint_header_a_resume_cannot_read_is_one_clear_message(tmp_path, header, message):
