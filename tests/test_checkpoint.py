@@ -124,6 +124,20 @@ def test_no_array_may_take_the_checkpoint_header_s_name(tmp_path):
     assert not (tmp_path / CHECKPOINT_NAME).exists()
 
 
+def test_the_rng_state_a_checkpoint_holds_sets_torch_and_numpy_back(tmp_path):
+    """numpy's global state with a cached Gaussian too (its draws come from it first)."""
+    import torch
+
+    from fedbr_flwr.runfiles.checkpoint import rng_state, set_rng_state
+
+    np.random.standard_normal()  # leaves the second Gaussian of a pair cached
+    save_checkpoint(tmp_path, rng_state(), {"round": 1, "config": {}})
+    drawn = np.random.standard_normal(3), np.random.random(3), torch.rand(3)
+    set_rng_state(load_checkpoint(tmp_path)[0])
+    again = np.random.standard_normal(3), np.random.random(3), torch.rand(3)
+    assert all(np.array_equal(a, b) for a, b in zip(drawn, again))
+
+
 def test_a_checkpoint_of_another_algorithm_or_format_stops_with_a_clear_message(tmp_path):
     cfg = run_cfg("fedavg")
     save_checkpoint(tmp_path, {"global/model/other": np.zeros(2)}, {"round": 2, "config": cfg, "elapsed": 0.0})
