@@ -118,6 +118,17 @@ def test_a_run_that_did_not_finish_is_shown_as_failed_and_never_averaged(tmp_pat
     assert rows[0]["seeds"] == "1" and rows[0]["not_finished"] == "seed 1 failed after round 3"
 
 
+def test_a_running_run_s_summary_json_is_rewritten_at_each_evaluation(tmp_path):
+    """What the report reads of a run that died before its end (above)."""
+    from fedbr_flwr.core.config import validate
+    from fedbr_flwr.runfiles.run_io import RunRecorder
+
+    recorder = RunRecorder(validate({"output-dir": str(tmp_path)}), tmp_path)
+    for r in (2, 4):
+        recorder.log_eval({"round": r, "mean_acc": 0.5, "worst_acc": 0.4, "loss": 1.0})
+        assert json.loads((tmp_path / "summary.json").read_text())["last_round"] == r
+
+
 def test_a_figure_that_a_finished_seed_lacks_says_over_how_many_seeds_it_is(tmp_path):
     """Seed 1 finished, but no evaluation reached every client (its accuracy figures are None): A's accuracies
     are seed 0's alone, and the cell says so beside the row's 2 seeds."""
