@@ -22,6 +22,7 @@ from fedbr_flwr.launch.protocol import RunPlan
 from fedbr_flwr.runfiles import run_io
 from fedbr_flwr.runfiles.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from fedbr_flwr.runfiles.metrics import plot_history, read_jsonl, summarize, summary_table
+from fedbr_flwr.runfiles.progress import read_events
 from fedbr_flwr.runfiles.run_io import RunRecorder, keep_rounds_up_to
 from fedbr_flwr.server.recording import eval_record
 from strategies.fedavg import FedAvgStrategy
@@ -157,6 +158,8 @@ def test_a_run_whose_every_update_was_rejected_says_so_and_is_no_result(tmp_path
     assert "no round trained" in md and "rounds without update" in md
     problem = run_io.finished_run_problem(tmp_path)
     assert problem is not None and "no round trained" in problem and "\n" not in problem
+    events, _ = read_events(tmp_path / "progress.jsonl")  # what fedbr-run and a deploy print as it ends
+    assert [e["message"] for e in events if e["kind"] == "error"][-1] == problem
 
 
 def test_a_run_with_some_rounds_without_update_names_them_and_is_a_result(tmp_path):
@@ -168,6 +171,13 @@ def test_a_run_with_some_rounds_without_update_names_them_and_is_a_result(tmp_pa
     assert summary["rounds_without_update"] == [2] and summary["rounds_trained"] == 2
     assert "rounds without update (model unchanged) | 1: round 2" in (tmp_path / "summary.md").read_text()
     assert run_io.finished_run_problem(tmp_path) is None
+
+
+def test_a_summary_json_that_cannot_be_read_judges_no_run(tmp_path):
+    """fedbr-run asks it after the run: a torn or hand-edited file is no verdict, not a traceback."""
+    for text in ('{"rounds_trained": 0, "rou', "0"):
+        (tmp_path / "summary.json").write_text(text)
+        assert run_io.finished_run_problem(tmp_path) is None
 
 
 def run_that_trained_nothing(plan, echo, superlink=False, host=None, watch=None):
