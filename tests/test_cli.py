@@ -350,6 +350,20 @@ def test_an_over_long_path_is_one_line_and_exit_2(capsys, tmp_path, command):
     assert len(err) < 400 and not list(tmp_path.iterdir())
 
 
+def test_a_path_is_too_long_only_past_the_system_s_limits(monkeypatch):
+    """A name may have NAME_MAX bytes; PATH_MAX counts the closing NUL, so a path may have PATH_MAX - 1."""
+    from pathlib import Path
+
+    from fedbr_flwr.runfiles import run_io
+
+    monkeypatch.setattr(run_io.os, "pathconf", lambda path, name: {"PC_NAME_MAX": 8, "PC_PATH_MAX": 32}[name])
+    run_io.check_path_length(Path("/" + "a" * 8))
+    run_io.check_path_length(Path("/" + "abcdefg/" * 3 + "abcdef"))  # 31 bytes
+    for too_long in ("/" + "a" * 9, "/" + "abcdefg/" * 3 + "abcdefg"):
+        with pytest.raises(ConfigError, match="is too long for this system"):
+            run_io.check_path_length(Path(too_long))
+
+
 @pytest.mark.parametrize(
     "command", [["fedbr-sweep", "experiments/quickstart.yaml", "--dry-run"], ["fedbr-run", "--list"]]
 )
