@@ -23,7 +23,7 @@ from fedbr_flwr.launch.timelimit import (
     stopped_line,
 )
 from fedbr_flwr.runfiles.checkpoint import save_checkpoint
-from fedbr_flwr.runfiles.progress import PROGRESS_FILE, read_events, stopped_on_purpose
+from fedbr_flwr.runfiles.progress import PROGRESS_FILE, SUMMARY_EVENT, append_event, read_events, stopped_on_purpose
 
 
 @pytest.mark.parametrize(
@@ -156,6 +156,10 @@ def test_a_run_its_command_stops_says_so_last_in_its_events_after_its_processes_
         launcher.run_flower(plan, host=Host())
     assert order == [("closed", False)] and stopped_on_purpose(tmp_path)
     assert read_events(events)[0][-1]["message"] == f"run stopped ({how}); continue it from its last checkpoint"
+    append_event(events, SUMMARY_EVENT, "run files in ...")  # a stop as the run shut down: it had ended
+    with pytest.raises(type(stop)):
+        launcher.run_flower(plan, host=Host())
+    assert read_events(events)[0][-1]["kind"] == SUMMARY_EVENT
 
 
 def test_a_run_that_failed_is_not_marked_stopped(tmp_path, monkeypatch):

@@ -44,9 +44,14 @@ def append_event(path: Path, kind: str, message: str, **fields: Any) -> None:
 def mark_stopped(out_dir: Path, how: str) -> None:
     """Say in the run's events that its command stopped it on purpose (``how``), once its processes are down:
     the report then tells such a run, which continues from its checkpoint or starts again, from one that
-    crashed. A run stopped in its start-up gets the file here (its start empties it)."""
+    crashed. A run stopped in its start-up gets the file here (its start empties it); one stopped after its
+    summary, as it shut down, had ended and gets nothing."""
+    path = Path(out_dir) / PROGRESS_FILE
+    events, _ = read_events(path)
+    if events and events[-1].get("kind") == SUMMARY_EVENT:
+        return
     then = "continue it from its last checkpoint" if (Path(out_dir) / CHECKPOINT_NAME).exists() else "start it again"
-    append_event(Path(out_dir) / PROGRESS_FILE, STOPPED_EVENT, f"run stopped ({how}); {then}")
+    append_event(path, STOPPED_EVENT, f"run stopped ({how}); {then}")
 
 
 def stopped_on_purpose(out_dir: Path) -> bool:
