@@ -173,6 +173,20 @@ def test_a_run_with_some_rounds_without_update_names_them_and_is_a_result(tmp_pa
     assert run_io.finished_run_problem(tmp_path) is None
 
 
+def test_a_last_round_that_no_client_evaluated_still_ends_the_run_with_its_files(tmp_path):
+    """Every client's last evaluation failed (timed out, say): the run still writes its summary and its last
+    event, which fedbr-run waits for (without them it said 'ended without its last event')."""
+    strategy, proxies = small_run(tmp_path, **{"num-rounds": 2})
+    play_round(strategy, proxies, 1, [1.0, 3.0], [0.3, 0.4])
+    play_round(strategy, proxies, 2, [1.0, 3.0], [None, None])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rounds_trained"] == 2 and summary["final_round"] == 1
+    assert (tmp_path / "summary.md").exists()
+    events, _ = read_events(tmp_path / "progress.jsonl")
+    assert events[-1]["kind"] == "summary"
+    assert "round 2: no client returned an evaluation" in [e["message"] for e in events if e["kind"] == "error"]
+
+
 def test_a_summary_json_that_cannot_be_read_judges_no_run(tmp_path):
     """fedbr-run asks it after the run: a torn or hand-edited file is no verdict, not a traceback."""
     for text in ('{"rounds_trained": 0, "rou', "0"):

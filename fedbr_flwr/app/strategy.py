@@ -158,7 +158,7 @@ class FlowerStrategy(Strategy):
             self.checkpointer.answered(pid)
         if not answers:
             self.recorder.progress.emit("error", f"round {server_round}: no client returned an evaluation")
-            self.end_round(server_round)
+            self.end_eval_round(server_round)
             return None, {}
         record = eval_record(
             server_round,
@@ -171,9 +171,7 @@ class FlowerStrategy(Strategy):
         if rejected:
             record["eval_rejected"] = rejected
         self.recorder.log_eval(record)
-        self.end_round(server_round)
-        if server_round == common(self.cfg).num_rounds:
-            self.recorder.finalize()
+        self.end_eval_round(server_round)
         return record["loss"], {"mean_acc": record["mean_acc"], "worst_acc": record["worst_acc"]}
 
     def evaluate(self, server_round: int, parameters: Parameters):
@@ -201,6 +199,12 @@ class FlowerStrategy(Strategy):
     # ------------------------------------------------------------ the round's parts
     def is_eval_round(self, server_round: int) -> bool:
         return is_eval_round(self.cfg, server_round)
+
+    def end_eval_round(self, server_round: int) -> None:
+        """end_round; at the last round also the run's summary and last event, with or without its evaluation."""
+        self.end_round(server_round)
+        if server_round == common(self.cfg).num_rounds:
+            self.recorder.finalize()
 
     def end_round(self, server_round: int) -> None:
         self.recorder.tracking.flush()
