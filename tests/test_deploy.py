@@ -491,6 +491,20 @@ def test_impossible_node_counts_stop_before_any_process_starts(tmp_path, capsys,
     assert not (tmp_path / "run").exists()
 
 
+def test_a_supernode_port_in_use_stops_before_any_process_starts(tmp_path, capsys, no_process):
+    """Two SuperNodes on one machine with the default --port: Flower's SuperNode said only 'SuperNode Runtime HTTP
+    API failed to start', its log why."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        node = ["supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "0", "--num-partitions", "2"]
+        assert deploy.main([*node, "--port", port, "--state-dir", str(tmp_path / "sn")]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {port} is in use on this machine" in err and err.count("\n") == 1
+    assert not (tmp_path / "sn").exists()
+
+
 def test_certs_for_a_negative_number_of_supernodes_is_refused_and_writes_nothing(tmp_path, capsys):
     assert deploy.main(["certs", str(tmp_path / "keys"), "--supernodes", "-1"]) == 2
     assert "--supernodes -1" in capsys.readouterr().err

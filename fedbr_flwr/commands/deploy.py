@@ -675,6 +675,11 @@ def cmd_supernode(args) -> int:
     mismatch = tls_mismatch(args.superlink, certs is not None, certs / CA if certs else None)
     if mismatch and certs is None:  # plaintext to a TLS SuperLink never connects
         raise ConfigError(mismatch)
+    if port_in_use(args.port):  # Flower's SuperNode says only that its runtime API failed to start
+        raise ConfigError(
+            f"--port {args.port} is in use on this machine (another SuperNode?): "
+            "give each SuperNode here its own --port"
+        )
     if mismatch:
         print(f"fedbr-deploy: warning: {mismatch}", file=sys.stderr, flush=True)
     state = Path(args.state_dir).resolve()
@@ -869,6 +874,17 @@ def check_arguments(args: argparse.Namespace) -> None:
         for host in args.host or []:
             if not is_host(host):
                 raise ConfigError(f"--host {host!r}: give the SuperLink's IP address or DNS name, without a port")
+
+
+def port_in_use(port: int) -> bool:
+    """Whether a server listens on ``port`` of 127.0.0.1, where a SuperNode serves its local runtime API."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as its server: a closed connection does not count
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def check_key_file(path: Path, what: str, private: bool) -> None:
