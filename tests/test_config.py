@@ -243,6 +243,15 @@ def test_a_text_key_takes_a_value_yaml_reads_as_a_whole_number():
         validate({"git-commit": True})
 
 
+@pytest.mark.parametrize("item", ["output-dir=on", "tracking=off", "attack-ids=no"])
+def test_a_text_key_yaml_read_as_a_bool_says_to_quote_it(item):
+    """YAML 1.1 reads on/off/yes/no as a bool: 'must be str, got bool True' did not say why."""
+    key = item.partition("=")[0]
+    with pytest.raises(ConfigError, match=f"as a bool: quote the text, e.g. {key}=\"'on'\"") as caught:
+        validate(dict([parse_override(item)]))
+    assert "\n" not in str(caught.value)
+
+
 def test_a_directory_or_a_device_is_not_an_experiment_file(tmp_path):
     with pytest.raises(ConfigError, match="is a directory"):
         load_yaml(tmp_path)

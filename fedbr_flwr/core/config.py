@@ -380,9 +380,12 @@ def _coerce(key: str, spec: Key, value: Any) -> Any:
                 f"config key '{key}' = {quoted(value)} holds a control character or bytes that are not UTF-8 text"
             )
         return ",".join(v.strip() for v in value.split(",")) if spec.names else value
+    hint = ""
+    if isinstance(value, bool) and isinstance(default, str):  # output-dir=on, tracking=off
+        hint = f"; YAML reads yes, no, on, off, true and false as a bool: quote the text, e.g. {key}=\"'on'\""
     raise ConfigError(
         f"config key '{key}' must be {'a list of names' if spec.names else type(default).__name__}, "
-        f"got {type(value).__name__} {quoted(value)}"
+        f"got {type(value).__name__} {quoted(value)}{hint}"
     )
 
 
