@@ -293,6 +293,17 @@ def test_a_stopped_deploy_run_stops_its_run_on_the_superlink_and_says_so(
         assert "may still run on the SuperLink: `flwr stop 4242` failed (unreachable)" in err[0]
 
 
+def test_a_deploy_run_into_a_folder_holding_a_run_names_its_own_way_to_start_again(tmp_path, capsys, no_process):
+    """fedbr-deploy takes no --overwrite: the refusal said to start it again with `fedbr-run --overwrite`."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"round": 1}\n')
+    (out / "checkpoint.npz").write_bytes(b"")
+    assert deploy.main(["run", "--superlink", "127.0.0.1:1", "--insecure", f"output-dir={out}", "num-clients=2"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "`overwrite=true` for fedbr-deploy" in err and err.count("\n") == 1
+
+
 def test_a_run_for_a_superlink_on_another_machine_leaves_its_folder_and_data_to_that_machine(
     tmp_path, capsys, monkeypatch
 ):

@@ -276,29 +276,32 @@ PREVIOUS_RUN_FILES = (
 )
 
 
+OVERWRITE = "`fedbr-run --overwrite`, or the key `overwrite=true` for fedbr-deploy"  # it has no --overwrite
+
+
 def check_no_run(out: Path) -> None:
     """ConfigError when ``out`` holds a run's files; --resume is offered only with a checkpoint to resume."""
     found = [name for name in ("metrics.jsonl", "rounds.jsonl", CHECKPOINT_NAME) if (out / name).exists()]
     if CHECKPOINT_NAME in found:
         raise ConfigError(
-            f"{out} already holds a run; pick another output-dir, start it again (`fedbr-run --overwrite`), or "
+            f"{out} already holds a run; pick another output-dir, start it again ({OVERWRITE}), or "
             f"continue it (`fedbr-run --resume {out}`, or `fedbr-deploy local|run ... --resume {out}`)"
         )
     if any((out / name).stat().st_size for name in found):
         raise ConfigError(
             f"{out} already holds a run (without a checkpoint, so it cannot be resumed); pick "
-            "another output-dir or start it again (`fedbr-run --overwrite`)"
+            f"another output-dir or start it again ({OVERWRITE})"
         )
     if found:
         raise ConfigError(
             f"{out} holds the empty files of a run that stopped before its first round (no "
-            "checkpoint to resume from); pick another output-dir or start it again (`fedbr-run --overwrite`)"
+            f"checkpoint to resume from); pick another output-dir or start it again ({OVERWRITE})"
         )
     replaced = [name for name in PREVIOUS_RUN_FILES if (out / name).exists()]
     if replaced:  # a folder of other files: a new run would remove or rewrite these without a word
         raise ConfigError(
             f"{out} holds {', '.join(replaced)}, which a run writes: pick another output-dir, or replace them "
-            "(`fedbr-run --overwrite`)"
+            f"({OVERWRITE})"
         )
 
 
