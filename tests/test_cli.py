@@ -47,7 +47,7 @@ def test_a_huge_batch_stops_before_anything_is_written(capsys, tmp_path):
 @pytest.mark.parametrize(
     "settings, message",
     [
-        (["attack=sign-flip", "attack-clients=20"], "the attackers (20) must be among the 10 clients"),
+        (["attack=sign-flip", "attack-clients=20"], "attack-clients = 20 attackers, but the run has 10 clients"),
         (["aggregation=krum", "byzantine-clients=5"], "at least 13 clients a round, but 10 are sampled"),
         (["aggregation=trimmed-mean", "trim-fraction=0.05"], "of the 10 clients sampled a round"),
     ],

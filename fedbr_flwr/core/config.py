@@ -510,8 +510,10 @@ def check_attack(cfg: Mapping[str, Any]) -> None:
         raise ConfigError(f"attack = {kind} needs the attackers: attack-clients (a count) or attack-ids (e.g. 0,4,7)")
     n = cfg["num-clients"]
     chosen = parse_ids(ids) if ids else []
-    if n and (count > n or any(not 0 <= p < n for p in chosen)):
-        raise ConfigError(f"the attackers ({ids or count}) must be among the {n} clients (ids 0..{n - 1})")
+    if n and count > n:
+        raise ConfigError(f"attack-clients = {count} attackers, but the run has {n} clients")
+    if n and any(not 0 <= p < n for p in chosen):
+        raise ConfigError(f"the attackers ({ids}) must be among the {n} clients (ids 0..{n - 1})")
 
 
 def check_batch_sizes(cfg: Mapping[str, Any]) -> None:
