@@ -241,6 +241,10 @@ def test_fedbr_run_exits_1_when_no_round_trained(tmp_path, capsys, monkeypatch):
     assert "no round trained" in captured.err and captured.err.count("\n") == 1
     assert "20.90" in captured.out  # the files and the table are there, marked
     assert (out / "summary.md").exists()
+    assert f"run files: {out} (metrics.jsonl, rounds.jsonl, summary.json, convergence.png)" in captured.out
+    (out / "convergence.png").unlink()  # as a run without an evaluation leaves it (this fake writes no manifest)
+    cli.print_result(out, "fedbr-run", cli.RUN_FILES)
+    assert f"run files: {out} (metrics.jsonl, rounds.jsonl, summary.json)\n" in capsys.readouterr().out
 
 
 def test_fedbr_deploy_exits_1_when_no_round_trained(tmp_path, capsys):

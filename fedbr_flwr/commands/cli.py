@@ -217,7 +217,7 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
     summary_md = out / "summary.md"
     if not summary_md.exists():
         return error(f"the run ended without a final evaluation (did every client fail?); see {out / 'flower.log'}", 1)
-    return print_result(out, "fedbr-run", "(metrics.jsonl, rounds.jsonl, manifest.json, summary.json, convergence.png)")
+    return print_result(out, "fedbr-run", RUN_FILES)
 
 
 def error(message: object, code: int) -> int:
@@ -241,10 +241,15 @@ def stopped_run(out: Path) -> str:
     return f"Flower processes stopped; partial run files in {out}; {how_to_continue(out, f'fedbr-run --resume {out}')}"
 
 
-def print_result(out: Path, command: str, files: str = "") -> int:
-    """Print a finished run's summary.md; the exit code: 1 (with one line saying why) when no round trained."""
+RUN_FILES = ("metrics.jsonl", "rounds.jsonl", "manifest.json", "summary.json", "convergence.png")
+
+
+def print_result(out: Path, command: str, files: Sequence[str] = ()) -> int:
+    """Print a finished run's summary.md and which of ``files`` it wrote (no plot without an evaluation); the exit
+    code: 1 (with one line saying why) when no round trained."""
     print("\n" + (out / "summary.md").read_text())
-    print(f"run files: {out}" + (f" {files}" if files else ""))
+    written = [name for name in files if (out / name).exists()]
+    print(f"run files: {out}" + (f" ({', '.join(written)})" if written else ""))
     problem = finished_run_problem(out)
     if problem:
         print(f"{command}: error: {problem}", file=sys.stderr)
