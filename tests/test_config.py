@@ -252,6 +252,13 @@ def test_a_text_key_yaml_read_as_a_bool_says_to_quote_it(item):
     assert "\n" not in str(caught.value)
 
 
+def test_a_text_key_given_a_yaml_list_says_to_write_it_comma_separated():
+    """attack-ids: [0, 3] in a file said 'must be str, got list [0, 3]' (a names key, tracking, takes a list)."""
+    with pytest.raises(ConfigError, match="got list .*; write it as text, comma-separated: attack-ids: 0,3$"):
+        validate({"attack": "scale", "attack-ids": [0, 3]})
+    assert validate({"tracking": ["tensorboard"]})["tracking"] == "tensorboard"
+
+
 def test_a_directory_or_a_device_is_not_an_experiment_file(tmp_path):
     with pytest.raises(ConfigError, match="is a directory"):
         load_yaml(tmp_path)

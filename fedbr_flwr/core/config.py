@@ -383,6 +383,8 @@ def _coerce(key: str, spec: Key, value: Any) -> Any:
     hint = ""
     if isinstance(value, bool) and isinstance(default, str):  # output-dir=on, tracking=off
         hint = f"; YAML reads yes, no, on, off, true and false as a bool: quote the text, e.g. {key}=\"'on'\""
+    if isinstance(value, list) and isinstance(default, str):  # attack-ids: [0, 3] in a YAML file
+        hint = f"; write it as text, comma-separated: {key}: {','.join(map(str, value))}"
     raise ConfigError(
         f"config key '{key}' must be {'a list of names' if spec.names else type(default).__name__}, "
         f"got {type(value).__name__} {quoted(value)}{hint}"
