@@ -168,6 +168,7 @@ def test_mean_plan_is_named_mean_bit_for_bit():
         ({"attack": "scale", "attack-clients": 1, "attack-ids": "0"}, "not both"),
         ({"attack": "scale", "attack-ids": "0,x"}, "must be partition ids"),
         ({"attack": "scale", "attack-ids": ","}, "must be partition ids"),  # an attack by no client ran
+        ({"attack": "scale", "attack-ids": "0,3, 0"}, "names a client twice"),  # a typo: 2 attackers, not 3
         ({"attack": "noise", "attack-ids": "3", "num-clients": 3}, "among the 3 clients"),
     ],
 )

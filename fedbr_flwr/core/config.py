@@ -486,12 +486,14 @@ def _check_ownership(cfg: Mapping[str, Any], overrides: Mapping[str, Any], keys:
 def parse_ids(text: str) -> list[int]:
     """``attack-ids`` ("0,4,7") as partition ids."""
     try:
-        ids = sorted({int(part) for part in text.split(",") if part.strip()})
+        named = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        ids = []
-    if not ids:  # "," named no client: an attack run without an attacker
+        named = []
+    if not named:  # "," named no client: an attack run without an attacker
         raise ConfigError(f"attack-ids = '{text}' must be partition ids separated by commas, e.g. 0,4,7")
-    return ids
+    if len(set(named)) < len(named):  # a typo for another client, which then did not attack
+        raise ConfigError(f"attack-ids = '{text}' names a client twice")
+    return sorted(set(named))
 
 
 def check_attack(cfg: Mapping[str, Any]) -> None:
