@@ -67,7 +67,9 @@ class CommonSettings(Settings):
     output_dir: str = common_key(
         "", "where the run files go; empty: runs/<strategy>-<dataset>-<time> under the server's cwd"
     )
-    git_commit: str = common_key("", "code version recorded in the manifest (the CLI fills it in)")
+    git_commit: str = common_key(
+        "", "code version recorded in the manifest (fedbr-run fills it in; give it to plain flwr run)"
+    )
     # data
     dataset: str = common_key(
         "mnist5k",
