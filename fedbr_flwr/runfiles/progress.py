@@ -46,18 +46,20 @@ def mark_stopped(out_dir: Path, how: str) -> None:
     the report then tells such a run, which continues from its checkpoint or starts again, from one that
     crashed. A run stopped in its start-up gets the file here (its start empties it); one stopped after its
     summary, as it shut down, had ended and gets nothing."""
-    path = Path(out_dir) / PROGRESS_FILE
-    events, _ = read_events(path)
-    if events and events[-1].get("kind") == SUMMARY_EVENT:
+    if last_event_kind(out_dir) == SUMMARY_EVENT:
         return
     then = "continue it from its last checkpoint" if (Path(out_dir) / CHECKPOINT_NAME).exists() else "start it again"
-    append_event(path, STOPPED_EVENT, f"run stopped ({how}); {then}")
+    append_event(Path(out_dir) / PROGRESS_FILE, STOPPED_EVENT, f"run stopped ({how}); {then}")
 
 
 def stopped_on_purpose(out_dir: Path) -> bool:
     """Whether the run's last event says its command stopped it (``mark_stopped``)."""
+    return last_event_kind(out_dir) == STOPPED_EVENT
+
+
+def last_event_kind(out_dir: Path) -> str | None:
     events, _ = read_events(Path(out_dir) / PROGRESS_FILE)
-    return bool(events) and events[-1].get("kind") == STOPPED_EVENT
+    return events[-1].get("kind") if events else None
 
 
 def read_events(path: Path, start: int = 0) -> tuple[list[dict], int]:
