@@ -28,7 +28,7 @@ from ..app.raycluster import requested_address
 from ..core.config import ConfigError, normalise_key, pyproject_table, schema
 from ..core.errors import OneLineParser, quiet_when_its_reader_leaves
 from ..launch.launcher import PROJECT_DIR, RunFailed, RunHost, how_to_continue, run_flower
-from ..launch.plan import build_config, plan_resumed, plan_run
+from ..launch.plan import build_config, is_override, plan_resumed, plan_run
 from ..launch.timelimit import (
     EXIT_TIME_LIMIT,
     RoundWatch,
@@ -232,7 +232,7 @@ def again(args: argparse.Namespace, out: Path, stop: TimeLimitReached) -> str:
     if stop.saved_round is not None:
         start = ["--resume", str(out)]
     else:
-        kept = [i for i in args.items if not ("=" in i and normalise_key(i.partition("=")[0]) == "output-dir")]
+        kept = [i for i in args.items if not (is_override(i) and normalise_key(i.split("=", 1)[0]) == "output-dir")]
         start = [*kept, f"output-dir={out}", "--overwrite"]
     return shlex.join(["fedbr-run", *start, "--time-limit", args.time_limit, *superlink])
 
