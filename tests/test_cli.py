@@ -393,3 +393,31 @@ def test_a_broken_pipe_that_is_not_standard_output_still_raises():
 
     with pytest.raises(BrokenPipeError):
         main()
+
+
+TINY = ("num-clients=2", "num-rounds=1", "local-steps=1", "batch-size=8")  # a short run where the check is missed
+
+
+def test_a_backbone_with_batchnorm_stops_before_the_run_starts(capsys, tmp_path, monkeypatch):
+    """It stopped in the started run's first client (exit 1, after the run's folder was written)."""
+    from torch import nn
+
+    from fedbr_flwr.core.model import MODELS, ModelInfo
+
+    bn = ModelInfo(8, lambda c, s: nn.Sequential(nn.Flatten(), nn.Linear(c * s * s, 8), nn.BatchNorm1d(8)))
+    monkeypatch.setitem(MODELS, "mlp-bn", bn)
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, "model=mlp-bn", *TINY, f"output-dir={out}")
+    assert code == 2 and err.count("\n") == 1 and "model 'mlp-bn' has BatchNorm (2)" in err, err
+    assert not out.exists()
+
+
+def test_a_client_metric_named_as_a_record_field_stops_before_the_run_starts(capsys, tmp_path, monkeypatch):
+    """It stopped at the run's first evaluation (exit 1), with its training rounds spent."""
+    from fedbr_flwr.runfiles import metrics
+
+    monkeypatch.setitem(metrics.CLIENT_METRICS, "global_worst_acc", metrics.CLIENT_METRICS["mean_acc"])
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, *TINY, f"output-dir={out}")
+    assert code == 2 and err.count("\n") == 1 and "client metric(s) global_worst_acc have the name" in err, err
+    assert not out.exists()

@@ -970,3 +970,19 @@ def test_jobs_below_one_exits_2_with_one_line_and_writes_nothing(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"fedbr-sweep: error: --jobs {jobs}: give how many runs may go at once, 1 or more"]
     assert not out.exists()
+
+
+def test_a_backbone_with_batchnorm_stops_the_sweep_before_any_run(tmp_path, capsys, monkeypatch):
+    """Each run failed in its first client (exit 1 for the sweep, a folder per run)."""
+    from torch import nn
+
+    from fedbr_flwr.core.model import MODELS, ModelInfo
+
+    bn = ModelInfo(8, lambda c, s: nn.Sequential(nn.Flatten(), nn.Linear(c * s * s, 8), nn.BatchNorm1d(8)))
+    monkeypatch.setitem(MODELS, "mlp-bn", bn)
+    ran = runs_that_finish(monkeypatch)
+    out = tmp_path / "out"
+    assert sweep.main([write(tmp_path, SWEEP.replace("cnn-small", "mlp-bn")), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "FedAvg seed 0: model 'mlp-bn' has BatchNorm (2)" in err[0], err
+    assert not ran and not out.exists()

@@ -71,7 +71,7 @@ from ..core.config import (
 from ..core.errors import OneLineParser, quiet_when_its_reader_leaves
 from ..core.registry import owned_keys
 from ..launch.launcher import Echo, RunFailed, RunHost, print_line, run_flower
-from ..launch.plan import check_data, check_local_resources, config_from_settings, plan_run
+from ..launch.plan import check_code, check_data, check_local_resources, config_from_settings, plan_run
 from ..launch.timelimit import (
     EXIT_TIME_LIMIT,
     RoundWatch,
@@ -707,6 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs = plan(args.file, args.overrides, out, args.only, args.seeds)
         if not args.table_only:
             check_each(jobs, check_local_resources)  # a CUDA device or cores it lacks: with --dry-run too
+            check_each(jobs, check_code)  # a BatchNorm backbone, a metric's name: not in each run
         if not args.dry_run:  # a file in the way stops the sweep now, not with a traceback or after its runs
             check_output_dir(out, "--out")
             for _, _, cfg in [] if args.table_only else jobs:  # one of other settings: before any run starts

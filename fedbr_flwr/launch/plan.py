@@ -222,10 +222,28 @@ def prepare(cfg: dict[str, Any], overwrite: bool, files_here: bool = True) -> di
     cfg["git-commit"] = cfg["git-commit"] or git_commit(PROJECT_DIR) or "unknown"
     check_pyproject()
     check_available(cfg)
+    check_code(cfg)
     if files_here:
         check_data(cfg)
         check_output_dir(out)  # a file in its place, no permission: a message now, not a traceback from Flower
     return cfg
+
+
+def check_code(cfg: dict[str, Any]) -> None:
+    """What a run's first client and first evaluation would find wrong in the code a user added: a backbone
+    with BatchNorm (built on the meta device: no memory, no weights drawn) and a client metric named as a
+    metrics.jsonl field."""
+    import torch
+
+    from ..core.config import resolved_model
+    from ..core.model import build_model
+    from ..data.catalog import INFO
+    from ..server.recording import check_client_metric_names
+
+    info = INFO[cfg["dataset"]]
+    with torch.device("meta"):
+        build_model(resolved_model(cfg), info.num_classes, info.in_channels, info.image_size)
+    check_client_metric_names()
 
 
 def check_run_folder(cfg: dict[str, Any], out: Path, overwrite: bool) -> None:

@@ -105,6 +105,11 @@ def eval_record(
     return {"round": server_round, **metrics, **fields}
 
 
+def check_client_metric_names() -> None:
+    """The check of each evaluation's record, made before a run starts: one record with every field."""
+    eval_record(0, [(0, 0.0, 1, 0.0)], 0, [0], {}, server_test_fields({0: (0.0, 0.0)}, [(0.0, 0.0)]))
+
+
 def server_test_fields(
     by_angle: dict[int, tuple[float, float]], extra_local: list[tuple[float, float]]
 ) -> dict[str, Any]:
