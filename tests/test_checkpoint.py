@@ -368,6 +368,41 @@ def test_a_resumed_run_s_evaluations_count_its_wall_time_from_its_start(tmp_path
     assert 1000.0 <= wall < 1100.0 and recorder.summary()["wall_time_s"] == wall
 
 
+def test_a_run_killed_after_its_last_checkpoint_is_resumed_to_its_end(tmp_path, capsys, monkeypatch):
+    """kill -9 between the last round's checkpoint and the run's end (plotting takes a second): its records are
+    complete but summary.md, convergence.png and its last event are not written. `fedbr-run --resume` refused
+    it ("nothing to resume"), also where fedbr-run itself had said to resume it (a time limit, SIGTERM); it
+    writes that end now, as the run would have, and a second --resume has nothing left to do."""
+    from fedbr_flwr.commands import cli
+    from fedbr_flwr.runfiles.progress import last_event_kind
+
+    class Killed(BaseException):
+        pass
+
+    cfg = run_cfg("scaffold", **{"num-rounds": 2})
+    strategy, _, proxies = in_process_federation(cfg, tmp_path)
+
+    def killed():
+        raise Killed
+
+    monkeypatch.setattr(strategy.recorder, "finalize", killed)
+    with pytest.raises(Killed):
+        run_rounds(strategy, proxies, 2)
+    records = {name: (tmp_path / name).read_text() for name in ("metrics.jsonl", "rounds.jsonl")}
+    assert checkpoint_round(tmp_path) == 2 and last_event_kind(tmp_path) == "checkpoint"
+    assert not (tmp_path / "summary.md").exists() and not (tmp_path / "convergence.png").exists()
+
+    assert cli.main(["--resume", str(tmp_path), "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert "stopped after its last round, before its summary: writing it" in out.out and not out.err, out
+    assert (tmp_path / "summary.md").is_file() and (tmp_path / "convergence.png").is_file()
+    assert last_event_kind(tmp_path) == "summary"
+    assert {name: (tmp_path / name).read_text() for name in records} == records
+    assert json.loads((tmp_path / "summary.json").read_text())["last_round"] == 2
+    assert cli.main(["--resume", str(tmp_path)]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+
+
 def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_file(tmp_path, monkeypatch):
     """A write that fails part way (ENOSPC at the flush to disk, or at the rename) keeps the checkpoint and the
     text file that were there, and removes the half-written temporary file."""

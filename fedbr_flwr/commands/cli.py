@@ -38,7 +38,7 @@ from ..launch.timelimit import (
     stopped_line,
 )
 from ..runfiles.checkpoint import checkpoint_round
-from ..runfiles.run_io import finished_run_problem
+from ..runfiles.run_io import finish_run, finished_run_problem
 
 PYPROJECT_MARK = "# Generated from the schema by `fedbr-run --write-pyproject` (a test keeps it equal):\n"
 
@@ -180,6 +180,12 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         print("\n".join(f"{k} = {v!r}" for k, v in plan.config.items()))
         return 0
     run, out = plan.settings, plan.out_dir
+    if run.resume and checkpoint_round(out) == run.num_rounds:  # stopped after its last round, before its end
+        try:
+            finish_run(plan.config, out)
+        except ConfigError as exc:  # its folder taken by a run that started since
+            return error(exc, 2)
+        return print_result(out, "fedbr-run", RUN_FILES)
     print(
         f"fedbr-run: {run.strategy} on {run.dataset}, {run.num_clients} clients, {run.num_rounds} rounds -> {out}",
         flush=True,

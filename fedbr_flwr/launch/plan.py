@@ -21,6 +21,7 @@ from ..core.config import (
     parse_override,
     validate,
 )
+from ..runfiles.progress import SUMMARY_EVENT, last_event_kind
 from ..runfiles.run_io import check_no_run, check_output_dir, check_path, check_records_continue, git_commit
 from ..runfiles.runlock import check_free
 from ..runfiles.tracking import check_available
@@ -71,9 +72,13 @@ def config_from_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def resume_config(out_dir: Path, items: Sequence[str], command: str = "fedbr-run") -> dict[str, Any]:
+def resume_config(
+    out_dir: Path, items: Sequence[str], command: str = "fedbr-run", end_left_ok: bool = False
+) -> dict[str, Any]:
     """The config of the run in ``out_dir`` (from its checkpoint), with ``resume`` on and the overrides
-    a resumed run may take (num-rounds, checkpoint-every, ...); anything else stops with a message."""
+    a resumed run may take (num-rounds, checkpoint-every, ...); anything else stops with a message.
+    ``end_left_ok``: a run stopped after the checkpoint of its last round but before its end was written (its
+    summary, plot and last event) is continued too, with its end left to do (``run_io.finish_run``)."""
     from ..app.server_app import check_resumable
     from ..runfiles.checkpoint import load_checkpoint
 
@@ -95,14 +100,18 @@ def resume_config(out_dir: Path, items: Sequence[str], command: str = "fedbr-run
                 f"--resume continues the run in its own folder, {out_dir}; output-dir cannot move it (copy the "
                 "folder and resume the copy)"
             )
-    saved = header["config"]
+    saved, rounds_done = header["config"], int(header["round"])
     here = {"ray-address": "", "backend": "auto"}  # where it runs now: the resume command's choice
     cfg = validate({**saved, **here, **overrides, "resume": True, "output-dir": str(out_dir)})
-    check_resumable(saved, cfg, int(header["round"]))
-    check_records_continue(out_dir, int(header["round"]), saved)
+    end_left = end_left_ok and rounds_done == cfg["num-rounds"] and last_event_kind(out_dir) != SUMMARY_EVENT
+    check_resumable(saved, cfg, rounds_done - 1 if end_left else rounds_done)  # an end left is still to do
+    check_records_continue(out_dir, rounds_done, saved)
     check_available(cfg)
     cfg["git-commit"] = git_commit(PROJECT_DIR) or "unknown"
-    print(f"{command}: resuming {out_dir} after round {header['round']} of {cfg['num-rounds']}", flush=True)
+    if end_left:
+        print(f"{command}: {out_dir} stopped after its last round, before its summary: writing it", flush=True)
+    else:
+        print(f"{command}: resuming {out_dir} after round {rounds_done} of {cfg['num-rounds']}", flush=True)
     return cfg
 
 
@@ -203,7 +212,7 @@ def plan_run(cfg: dict[str, Any], overwrite: bool, superlink: bool = False) -> R
 
 def plan_resumed(out_dir: Path, items: Sequence[str], superlink: bool = False) -> RunPlan:
     """The plan that continues the run in ``out_dir`` from its checkpoint (``resume_config``)."""
-    return RunPlan.of(size_for_runtime(resume_config(out_dir, items), superlink=superlink))
+    return RunPlan.of(size_for_runtime(resume_config(out_dir, items, end_left_ok=True), superlink=superlink))
 
 
 def prepare(cfg: dict[str, Any], overwrite: bool, files_here: bool = True) -> dict[str, Any]:

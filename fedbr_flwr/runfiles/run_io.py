@@ -20,8 +20,8 @@ from typing import Any, Mapping
 
 from ..core.config import as_it_ran, changed_on_resume, common
 from ..core.errors import ConfigError, quoted
-from . import jsonsafe
-from .checkpoint import CHECKPOINT_NAME
+from . import jsonsafe, runlock
+from .checkpoint import CHECKPOINT_NAME, checkpoint_header
 from .jsonsafe import write_text_atomically
 from .metrics import is_partial, plot_history, read_jsonl, run_problem, summarize, summary_table
 from .progress import SUMMARY_EVENT, Progress
@@ -426,6 +426,22 @@ class RunRecorder:
 
     def _write_json(self, name: str, obj: Any) -> None:
         write_text_atomically(self.out_dir / name, jsonsafe.dumps(obj, indent=2, default=str) + "\n")
+
+
+def finish_run(cfg: Mapping[str, Any], out_dir: Path) -> None:
+    """Write the end of the run in ``out_dir`` that was stopped after the checkpoint of its last round but before
+    its end (summary.md, convergence.png, its last event): what its ServerApp writes after that checkpoint
+    (``RunRecorder.finalize``), from its records, which are complete. ``cfg``: its resumed config."""
+    header = checkpoint_header(out_dir)
+    handlers, log.handlers = log.handlers, [logging.FileHandler(out_dir / "flower.log")]  # its log, as the run's
+    try:
+        with runlock.hold(out_dir), runlock.hold(out_dir, "writer"):
+            recorder = RunRecorder(cfg, out_dir, resume_round=int(header["round"]), elapsed=float(header["elapsed"]))
+            recorder.progress.emit("info", f"round {header['round']} was the run's last: writing its end")
+            recorder.finalize()
+    finally:
+        log.handlers[0].close()
+        log.handlers = handlers
 
 
 def finished_run_problem(out: Path) -> str | None:
