@@ -368,39 +368,73 @@ def test_a_resumed_run_s_evaluations_count_its_wall_time_from_its_start(tmp_path
     assert 1000.0 <= wall < 1100.0 and recorder.summary()["wall_time_s"] == wall
 
 
-def test_a_run_killed_after_its_last_checkpoint_is_resumed_to_its_end(tmp_path, capsys, monkeypatch):
-    """kill -9 between the last round's checkpoint and the run's end (plotting takes a second): its records are
-    complete but summary.md, convergence.png and its last event are not written. `fedbr-run --resume` refused
-    it ("nothing to resume"), also where fedbr-run itself had said to resume it (a time limit, SIGTERM); it
-    writes that end now, as the run would have, and a second --resume has nothing left to do."""
-    from fedbr_flwr.commands import cli
+class Killed(BaseException):
+    """The ServerApp's process killed (kill -9) at this point: nothing after it runs."""
+
+
+def killed_after_its_last_checkpoint(cfg, folder, monkeypatch):
+    """The run of ``cfg`` in ``folder``, killed between the checkpoint of its last round and its end (plotting
+    takes a second): its records are complete, but summary.md, convergence.png and its last event are not
+    written. Returns its records."""
     from fedbr_flwr.runfiles.progress import last_event_kind
 
-    class Killed(BaseException):
-        pass
-
-    cfg = run_cfg("scaffold", **{"num-rounds": 2})
-    strategy, _, proxies = in_process_federation(cfg, tmp_path)
+    strategy, _, proxies = in_process_federation(cfg, folder)
 
     def killed():
         raise Killed
 
     monkeypatch.setattr(strategy.recorder, "finalize", killed)
     with pytest.raises(Killed):
-        run_rounds(strategy, proxies, 2)
-    records = {name: (tmp_path / name).read_text() for name in ("metrics.jsonl", "rounds.jsonl")}
-    assert checkpoint_round(tmp_path) == 2 and last_event_kind(tmp_path) == "checkpoint"
-    assert not (tmp_path / "summary.md").exists() and not (tmp_path / "convergence.png").exists()
+        run_rounds(strategy, proxies, cfg["num-rounds"])
+    assert checkpoint_round(folder) == cfg["num-rounds"] and last_event_kind(folder) == "checkpoint"
+    assert not (folder / "summary.md").exists() and not (folder / "convergence.png").exists()
+    return {name: (folder / name).read_text() for name in ("metrics.jsonl", "rounds.jsonl")}
 
+
+def assert_ended(folder, records):
+    """The run in ``folder`` has its end, as an uninterrupted run writes it, and the same ``records``."""
+    from fedbr_flwr.runfiles.progress import last_event_kind
+
+    assert (folder / "summary.md").is_file() and (folder / "convergence.png").is_file()
+    assert last_event_kind(folder) == "summary"
+    assert {name: (folder / name).read_text() for name in records} == records
+
+
+def test_a_run_killed_after_its_last_checkpoint_is_resumed_to_its_end(tmp_path, capsys, monkeypatch):
+    """`fedbr-run --resume` refused such a run ("nothing to resume"), also where fedbr-run had itself said to
+    resume it (a time limit, SIGTERM); it writes its end now, and a second --resume has nothing left to do."""
+    from fedbr_flwr.commands import cli
+
+    records = killed_after_its_last_checkpoint(run_cfg("scaffold", **{"num-rounds": 2}), tmp_path, monkeypatch)
     assert cli.main(["--resume", str(tmp_path), "--quiet"]) == 0
     out = capsys.readouterr()
     assert "stopped after its last round, before its summary: writing it" in out.out and not out.err, out
-    assert (tmp_path / "summary.md").is_file() and (tmp_path / "convergence.png").is_file()
-    assert last_event_kind(tmp_path) == "summary"
-    assert {name: (tmp_path / name).read_text() for name in records} == records
+    assert_ended(tmp_path, records)
     assert json.loads((tmp_path / "summary.json").read_text())["last_round"] == 2
     assert cli.main(["--resume", str(tmp_path)]) == 2
     assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_a_sweep_writes_the_end_of_a_run_killed_after_its_last_checkpoint(tmp_path, capsys, monkeypatch):
+    """Its summary.json was of its last round, so the sweep kept it as finished, without its plot and summary."""
+    from contextlib import nullcontext
+
+    from fedbr_flwr.commands import sweep
+
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        "dataset: mnist5k\nnum-clients: 3\nnum-rounds: 2\nlocal-steps: 2\nbatch-size: 8\nmodel: cnn-small\n"
+        "global-test: false\nsweep:\n  seeds: [0]\n  runs:\n    SCAFFOLD: {strategy: scaffold}\n"
+    )
+    out = tmp_path / "out"
+    [(_, _, cfg)] = sweep.plan(str(path), [], out.resolve(), None)
+    folder = out / "SCAFFOLD" / "seed0"
+    records = killed_after_its_last_checkpoint(cfg, folder, monkeypatch)
+    monkeypatch.setattr(sweep, "run_flower", lambda *args, **kwargs: pytest.fail("the run is finished"))
+    monkeypatch.setattr(sweep, "shared_host", lambda jobs: nullcontext(None))
+    assert sweep.main([str(path), "--out", str(out), "--quiet"]) == 0
+    assert "already finished in" in capsys.readouterr().out
+    assert_ended(folder, records)
 
 
 def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_file(tmp_path, monkeypatch):

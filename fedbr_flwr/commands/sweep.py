@@ -81,10 +81,13 @@ from ..launch.timelimit import (
     stopped_line,
 )
 from ..runfiles import runlock, tracking
+from ..runfiles.checkpoint import checkpoint_round
+from ..runfiles.progress import SUMMARY_EVENT, last_event_kind
 from ..runfiles.run_io import (
     check_output_dir,
     check_path,
     check_records_continue,
+    finish_run,
     finished_run_problem,
     manifest_config,
 )
@@ -449,9 +452,14 @@ class SweepRuns:
             return f"failed: {exc}"
         run, out_dir = run_plan.settings, run_plan.out_dir  # what the changes below (resume, ...) leave alone
         if finished_with_same_config(run_plan.config):
+            end_left = last_event_kind(out_dir) != SUMMARY_EVENT and checkpoint_round(out_dir) == run.num_rounds
+            if end_left:  # killed after the checkpoint of its last round, before its end: written now
+                finish_run(run_plan.config, out_dir)
             problem = finished_run_problem(out_dir)
             print_line(
-                f"fedbr-sweep: {label}: already finished in {out_dir}; kept" + (f" ({problem})" if problem else "")
+                f"fedbr-sweep: {label}: already finished in {out_dir}; kept"
+                + (" (its summary written now)" if end_left else "")
+                + (f" ({problem})" if problem else "")
             )
             return f"failed: {problem} (kept from an earlier sweep)" if problem else "kept"
         where = f"{name.label} seed {seed} ({out_dir})"
