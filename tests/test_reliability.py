@@ -440,3 +440,18 @@ def test_the_manifest_commit_is_fedbr_commit_where_it_is_set(monkeypatch, tmp_pa
     assert git_commit(tmp_path) == ""
     monkeypatch.setenv("FEDBR_COMMIT", "d98afd8")
     assert git_commit() == git_commit(tmp_path) == "d98afd8"
+
+
+@pytest.mark.parametrize("before", ["", '{"kind": "round", "message": "round 1"}\n', '{"kind": "round", "mess'])
+def test_an_event_after_a_line_cut_short_is_read(tmp_path, before):
+    """A run killed as it wrote an event left half a line; the resumed run's first event joined it, and
+    readers skipped both as one line that is not JSON."""
+    from fedbr_flwr.runfiles.progress import append_event
+
+    path = tmp_path / "progress.jsonl"
+    path.write_text(before)
+    append_event(path, "info", "resumed")
+    events, offset = read_events(path)
+    assert [e["message"] for e in events] == ["round 1"] * ("message" in before) + ["resumed"]
+    assert offset == path.stat().st_size
+

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 from . import jsonsafe
 from .checkpoint import CHECKPOINT_NAME
@@ -37,8 +38,17 @@ class Progress:
 
 def append_event(path: Path, kind: str, message: str, **fields: Any) -> None:
     event = {"kind": kind, **fields, "message": message, "time": round(time.time(), 3)}
-    with open(path, "a") as f:
-        f.write(jsonsafe.dumps(event) + "\n")
+    with open(path, "ab+") as f:
+        f.write((end_cut_line(f) + jsonsafe.dumps(event) + "\n").encode())
+
+
+def end_cut_line(f: BinaryIO) -> str:
+    """A newline where the file's last line was cut short (a run killed as it wrote an event): the next event
+    would join it, and readers would skip both as one line that is not JSON."""
+    if f.seek(0, os.SEEK_END) == 0:
+        return ""
+    f.seek(-1, os.SEEK_END)
+    return "" if f.read(1) == b"\n" else "\n"
 
 
 def mark_stopped(out_dir: Path, how: str) -> None:
