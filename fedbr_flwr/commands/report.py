@@ -27,7 +27,7 @@ from ..core.config import CommonSettings
 from ..core.errors import ConfigError
 from ..runfiles.checkpoint import checkpoint_round
 from ..runfiles.jsonsafe import write_text_atomically
-from ..runfiles.metrics import CLIENT_METRICS, format_accuracy_axes, read_jsonl, run_problem
+from ..runfiles.metrics import CLIENT_METRICS, format_accuracy_axes, read_jsonl, run_problem, save_figure
 from ..runfiles.progress import stopped_on_purpose
 from ..runfiles.run_io import check_output_dir, manifest_config
 from ..runfiles.tracking import TRACKING_FILE
@@ -316,8 +316,7 @@ def plot_comparison(out: Path, names: Sequence[str | Setting], seeds: list[int],
     fig.suptitle(title)
     rows_of_legend = -(-len(labels) // 5)
     fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def grid_axes(settings: list[Setting]) -> tuple[list[str], list[Any], list[tuple]]:
@@ -363,8 +362,7 @@ def plot_grid_levels(out: Path, settings: list[Setting], seeds: list[int], path:
         ax.set_yticks(range(len(rows)), [cell_name(r) or "-" for r in rows] if ax is axes[0][0] else [])
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 # ---------------------------------------------------------------- a sweep's decision rule
@@ -609,8 +607,7 @@ def plot_decisions(decisions: list[Decision], rule: Rule, path: Path, title: str
         ax.set_yticks(range(len(rows)), [cell_name(r).replace(",", ", ") for r in rows] if n == 0 else [])
     fig.suptitle(f"{title}: {rule.method} − {rule.baseline} (▲ ahead, ▼ behind by the rule)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 # ---------------------------------------------------------------- the results page

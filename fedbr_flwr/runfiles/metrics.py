@@ -9,12 +9,15 @@ infinite one, e.g. the loss of a diverged model) counts as missing. ``clients_ev
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
+
+from .jsonsafe import write_atomically
 
 
 @dataclass(frozen=True)
@@ -294,10 +297,18 @@ def format_accuracy_axes(ax, title: str, ylabel: str) -> None:
 
 def save_accuracy_plot(fig, ax, path: str | Path, title: str, ylabel: str) -> None:
     """Our accuracy-per-round look and a legend, then save and close."""
-    import matplotlib.pyplot as plt
-
     format_accuracy_axes(ax, title, ylabel)
     ax.legend(loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
+
+
+def save_figure(fig: Any, path: str | Path, dpi: int) -> None:
+    """Save and close a matplotlib figure, replacing ``path`` atomically (a run killed as it plots leaves the
+    old picture or the new one)."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=Path(path).suffix.lstrip(".") or "png", dpi=dpi)
     plt.close(fig)
+    write_atomically(Path(path), buffer.getvalue())

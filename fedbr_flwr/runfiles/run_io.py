@@ -409,7 +409,7 @@ class RunRecorder:
         history = read_jsonl(self.metrics_path)
         summary = self.summary()
         self._write_json("summary.json", summary)
-        (self.out_dir / "summary.md").write_text(summary_table(summary, self.title))
+        write_text_atomically(self.out_dir / "summary.md", summary_table(summary, self.title))
         if history:
             plot_history(history, self.out_dir / "convergence.png", self.title)
         self.tracking.close()
