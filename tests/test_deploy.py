@@ -194,6 +194,9 @@ NODE = ["supernode", "--insecure", "--superlink", "h:1", "--partition-id", "0", 
         (NODE + ["--auth-key", "nokey"], "--auth-key nokey: no such file"),
         (["run", "--superlink", "http://127.0.0.1:8000", "--insecure"], "as HOST:PORT (no http://)"),
         (["register", "--superlink", "127.0.0.1:1", "--insecure", "nosuch.pub"], "public key nosuch.pub: no such"),
+        (["register", "--superlink", "127.0.0.1:1", "--insecure"], "no public keys given and --insecure names no"),
+        (["run", "--superlink", "127.0.0.1:0", "--insecure"], "--superlink '127.0.0.1:0': give the SuperLink as"),
+        (["local", "backend=in-process"], "backend = in-process runs simulated clients in one process"),
     ],
 )
 def test_deploy_command_errors_are_one_clear_message(capsys, monkeypatch, tmp_path, args, message):
@@ -318,7 +321,8 @@ def test_a_run_for_a_superlink_on_another_machine_leaves_its_folder_and_data_to_
     args[2] = "127.0.0.1:8000"  # this machine: checked here, before Flower is asked
     assert deploy.main(args) == 2 and len(submitted) == 1
     assert "output-dir /dev/null/runs/x cannot be made" in capsys.readouterr().err
-    assert [deploy.on_this_machine(a) for a in ("localhost:9093", "[::1]:9093", "10.0.0.1:8000")] == [1, 1, 0]
+    addresses = ("localhost:9093", "[::1]:9093", "0.0.0.0:8000", "10.0.0.1:8000")
+    assert [deploy.on_this_machine(a) for a in addresses] == [1, 1, 1, 0]
 
 
 def test_registering_again_skips_the_keys_the_superlink_has_and_registers_the_rest(tmp_path, capsys, monkeypatch):
@@ -492,6 +496,10 @@ def test_every_option_of_every_deploy_command_says_what_it_does():
         (
             ["supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "0", "--num-partitions", "0"],
             "need num-partitions >= 1",
+        ),
+        (
+            ["supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "2", "--num-partitions", "2"],
+            "--partition-id 2 --num-partitions 2: need",
         ),
     ],
 )
@@ -762,3 +770,396 @@ def test_a_local_deployment_stopped_by_sigterm_says_how_to_continue_and_marks_it
         f"fedbr-deploy: stopped by SIGTERM; its processes stopped; continue with `fedbr-deploy local --supernodes 2 "
         f"--resume {out}`"
     ]
+
+
+# ---------------------------------------------------------------- what each part does, without Flower running
+
+
+def test_flower_commands_carry_the_security_and_database_they_were_given(tmp_path):
+    """Without --enable-supernode-auth a SuperLink lets in any node; a SuperNode without its key or with
+    --insecure is refused; and the SuperLink's database is its state-dir's, the one a restart reads."""
+    env = deploy.process_env(tmp_path / "home")
+    certs, state, key = tmp_path / "certs", tmp_path / "state", tmp_path / "k"
+
+    def value(command, flag):
+        return command[command.index(flag) + 1]
+
+    link = deploy.superlink_command(env, "0.0.0.0", 8000, certs, True, state)
+    assert [value(link, f) for f in ("--ssl-ca-certfile", "--ssl-certfile", "--ssl-keyfile")] == [
+        str(certs / name) for name in (deploy.CA, deploy.SERVER_CERT, deploy.SERVER_KEY)
+    ]
+    assert "--enable-supernode-auth" in link and "--insecure" not in link
+    assert [value(link, f) for f in ("--host", "--port", "--database")] == [
+        "0.0.0.0",
+        "8000",
+        str(state / "superlink.db"),
+    ]
+    plain = deploy.superlink_command(env, "127.0.0.1", 9, None, False, state)
+    assert "--insecure" in plain and not [a for a in plain if a.startswith("--ssl") or a == "--enable-supernode-auth"]
+
+    node = deploy.supernode_command(env, "10.0.0.1:8000", 9094, certs, {"partition-id": 1, "data-dir": "/d"}, key)
+    assert value(node, "--root-certificates") == str(certs / deploy.CA) and "--insecure" not in node
+    assert value(node, "--auth-supernode-private-key") == str(key)
+    assert [value(node, f) for f in ("--superlink", "--port", "--node-config")] == [
+        "10.0.0.1:8000",
+        "9094",
+        'partition-id=1 data-dir="/d"',
+    ]
+    plain = deploy.supernode_command(env, "h:1", 9094, None, {}, None)
+    assert "--insecure" in plain and "--root-certificates" not in plain and "--auth-supernode-private-key" not in plain
+
+
+def test_the_flower_connection_trusts_the_ca_it_was_given(tmp_path):
+    """`flwr run` and `flwr supernode register` connect through it: TLS with the CA, or --insecure."""
+    deploy.write_connection(tmp_path / "tls", "10.0.0.1:8000", tmp_path / "certs")
+    text = (tmp_path / "tls" / "config.toml").read_text()
+    assert 'address = "10.0.0.1:8000"' in text and f'default = "{deploy.CONNECTION}"' in text
+    assert f'root-certificates = "{(tmp_path / "certs" / deploy.CA).resolve()}"' in text and "insecure" not in text
+    deploy.write_connection(tmp_path / "plain", "127.0.0.1:1", None)
+    text = (tmp_path / "plain" / "config.toml").read_text()
+    assert "insecure = true" in text and "root-certificates" not in text
+
+
+def test_deployment_processes_poll_for_messages_quickly_unless_told_otherwise(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", raising=False)
+    assert deploy.process_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == deploy.TASK_POLL_INTERVAL_S
+    monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "2")
+    assert deploy.process_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "2"
+
+
+def test_a_deployment_stops_every_process_newest_first(tmp_path, monkeypatch):
+    """SuperNodes and workers go before the SuperLink they talk to, and none is left out."""
+    stopped = []
+    monkeypatch.setattr(deploy, "stop_tree", stopped.append)
+    dep = deploy.Deployment({}, tmp_path)
+    dep.procs = {"superlink": "L", "worker-0": "W0", "supernode-0": "N0", "worker-1": "W1", "supernode-1": "N1"}
+    dep.stop()
+    assert stopped == ["N1", "W1", "N0", "W0", "L"] and dep.procs == {}
+
+
+class FakeProc:
+    """A started process as Deployment sees it: running until ``exit_code`` is set."""
+
+    def __init__(self, name, exit_code=None):
+        self.name, self.exit_code, self.since = name, exit_code, time.time()
+
+    def poll(self):
+        assert time.time() - self.since < 10, f"{self.name} was waited for past its deadline"
+        return self.exit_code
+
+
+def test_a_worker_that_exits_or_never_makes_its_socket_stops_the_start_naming_its_log(tmp_path, monkeypatch):
+    from fedbr_flwr.launch.launcher import RunFailed
+
+    monkeypatch.setattr(deploy, "NODE_START_TIMEOUT_S", 3)
+    dep = deploy.Deployment({}, tmp_path)
+    for exit_code, at_most_s in ((1, 1.0), (None, 5.0)):  # it exits at once; it runs on without a socket
+        monkeypatch.setattr(dep, "start", lambda name, command, env=None, code=exit_code: FakeProc(name, code))
+        start = time.time()
+        with pytest.raises(RunFailed, match=f"worker-0 did not start; see {tmp_path / 'worker-0.log'}"):
+            deploy.start_worker(dep, "worker-0", tmp_path / "w.sock", None)
+        assert time.time() - start < at_most_s
+
+
+@pytest.fixture
+def fake_processes(monkeypatch):
+    """Deployment.start records each process (a worker's socket appears at once) and stop_tree the order in
+    which they are stopped; the SuperLink is healthy at once and registration records its keys."""
+    stopped, registered = [], []
+
+    def start(self, name, command, env=None):
+        self.commands[name] = command
+        if name.startswith("worker-"):
+            Path(command[-1]).touch()
+        self.procs[name] = FakeProc(name)
+        return self.procs[name]
+
+    monkeypatch.setattr(deploy.Deployment, "start", start)
+    monkeypatch.setattr(deploy, "stop_tree", lambda proc: stopped.append(proc.name))
+    monkeypatch.setattr(deploy, "wait_healthy", lambda *args, **kwargs: None)
+    monkeypatch.setattr(deploy, "register_supernodes", lambda env, keys: registered.extend(keys) or [])
+    return SimpleNamespace(stopped=stopped, registered=registered)
+
+
+def test_a_local_deployment_gives_each_supernode_its_partition_and_key_and_stops_all_on_failure(
+    tmp_path, fake_processes
+):
+    with pytest.raises(RuntimeError, match="caller failed"):
+        with deploy.local_deployment(tmp_path, 2, auth=True) as dep:
+            link = dep.commands["superlink"]
+            home = Path(link[link.index("--database") + 1]).parent
+            raise RuntimeError("caller failed")
+    assert list(dep.commands) == ["superlink", "worker-0", "supernode-0", "worker-1", "supernode-1"]
+    assert fake_processes.registered == [home / "certs" / f"supernode-{i}.pub" for i in range(2)]
+    for i in range(2):
+        node = dep.commands[f"supernode-{i}"]
+        assert node[node.index("--auth-supernode-private-key") + 1] == str(home / "certs" / f"supernode-{i}")
+        assert (
+            node[node.index("--node-config") + 1]
+            == f'partition-id={i} num-partitions=2 worker="{home}/worker-{i}.sock"'
+        )
+    assert fake_processes.stopped == ["supernode-1", "worker-1", "supernode-0", "worker-0", "superlink"]
+    assert not home.exists()  # its certificates, keys and sockets with it
+
+
+def test_a_local_deployment_whose_superlink_never_gets_healthy_stops_it(tmp_path, fake_processes, monkeypatch):
+    from fedbr_flwr.launch.launcher import RunFailed
+
+    def unhealthy(*args, **kwargs):
+        raise RunFailed("the SuperLink exited")
+
+    monkeypatch.setattr(deploy, "wait_healthy", unhealthy)
+    with pytest.raises(RunFailed, match="the SuperLink exited"):
+        with deploy.local_deployment(tmp_path, 2, tls=True):
+            pytest.fail("the block ran without a SuperLink")
+    assert fake_processes.stopped == ["superlink"]
+
+
+def test_round_seconds_takes_the_median_and_reads_a_one_round_run(tmp_path):
+    """The median, not the mean: one slow round (a straggler, a checkpoint) must not move the figure."""
+    rounds = [(1, 30.0), (2, 1.0), (3, 2.0), (4, 9.0)]
+    (tmp_path / "rounds.jsonl").write_text("".join(json.dumps({"round": r, "seconds": s}) + "\n" for r, s in rounds))
+    evals = [{"round": 2, "wall_time": 20.0}, {"round": 4, "wall_time": 48.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    assert deploy.round_seconds(tmp_path) == {"fit_s_per_round": 2.0, "wall_s_per_round": 12.0}
+    (tmp_path / "rounds.jsonl").write_text(json.dumps({"round": 1, "seconds": 7.0}) + "\n")
+    (tmp_path / "metrics.jsonl").unlink()
+    seconds = deploy.round_seconds(tmp_path)
+    assert seconds["fit_s_per_round"] == 7.0 and np.isnan(seconds["wall_s_per_round"])
+
+
+def test_a_local_runs_num_clients_is_its_supernode_count():
+    from fedbr_flwr.core.config import common
+
+    assert common(deploy.new_run_config(["num-rounds=1"], 3)).num_clients == 3
+    assert common(deploy.new_run_config(["num-rounds=1", "num-clients=3"], 3)).num_clients == 3
+
+
+def test_ctrl_c_and_sigterm_stop_with_their_codes_and_any_other_exit_goes_on():
+    assert deploy.stop_of(KeyboardInterrupt()) == ("interrupted", 130)
+    assert deploy.stop_of(SystemExit(143)) == ("stopped by SIGTERM", 143)
+    with pytest.raises(SystemExit) as exc:
+        deploy.stop_of(SystemExit(3))
+    assert exc.value.code == 3
+
+
+def test_a_probe_blames_tls_only_when_the_two_sides_differ(tls_server, plain_server):
+    assert deploy.tls_mismatch(plain_server, False) is None
+    assert deploy.tls_mismatch(tls_server, True) is None
+    assert "does not answer TLS" in deploy.tls_mismatch(plain_server, True)
+    assert "speaks TLS, but this SuperNode was started with --insecure" in deploy.tls_mismatch(tls_server, False)
+
+
+def test_each_hint_waits_for_that_many_more_failures_and_probes_only_then(tmp_path, monkeypatch):
+    """The probe connects to the SuperLink: after a hint it waits for FAILURES_BEFORE_HINT new failures again."""
+    probes = []
+    monkeypatch.setattr(deploy, "tls_mismatch", lambda *args: probes.append(args) or f"hint {len(probes)}")
+    log = tmp_path / "supernode-0.log"
+    log.write_text("")
+    watch = deploy.ConnectionWatch(log, "127.0.0.1:9", tls=False)
+
+    def fail(times):
+        with open(log, "a") as f:
+            f.write("WARNING : Connection attempt failed, retrying in 1.2 seconds\n" * times)
+        return watch()
+
+    assert fail(deploy.FAILURES_BEFORE_HINT) == "hint 1"
+    assert fail(0) is None and fail(deploy.FAILURES_BEFORE_HINT - 1) is None and len(probes) == 1
+    assert fail(1) == "hint 2"
+
+
+def test_foreground_stops_every_process_when_one_exits_and_on_ctrl_c(tmp_path, monkeypatch):
+    """The processes left running when one exits, or when Ctrl-C arrives, are stopped before it returns."""
+    started = []
+
+    def deployment(*others):
+        dep = deploy.Deployment(dict(os.environ), tmp_path)
+        started.append(dep.start("superlink", [sys.executable, "-c", "import time; time.sleep(120)"]))
+        for name in others:
+            started.append(dep.start(name, [sys.executable, "-c", "raise SystemExit(3)"]))
+        return dep
+
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        dep = deployment("supernode-0")
+        assert deploy._foreground(dep) == 1
+        assert dep.procs == {} and all(p.poll() is not None for p in started)
+
+        def interrupt(seconds):
+            raise KeyboardInterrupt
+
+        dep = deployment()
+        monkeypatch.setattr(deploy, "time", SimpleNamespace(time=time.time, sleep=interrupt))
+        assert deploy._foreground(dep) == 130
+        assert dep.procs == {} and all(p.poll() is not None for p in started)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        for proc in started:
+            if proc.poll() is None:
+                stop_tree(proc, grace_s=1)
+
+
+def supernode_args(tmp_path, superlink, certs=None, *more):
+    from fedbr_flwr.launch.launcher import free_port
+
+    security = ["--certs", str(certs)] if certs else ["--insecure"]
+    return [
+        "supernode",
+        *security,
+        "--superlink",
+        superlink,
+        "--partition-id",
+        "1",
+        "--num-partitions",
+        "2",
+        "--port",
+        str(free_port()),
+        "--state-dir",
+        str(tmp_path / "state"),
+        *more,
+    ]
+
+
+def test_a_supernode_gets_its_data_dir_gpu_and_key_and_a_probe_of_a_tls_node_only_warns(
+    tmp_path, capsys, monkeypatch, fake_processes, plain_server
+):
+    """With --certs, a SuperLink that does not answer TLS may be restarted with it: a warning, and the node starts."""
+    envs = {}
+    real_start = deploy.Deployment.start
+
+    def start(self, name, command, env=None):
+        envs[name] = env
+        return real_start(self, name, command, env)
+
+    monkeypatch.setattr(deploy.Deployment, "start", start)
+    monkeypatch.setattr(deploy, "_foreground", lambda dep, hint=None: (envs.update(dep=dep), 0)[1])
+    certs = tmp_path / "certs"
+    deploy.make_certificates(certs, ["127.0.0.1"], 2)
+    more = ["--data-dir", "data", "--gpu", "3", "--auth-key", str(certs / "supernode-1")]
+    monkeypatch.chdir(tmp_path)
+    assert deploy.main(supernode_args(tmp_path, plain_server, certs, *more)) == 0
+    assert "fedbr-deploy: warning: the SuperLink at" in capsys.readouterr().err
+    dep = envs["dep"]
+    node = dep.commands["supernode-1"]
+    here = tmp_path.resolve()
+    sock = here / "state" / "worker-1.sock"
+    assert list(dep.commands) == ["worker-1", "supernode-1"]
+    assert node[node.index("--node-config") + 1] == (
+        f'partition-id=1 num-partitions=2 data-dir="{here / "data"}" worker="{sock}"'
+    )
+    assert node[node.index("--auth-supernode-private-key") + 1] == str(here / "certs" / "supernode-1")
+    assert envs["worker-1"]["CUDA_VISIBLE_DEVICES"] == envs["supernode-1"]["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def test_a_supernode_that_fails_to_start_stops_its_worker(tmp_path, monkeypatch, fake_processes):
+    real_start = deploy.Deployment.start
+
+    def start(self, name, command, env=None):
+        if name.startswith("supernode-"):
+            raise FileNotFoundError("flower-supernode")
+        return real_start(self, name, command, env)
+
+    monkeypatch.setattr(deploy.Deployment, "start", start)
+    with pytest.raises(FileNotFoundError):
+        deploy.main(supernode_args(tmp_path, "127.0.0.1:9"))
+    assert fake_processes.stopped == ["worker-1"]
+
+
+def test_certs_without_node_keys_is_the_default(tmp_path, capsys):
+    """--supernodes 0 (no --auth): only the CA and the SuperLink's certificate."""
+    assert deploy.main(["certs", str(tmp_path / "keys")]) == 0
+    assert "and 0 SuperNode key pair(s)" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "keys").iterdir()) == [deploy.CA, deploy.SERVER_KEY, deploy.SERVER_CERT]
+
+
+def test_a_superlink_needs_its_own_certificate_and_key_not_only_the_ca(tmp_path, capsys, no_process):
+    """The folder a SuperNode machine is given (its ca.crt) does not start a SuperLink."""
+    certs = tmp_path / "certs"
+    deploy.make_certificates(certs, ["127.0.0.1"], 0)
+    (certs / deploy.SERVER_KEY).unlink()
+    assert deploy.main(["superlink", "--certs", str(certs), "--state-dir", str(tmp_path / "state")]) == 2
+    err = capsys.readouterr().err
+    assert f"{certs} lacks server.key" in err and err.count("\n") == 1
+    assert not (tmp_path / "state").exists()
+
+
+def write_run_records(out, seconds, wall):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rounds.jsonl").write_text("".join(json.dumps({"round": r, "seconds": seconds}) + "\n" for r in (1, 2)))
+    (out / "metrics.jsonl").write_text(json.dumps({"round": 2, "wall_time": wall}) + "\n")
+
+
+def test_compare_prints_each_paths_seconds_and_stops_where_the_simulation_fails(tmp_path, capsys, monkeypatch):
+    """The three paths in order, each with its own runs' figures; an earlier comparison's deployment folders
+    are replaced; a failed simulation is the comparison's exit code, with no deployment started."""
+    base = tmp_path / "cmp"
+    simulated, deployed = [], []
+
+    def simulation(argv):
+        simulated.append(argv)
+        write_run_records(Path(next(a for a in argv if a.startswith("output-dir=")).split("=", 1)[1]), 1.0, 4.0)
+        return 0
+
+    @contextmanager
+    def local(out, supernodes, workers=True):
+        deployed.append((out.name, supernodes, workers))
+        yield SimpleNamespace(env={})
+
+    def submit(cfg, env, connection, out, echo):
+        write_run_records(out, 2.0 if deployed[-1][2] else 3.0, 10.0 if deployed[-1][2] else 12.0)
+
+    monkeypatch.setattr("fedbr_flwr.commands.cli.main", simulation)
+    monkeypatch.setattr(deploy, "local_deployment", local)
+    monkeypatch.setattr(deploy, "submit_run", submit)
+    write_run_records(base / "deployment-with-worker", 9.0, 9.0)  # an earlier comparison's run
+    assert deploy.main(["compare", "num-rounds=2", "--supernodes", "3", "--out", str(base)]) == 0
+    assert deployed == [("deployment-with-worker", 3, True), ("deployment-no-worker", 3, False)]
+    assert capsys.readouterr().out.splitlines()[-3:] == [
+        "| simulation | 1.00 | 2.00 |",
+        "| deployment + worker | 2.00 | 5.00 |",
+        "| deployment, no worker | 3.00 | 6.00 |",
+    ]
+    monkeypatch.setattr("fedbr_flwr.commands.cli.main", lambda argv: 1)
+    deployed.clear()
+    assert deploy.main(["compare", "num-rounds=2", "--out", str(base)]) == 1 and deployed == []
+
+
+def test_ports_gpus_and_host_names_at_their_limits(tmp_path):
+    def check(*args):
+        deploy.check_arguments(deploy.build_parser().parse_args([*args, "--state-dir", str(tmp_path / "s")]))
+
+    node = ["supernode", "--insecure", "--superlink", "h:65535", "--partition-id", "0", "--num-partitions", "2"]
+    check(*node, "--port", "65535", "--gpu", "0,1")  # every limit it may reach: no error
+    check("superlink", "--insecure", "--port", "1")
+    with pytest.raises(ConfigError, match="--port 0: give a TCP port"):
+        check("superlink", "--insecure", "--port", "0")
+    with pytest.raises(ConfigError, match="give the SuperLink as HOST:PORT"):
+        check(*node[:3], "h:0", *node[4:])
+    name = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61])  # 253 characters, labels of at most 63
+    assert deploy.is_host(name) and deploy.is_host("a" * 63) and deploy.is_host("a-1.example")
+    assert not deploy.is_host(name + "d") and not deploy.is_host("a" * 64)
+    assert not deploy.is_host("-a.example") and not deploy.is_host("a-.example")
+
+
+def test_a_port_left_in_time_wait_by_a_closed_connection_is_free(tmp_path):
+    """A SuperNode restarted on its --port: the connections of the one before linger in TIME_WAIT, which its
+    server may bind over; refusing the port then would stop the restart for no reason."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()  # the server's side closes first: its port is left in TIME_WAIT
+        client.recv(1)
+        client.close()
+    assert deploy.port_in_use(port) is False
+
+
+def test_ctrl_c_in_any_command_is_one_line_and_exit_code_130(tmp_path, capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(deploy, "cmd_certs", interrupted)
+    assert deploy.main(["certs", str(tmp_path / "keys")]) == 130
+    assert capsys.readouterr().err == "fedbr-deploy: interrupted; every process it started was stopped\n"
