@@ -134,17 +134,20 @@ def test_the_checkpoint_holds_only_used_state(tmp_path):
     assert any(a.any() for a in codec.decode(server.checkpointer.client_states[0]).values())
 
 
-@pytest.mark.parametrize("used", [True, False])
-def test_a_fits_state_is_pending_until_the_server_says_whether_it_used_the_update(tmp_path, used):
+@pytest.mark.parametrize(
+    "update_used, used",
+    [(3, True), (2, False), (None, True)],  # None: a caller that says nothing (the bare loop) used every update
+)
+def test_a_fits_state_is_pending_until_the_server_says_whether_it_used_the_update(tmp_path, update_used, used):
     from test_adding_an_algorithm import toy_data
 
-    from fedbr_flwr.core.algorithm import client_class
+    from fedbr_flwr.core.algorithm import PENDING_ROUND, client_class
 
     cfg = validate({**CFG, "strategy": "feddyn", "num-clients": 4, "output-dir": str(tmp_path)})
     client = client_class("feddyn")(cfg, toy_data(), "cpu", MemoryState())
     arrays = client.weights()
     client.fit(arrays, {"server-round": 3, UPDATE_USED: 0})
     assert client.state.arrays("feddyn-g") is None and client.state.arrays(PENDING_PREFIX + "feddyn-g") is not None
-    client.evaluate(arrays, {"server-round": 3, UPDATE_USED: 3 if used else 2})
+    client.evaluate(arrays, {"server-round": 3, **({} if update_used is None else {UPDATE_USED: update_used})})
     assert (client.state.arrays("feddyn-g") is not None) == used
-    assert client.state.arrays(PENDING_PREFIX + "feddyn-g") is None
+    assert client.state.arrays(PENDING_PREFIX + "feddyn-g") is None and client.state.meta(PENDING_ROUND) is None

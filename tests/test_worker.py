@@ -67,6 +67,52 @@ def test_client_app_forwards_to_the_worker_and_gets_flowers_state_back(tmp_path)
     assert "pending/scaffold-control" in context.state and "scaffold-control" not in context.state
     client.fit(payload.to_list({**weights, **control}), {"server-round": 2, "update-used": 1})
     assert "scaffold-control" in context.state
+    # the server did not use round 2's update: the worker drops its pending state, and so does Flower's copy
+    client.evaluate(payload.to_list(weights), {"server-round": 2, "update-used": 1})
+    assert "scaffold-control" in context.state and not [k for k in context.state if k.startswith("pending")]
+
+
+def test_a_node_with_a_worker_hands_its_messages_to_it(tmp_path, monkeypatch):
+    from flwr.common import GetPropertiesIns
+
+    from fedbr_flwr.app import client_app
+
+    monkeypatch.setattr(client_app, "client_cache", lambda: pytest.fail("the node built a client of its own"))
+    address = str(tmp_path / "none.sock")
+    context = Context(run_id=1, node_id=1, node_config={"worker": address}, state=RecordDict(), run_config={})
+    with pytest.raises(RuntimeError, match=f"no fedbr worker answers at {address}"):
+        client_app.client_fn(context).get_properties(GetPropertiesIns({}))
+
+
+@pytest.mark.parametrize(
+    "run_config, node, message",
+    [
+        ({}, {}, "this SuperNode has no 'partition-id' in its node config"),
+        ({}, {"partition-id": 0}, "num-clients is 0 and the SuperNode has no num-partitions"),
+        (
+            {"num-clients": 3},
+            {"partition-id": 0, "num-partitions": 2},
+            "num-clients = 3 but this SuperNode was told num-partitions = 2",
+        ),
+    ],
+)
+def test_a_node_config_that_does_not_fit_the_run_is_one_clear_error(run_config, node, message):
+    """Flower's own --node-config (plain flower-supernode): no traceback from deep in the data loading."""
+    import re
+
+    from fedbr_flwr.app.node import build_client
+    from fedbr_flwr.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_client(run_config, node, RecordDict())
+
+
+def test_a_node_of_a_run_without_num_clients_splits_the_data_by_its_num_partitions():
+    from fedbr_flwr.app.node import build_client
+
+    run_config = {k: v for k, v in RUN_CONFIG.items() if k != "num-clients"}
+    client = build_client(run_config, {"partition-id": 1, "num-partitions": 3}, RecordDict())
+    assert client.algorithm.cfg["num-clients"] == 3 and client.algorithm.data.partition_id == 1
 
 
 def test_client_app_without_a_worker_says_how_to_start_one(tmp_path):
