@@ -1163,3 +1163,13 @@ def test_ctrl_c_in_any_command_is_one_line_and_exit_code_130(tmp_path, capsys, m
     monkeypatch.setattr(deploy, "cmd_certs", interrupted)
     assert deploy.main(["certs", str(tmp_path / "keys")]) == 130
     assert capsys.readouterr().err == "fedbr-deploy: interrupted; every process it started was stopped\n"
+
+
+def test_compare_refuses_a_num_clients_other_than_its_supernodes(tmp_path, capsys, monkeypatch):
+    """It replaced an experiment's num-clients with --supernodes without a word, so that the three runs it timed
+    were of another federation than the one asked for; `local` refuses the same mismatch."""
+    monkeypatch.setattr("fedbr_flwr.commands.cli.main", lambda argv: pytest.fail("the simulation ran"))
+    assert deploy.main(["compare", "num-clients=10", "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert "num-clients = 10 but --supernodes 2: drop num-clients or make them equal" in err and err.count("\n") == 1
+    assert not (tmp_path / "cmp").exists()

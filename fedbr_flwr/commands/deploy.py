@@ -727,7 +727,7 @@ def cmd_compare(args) -> int:
     from .cli import main as fedbr_run
 
     _check_supernodes(args.supernodes)
-    new_run_config([*args.items, f"num-clients={args.supernodes}"], args.supernodes)  # before the simulation runs
+    new_run_config(args.items, args.supernodes)  # before the simulation runs; a num-clients given must match
     base = Path(args.out).resolve()
     check_output_dir(base, "--out")  # else the first run's error named fedbr-run's output-dir
     rows = []
