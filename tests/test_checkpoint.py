@@ -415,6 +415,20 @@ def test_a_run_killed_after_its_last_checkpoint_is_resumed_to_its_end(tmp_path, 
     assert "nothing to resume" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "command", [["local", "--supernodes", "3"], ["run", "--superlink", "127.0.0.1:9093", "--insecure"]]
+)
+def test_fedbr_deploy_writes_the_end_of_a_run_killed_after_its_last_checkpoint(tmp_path, capsys, monkeypatch, command):
+    """It refused such a run ("nothing to resume") as fedbr-run did; it writes the end now, starting no Flower."""
+    from fedbr_flwr.commands import deploy
+
+    records = killed_after_its_last_checkpoint(run_cfg("scaffold", **{"num-rounds": 2}), tmp_path, monkeypatch)
+    monkeypatch.setattr(deploy, "submit_run", lambda *args, **kwargs: pytest.fail("the run has trained its rounds"))
+    assert deploy.main([*command, "--resume", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert "stopped after its last round, before its summary: writing it" in capsys.readouterr().out
+    assert_ended(tmp_path, records)
+
+
 def test_a_sweep_writes_the_end_of_a_run_killed_after_its_last_checkpoint(tmp_path, capsys, monkeypatch):
     """Its summary.json was of its last round, so the sweep kept it as finished, without its plot and summary."""
     from contextlib import nullcontext
@@ -494,3 +508,16 @@ def test_a_header_of_round_0_is_whole_and_one_of_round_minus_1_or_true_is_not():
     assert header_problem({**header, "round": 0}) is None
     assert "round is -1" in header_problem({**header, "round": -1})
     assert "round is true" in header_problem({**header, "round": True}).lower()
+
+
+def test_a_run_stopped_early_is_not_ended_by_lowering_num_rounds(tmp_path, monkeypatch):
+    """Only a run killed after the checkpoint of its own last round has its end written on resume: one stopped
+    at round 2 of 4 (a time limit) and resumed with num-rounds=2 still has nothing to resume."""
+    from fedbr_flwr.launch.plan import resume_config
+
+    killed_after_its_last_checkpoint(run_cfg("fedavg", **{"num-rounds": 2}), tmp_path, monkeypatch)
+    _, header = load_checkpoint(tmp_path)
+    save_checkpoint(tmp_path, load_checkpoint(tmp_path)[0], {**header, "config": {**header["config"], "num-rounds": 4}})
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        resume_config(tmp_path, ["num-rounds=2"])
+    assert resume_config(tmp_path, [])["num-rounds"] == 4

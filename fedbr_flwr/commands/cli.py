@@ -38,7 +38,7 @@ from ..launch.timelimit import (
     stopped_line,
 )
 from ..runfiles.checkpoint import checkpoint_round
-from ..runfiles.run_io import finish_run, finished_run_problem
+from ..runfiles.run_io import finish_run, finished_run_problem, only_end_left
 
 PYPROJECT_MARK = "# Generated from the schema by `fedbr-run --write-pyproject` (a test keeps it equal):\n"
 
@@ -180,7 +180,7 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         print("\n".join(f"{k} = {v!r}" for k, v in plan.config.items()))
         return 0
     run, out = plan.settings, plan.out_dir
-    if run.resume and checkpoint_round(out) == run.num_rounds:  # stopped after its last round, before its end
+    if only_end_left(plan.config):
         try:
             finish_run(plan.config, out)
         except ConfigError as exc:  # its folder taken by a run that started since

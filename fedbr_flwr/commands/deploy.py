@@ -59,7 +59,7 @@ from ..launch.launcher import (
 from ..launch.worker import write_private
 from ..runfiles import runlock
 from ..runfiles.progress import mark_stopped, read_lines
-from ..runfiles.run_io import check_output_dir
+from ..runfiles.run_io import check_output_dir, finish_run, only_end_left
 
 CONNECTION = "fedbr"
 NODE_START_TIMEOUT_S = 60
@@ -413,6 +413,9 @@ def cmd_local(args) -> int:
     cfg = _config(args.items, args.resume, args.supernodes)
     run = common(cfg)
     out = Path(run.output_dir)
+    if only_end_left(cfg):  # no SuperNode needed
+        finish_run(cfg, out)
+        return _print_result(out)
     print(
         f"fedbr-deploy: {run.strategy} on {run.dataset}, {args.supernodes} SuperNodes on 127.0.0.1"
         f"{' with TLS' if args.tls or args.auth else ''}{' and SuperNode auth' if args.auth else ''} -> {out}",
@@ -448,8 +451,11 @@ def stop_of(exc: BaseException) -> tuple[str, int]:
 def cmd_run(args) -> int:
     certs = _certs_arg(args)
     cfg = _config(args.items, args.resume, None, files_here=on_this_machine(args.superlink))
-    home = watchdog.temp_dir("fedbr-deploy-")
     out = Path(common(cfg).output_dir)
+    if only_end_left(cfg):  # no SuperLink needed: --resume reads the run's folder on this machine
+        finish_run(cfg, out)
+        return _print_result(out)
+    home = watchdog.temp_dir("fedbr-deploy-")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the run on the SuperLink is stopped too
     try:
         env = deploy_env(home, args.superlink, certs)

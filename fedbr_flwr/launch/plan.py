@@ -72,13 +72,11 @@ def config_from_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def resume_config(
-    out_dir: Path, items: Sequence[str], command: str = "fedbr-run", end_left_ok: bool = False
-) -> dict[str, Any]:
+def resume_config(out_dir: Path, items: Sequence[str], command: str = "fedbr-run") -> dict[str, Any]:
     """The config of the run in ``out_dir`` (from its checkpoint), with ``resume`` on and the overrides
     a resumed run may take (num-rounds, checkpoint-every, ...); anything else stops with a message.
-    ``end_left_ok``: a run stopped after the checkpoint of its last round but before its end was written (its
-    summary, plot and last event) is continued too, with its end left to do (``run_io.finish_run``)."""
+    A run stopped after the checkpoint of its last round but before its end was written (its summary, plot and
+    last event) is continued too, with its end left to do (``run_io.only_end_left``, ``run_io.finish_run``)."""
     from ..app.server_app import check_resumable
     from ..runfiles.checkpoint import load_checkpoint
 
@@ -103,7 +101,8 @@ def resume_config(
     saved, rounds_done = header["config"], int(header["round"])
     here = {"ray-address": "", "backend": "auto"}  # where it runs now: the resume command's choice
     cfg = validate({**saved, **here, **overrides, "resume": True, "output-dir": str(out_dir)})
-    end_left = end_left_ok and rounds_done == cfg["num-rounds"] and last_event_kind(out_dir) != SUMMARY_EVENT
+    ran_to_its_end = rounds_done == cfg["num-rounds"] == saved.get("num-rounds")  # not a run cut short by hand
+    end_left = ran_to_its_end and last_event_kind(out_dir) != SUMMARY_EVENT
     check_resumable(saved, cfg, rounds_done - 1 if end_left else rounds_done)  # an end left is still to do
     check_records_continue(out_dir, rounds_done, saved)
     check_available(cfg)
@@ -212,7 +211,7 @@ def plan_run(cfg: dict[str, Any], overwrite: bool, superlink: bool = False) -> R
 
 def plan_resumed(out_dir: Path, items: Sequence[str], superlink: bool = False) -> RunPlan:
     """The plan that continues the run in ``out_dir`` from its checkpoint (``resume_config``)."""
-    return RunPlan.of(size_for_runtime(resume_config(out_dir, items, end_left_ok=True), superlink=superlink))
+    return RunPlan.of(size_for_runtime(resume_config(out_dir, items), superlink=superlink))
 
 
 def prepare(cfg: dict[str, Any], overwrite: bool, files_here: bool = True) -> dict[str, Any]:

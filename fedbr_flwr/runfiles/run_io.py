@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from ..core.config import as_it_ran, changed_on_resume, common
 from ..core.errors import ConfigError, quoted
 from . import jsonsafe, runlock
-from .checkpoint import CHECKPOINT_NAME, checkpoint_header
+from .checkpoint import CHECKPOINT_NAME, checkpoint_header, checkpoint_round
 from .jsonsafe import write_text_atomically
 from .metrics import is_partial, plot_history, read_jsonl, run_problem, summarize, summary_table
 from .progress import SUMMARY_EVENT, Progress
@@ -426,6 +426,13 @@ class RunRecorder:
 
     def _write_json(self, name: str, obj: Any) -> None:
         write_text_atomically(self.out_dir / name, jsonsafe.dumps(obj, indent=2, default=str) + "\n")
+
+
+def only_end_left(cfg: Mapping[str, Any]) -> bool:
+    """Whether the resumed run of ``cfg`` trained its last round and has only its end left to write
+    (``finish_run``): a run stopped after that round's checkpoint, which ``resume_config`` lets through."""
+    run = common(cfg)
+    return run.resume and checkpoint_round(Path(run.output_dir)) == run.num_rounds
 
 
 def finish_run(cfg: Mapping[str, Any], out_dir: Path) -> None:
