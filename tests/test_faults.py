@@ -93,6 +93,41 @@ def test_a_bad_update_is_rejected_logged_and_never_averaged_in(tmp_path, arrays,
     assert record["rejected"][0]["reason"].startswith(reason)
 
 
+def names_then(names, *arrays):
+    """Tensors of a reply whose first array holds ``names`` (bytes, as sent) and then ``arrays``."""
+    from flwr.common import ndarray_to_bytes
+
+    first = names if isinstance(names, np.ndarray) else np.frombuffer(names, np.uint8)
+    return [ndarray_to_bytes(first), *(ndarray_to_bytes(a) for a in arrays)]
+
+
+WEIGHT, BIAS = np.zeros((2, 2), np.float32), np.zeros(2, np.float32)
+
+
+@pytest.mark.parametrize(
+    "tensors, reason",
+    [
+        # json.loads raised RecursionError, which no check caught: out of aggregate_fit, and the run stopped
+        (names_then(b"[" * 100_000, WEIGHT, BIAS), "not a named payload: the first array does not name the others"),
+    ],
+    ids=["deep-json"],
+)
+def test_a_reply_whose_names_cannot_be_read_is_rejected_and_raises_nothing(tmp_path, tensors, reason):
+    """Each is left out with its reason, and the round is the mean of the others."""
+    from flwr.common import Parameters
+
+    strategy, proxies, _ = strategy_with_round_started(tmp_path)
+    bad = FitRes(Status(Code.OK, ""), Parameters(tensors, "numpy.ndarray"), 10, {"loss": 1.0})
+    results = [(proxies[pid], fit_res(arrays_of(float(pid)), pid)) for pid in (0, 2, 3)] + [(proxies[1], bad)]
+    params, _ = strategy.aggregate_fit(1, results, [])
+    for layer in payload.from_parameters(params).values():
+        np.testing.assert_allclose(layer, (0 + 2 + 3) / 3)
+    record = last_round(tmp_path)
+    assert record["clients"] == 3 and record["failed_clients"] == [1]
+    (rejected,) = record["rejected"]
+    assert rejected["partition"] == 1 and reason in rejected["reason"]
+
+
 def test_non_finite_metrics_reject_the_update():
     assert update_problem(arrays_of(0.0), SHAPES, {"loss": float("nan")}) == "metrics loss are NaN or Inf"
     assert update_problem(arrays_of(0.0), SHAPES, {"loss": 1.0, "partition-id": 3}) is None

@@ -51,7 +51,7 @@ def _names_array(names: list[str]) -> np.ndarray:
 def _names_of(header: np.ndarray) -> list[str]:
     try:
         names = json.loads(np.asarray(header, dtype=np.uint8).tobytes().decode())
-    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:  # RecursionError: "[[[[..."
         raise PayloadError(f"the first array does not name the others ({exc})") from None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
         raise PayloadError("the first array must hold a JSON list of distinct names")
