@@ -128,6 +128,42 @@ def test_a_reply_whose_names_cannot_be_read_is_rejected_and_raises_nothing(tmp_p
     assert rejected["partition"] == 1 and reason in rejected["reason"]
 
 
+def test_numbers_too_long_to_print_reject_the_reply_and_raise_nothing(tmp_path):
+    """Python prints no int of more than 4,300 digits (ValueError), and a check quoted such a loss, accuracy, metric
+    or sample count in its reason: the error left aggregate_fit or aggregate_evaluate and stopped the run."""
+    from flwr.common import EvaluateRes
+
+    huge, ok = 10**5000, Status(Code.OK, "")
+    strategy, proxies, _ = strategy_with_round_started(tmp_path)
+    results = [
+        (proxies[0], fit_res(arrays_of(1.0), 0)),
+        (proxies[1], fit_res(arrays_of(9.0), 1, loss=huge)),
+        (proxies[2], FitRes(ok, payload.to_parameters(arrays_of(9.0)), -huge, {"loss": 1.0})),
+        (proxies[3], fit_res(arrays_of(4.0), 3)),
+    ]
+    params, _ = strategy.aggregate_fit(1, results, [])
+    for layer in payload.from_parameters(params).values():
+        np.testing.assert_allclose(layer, (1.0 + 4.0) / 2)
+    assert last_round(tmp_path)["rejected"] == [
+        {"partition": 1, "reason": "metric 'loss' is <int too large to print>, not a number"},
+        {"partition": 2, "reason": "reports <int too large to print> training samples"},
+    ]
+    evaluations = [
+        (proxies[0], EvaluateRes(ok, 0.5, 5, {"accuracy": 0.75})),
+        (proxies[1], EvaluateRes(ok, huge, 5, {"accuracy": 0.5})),
+        (proxies[2], EvaluateRes(ok, 0.5, 5, {"accuracy": huge})),
+        (proxies[3], EvaluateRes(ok, 0.5, -huge, {"accuracy": 0.5})),
+    ]
+    loss, metrics = strategy.aggregate_evaluate(1, evaluations, [])
+    assert (loss, metrics["mean_acc"]) == (0.5, 0.75)
+    line = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert line["per_client_acc"] == {"0": 0.75} and line["eval_rejected"] == [
+        {"partition": 1, "reason": "reports loss <int too large to print>, not a number >= 0"},
+        {"partition": 2, "reason": "reports accuracy <int too large to print>, not a finite number"},
+        {"partition": 3, "reason": "reports <int too large to print> test samples"},
+    ]
+
+
 def test_non_finite_metrics_reject_the_update():
     assert update_problem(arrays_of(0.0), SHAPES, {"loss": float("nan")}) == "metrics loss are NaN or Inf"
     assert update_problem(arrays_of(0.0), SHAPES, {"loss": 1.0, "partition-id": 3}) is None

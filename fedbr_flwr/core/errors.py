@@ -17,7 +17,10 @@ class ConfigError(ValueError):
 def quoted(value: Any, limit: int = 80) -> str:
     """``value`` as a message quotes it: its repr, cut to ``limit`` characters (a 10 MB value is not
     echoed back whole)."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more digits than Python prints (sys.get_int_max_str_digits), or a list of one
+        text = f"<{type(value).__name__} too large to print>"
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 

@@ -147,7 +147,7 @@ def count_problem(n: Any, known: int | None, what: str) -> str | None:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
         return f"reports {what} {quoted(n, 60)}, not a whole number"
     if not 1 <= n < MAX_COUNT:
-        return f"reports {n if n < 1 else '2**63 or more'} {what}"
+        return f"reports {quoted(int(n), 60) if n < 1 else '2**63 or more'} {what}"
     if known is not None and n > known:
         return f"reports {n} {what}, but its partition holds {known}"
     return None
