@@ -62,6 +62,10 @@ def last_round(tmp_path):
             {"model/weight": np.zeros((2, 3), np.float32), "model/bias": np.zeros(2, np.float32)},
             "array 'model/weight' has shape (2, 3), expected (2, 2)",
         ),
+        (  # as many values in another shape: averaged in, it raised out of the round (no broadcast of (4,) to (2, 2))
+            {"model/weight": np.zeros(4, np.float32), "model/bias": np.zeros((2, 1), np.float32)},
+            "array 'model/weight' has shape (4,), expected (2, 2)",
+        ),
         ({"model/weight": np.zeros((2, 2), np.float32)}, "missing arrays model/bias (1 of 2)"),
         ({**arrays_of(0.0), "head/weight": np.zeros(2, np.float32)}, "unexpected arrays 'head/weight'"),
         (  # a name is quoted and cut: a newline in it forged a log line of its own, 5,000 characters long
