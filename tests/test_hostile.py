@@ -269,6 +269,44 @@ def test_counts_are_whole_numbers_within_the_known_size():
     assert "2**63 or more" in count_problem(10**400, None, "training samples")  # its weight overflowed the mean
 
 
+def test_counts_are_bounded_below_2_63_exactly():
+    assert count_problem(2**63 - 1, None, "training samples") is None
+    assert count_problem(2**63, None, "training samples") == "reports 2**63 or more training samples"
+
+
+def test_metric_checks_hold_at_their_bounds():
+    """256 metrics with names of 100 characters pass, one more of either is refused; a metric the server reads
+    (GroupDRO's first-loss) may be 0 and no less, and must be a number (not a bool)."""
+    ok, spec = {"w": np.zeros(2, np.float32)}, {"w": (2,)}
+    most = {f"metric-{i}": 0.5 for i in range(256)}
+    assert update_problem(ok, spec, most) is None
+    assert update_problem(ok, spec, {**most, "one-more": 0.5}).startswith("reports 257 metrics: at most 256")
+    assert update_problem(ok, spec, {"x" * 100: 0.5}) is None
+    assert "at most 100 printable characters" in update_problem(ok, spec, {"x" * 101: 0.5})
+    read = ("first-loss",)
+    assert update_problem(ok, spec, {"first-loss": 0.0}, read) is None
+    for value in (-1e-9, -1, True, "0.5"):
+        reason = update_problem(ok, spec, {"first-loss": value}, read)
+        assert reason == "metric 'first-loss' is missing or not a number >= 0", value
+    assert update_problem(ok, spec, {"loss": 1.0}, read) == "metric 'first-loss' is missing or not a number >= 0"
+    assert update_problem(ok, spec, {"correct": True}) == "metric 'correct' is True, not a number"
+
+
+def test_evaluation_checks_hold_at_their_bounds():
+    """A loss of 0 and accuracies of 0 and 1 are evaluations; a bool is no number (True passed as an accuracy of
+    1.0); the test-sample count is bounded by the client's local test set, not its training set."""
+    from fedbr_flwr.app.routing import Evaluation
+    from fedbr_flwr.server.updates import screen_evaluations
+
+    assert evaluation_problem(0.0, 5, 0.0, 10) is None and evaluation_problem(0.0, 5, 1.0, 10) is None
+    assert evaluation_problem(0.5, 5, True, 10) == "reports accuracy True, not a finite number"
+    assert evaluation_problem(False, 5, 0.5, 10) == "reports loss False, not a number >= 0"
+    answers = [Evaluation(0, 0.5, 10, 0.25), Evaluation(1, 0.5, 11, 0.75)]
+    valid, rejected = screen_evaluations(answers, {0: (40, 10), 1: (40, 10)})
+    assert valid == [(0, 0.5, 10, 0.25)]
+    assert rejected == [{"partition": 1, "reason": "reports 11 test samples, but its partition holds 10"}]
+
+
 def test_an_error_message_quotes_a_long_value_cut_short():
     reason = count_problem("x" * 10_000_000, None, "training samples")
     assert len(reason) < 120 and reason.endswith("..., not a whole number")
