@@ -477,6 +477,21 @@ def test_shared_inputs_are_held_to_the_images_range_within_a_mean_s_rounding_and
     assert "not class probabilities" in soft_labels_problem(np.full((2, 4), 0.125, np.float32), 2, 4)
 
 
+def test_shared_inputs_must_be_floats_and_labels_each_in_0_1():
+    """Inputs of whole numbers or text, and labels whose rows sum to 1 with values outside [0, 1], passed the checks
+    of a mutant each; text inputs raised out of the server (no >= between text and a float bound)."""
+    from fedbr_flwr.data.catalog import INFO
+    from fedbr_flwr.server.updates import images_problem, soft_labels_problem
+
+    info = INFO["mnist5k"]
+    shape = (2, *info.image_shape)
+    assert images_problem(np.zeros(shape, np.float32), 2, info) is None
+    assert images_problem(np.zeros(shape, np.int64), 2, info) == "inputs of type int64, not floats"
+    assert images_problem(np.full(shape, "0"), 2, info) == "inputs of type <U1, not floats"
+    negative = np.array([[1.5, -0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]], np.float32)
+    assert "not class probabilities" in soft_labels_problem(negative, 2, 4)
+
+
 @pytest.mark.parametrize(
     "bad, reason",
     [
