@@ -113,8 +113,16 @@ WEIGHT, BIAS = np.zeros((2, 2), np.float32), np.zeros(2, np.float32)
     [
         # json.loads raised RecursionError, which no check caught: out of aggregate_fit, and the run stopped
         (names_then(b"[" * 100_000, WEIGHT, BIAS), "not a named payload: the first array does not name the others"),
+        (names_then(np.array(["model/weight", "model/bias"]), WEIGHT, BIAS), "the first array does not name"),
+        (  # were a name given twice read, one of its arrays would be used: the other may be what the client meant
+            names_then(b'["model/weight", "model/bias", "model/weight"]', WEIGHT + 7, BIAS, WEIGHT),
+            "the first array must hold a JSON list of distinct names",
+        ),
+        (names_then(b"[1, 2]", WEIGHT, BIAS), "the first array must hold a JSON list of distinct names"),
+        (names_then(b'["model/weight", "model/bias", "x"]', WEIGHT, BIAS), "3 names for 2 arrays"),
+        ([], "not a named payload: an empty message"),
     ],
-    ids=["deep-json"],
+    ids=["deep-json", "str-array", "name-twice", "not-strings", "more-names", "empty"],
 )
 def test_a_reply_whose_names_cannot_be_read_is_rejected_and_raises_nothing(tmp_path, tensors, reason):
     """Each is left out with its reason, and the round is the mean of the others."""
