@@ -234,6 +234,17 @@ def test_an_array_whose_bytes_are_no_npy_array_rejects_the_update_and_raises_not
     assert all(np.isfinite(a).all() for a in final.values() if a.dtype.kind == "f")
 
 
+def test_an_array_followed_by_more_bytes_than_its_header_claims_is_refused():
+    """Only a header's shape and dtype say what an array is: bytes after them are no part of any array of ours (a
+    decoder that read only as many as claimed took such a reply)."""
+    from flwr.common import ndarray_to_bytes
+
+    data = ndarray_to_bytes(np.zeros(3, np.float32))
+    assert payload.decode(data).shape == (3,)
+    with pytest.raises(payload.PayloadError, match="its header claims 12 bytes, 20 follow it"):
+        payload.decode(data + bytes(8))
+
+
 @pytest.mark.parametrize(
     "array",
     [
