@@ -196,6 +196,40 @@ def test_a_cohort_reply_for_a_member_not_sampled_this_round_is_not_used(tmp_path
     assert sorted(strategy.checkpointer.used_rounds) == [0, 1, 3]
 
 
+def test_a_cohort_reply_speaks_once_for_each_member_it_hosts_and_for_no_other(tmp_path):
+    """A mutation audit found that nothing held a reply's list of members to this: a member named twice could be
+    averaged in twice, a reply could answer for a client of another cohort, and a list that cannot be read could
+    raise out of the server."""
+    strategy, ins = cohort_strategy(tmp_path)
+    results = [(p, p.fit(i, None, 1)) for p, i in ins]
+    honest, _ = strategy.aggregate_fit(1, results, [])
+    proxy, res = results[0]  # cohort 0: clients 0 and 2; cohort 1 hosts 1 and 3
+    arrays, metrics = payload.from_parameters(res.parameters), dict(res.metrics)
+
+    def as_member_1(values, change=lambda v: v):
+        return {k.replace("member/0/", "member/1/"): change(v) for k, v in values.items() if k.startswith("member/0/")}
+
+    forged_arrays, forged_metrics = (
+        {**arrays, **as_member_1(arrays, lambda a: a + 1)},
+        {**metrics, **as_member_1(metrics)},
+    )
+    for members, tampered_arrays, tampered_metrics in (
+        ("0,2,0", arrays, metrics),
+        ("0,2,1", forged_arrays, forged_metrics),
+    ):
+        reply = FitRes(res.status, payload.to_parameters(tampered_arrays), res.num_examples, {**tampered_metrics})
+        reply.metrics["members"] = members
+        again, _ = strategy.aggregate_fit(1, [(proxy, reply), results[1]], [])
+        record = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])
+        assert record["clients"] == 4 and "rejected" not in record, members
+        for name, value in payload.from_parameters(honest).items():
+            np.testing.assert_array_equal(payload.from_parameters(again)[name], value)
+    unreadable = FitRes(res.status, res.parameters, res.num_examples, {**metrics, "members": "0,x"})
+    strategy.aggregate_fit(1, [(proxy, unreadable), results[1]], [])  # its members count as not answered
+    record = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])
+    assert record["clients"] == 2 and record["failed_clients"] == [0, 2] and record["rejected"] == []
+
+
 def test_a_failed_cohort_marks_each_of_its_sampled_clients_failed(tmp_path):
     strategy, ins = cohort_strategy(tmp_path)
     (p0, i0), (p1, i1) = ins
