@@ -230,6 +230,27 @@ def test_a_cohort_reply_speaks_once_for_each_member_it_hosts_and_for_no_other(tm
     assert record["clients"] == 2 and record["failed_clients"] == [0, 2] and record["rejected"] == []
 
 
+def test_a_cohort_reply_is_held_to_the_byte_budget_of_the_members_sampled_from_it(tmp_path):
+    """One update's budget per member the server asked, not per member the node hosts: a mutation audit found that
+    a budget over every hosted member passed the tests."""
+    from fedbr_flwr.server.updates import byte_budget
+
+    strategy, ins = cohort_strategy(tmp_path)
+    results = [(p, p.fit(i, None, 1)) for p, i in ins]
+    strategy.sampled = [0, 1, 3]  # client 2 (cohort 0, beside client 0) not asked: cohort 0 has one budget
+    budget = byte_budget(strategy.update_spec, strategy.update_dtypes)
+    proxy, res = results[0]
+    padding = np.zeros(budget - payload.nbytes(res.parameters) + 1024, np.uint8)  # not a member's: never read
+    padded = payload.to_parameters({**payload.from_parameters(res.parameters), "padding": padding})
+    assert budget < payload.nbytes(padded) < 2 * budget
+    strategy.aggregate_fit(1, [(proxy, FitRes(res.status, padded, res.num_examples, res.metrics)), results[1]], [])
+    record = json.loads((tmp_path / "rounds.jsonl").read_text())
+    assert record["clients"] == 2 and [r["partition"] for r in record["rejected"]] == [0, 2]
+    assert record["rejected"][0]["reason"] == (
+        f"{payload.nbytes(padded)} bytes, over the budget of {budget} (twice the update's size): not read"
+    )
+
+
 def test_a_failed_cohort_marks_each_of_its_sampled_clients_failed(tmp_path):
     strategy, ins = cohort_strategy(tmp_path)
     (p0, i0), (p1, i1) = ins
