@@ -190,10 +190,12 @@ def test_a_cohort_reply_for_a_member_not_sampled_this_round_is_not_used(tmp_path
     strategy, ins = cohort_strategy(tmp_path)
     results = [(p, p.fit(i, None, 1)) for p, i in ins]
     strategy.sampled = [0, 1, 3]  # as if client 2 (cohort 0, beside client 0) had not been asked
+    strategy.checkpointer.pending = {pid: b"its state at the checkpoint" for pid in range(4)}  # as after a resume
     strategy.aggregate_fit(1, results, [])
     record = json.loads((tmp_path / "rounds.jsonl").read_text())
     assert record["clients"] == 3 and record["rejected"] == [{"partition": 2, "reason": "not sampled this round"}]
     assert sorted(strategy.checkpointer.used_rounds) == [0, 1, 3]
+    assert list(strategy.checkpointer.pending) == [2]  # not sent its saved state, so it is still handed back
 
 
 def test_a_cohort_reply_speaks_once_for_each_member_it_hosts_and_for_no_other(tmp_path):
