@@ -15,6 +15,7 @@ from flwr.common import Code, FitRes, RecordDict, Status
 from fedbr_flwr.app import payload
 from fedbr_flwr.app.node import CohortClient, build_client, cohort_members
 from fedbr_flwr.app.server_app import build_strategy
+from fedbr_flwr.core.broadcast import SharedData
 from fedbr_flwr.core.config import ConfigError, validate
 from fedbr_flwr.launch.plan import build_config, size_resources
 
@@ -191,11 +192,13 @@ def test_a_cohort_reply_for_a_member_not_sampled_this_round_is_not_used(tmp_path
     results = [(p, p.fit(i, None, 1)) for p, i in ins]
     strategy.sampled = [0, 1, 3]  # as if client 2 (cohort 0, beside client 0) had not been asked
     strategy.checkpointer.pending = {pid: b"its state at the checkpoint" for pid in range(4)}  # as after a resume
+    strategy.shared = SharedData("pseudo")  # as FedBR's: which version of its data each client says it holds
     strategy.aggregate_fit(1, results, [])
     record = json.loads((tmp_path / "rounds.jsonl").read_text())
     assert record["clients"] == 3 and record["rejected"] == [{"partition": 2, "reason": "not sampled this round"}]
     assert sorted(strategy.checkpointer.used_rounds) == [0, 1, 3]
     assert list(strategy.checkpointer.pending) == [2]  # not sent its saved state, so it is still handed back
+    assert sorted(strategy.shared.held) == [0, 1, 3]  # nor is what it says it holds believed
 
 
 def test_a_cohort_reply_speaks_once_for_each_member_it_hosts_and_for_no_other(tmp_path):
