@@ -113,6 +113,23 @@ def test_krum_judges_the_other_arrays_a_strategy_averages_in_their_own_scale():
     assert plan.selected == (2,)
 
 
+def test_krum_judges_a_group_that_most_clients_leave_unchanged_by_its_distances_alone():
+    """Where most clients return the same values in a judged group (SCAFFOLD's first control-variate changes, equal
+    DisTrans offsets), its median Krum score is 0: its distances then count as they are, not divided by 0 (NaN
+    scores, and a choice of clients by NaN order, as a mutant had it)."""
+    model = np.array([[0.0], [1.0], [2.0], [3.0], [100.0]])
+    same = np.zeros((5, 1))
+    typical = 5.0  # the model's median Krum score, by which its distances are divided (as in the test above)
+    np.testing.assert_allclose(pooled_distances([model, same], 1), squared_distances(model) / typical)
+    other = same.copy()
+    other[4] = 7.0  # one client's change differs: its squared distance, 49, to each other, not scaled
+    pooled = pooled_distances([model, other], 1)
+    np.testing.assert_allclose(pooled, squared_distances(model) / typical + squared_distances(other))
+    ups = [{W: m.astype(np.float32), "d": o.astype(np.float32)} for m, o in zip(model, other)]
+    plan = RobustRule("krum", byzantine=1).plan(ups, {W: np.zeros(1, np.float32)}, [JudgedGroup(("d",))])
+    assert plan.selected == (1,)  # as on the model alone
+
+
 def test_norm_bound_clips_each_judged_group_by_its_own_bound_too():
     g = {W: np.array([1.0, 1.0], dtype=np.float32)}
     ups = updates([4, 5], [1, 2], [1, 1.5])  # model updates of norm 5, 1, 0.5: scales 0.4, 1, 1 under a bound of 2
