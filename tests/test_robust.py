@@ -98,6 +98,16 @@ def test_norm_bound_clips_each_update_relative_to_the_global_model():
     assert plan.combine(delta[:2], [1, 1], ["d"])["d"][0] == pytest.approx((0.6 * 10 + 2) / 2)
 
 
+def test_norm_bound_of_a_round_most_clients_leave_unchanged_is_0_and_keeps_the_model():
+    """Most updates 0 (clients that return the model they were sent): the median norm, and so the bound, is 0, which
+    leaves an unchanged update as it is (scale 1, not 0 / 0, NaN, as a mutant had it) and clips any other to 0."""
+    g = {W: np.array([1.0, 2.0], dtype=np.float32)}
+    plan, out = aggregate(RobustRule("norm-bound"), updates([1, 2], [1, 2], [9, 9]), reference=g)
+    assert plan.bound == 0.0 and plan.scales == (1.0, 1.0, 0.0)
+    np.testing.assert_array_equal(out, g[W])
+    np.testing.assert_array_equal(clip_scales(np.array([0.0, 0.0, 3.0]), 0.0), [1.0, 1.0, 0.0])
+
+
 def test_krum_judges_the_other_arrays_a_strategy_averages_in_their_own_scale():
     """A client whose model update Krum would keep, but whose control-variate change is far from the others'."""
     model = np.array([[0.0], [1.0], [2.0], [3.0], [100.0]])
