@@ -318,6 +318,18 @@ def test_evaluation_checks_hold_at_their_bounds():
     assert rejected == [{"partition": 1, "reason": "reports 11 test samples, but its partition holds 10"}]
 
 
+def test_a_client_is_believed_to_hold_shared_data_only_for_a_whole_version_number():
+    """A reply's ``<name>-version`` is read before any screening: True (== 1) or 1.0 is no version, so the client is
+    sent the data again rather than taken to hold version 1."""
+    from fedbr_flwr.core.broadcast import SharedData
+
+    shared = SharedData("pseudo")
+    shared.publish(np.zeros((2, 1, 2, 2), np.float32), np.full((2, 2), 0.5, np.float32), 1)
+    versions = {0: {"pseudo-version": 1}, 1: {"pseudo-version": True}, 2: {"pseudo-version": 1.0}, 3: {}}
+    shared.confirm(versions, [0, 1, 2, 3])
+    assert ["pseudo-payload" in shared.fit_config(pid) for pid in range(4)] == [False, True, True, True]
+
+
 def test_an_error_message_quotes_a_long_value_cut_short():
     reason = count_problem("x" * 10_000_000, None, "training samples")
     assert len(reason) < 120 and reason.endswith("..., not a whole number")
