@@ -287,3 +287,4 @@ def test_a_result_of_an_unknown_node_whose_partition_id_is_no_number_is_refused_
     federation = Federation(validate({}))
     assert [federation.pid_of(None, m) for m in ({"partition-id": "abc"}, {"partition-id": 2}, {})] == [-1, 2, -1]
     assert federation.pid_of(None, {"partition-id": True}) == -1  # not client 1
+    assert federation.pid_of(None, {"partition-id": 10**5000}) == -1  # its warning could not print it

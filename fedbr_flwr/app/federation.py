@@ -131,11 +131,12 @@ class Federation:
 
     def pid_of(self, proxy: ClientProxy | None, metrics: dict) -> int:
         """The partition a result comes from: the node's, as learnt at discovery, else what its metrics say where
-        that is a whole number (-1 otherwise: a partition never sampled, so the reply is refused)."""
+        that is a whole number below 2**63 (-1 otherwise: a partition never sampled, so the reply is refused; an
+        int of 5,000 digits would not even print in its warning)."""
         if proxy is not None and proxy.cid in self.pid_by_cid:
             return self.pid_by_cid[proxy.cid]
         pid = metrics.get("partition-id", -1)
-        return pid if isinstance(pid, int) and not isinstance(pid, bool) else -1
+        return pid if isinstance(pid, int) and not isinstance(pid, bool) and -1 <= pid < 2**63 else -1
 
     def sample(self, server_round: int) -> list[int]:
         """Seeded by (seed, round) over partition ids, so runs repeat whatever Flower's node ids are."""
