@@ -451,6 +451,56 @@ def test_a_sweep_writes_the_end_of_a_run_killed_after_its_last_checkpoint(tmp_pa
     assert_ended(folder, records)
 
 
+def killed_before_its_last_checkpoint(tmp_path, monkeypatch):
+    """A sweep of one 2-round run (checkpoint-every=1), killed after its round-2 evaluation but before that
+    round's checkpoint: summary.json, refreshed at every evaluation, is of round 2 and the checkpoint of round 1.
+    Returns the sweep file, its --out and the run's folder."""
+    from fedbr_flwr.app import checkpointing
+    from fedbr_flwr.commands import sweep
+    from fedbr_flwr.runfiles.progress import last_event_kind
+
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        "dataset: mnist5k\nnum-clients: 3\nnum-rounds: 2\nlocal-steps: 2\nbatch-size: 8\nmodel: cnn-small\n"
+        "global-test: false\neval-every: 1\ncheckpoint-every: 1\n"
+        "sweep:\n  seeds: [0]\n  runs:\n    SCAFFOLD: {strategy: scaffold}\n"
+    )
+    out = tmp_path / "out"
+    [(_, _, cfg)] = sweep.plan(str(path), [], out.resolve(), None)
+    folder = out / "SCAFFOLD" / "seed0"
+    strategy, _, proxies = in_process_federation(cfg, folder)
+    save = checkpointing.save_checkpoint
+
+    def killed_at_the_last(out_dir, arrays, header):
+        if header["round"] == 2:
+            raise Killed
+        return save(out_dir, arrays, header)
+
+    monkeypatch.setattr(checkpointing, "save_checkpoint", killed_at_the_last)
+    with pytest.raises(Killed):
+        run_rounds(strategy, proxies, 2)
+    monkeypatch.setattr(checkpointing, "save_checkpoint", save)
+    assert json.loads((folder / "summary.json").read_text())["last_round"] == 2
+    assert checkpoint_round(folder) == 1 and last_event_kind(folder) != "summary"
+    return path, out, folder
+
+
+def test_a_sweep_continues_a_run_killed_between_its_last_evaluation_and_its_checkpoint(tmp_path, capsys, monkeypatch):
+    """The sweep kept such a run as finished, without its end, its checkpoint a round behind. It continues from
+    that checkpoint now."""
+    from contextlib import nullcontext
+
+    from fedbr_flwr.commands import sweep
+
+    path, out, _ = killed_before_its_last_checkpoint(tmp_path, monkeypatch)
+    continued = []
+    monkeypatch.setattr(sweep, "run_flower", lambda plan, **kwargs: continued.append(dict(plan.config)))
+    monkeypatch.setattr(sweep, "shared_host", lambda jobs: nullcontext(None))
+    sweep.main([str(path), "--out", str(out), "--quiet"])
+    assert "continues after round 1" in capsys.readouterr().out
+    assert [c["resume"] for c in continued] == [True]
+
+
 def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_file(tmp_path, monkeypatch):
     """A write that fails part way (ENOSPC at the flush to disk, or at the rename) keeps the checkpoint and the
     text file that were there, and removes the half-written temporary file."""

@@ -90,6 +90,7 @@ from ..runfiles.run_io import (
     finish_run,
     finished_run_problem,
     manifest_config,
+    stopped_before_its_last_checkpoint,
 )
 from ..runfiles.runlock import SWEEP_LOCK
 from .report import (
@@ -361,6 +362,8 @@ def finished_with_same_config(cfg: Mapping[str, Any], say_damaged: bool = True) 
         return False
     if last_round != old["num-rounds"]:
         return False  # summary.json is refreshed at every evaluation: this run stopped early
+    if stopped_before_its_last_checkpoint(out, old["num-rounds"]):
+        return False  # it continues from its checkpoint
     differs = sorted(
         k
         for k in cfg

@@ -24,7 +24,7 @@ from . import jsonsafe, runlock
 from .checkpoint import CHECKPOINT_NAME, checkpoint_header, checkpoint_round
 from .jsonsafe import write_text_atomically
 from .metrics import is_partial, plot_history, read_jsonl, run_problem, summarize, summary_table
-from .progress import SUMMARY_EVENT, Progress
+from .progress import SUMMARY_EVENT, Progress, last_event_kind
 from .tracking import Tracking, clear_previous
 
 PACKAGES = ("flwr", "torch", "torchvision", "numpy", "ray", "mlxtend", "pyyaml", "matplotlib")
@@ -433,6 +433,15 @@ def only_end_left(cfg: Mapping[str, Any]) -> bool:
     (``finish_run``): a run stopped after that round's checkpoint, which ``resume_config`` lets through."""
     run = common(cfg)
     return run.resume and checkpoint_round(Path(run.output_dir)) == run.num_rounds
+
+
+def stopped_before_its_last_checkpoint(out_dir: Path, num_rounds: int) -> bool:
+    """Whether the run in ``out_dir`` stopped after its last evaluation but before that round's checkpoint and its
+    end: summary.json, refreshed at every evaluation, is then of its last round, yet the run is not finished; it
+    continues from its checkpoint (or starts again where it has none). Not a run folder without events (one of
+    an earlier version, or made by hand), which has no end to miss."""
+    kind = last_event_kind(out_dir)
+    return kind is not None and kind != SUMMARY_EVENT and checkpoint_round(out_dir) != num_rounds
 
 
 def finish_run(cfg: Mapping[str, Any], out_dir: Path) -> None:
