@@ -501,6 +501,15 @@ def test_a_sweep_continues_a_run_killed_between_its_last_evaluation_and_its_chec
     assert [c["resume"] for c in continued] == [True]
 
 
+def test_a_sweeps_table_leaves_out_a_run_killed_between_its_last_evaluation_and_its_checkpoint(tmp_path, monkeypatch):
+    """Its simulation process killed there, the sweep reported the run failed and went on, and its table averaged
+    the run in as finished."""
+    from fedbr_flwr.commands import report
+
+    _, _, folder = killed_before_its_last_checkpoint(tmp_path, monkeypatch)
+    assert report.seed_result(folder) == (None, "failed after round 2")
+
+
 def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_file(tmp_path, monkeypatch):
     """A write that fails part way (ENOSPC at the flush to disk, or at the rename) keeps the checkpoint and the
     text file that were there, and removes the half-written temporary file."""

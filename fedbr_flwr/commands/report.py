@@ -29,7 +29,7 @@ from ..runfiles.checkpoint import checkpoint_round
 from ..runfiles.jsonsafe import write_text_atomically
 from ..runfiles.metrics import CLIENT_METRICS, format_accuracy_axes, read_jsonl, run_problem, save_figure
 from ..runfiles.progress import stopped_on_purpose
-from ..runfiles.run_io import check_output_dir, manifest_config
+from ..runfiles.run_io import check_output_dir, manifest_config, stopped_before_its_last_checkpoint
 from ..runfiles.tracking import TRACKING_FILE
 
 Cell = tuple[tuple[str, Any], ...]  # a grid cell: (key, value) per factor, in the grid's order
@@ -454,7 +454,7 @@ def seed_result(folder: Path) -> tuple[dict[str, Any] | None, str]:
         return None, DAMAGED
     if not isinstance(summary, dict):
         return None, DAMAGED
-    if summary.get("last_round") != num_rounds:
+    if summary.get("last_round") != num_rounds or stopped_before_its_last_checkpoint(folder, num_rounds):
         saved = checkpoint_round(folder)
         # paused: stopped at a checkpoint, or its command stopped it (time limit, Ctrl-C, SIGTERM) after one
         if rounds and saved is not None and (saved == max(rounds) or stopped_on_purpose(folder)):
