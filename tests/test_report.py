@@ -3,6 +3,8 @@ on hand-made run folders: no processes."""
 
 import csv
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,6 +67,31 @@ def test_rounds_to_target_over_seeds_keep_their_fraction(tmp_path):
         fake_run(out / "A" / f"seed{seed}", accs)
     lines = report.write_comparison(out, ["A"], [0, 1, 2], "t").splitlines()
     assert dict(zip(lines[0].split(" | "), lines[2].split(" | ")))["rounds to 50%"] == "3.3"
+
+
+@pytest.mark.parametrize("name", ["comparison.md", "comparison.csv"])
+def test_a_sweep_stopped_as_it_writes_its_table_keeps_the_old_one_whole(tmp_path, monkeypatch, name):
+    """comparison.md and .csv were written in place: a sweep stopped as it wrote them (Ctrl-C, SIGTERM, kill -9
+    while the table of a sweep run again is written) left half a file. A rename that fails stands for the stop:
+    the old file stays whole."""
+    from fedbr_flwr.runfiles import jsonsafe
+
+    out = tmp_path / "out"
+    fake_run(out / "A" / "seed0", [0.2, 0.6])
+    report.write_comparison(out, ["A"], [0], "t")
+    old = (out / name).read_bytes()
+    fake_run(out / "A" / "seed0", [0.3, 0.7])
+
+    def stopped_at(src, dst):
+        if Path(dst).name == name:
+            raise KeyboardInterrupt
+        os.rename(src, dst)
+
+    monkeypatch.setattr(jsonsafe.os, "replace", stopped_at)
+    with pytest.raises(KeyboardInterrupt):
+        report.write_comparison(out, ["A"], [0], "t")
+    assert (out / name).read_bytes() == old
+    assert not list(out.glob(".*.tmp"))
 
 
 def test_comparison_gives_mean_std_per_seed_and_the_late_move(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import io
 import json
 import os
 import re
@@ -262,11 +263,12 @@ def write_comparison(
         decisions = decide(out, names, seeds, rule)
         text += f"\n#### {rule.method} against {rule.baseline}\n\n{decision_table(decisions, rule, seeds)}"
         plot_decisions(decisions, rule, out / "decisions.png", title)
-    (out / "comparison.md").write_text(text, encoding="utf-8")
-    with open(out / "comparison.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_text_atomically(out / "comparison.md", text)  # a sweep stopped as it writes them keeps the old ones
+    table_csv = io.StringIO(newline="")
+    writer = csv.DictWriter(table_csv, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text_atomically(out / "comparison.csv", table_csv.getvalue())
     plot_comparison(out, names, seeds, out / "comparison.png", title)
     return table
 
