@@ -986,3 +986,24 @@ def test_a_backbone_with_batchnorm_stops_the_sweep_before_any_run(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "FedAvg seed 0: model 'mlp-bn' has BatchNorm (2)" in err[0], err
     assert not ran and not out.exists()
+
+
+@pytest.mark.parametrize("stop, code", [(KeyboardInterrupt, 130), (SystemExit(143), 143)])
+def test_a_sweep_stopped_as_it_writes_its_table_says_how_to_continue(tmp_path, capsys, monkeypatch, stop, code):
+    """Ctrl-C in the second its table takes (its plot) ended the sweep with a traceback, SIGTERM with exit 143 and
+    no line: now each gives its exit code and the line with the command that writes the table."""
+    path = write(tmp_path)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sweep, "run_all", lambda *a, **k: {})
+
+    def stopped(*args, **kwargs):
+        raise stop
+
+    monkeypatch.setattr(sweep, "write_comparison", stopped)
+    try:
+        got = sweep.main([path, "--out", str(out), "--quiet"])
+    except BaseException as exc:  # noqa: BLE001 - a Ctrl-C out of the test would stop pytest itself
+        pytest.fail(f"the stop came out of the sweep: {exc!r}")
+    assert got == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"continue with: fedbr-sweep {path} --out {out} --quiet" in err, err

@@ -700,8 +700,25 @@ def run_settings(configs: list[dict[str, Any]]) -> list[list[str]]:
 
 @quiet_when_its_reader_leaves
 def main(argv: Sequence[str] | None = None) -> int:
-    started = time.time()
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return sweep_command(argv)
+    except KeyboardInterrupt:  # outside the runs (a stop there has a line of its own): the checks, the table
+        stopped = "interrupted"
+        code = 130
+    except SystemExit as exc:
+        if exc.code != 143:
+            raise
+        stopped, code = "stopped by SIGTERM", 143
+    print(
+        f"fedbr-sweep: {stopped}; finished runs are kept; continue with: {shlex.join(['fedbr-sweep', *argv])}",
+        file=sys.stderr,
+    )
+    return code
+
+
+def sweep_command(argv: list[str]) -> int:
+    started = time.time()
     args = build_parser().parse_intermixed_args(argv)
     out = args.out or Path("runs") / Path(args.file).stem
     again = shlex.join(["fedbr-sweep", *argv])
