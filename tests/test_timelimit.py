@@ -245,3 +245,14 @@ def test_a_run_finished_under_a_time_limit_is_kept_by_a_sweep_without_one(tmp_pa
     (folder / "manifest.json").write_text(json.dumps({"config": {**cfg, "checkpoint-every": 1}}))
     (folder / "summary.json").write_text(json.dumps({"last_round": cfg["num-rounds"]}))
     assert sweep.finished_with_same_config(cfg)
+
+
+def test_a_time_limit_no_round_fits_in_says_so(tmp_path, capsys, monkeypatch):
+    """`--time-limit 4s` with a 5 s start-up printed the same continue command forever, never saying that no
+    round had ended in the limit (a limit that some round fits in: the test above, its line unchanged)."""
+    monkeypatch.setattr(cli, "run_flower", lambda plan, **kwargs: (_ for _ in ()).throw(TimeLimitReached(None)))
+    monkeypatch.setattr(cli, "early_host", lambda args: None)
+    out = tmp_path / "run"
+    assert cli.main(["num-clients=2", f"output-dir={out}", "--time-limit", "4s", "--quiet"]) == EXIT_TIME_LIMIT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("--overwrite --time-limit 4s (no round ended within 4s: give a longer --time-limit)")

@@ -196,15 +196,15 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         echo = "none" if args.quiet else "all" if args.verbose else "progress"
-        watch = None
+        watch, started_after = None, checkpoint_round(out) if run.resume else None
         if args.deadline is not None:
-            watch = RoundWatch(args.deadline, run.num_rounds, checkpoint_round(out) if run.resume else None)
+            watch = RoundWatch(args.deadline, run.num_rounds, started_after)
         run_flower(plan, echo=echo, superlink=args.superlink, host=host, watch=watch)
     except TimeLimitReached as exc:
-        print(
-            stopped_line("fedbr-run", str(out), exc.saved_round, run.num_rounds, again(args, out, exc)),
-            file=sys.stderr,
-        )
+        line = stopped_line("fedbr-run", str(out), exc.saved_round, run.num_rounds, again(args, out, exc))
+        if exc.saved_round == started_after:  # the same command would stop there again, and again
+            line += f" (no round ended within {args.time_limit}: give a longer --time-limit)"
+        print(line, file=sys.stderr)
         return EXIT_TIME_LIMIT
     except ConfigError as exc:  # found only at launch: the folder taken by a run that started at the same instant
         return error(exc, 2)
