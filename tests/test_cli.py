@@ -421,3 +421,18 @@ def test_a_client_metric_named_as_a_record_field_stops_before_the_run_starts(cap
     code, _, err = run_cli(capsys, *TINY, f"output-dir={out}")
     assert code == 2 and err.count("\n") == 1 and "client metric(s) global_worst_acc have the name" in err, err
     assert not out.exists()
+
+
+def test_ctrl_c_in_the_checks_before_a_run_is_one_line_and_exit_130(capsys, monkeypatch):
+    """Ctrl-C as fedbr-run checked its config or fetched its data ended with a KeyboardInterrupt traceback."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "plan_run", interrupted)
+    monkeypatch.setattr(cli, "early_host", lambda args: None)
+    try:
+        code, _, err = run_cli(capsys, "num-rounds=1")
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt left fedbr-run")
+    assert code == 130 and err == "fedbr-run: interrupted before the run started\n"

@@ -176,6 +176,9 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
             plan = plan.with_keys({"checkpoint-every": 1})  # a stop loses no finished round
     except ConfigError as exc:
         return error(exc, 2)
+    except KeyboardInterrupt:  # in the checks (a dataset's download, say): no run started, none to continue
+        print("fedbr-run: interrupted before the run started", file=sys.stderr)
+        return 130
     if args.dry_run:
         print("\n".join(f"{k} = {v!r}" for k, v in plan.config.items()))
         return 0
