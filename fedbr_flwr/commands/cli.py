@@ -183,7 +183,7 @@ def run_command(args: argparse.Namespace, host: RunHost | None) -> int:
         print("\n".join(f"{k} = {v!r}" for k, v in plan.config.items()))
         return 0
     run, out = plan.settings, plan.out_dir
-    if only_end_left(plan.config):
+    if run.resume and only_end_left(out, run.num_rounds):
         try:
             finish_run(plan.config, out)
         except ConfigError as exc:  # its folder taken by a run that started since

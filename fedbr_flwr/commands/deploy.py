@@ -413,7 +413,7 @@ def cmd_local(args) -> int:
     cfg = _config(args.items, args.resume, args.supernodes)
     run = common(cfg)
     out = Path(run.output_dir)
-    if only_end_left(cfg):  # no SuperNode needed
+    if run.resume and only_end_left(out, run.num_rounds):  # no SuperNode needed
         finish_run(cfg, out)
         return _print_result(out)
     print(
@@ -451,8 +451,9 @@ def stop_of(exc: BaseException) -> tuple[str, int]:
 def cmd_run(args) -> int:
     certs = _certs_arg(args)
     cfg = _config(args.items, args.resume, None, files_here=on_this_machine(args.superlink))
-    out = Path(common(cfg).output_dir)
-    if only_end_left(cfg):  # no SuperLink needed: --resume reads the run's folder on this machine
+    run = common(cfg)
+    out = Path(run.output_dir)
+    if run.resume and only_end_left(out, run.num_rounds):  # no SuperLink: --resume reads its folder on this machine
         finish_run(cfg, out)
         return _print_result(out)
     home = watchdog.temp_dir("fedbr-deploy-")

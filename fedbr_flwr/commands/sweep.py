@@ -81,8 +81,6 @@ from ..launch.timelimit import (
     stopped_line,
 )
 from ..runfiles import runlock, tracking
-from ..runfiles.checkpoint import checkpoint_round
-from ..runfiles.progress import SUMMARY_EVENT, last_event_kind
 from ..runfiles.run_io import (
     check_output_dir,
     check_path,
@@ -90,6 +88,7 @@ from ..runfiles.run_io import (
     finish_run,
     finished_run_problem,
     manifest_config,
+    only_end_left,
     stopped_before_its_last_checkpoint,
 )
 from ..runfiles.runlock import SWEEP_LOCK
@@ -455,7 +454,7 @@ class SweepRuns:
             return f"failed: {exc}"
         run, out_dir = run_plan.settings, run_plan.out_dir  # what the changes below (resume, ...) leave alone
         if finished_with_same_config(run_plan.config):
-            end_left = last_event_kind(out_dir) != SUMMARY_EVENT and checkpoint_round(out_dir) == run.num_rounds
+            end_left = only_end_left(out_dir, run.num_rounds)
             if end_left:  # killed after the checkpoint of its last round, before its end: written now
                 finish_run(run_plan.config, out_dir)
             problem = finished_run_problem(out_dir)

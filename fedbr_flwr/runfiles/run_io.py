@@ -428,11 +428,10 @@ class RunRecorder:
         write_text_atomically(self.out_dir / name, jsonsafe.dumps(obj, indent=2, default=str) + "\n")
 
 
-def only_end_left(cfg: Mapping[str, Any]) -> bool:
-    """Whether the resumed run of ``cfg`` trained its last round and has only its end left to write
-    (``finish_run``): a run stopped after that round's checkpoint, which ``resume_config`` lets through."""
-    run = common(cfg)
-    return run.resume and checkpoint_round(Path(run.output_dir)) == run.num_rounds
+def only_end_left(out_dir: Path, num_rounds: int) -> bool:
+    """Whether the run in ``out_dir`` trained its last round (its checkpoint is of it) but stopped before its end
+    was written (summary.md, convergence.png, its last event), which ``finish_run`` writes from its records."""
+    return checkpoint_round(out_dir) == num_rounds and last_event_kind(out_dir) != SUMMARY_EVENT
 
 
 def stopped_before_its_last_checkpoint(out_dir: Path, num_rounds: int) -> bool:
