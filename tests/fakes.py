@@ -1,6 +1,23 @@
 """Test doubles shared by test modules."""
 
+import os
+from pathlib import Path
+
 from flwr.server.client_proxy import ClientProxy
+
+from fedbr_flwr.runfiles import jsonsafe
+
+
+def stop_as_it_replaces(monkeypatch, name: str) -> None:
+    """A command stopped (Ctrl-C, kill -9) as an atomic write renames a new ``name`` over the old one: that rename
+    raises KeyboardInterrupt; every other file is renamed as usual."""
+
+    def stopped_at(src, dst):
+        if Path(dst).name == name:
+            raise KeyboardInterrupt
+        os.rename(src, dst)
+
+    monkeypatch.setattr(jsonsafe.os, "replace", stopped_at)
 
 
 class OfflineProxy(ClientProxy):

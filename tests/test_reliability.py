@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,7 +27,7 @@ from fedbr_flwr.runfiles.run_io import RunRecorder, keep_rounds_up_to
 from fedbr_flwr.server.recording import eval_record
 from strategies.fedavg import FedAvgStrategy
 
-from fakes import OfflineProxy
+from fakes import OfflineProxy, stop_as_it_replaces
 
 
 def strict_json(text: str):
@@ -461,17 +460,9 @@ def test_an_event_after_a_line_cut_short_is_read(tmp_path, before):
 def test_the_end_of_a_run_replaces_its_files_whole(tmp_path, monkeypatch, name):
     """summary.md and convergence.png were written in place: a run killed as it wrote them (its plot takes a
     second) left half a file. A rename that fails stands for the kill: the old file stays whole."""
-    from fedbr_flwr.runfiles import jsonsafe
-
     strategy, proxies = small_run(tmp_path, **{"num-rounds": 1})
     (tmp_path / name).write_bytes(b"the old file")
-
-    def kill_at(src, dst):
-        if Path(dst).name == name:
-            raise KeyboardInterrupt
-        os.rename(src, dst)
-
-    monkeypatch.setattr(jsonsafe.os, "replace", kill_at)
+    stop_as_it_replaces(monkeypatch, name)
     with pytest.raises(KeyboardInterrupt):
         play_round(strategy, proxies, 1, [1.0, 3.0], [0.3, 0.4])
     assert (tmp_path / name).read_bytes() == b"the old file"

@@ -3,8 +3,6 @@ on hand-made run folders: no processes."""
 
 import csv
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,20 +72,14 @@ def test_a_sweep_stopped_as_it_writes_its_table_keeps_the_old_one_whole(tmp_path
     """comparison.md and .csv were written in place: a sweep stopped as it wrote them (Ctrl-C, SIGTERM, kill -9
     while the table of a sweep run again is written) left half a file. A rename that fails stands for the stop:
     the old file stays whole."""
-    from fedbr_flwr.runfiles import jsonsafe
+    from fakes import stop_as_it_replaces
 
     out = tmp_path / "out"
     fake_run(out / "A" / "seed0", [0.2, 0.6])
     report.write_comparison(out, ["A"], [0], "t")
     old = (out / name).read_bytes()
     fake_run(out / "A" / "seed0", [0.3, 0.7])
-
-    def stopped_at(src, dst):
-        if Path(dst).name == name:
-            raise KeyboardInterrupt
-        os.rename(src, dst)
-
-    monkeypatch.setattr(jsonsafe.os, "replace", stopped_at)
+    stop_as_it_replaces(monkeypatch, name)
     with pytest.raises(KeyboardInterrupt):
         report.write_comparison(out, ["A"], [0], "t")
     assert (out / name).read_bytes() == old
